@@ -1,0 +1,68 @@
+"""Engine settings and the sizing of the KV pool."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU default space, capped by what the run can use
+GPU_MEMORY_FRACTION = 0.85
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40})
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '2GB', '1.5g' or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use e.g. 512MiB, 2GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # exact pool size; else from kv_cache_memory; else a default
+    kv_cache_memory: int | str | None = None  # bytes or '512MiB'
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError("block_size must be a power of two from 1 to 128")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_blocks or kv_cache_memory, not both")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    def pool_blocks(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> tuple[int, str]:
+        """Number of blocks and a line saying where that number came from."""
+        if self.num_blocks is not None:
+            return self.num_blocks, f"num_blocks={self.num_blocks}"
+        if self.kv_cache_memory is not None:
+            blocks = self.kv_cache_memory // bytes_per_block
+            if blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory={self.kv_cache_memory} bytes is smaller than one block ({bytes_per_block} bytes)"
+                )
+            return blocks, f"kv_cache_memory={self.kv_cache_memory} bytes"
+        useful = -(-max_model_len // self.block_size) * self.max_num_seqs  # more can never be used
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_MEMORY_FRACTION)  # weights are loaded; the rest is for activations
+            return max(1, min(useful, budget // bytes_per_block)), (
+                f"default: {GPU_MEMORY_FRACTION:.0%} of free GPU memory, capped at max_num_seqs x max_model_len"
+            )
+        blocks = max(1, min(useful, CPU_DEFAULT_KV_BYTES // bytes_per_block))
+        return blocks, "default: 2 GiB on the CPU, capped at max_num_seqs x max_model_len"

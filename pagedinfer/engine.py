@@ -1,0 +1,233 @@
+"""The engine loop: add requests, then step (schedule -> forward -> sample -> finish) until done."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pagedinfer.block_pool import BlockPool
+from pagedinfer.config import EngineConfig
+from pagedinfer.detokenizer import IncrementalDetokenizer
+from pagedinfer.kv_cache import KVCache, bytes_per_token
+from pagedinfer.model_loader import LoadedModel
+from pagedinfer.model_runner import ModelRunner
+from pagedinfer.sampler import sample
+from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.scheduler import Scheduler, SchedulerOutput
+from pagedinfer.sequence import Request, Sequence
+from pagedinfer.stats import EngineStats
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, use_cuda_kernels: bool = False) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        per_block = bytes_per_token(loaded.layer_shapes, loaded.dtype) * config.block_size
+        num_blocks, self.pool_source = config.pool_blocks(per_block, loaded.device, self.max_model_len)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVCache(loaded.layer_shapes, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, use_cuda_kernels)
+        self._seeds = random.Random(config.seed)
+        self._next_id = 0
+        self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats(
+            num_blocks=self.pool.num_blocks,
+            block_size=self.pool.block_size,
+            bytes_per_token=self.kv.bytes_per_token,
+            bytes_per_block=self.kv.bytes_per_block,
+            pool_source=self.pool_source,
+            max_model_len=self.max_model_len,
+        )
+        self._cow_base = self.pool.num_cow_copies
+        self._preempt_base = self.scheduler.num_preemptions
+
+    def enable_trace(self) -> None:
+        self.trace = []
+        self.pool.events = []
+
+    # -- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """A prompt string, or ``{"prompt_token_ids": [...]}`` -> (text, token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                vocab = self.loaded.model.get_input_embeddings().num_embeddings
+                if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                    raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict, not {type(prompt).__name__}")
+        if self.loaded.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
+        return prompt, self.loaded.tokenizer(prompt)["input_ids"]
+
+    def add_request(
+        self,
+        prompt: str | dict,
+        params: SamplingParams,
+        request_id: str | None = None,
+        order: int | None = None,
+    ) -> Request:
+        """Queue a request; one that can never run comes back already finished with ``error`` set."""
+        text, ids = self.tokenize(prompt)
+        order = self._next_id if order is None else order
+        self._next_id += 1
+        req = Request(
+            request_id=str(order if request_id is None else request_id),
+            order=order,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids)),
+            base_seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
+        )
+        req.error = self.scheduler.check(req)
+        self.stats.requests += 1
+        if req.error:
+            self.stats.failed_requests += 1
+        else:
+            self.stats.prompt_tokens += req.num_prompt_tokens
+            self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
+            self.stats.samples += params.n
+            self.scheduler.add(req)
+        return req
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and return its blocks to the pool."""
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish_request(req)
+        self.scheduler.waiting.clear()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; return the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        self._record(plan)
+        finished: list[Request] = []
+        if plan.seqs:
+            logits = self.runner.execute(plan.seqs, plan.copies)  # [R, V]
+            rows, seqs = self._advance(plan)
+            if seqs:
+                self._append(sample(logits[rows], seqs, self.loaded.eos_token_ids), seqs, finished)
+        if self.trace is not None:
+            self._snapshot(plan)
+        return finished
+
+    def _advance(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Mark this step's tokens computed; fork finished prompts. Returns logit row per sampling seq."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        row = 0
+        for s in plan.seqs:
+            seq, req = s.seq, s.seq.request
+            seq.num_computed += s.num_tokens
+            if seq.index < 0:
+                self.stats.prompt_tokens_computed += s.num_tokens
+                if seq.num_pending == 0:
+                    fresh = not req.samples
+                    if fresh:
+                        req.samples = [self._new_sample(req, i) for i in range(req.params.n)]
+                    self.scheduler.fork(req)
+                    if fresh:
+                        rows += [row] * len(req.samples)
+                        seqs += req.samples
+            else:
+                self.stats.output_tokens_recomputed += s.num_tokens - (1 if s.sample else 0)
+                if s.sample:
+                    rows.append(row)
+                    seqs.append(seq)
+            row += s.sample
+        return torch.tensor(rows, dtype=torch.int64), seqs
+
+    def _new_sample(self, req: Request, index: int) -> Sequence:
+        p = req.params
+        tok = self.loaded.tokenizer
+        detok = None
+        if tok is not None:
+            detok = IncrementalDetokenizer(
+                tok.backend_tokenizer,
+                req.prompt_token_ids,
+                p.skip_special_tokens,
+                p.stop,
+                p.include_stop_str_in_output,
+            )
+        return Sequence(
+            request=req,
+            index=index,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            generator=req.sample_generator(index),
+            detok=detok,
+            logprobs=[] if p.logprobs is not None else None,
+        )
+
+    def _append(self, result, seqs: list[Sequence], finished: list[Request]) -> None:
+        eos = self.loaded.eos_token_ids
+        for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, result.top, strict=True):
+            req, p = seq.request, seq.request.params
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprob
+            if seq.logprobs is not None:
+                seq.logprobs.append(top)
+            self.stats.generated_tokens += 1
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif token in eos and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            elif seq.detok is not None and (stop := seq.detok.step(token)) is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            elif len(seq.output_ids) >= req.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finished:
+                self.scheduler.finish_seq(seq)
+                if req.finished:
+                    self.scheduler.finish_request(req)
+                    finished.append(req)
+
+    # -- statistics -------------------------------------------------------------------------
+    def _record(self, plan: SchedulerOutput) -> None:
+        live = [s for r in self.scheduler.running for s in r.live_seqs()]
+        self.stats.record_step(
+            blocks_used=self.pool.num_used,
+            slots_filled=self.pool.num_filled_slots,
+            logical=sum(len(s.block_table) for s in live),
+            seqs=sum(r.num_future_seqs() for r in self.scheduler.running),
+            tokens=plan.num_tokens,
+        )
+        self.stats.cow_copies = self.pool.num_cow_copies - self._cow_base
+        self.stats.preemptions = self.scheduler.num_preemptions - self._preempt_base
+
+    def _snapshot(self, plan: SchedulerOutput) -> None:
+        """One step of the trace: scheduled work, pool events, every block's count, every table."""
+        tables = {s.name: list(s.block_table) for r in self.scheduler.running for s in r.live_seqs()}
+        self.trace.append(
+            {
+                "step": len(self.trace),
+                "scheduled": [
+                    {"seq": s.seq.name, "start": s.start, "tokens": s.num_tokens} for s in plan.seqs
+                ],
+                "copies": [list(c) for c in plan.copies],
+                "preempted": [r.request_id for r in plan.preempted],
+                "events": [e.__dict__ for e in self.pool.events],
+                "ref_counts": {b: c for b, c in enumerate(self.pool.ref_counts) if c},
+                "filled": {b: f for b, f in enumerate(self.pool.filled) if self.pool.ref_counts[b]},
+                "tables": tables,
+            }
+        )
+        self.pool.events.clear()

@@ -1,0 +1,184 @@
+"""Load a Hugging Face decoder, refuse families our packed attention cannot serve, and learn its K/V shapes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from pagedinfer import attention
+from pagedinfer.kv_cache import LayerShape
+
+DEMO_MODEL = Path(__file__).parent / "demo_model"
+
+# Families that bypass the attention interface, crash without a mask, or keep state outside K/V.
+UNSUPPORTED = {
+    "bloom": "computes attention itself (ALiBi) without the attention interface",
+    "falcon": "does not accept a custom attention implementation",
+    "gpt_neo": "does not accept a custom attention implementation",
+    "mpt": "needs an attention mask we do not build",
+    "xglm": "computes attention itself without the attention interface",
+    "openai-gpt": "computes attention itself without the attention interface",
+    "gpt_neox_japanese": "computes attention itself without the attention interface",
+    "rwkv": "is a recurrent model without a KV cache",
+    "llama4": "uses chunked attention that lives only in its mask",
+    "llama4_text": "uses chunked attention that lives only in its mask",
+}
+HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded or served; the message says why (shown to users as is)."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None  # a transformers fast tokenizer, or None (token-id prompts only)
+    layer_shapes: dict[int, LayerShape]
+    max_model_len: int
+    eos_token_ids: set[int]
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but torch sees no CUDA device")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ModelLoadError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    names.update(
+        {"fp32": torch.float32, "fp16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16}
+    )
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU half precision is slow and loses greedy parity
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        stored = names.get(str(stored).replace("torch.", ""), torch.float16)
+        return torch.float16 if stored == torch.float32 else stored
+    if dtype not in names:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    return names[dtype]
+
+
+def check_family(config) -> None:
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(
+            f"model family {kind!r} is an encoder-decoder; pagedinfer serves decoder-only models"
+        )
+    if kind in UNSUPPORTED:
+        raise ModelLoadError(f"model family {kind!r} is not supported: it {UNSUPPORTED[kind]}")
+    layer_types = getattr(config, "layer_types", None) or []
+    hybrid = sorted({t for t in layer_types if any(m in str(t) for m in HYBRID_MARKERS)})
+    if hybrid or any(m in kind for m in ("mamba", "jamba", "zamba", "_next", "nemotron_h", "lfm", "bamba")):
+        raise ModelLoadError(
+            f"model family {kind!r} is not supported: it mixes linear/state-space layers "
+            f"({', '.join(hybrid) or kind}) with attention, which a paged KV cache alone cannot serve"
+        )
+
+
+def context_length(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None, device: str = "auto", dtype: str = "auto"
+) -> LoadedModel:
+    """Load model, tokenizer and geometry; every failure is a ModelLoadError with a one-line reason."""
+    name = str(name_or_path or DEMO_MODEL)
+    path = Path(name)
+    if name.startswith((".", "/", "~")) and not path.expanduser().exists():
+        raise ModelLoadError(f"model directory {name} does not exist")
+    if path.exists() and not path.is_dir():
+        raise ModelLoadError(f"model path {name} is a file; give a model directory or a hub id")
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
+    check_family(config)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, config, dev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch_dtype, attn_implementation=attention.ATTN_NAME
+        )
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
+    if not getattr(model, "_supports_attention_backend", True):
+        raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
+    model.to(dev).eval()
+    shapes = probe_layers(model, dev)
+    if not shapes:
+        raise ModelLoadError(
+            f"model family {config.model_type!r} is not supported: its attention does not go through "
+            "the transformers attention interface"
+        )
+    return LoadedModel(
+        model=model,
+        tokenizer=_load_tokenizer(name),
+        layer_shapes=shapes,
+        max_model_len=context_length(config),
+        eos_token_ids=_eos_ids(name, config),
+        dtype=torch_dtype,
+        device=dev,
+        name=name,
+    )
+
+
+@torch.inference_mode()
+def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, LayerShape]:
+    """Run one token through the model to learn each attention layer's K/V shape (works for any family)."""
+    shapes: dict[int, LayerShape] = {}
+    attention.set_context(attention.StepContext(meta=None, kv=None, probe=shapes))
+    try:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+    finally:
+        attention.set_context(None)
+    return shapes
+
+
+def _load_tokenizer(name: str):
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
+        return None
+    return tok if getattr(tok, "is_fast", False) else None
+
+
+def _eos_ids(name: str, config) -> set[int]:
+    ids: set[int] = set()
+    sources = [getattr(config, "eos_token_id", None)]
+    with contextlib.suppress(Exception):  # no generation_config.json
+        sources.append(GenerationConfig.from_pretrained(name).eos_token_id)
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]

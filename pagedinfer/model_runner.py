@@ -1,0 +1,75 @@
+"""One engine step = one forward pass over every scheduled token, packed in a single row without padding."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedinfer import attention
+from pagedinfer.attention_metadata import AttentionMetadata
+from pagedinfer.kv_cache import KVCache
+from pagedinfer.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, kv: KVCache, device: torch.device, use_cuda_kernels: bool
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.use_cuda_kernels = use_cuda_kernels
+
+    def build_metadata(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and the attention metadata of one step (few tensor ops, no per-token loop)."""
+        bs = self.kv.block_size
+        query_lens = [s.num_tokens for s in batch]
+        context_lens = [s.start + s.num_tokens for s in batch]
+        ids: list[int] = []
+        for s in batch:
+            ids += s.seq.token_ids[s.start : s.start + s.num_tokens]
+        max_blocks = max(len(s.seq.block_table) for s in batch)
+        tables = torch.tensor(
+            [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in batch],
+            dtype=torch.int32,
+        )  # [S, max_blocks]
+        q_lens = torch.tensor(query_lens)  # [S]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)  # [T]
+        starts = torch.tensor([s.start for s in batch])  # [S]
+        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [S + 1]
+        query_start_loc[1:] = torch.cumsum(q_lens, 0)
+        offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
+        positions = starts[seq_of_token] + offsets  # [T]
+        slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=query_start_loc.to(self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            block_tables=tables.to(self.device),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+        )
+        return torch.tensor(ids, device=self.device), positions.to(self.device), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
+        self.kv.copy_blocks(copies)  # copy-on-write before this step's writes land
+        ids, positions, meta = self.build_metadata(batch)
+        ends = torch.cumsum(torch.tensor([s.num_tokens for s in batch]), 0) - 1  # [S]
+        keep = ends[torch.tensor([s.sample for s in batch], dtype=torch.bool)].to(self.device)  # [R]
+        attention.set_context(attention.StepContext(meta, self.kv, self.use_cuda_kernels))
+        try:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        finally:
+            attention.set_context(None)
+        return out.logits[0].float()  # [R, vocab]

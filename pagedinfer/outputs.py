@@ -1,0 +1,33 @@
+"""What `LLM.generate` returns: one `RequestOutput` per prompt, n `CompletionOutput`s each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", or None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled + top-k
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    error: str | None = None  # set when the request could not run (e.g. prompt too long)

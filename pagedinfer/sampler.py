@@ -1,0 +1,102 @@
+"""Turn one step's logits into next tokens for every sampling sequence, vectorised across the batch.
+
+Greedy rows take the argmax. Sampled rows are tempered, filtered (top-k, top-p, min-p) and drawn
+with the exponential-race trick ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from each sample's own
+generator: the draw depends only on that sample's generator and logits, never on its neighbours.
+Only rows with penalties, min_tokens or logprobs take extra (still tensor) work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedinfer.outputs import Logprob
+from pagedinfer.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token under the model's raw distribution
+    top: list[dict[int, Logprob] | None]  # per row, when logprobs were asked for
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> SampleResult:
+    """``logits [R, V]`` float32, one row per sequence in ``seqs`` (a row may repeat for forked samples)."""
+    params = [s.request.params for s in seqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [R, V] reported logprobs: the model's own
+    logits = logits.clone()
+    _apply_penalties(logits, seqs)
+    _suppress_early_stop(logits, seqs, eos_ids)
+    tokens = logits.argmax(dim=-1)  # [R] greedy choice
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled)
+        temps = torch.tensor([params[i].temperature for i in sampled]).unsqueeze(1)  # [Rs, 1]
+        probs = _filtered_probs(logits[rows] / temps, [params[i] for i in sampled])  # [Rs, V]
+        noise = torch.empty_like(probs)  # [Rs, V]
+        for j, i in enumerate(sampled):
+            noise[j].exponential_(generator=seqs[i].generator)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [R]
+    top: list[dict[int, Logprob] | None] = [None] * len(seqs)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        k = max(params[i].logprobs for i in want)
+        rows = torch.tensor(want)
+        values, ids = raw_logprobs[rows].topk(max(k, 1), dim=-1)  # [Rw, k]
+        ranks = (raw_logprobs[rows] > chosen[rows].unsqueeze(1)).sum(dim=1) + 1  # [Rw]
+        for j, i in enumerate(want):
+            entry = {int(tokens[i]): Logprob(float(chosen[i]), int(ranks[j]))}
+            for r in range(params[i].logprobs):
+                entry.setdefault(int(ids[j, r]), Logprob(float(values[j, r]), r + 1))
+            top[i] = entry
+    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p (each per row; rows without them pay only the softmax)."""
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+        top_k = torch.tensor([p.top_k or vocab for p in params]).unsqueeze(1)  # [R, 1]
+        drop = torch.arange(vocab).unsqueeze(0) >= top_k  # [R, V]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # [R, 1]
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keep the token crossing top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [R, 1]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's penalties: repetition over prompt + output, presence and frequency over the output."""
+    for i, seq in enumerate(seqs):
+        p = seq.request.params
+        if not p.penalized:
+            continue
+        row = logits[i]
+        out_ids = torch.tensor(seq.output_ids, dtype=torch.int64)
+        counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)  # [V]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.int64)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _suppress_early_stop(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> None:
+    """Below min_tokens, EOS and stop tokens cannot be drawn."""
+    for i, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.min_tokens and len(seq.output_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            ids = [t for t in banned if t < logits.shape[1]]
+            if ids:
+                logits[i, ids] = float("-inf")

@@ -1,0 +1,176 @@
+"""Continuous batching: which sequences run this step, how many tokens each, and who is preempted.
+
+Each step serves running requests first (decode tokens, prompt chunks, recomputation), then admits
+waiting requests in arrival order while the token budget, the sequence limit and the free blocks
+allow. When a running sequence needs a block and none is free, the most recently admitted request
+is preempted as a whole (its blocks freed, recomputed later), never failed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedinfer.block_pool import BlockPool
+from pagedinfer.sequence import Request, RequestState, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (= tokens already in the pool)
+    num_tokens: int
+    sample: bool  # the chunk ends the sequence's pending tokens and a next token is drawn
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    def check(self, req: Request) -> str | None:
+        """Why ``req`` can never run here, or None. Checked before it is queued."""
+        n_prompt = req.num_prompt_tokens
+        if n_prompt == 0:
+            return "the prompt is empty"
+        if n_prompt >= self.max_model_len:
+            return (
+                f"the prompt has {n_prompt} tokens; the model's context is {self.max_model_len} tokens "
+                "(one more is needed to generate)"
+            )
+        if req.params.n > self.max_num_seqs:
+            return f"n={req.params.n} samples exceed max_num_seqs={self.max_num_seqs}"
+        worst = self.worst_case_blocks(n_prompt, req.max_tokens, req.params.n)
+        if worst > self.pool.num_blocks:
+            return (
+                f"the request may need {worst} KV blocks ({n_prompt} prompt tokens, n={req.params.n}, "
+                f"max_tokens={req.max_tokens}, block size {self.pool.block_size}) but the pool has "
+                f"{self.pool.num_blocks}; raise the pool size or lower n / max_tokens"
+            )
+        return None
+
+    def worst_case_blocks(self, n_prompt: int, max_tokens: int, n: int) -> int:
+        """Blocks a request holds at its longest: shared full prompt blocks + each sample's own."""
+        bs = self.pool.block_size
+        shared = n_prompt // bs
+        per_sample = self.pool.blocks_for_tokens(n_prompt + max_tokens - 1) - shared
+        return shared + n * per_sample
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if req.state is not RequestState.RUNNING:
+                continue  # preempted earlier in this step
+            mark = (len(out.seqs), len(out.copies))
+            for seq in req.live_seqs():
+                if budget == 0:
+                    break
+                n = min(seq.num_pending, budget)
+                if not self._make_room(seq, n, req, out):
+                    del out.seqs[mark[0] :], out.copies[mark[1] :]
+                    break
+                out.copies += self.pool.write(seq.block_table, seq.num_computed, n)
+                out.seqs.append(ScheduledSeq(seq, seq.num_computed, n, self._samples(seq, n)))
+                budget -= n
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _samples(self, seq: Sequence, n: int) -> bool:
+        if seq.num_computed + n < len(seq.token_ids):
+            return False
+        return seq.index >= 0 or not seq.request.samples  # a resumed request's samples have tokens
+
+    def _make_room(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the latest admitted requests until ``seq`` can write ``n`` tokens.
+
+        Returns False when ``req`` itself had to be preempted.
+        """
+        while self.pool.blocks_needed(seq.block_table, seq.num_computed, n) > self.pool.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        num_seqs = sum(r.num_future_seqs() for r in self.running)
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
+                break
+            if self.pool.blocks_for_tokens(req.num_prompt_tokens) > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            num_seqs += req.num_future_seqs()
+            seq = Sequence(req, -1, list(req.prompt_token_ids), req.num_prompt_tokens)
+            req.prompt_seq = seq
+            n = min(seq.num_pending, budget)
+            out.copies += self.pool.write(seq.block_table, 0, n)
+            out.seqs.append(ScheduledSeq(seq, 0, n, self._samples(seq, n)))
+            budget -= n
+
+    def preempt(self, req: Request) -> None:
+        """Free every block of ``req`` and queue it first; its tokens are recomputed on return."""
+        for seq in [req.prompt_seq, *req.samples]:
+            if seq is not None:
+                self.pool.free(seq.block_table)
+                seq.num_computed = 0
+        req.prompt_seq = None
+        req.state = RequestState.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def fork(self, req: Request) -> None:
+        """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""
+        parent = req.prompt_seq
+        assert parent is not None and parent.num_pending == 0
+        for seq in req.samples:
+            if not seq.finished:
+                seq.block_table = self.pool.fork(parent.block_table)
+                seq.num_computed = parent.num_computed
+        self.pool.free(parent.block_table)
+        req.prompt_seq = None
+
+    def finish_seq(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+
+    def finish_request(self, req: Request) -> None:
+        req.state = RequestState.FINISHED
+        for seq in [req.prompt_seq, *req.samples]:
+            if seq is not None:
+                self.pool.free(seq.block_table)
+        req.prompt_seq = None
+        if req in self.running:
+            self.running.remove(req)

@@ -1,0 +1,131 @@
+"""Requests and their sequences: the prompt sequence that is prefilled once, and the n samples forked from it."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedinfer.detokenizer import IncrementalDetokenizer
+from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedinfer.sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One row of K/V in the pool: the prompt sequence, or one sample after the fork.
+
+    ``token_ids`` holds prompt + generated tokens; the first ``num_computed`` have K/V in the pool.
+    The tokens still to compute are ``token_ids[num_computed:]``: a prompt (chunk), the one token
+    sampled last step, or, after a preemption, a sample's whole output being recomputed.
+    """
+
+    request: Request
+    index: int  # sample index; -1 for the prompt sequence
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def name(self) -> str:
+        rid = self.request.request_id
+        return f"{rid}/prompt" if self.index < 0 else f"{rid}/{self.index}"
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.text if self.detok else "",
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt with its sampling parameters; runs as one prompt sequence, then n samples."""
+
+    request_id: str
+    order: int  # position in the caller's input (outputs come back in this order)
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens capped by the model's context
+    state: RequestState = RequestState.WAITING
+    prompt_seq: Sequence | None = None
+    samples: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+    base_seed: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def live_seqs(self) -> list[Sequence]:
+        """The sequences that still run: the prompt sequence until the fork, then unfinished samples."""
+        if self.prompt_seq is not None:
+            return [self.prompt_seq]
+        return [s for s in self.samples if not s.finished]
+
+    def num_future_seqs(self) -> int:
+        """Sequences this request occupies in a batch, counting samples not forked yet."""
+        if not self.samples:
+            return self.params.n
+        return sum(not s.finished for s in self.samples)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
+
+    def sample_generator(self, index: int) -> torch.Generator:
+        """Sample ``index``'s own generator, derived from (seed, prompt, index).
+
+        The prompt enters the derivation so one seed shared by many prompts gives each its own noise.
+        """
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(self.base_seed.to_bytes(16, "little", signed=True))
+        digest.update(index.to_bytes(8, "little"))
+        digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in self.prompt_token_ids))
+        gen = torch.Generator()
+        gen.manual_seed(int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1))
+        return gen
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.to_output() for s in self.samples],
+            finished=self.finished,
+            error=self.error,
+        )

@@ -1,0 +1,173 @@
+"""Where every byte of KV memory went: the figures behind the memory-usage report.
+
+Recorded once per engine step (after scheduling, when this step's blocks are allocated and its
+slots assigned). ``to_dict`` gives the stable, documented keys of ``--report-json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    # pool geometry
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    pool_source: str  # "num_blocks", "kv_cache_memory" or "default: ..." (how the size was chosen)
+    max_model_len: int
+    # per step
+    blocks_used: list[int] = field(default_factory=list)
+    slots_filled: list[int] = field(default_factory=list)
+    logical_blocks: list[int] = field(default_factory=list)
+    running_seqs: list[int] = field(default_factory=list)
+    batch_tokens: list[int] = field(default_factory=list)
+    # totals
+    cow_copies: int = 0
+    preemptions: int = 0
+    requests: int = 0
+    failed_requests: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0  # unique prompt tokens of the requests that ran
+    prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every sample would cost
+    prompt_tokens_computed: int = 0  # prompt tokens actually run through the model (recompute included)
+    output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
+    generated_tokens: int = 0
+    wall_time_s: float = 0.0
+
+    def record_step(self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int) -> None:
+        self.blocks_used.append(blocks_used)
+        self.slots_filled.append(slots_filled)
+        self.logical_blocks.append(logical)
+        self.running_seqs.append(seqs)
+        self.batch_tokens.append(tokens)
+
+    # -- derived figures -------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return len(self.blocks_used)
+
+    @property
+    def kv_bytes_total(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def peak_blocks_used(self) -> int:
+        return max(self.blocks_used, default=0)
+
+    @property
+    def mean_blocks_used(self) -> float:
+        return sum(self.blocks_used) / self.steps if self.steps else 0.0
+
+    @property
+    def peak_step(self) -> int:
+        return self.blocks_used.index(self.peak_blocks_used) if self.steps else 0
+
+    @property
+    def peak_running_seqs(self) -> int:
+        return max(self.running_seqs, default=0)
+
+    def _waste(self, step: int) -> tuple[int, int]:
+        allocated = self.blocks_used[step] * self.block_size
+        return allocated - self.slots_filled[step], allocated
+
+    @property
+    def empty_slots_at_peak(self) -> int:
+        return self._waste(self.peak_step)[0] if self.steps else 0
+
+    @property
+    def fragmentation_at_peak(self) -> float:
+        """Allocated-but-empty share of the allocated slots at the peak step."""
+        empty, allocated = self._waste(self.peak_step) if self.steps else (0, 0)
+        return empty / allocated if allocated else 0.0
+
+    @property
+    def mean_fragmentation(self) -> float:
+        empty = sum(self._waste(i)[0] for i in range(self.steps))
+        allocated = sum(self._waste(i)[1] for i in range(self.steps))
+        return empty / allocated if allocated else 0.0
+
+    @property
+    def naive_slots_at_peak(self) -> int:
+        """Slots a contiguous max_model_len reservation per sequence holds at our peak step."""
+        return self.running_seqs[self.peak_step] * self.max_model_len if self.steps else 0
+
+    @property
+    def naive_waste_at_peak(self) -> float:
+        reserved = self.naive_slots_at_peak
+        return (reserved - self.slots_filled[self.peak_step]) / reserved if reserved else 0.0
+
+    @property
+    def naive_mean_waste(self) -> float:
+        reserved = sum(s * self.max_model_len for s in self.running_seqs)
+        return (reserved - sum(self.slots_filled)) / reserved if reserved else 0.0
+
+    @property
+    def naive_max_seqs(self) -> int:
+        """Sequences the same pool holds if each reserves max_model_len contiguous slots."""
+        return self.num_blocks * self.block_size // self.max_model_len
+
+    @property
+    def blocks_saved_by_sharing(self) -> int:
+        """Peak over steps of logical blocks (table entries) minus physical blocks in use."""
+        return max((lo - ph for lo, ph in zip(self.logical_blocks, self.blocks_used, strict=True)), default=0)
+
+    def to_dict(self) -> dict:
+        """The report's figures under stable keys (documented in the README)."""
+        mb = self.mean_blocks_used
+        return {
+            "pool": {
+                "num_blocks": self.num_blocks,
+                "block_size": self.block_size,
+                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_block": self.bytes_per_block,
+                "kv_bytes_total": self.kv_bytes_total,
+                "source": self.pool_source,
+                "max_model_len": self.max_model_len,
+            },
+            "usage": {
+                "steps": self.steps,
+                "peak_blocks_used": self.peak_blocks_used,
+                "peak_kv_bytes": self.peak_blocks_used * self.bytes_per_block,
+                "mean_blocks_used": round(mb, 3),
+                "blocks_used_per_step": self.blocks_used,
+            },
+            "fragmentation": {
+                "empty_slots_at_peak": self.empty_slots_at_peak,
+                "empty_fraction_at_peak": round(self.fragmentation_at_peak, 6),
+                "empty_fraction_mean": round(self.mean_fragmentation, 6),
+                "naive_reserved_slots_at_peak": self.naive_slots_at_peak,
+                "naive_reserved_bytes_at_peak": self.naive_slots_at_peak * self.bytes_per_token,
+                "naive_waste_fraction_at_peak": round(self.naive_waste_at_peak, 6),
+                "naive_waste_fraction_mean": round(self.naive_mean_waste, 6),
+            },
+            "sharing": {
+                "peak_logical_blocks": max(self.logical_blocks, default=0),
+                "blocks_saved_by_sharing": self.blocks_saved_by_sharing,
+                "cow_copies": self.cow_copies,
+                "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_requested": self.prompt_tokens_requested,
+                "prompt_tokens_computed": self.prompt_tokens_computed,
+                "output_tokens_recomputed": self.output_tokens_recomputed,
+            },
+            "scheduling": {
+                "requests": self.requests,
+                "failed_requests": self.failed_requests,
+                "samples": self.samples,
+                "preemptions": self.preemptions,
+                "peak_running_seqs": self.peak_running_seqs,
+                "naive_max_seqs": self.naive_max_seqs,
+            },
+            "throughput": {
+                "wall_time_s": round(self.wall_time_s, 4),
+                "prompt_tokens_per_s": round(self.prompt_tokens_computed / self.wall_time_s, 3)
+                if self.wall_time_s
+                else 0.0,
+                "generated_tokens": self.generated_tokens,
+                "generated_tokens_per_s": round(self.generated_tokens / self.wall_time_s, 3)
+                if self.wall_time_s
+                else 0.0,
+            },
+        }
