@@ -1,0 +1,133 @@
+"""Tiny random-weight models of many families, saved with save_pretrained so the real loading code runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+COMMON = dict(vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,  # sharp logits: greedy choices never hinge on float noise
+)
+
+CONFIGS = {
+    "llama": lambda: tf.LlamaConfig(**COMMON, **DECODER),
+    "qwen2": lambda: tf.Qwen2Config(**COMMON, **DECODER),
+    "qwen3": lambda: tf.Qwen3Config(**COMMON, **DECODER, head_dim=16),
+    "mistral": lambda: tf.MistralConfig(**COMMON, **DECODER, sliding_window=8),
+    "gemma2": lambda: tf.Gemma2Config(
+        **COMMON,
+        **DECODER,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+    ),
+    "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    "gpt2": lambda: tf.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=None
+    ),
+    "opt": lambda: tf.OPTConfig(
+        vocab_size=256,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        word_embed_proj_dim=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=1,
+        init_std=0.2,
+    ),
+    "gpt_oss": lambda: tf.GptOssConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 2},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    ),
+}
+
+
+def save_model(family: str, root: Path, seed: int = 0) -> Path:
+    """Build ``family`` with fixed random weights and save it (config, safetensors) under ``root``."""
+    path = root / family
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' own ``generate`` with greedy decoding, one prompt at a time."""
+    model = _hf_model(str(path))
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+_HF_CACHE: dict[str, torch.nn.Module] = {}
+
+
+def _hf_model(path: str) -> torch.nn.Module:
+    if path not in _HF_CACHE:
+        _HF_CACHE[path] = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_CACHE[path]
+
+
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "안녕하세요 반갑습니다. 오늘 날씨가 좋네요.",
+    "emoji time 😀🎉 and more text to learn merges from.",
+]
+
+
+def save_text_model(root: Path, seed: int = 0) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer trained here (EOS is ``<eos>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = root / "text-llama"
+    if (path / "config.json").exists():
+        return path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(
+        **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **DECODER
+    )
+    model = tf.LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(path)
+    return path
