@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from pagedinfer import cpu_kernel
 from pagedinfer.attention_metadata import AttentionMetadata
 from pagedinfer.kv_cache import KVCache, LayerShape
 
@@ -61,14 +62,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         cuda_kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     else:
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [NB * bs, kvh, D]
-        v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [NB * bs, kvh, Dv]
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
         plan = ctx._plans.get("torch")
         if plan is None:
-            plan = ctx._plans["torch"] = TorchPlan.build(meta)
-        plan.attend(out, q, k_flat, v_flat, scale, window, softcap, sinks)
+            use_kernel = k_cache.dtype == torch.float32 and cpu_kernel.available()
+            plan = ctx._plans["torch"] = TorchPlan.build(meta, use_kernel)
+        plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out.unsqueeze(0), None  # [1, T, Hq, Dv]
 
 
@@ -96,27 +94,32 @@ class TorchPlan:
     decode_slots: torch.Tensor  # [Sd, Lmax] slot of each context position (padded with a valid slot)
     decode_kpos: torch.Tensor  # [Sd, Lmax] key positions
     decode_qpos: torch.Tensor  # [Sd, 1] query positions
+    decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block tables of the decode sequences
+    decode_lens: torch.Tensor  # [Sd] int32 context lengths of the decode sequences
     chunks: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]  # (t0, t1, slots, qpos, kpos)
+    use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
     masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk masks)
 
     @classmethod
-    def build(cls, meta: AttentionMetadata) -> TorchPlan:
+    def build(cls, meta: AttentionMetadata, use_kernel: bool) -> TorchPlan:
         bs = meta.block_size
         tables = meta.block_tables.to(torch.int64)
         starts = meta.query_start_loc.tolist()
         decode = [s for s, n in enumerate(meta.query_lens) if n == 1]
         lmax = max((meta.context_lens_host[s] for s in decode), default=1)
         pos = torch.arange(lmax)  # [Lmax]
-        if decode:
-            idx = torch.tensor(decode)
-            ctx_lens = meta.context_lens[idx].to(torch.int64).unsqueeze(1)  # [Sd, 1]
-            kpos = torch.minimum(pos.unsqueeze(0), ctx_lens - 1)  # [Sd, Lmax] pad -> last valid
+        idx = torch.tensor(decode, dtype=torch.int64)
+        rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64)
+        decode_tables = meta.block_tables[idx].contiguous()
+        decode_lens = meta.context_lens[idx].contiguous()
+        ctx_lens = decode_lens.to(torch.int64).unsqueeze(1)  # [Sd, 1]
+        qpos = ctx_lens - 1
+        if decode and not use_kernel:
+            kpos = torch.minimum(pos.unsqueeze(0), qpos)  # [Sd, Lmax] pad -> last valid
             slots = tables[idx].gather(1, kpos // bs) * bs + kpos % bs  # [Sd, Lmax]
             kpos = pos.unsqueeze(0).expand_as(slots)
-            rows = torch.tensor([starts[s] for s in decode])
-            qpos = ctx_lens - 1
-        else:
-            rows = slots = kpos = qpos = torch.zeros(0, dtype=torch.int64)
+        else:  # the CPU kernel reads through the block tables itself
+            slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64)
         chunks = []
         for s, n in enumerate(meta.query_lens):
             if n == 1:
@@ -125,7 +128,7 @@ class TorchPlan:
             cpos = torch.arange(length)  # [L]
             cslots = tables[s, cpos // bs] * bs + cpos % bs  # [L]
             chunks.append((starts[s], starts[s] + n, cslots, cpos[length - n :].unsqueeze(1), cpos))
-        return cls(rows, slots, kpos, qpos, chunks)
+        return cls(rows, slots, kpos, qpos, decode_tables, decode_lens, chunks, use_kernel)
 
     def _masks(self, window: int):
         if window not in self.masks:
@@ -141,12 +144,23 @@ class TorchPlan:
             self.masks[window] = (visible, chunk_masks)
         return self.masks[window]
 
-    def attend(self, out, q, k_flat, v_flat, scale, window, softcap, sinks) -> None:
+    def attend(self, out, q, k, v, k_cache, v_cache, slot_mapping, scale, window, softcap, sinks) -> None:
+        """Write this step's ``k``/``v`` at their slots, then attend every query token."""
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [NB * bs, kvh, D]
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [NB * bs, kvh, Dv]
+        k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
         kvh = k_flat.shape[1]
         hq, d = q.shape[1], q.shape[2]
         g = hq // kvh
         decode_mask, chunk_masks = self._masks(window)
-        if len(self.decode_rows):
+        if len(self.decode_rows) and self.use_kernel:
+            q = q if q.stride(-1) == 1 else q.contiguous()
+            tables, lens, rows = self.decode_tables, self.decode_lens, self.decode_rows
+            cpu_kernel.paged_decode(
+                out, q, k_cache, v_cache, tables, lens, rows, scale, window, softcap, sinks
+            )
+        elif len(self.decode_rows):
             sd = len(self.decode_rows)
             qd = q[self.decode_rows].view(sd, kvh, g, d) * scale  # [Sd, kvh, g, D]
             keys = k_flat[self.decode_slots].permute(0, 2, 3, 1)  # [Sd, kvh, D, Lmax]

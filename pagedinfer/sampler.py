@@ -1,9 +1,9 @@
 """Turn one step's logits into next tokens for every sampling sequence, vectorised across the batch.
 
 Greedy rows take the argmax. Sampled rows are tempered, filtered (top-k, top-p, min-p) and drawn
-with the exponential-race trick ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from each sample's own
-generator: the draw depends only on that sample's generator and logits, never on its neighbours.
-Only rows with penalties, min_tokens or logprobs take extra (still tensor) work.
+by inverting their CDF at one uniform number from each sample's own generator: the draw depends
+only on that sample's generator and logits, never on its neighbours, and costs one scalar of
+randomness per row. Only rows with penalties, min_tokens or logprobs take extra (tensor) work.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class SampleResult:
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> SampleResult:
     """``logits [R, V]`` float32, one row per sequence in ``seqs`` (a row may repeat for forked samples)."""
     params = [s.request.params for s in seqs]
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [R, V] reported logprobs: the model's own
+    log_z = torch.logsumexp(logits, dim=-1)  # [R] reported logprobs are the model's own
+    raw = logits
     logits = logits.clone()
     _apply_penalties(logits, seqs)
     _suppress_early_stop(logits, seqs, eos_ids)
@@ -36,18 +37,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
         rows = torch.tensor(sampled)
         temps = torch.tensor([params[i].temperature for i in sampled]).unsqueeze(1)  # [Rs, 1]
         probs = _filtered_probs(logits[rows] / temps, [params[i] for i in sampled])  # [Rs, V]
-        noise = torch.empty_like(probs)  # [Rs, V]
-        for j, i in enumerate(sampled):
-            noise[j].exponential_(generator=seqs[i].generator)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [R]
+        cdf = probs.cumsum_(dim=-1)  # [Rs, V]
+        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])  # [Rs]
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        tokens[rows] = picked.clamp_(max=cdf.shape[1] - 1)
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_z  # [R]
     top: list[dict[int, Logprob] | None] = [None] * len(seqs)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         k = max(params[i].logprobs for i in want)
         rows = torch.tensor(want)
-        values, ids = raw_logprobs[rows].topk(max(k, 1), dim=-1)  # [Rw, k]
-        ranks = (raw_logprobs[rows] > chosen[rows].unsqueeze(1)).sum(dim=1) + 1  # [Rw]
+        logprobs = raw[rows] - log_z[rows].unsqueeze(1)  # [Rw, V]
+        values, ids = logprobs.topk(max(k, 1), dim=-1)  # [Rw, k]
+        ranks = (logprobs > chosen[rows].unsqueeze(1)).sum(dim=1) + 1  # [Rw]
         for j, i in enumerate(want):
             entry = {int(tokens[i]): Logprob(float(chosen[i]), int(ranks[j]))}
             for r in range(params[i].logprobs):

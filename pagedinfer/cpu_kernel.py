@@ -1,0 +1,117 @@
+"""The CPU decode-attention kernel (kernels/cpu_paged_decode.c): compiled once, run on all cores.
+
+Decode is where the torch path would gather every sequence's whole history into a padded copy in
+every layer of every step; this kernel reads K/V in place through the block table instead. It is
+built with the system C compiler on first use (about a second) and cached by source and CPU; if no
+compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0" or compiler is None or not SOURCE.exists():
+        return None
+    code = SOURCE.read_bytes()
+    cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
+    flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + flags_line).hexdigest()[:20]
+    cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
+    lib = cache / f"cpu_paged_decode-{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True)
+        if result.returncode != 0:
+            return None
+        os.replace(tmp, lib)
+    dll = ctypes.CDLL(str(lib))
+    fn = dll.paged_decode_f32
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [ptr] * 7 + [i32] * 8 + [i64, i64, f32, i32, f32, ptr]
+    fn.restype = None
+    return dll
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedinfer-attn")
+
+
+def paged_decode(
+    out: torch.Tensor,  # [T, Hq, Dv] float32, contiguous
+    q: torch.Tensor,  # [T, Hq, D] float32, last dim contiguous
+    k_cache: torch.Tensor,  # [NB, bs, kvh, D] float32
+    v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] float32
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, contiguous
+    ctx_lens: torch.Tensor,  # [S] int32
+    rows: torch.Tensor,  # [S] int64: packed-row index of each sequence's query token
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,  # [Hq] float32
+) -> None:
+    """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
+    fn = _library().paged_decode_f32
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, kvh, head_dim = k_cache.shape
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
+    args = (
+        out.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        ctx_lens.data_ptr(),
+        rows.data_ptr(),
+    )
+    tail = (
+        max_blocks,
+        block_size,
+        q.shape[1],
+        kvh,
+        head_dim,
+        v_cache.shape[3],
+        q.stride(0),
+        q.stride(1),
+        scale,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
+    )
+    threads = min(torch.get_num_threads(), num_seqs)
+    if threads <= 1:
+        fn(*args, 0, num_seqs, *tail)
+        return
+    # split the sequences into ranges of about equal context length, one per thread
+    work = torch.cumsum(ctx_lens.to(torch.int64), 0)
+    cuts = torch.searchsorted(work, torch.arange(1, threads) * (int(work[-1]) / threads)).tolist()
+    bounds = [0, *cuts, num_seqs]
+    futures = [
+        _pool(threads).submit(fn, *args, lo, hi, *tail)
+        for lo, hi in zip(bounds, bounds[1:], strict=False)
+        if hi > lo
+    ]
+    for f in futures:
+        f.result()

@@ -1,0 +1,91 @@
+"""The CPU attention paths (C decode kernel and torch) against a plain per-sequence reference."""
+
+import math
+
+import pytest
+import torch
+
+from pagedinfer import cpu_kernel
+from pagedinfer.attention import TorchPlan
+from pagedinfer.attention_metadata import AttentionMetadata
+
+
+def reference(q, keys, values, qpos, scale, window, softcap, sinks):
+    """q [n, Hq, D], keys/values [L, kvh, D] of one sequence; plain softmax attention in float64."""
+    n, hq, _ = q.shape
+    g = hq // keys.shape[1]
+    k = keys.double().repeat_interleave(g, dim=1)  # [L, Hq, D]
+    v = values.double().repeat_interleave(g, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale  # [Hq, n, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    kpos = torch.arange(keys.shape[0])
+    visible = kpos[None, :] <= qpos[:, None]
+    if window:
+        visible &= qpos[:, None] - kpos[None, :] < window
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(hq, n, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : keys.shape[0]]
+    return torch.einsum("hnl,lhd->nhd", probs, v)  # [n, Hq, Dv]
+
+
+def make_batch(query_lens, context_lens, bs, kvh, hq, d, seed=0):
+    """Random pool and block tables in scrambled order, sequences 0 and 1 sharing their first block."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-c // bs) for c in context_lens)
+    num_blocks = len(context_lens) * max_blocks + 4
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[: len(context_lens) * max_blocks].view(len(context_lens), max_blocks).clone()
+    if len(context_lens) > 1:
+        tables[1, 0] = tables[0, 0]
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen)
+    total = sum(query_lens)
+    q = torch.randn(total, hq, d, generator=gen)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, context_lens, strict=True)])
+    seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    slots = tables[seq_of, positions // bs] * bs + positions % bs
+    k_new = k_cache.view(-1, kvh, d)[slots].clone()  # this step's K/V: what is already at the slots
+    v_new = v_cache.view(-1, kvh, d)[slots].clone()
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=tables.to(torch.int32),
+        query_lens=list(query_lens),
+        context_lens_host=list(context_lens),
+        block_size=bs,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )
+    return q, k_new, v_new, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize(
+    "window,softcap,with_sinks", [(0, 0.0, False), (5, 0.0, False), (0, 3.0, False), (0, 0.0, True)]
+)
+def test_paged_attention_matches_reference(use_kernel, group, window, softcap, with_sinks):
+    if use_kernel and not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    bs, kvh, d = 4, 2, 16
+    hq = kvh * group
+    query_lens = [1, 1, 5, 1, 1, 3]  # decode rows mixed with prefill/extend chunks
+    context_lens = [3, 4, 5, 9, 17, 12]  # below, at and across block boundaries
+    q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs, kvh, hq, d)
+    sinks = torch.randn(hq) if with_sinks else None
+    out = torch.empty(q.shape[0], hq, d)
+    plan = TorchPlan.build(meta, use_kernel)
+    plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks)
+    starts = meta.query_start_loc.tolist()
+    for s, (n, length) in enumerate(zip(query_lens, context_lens, strict=True)):
+        pos = torch.arange(length)
+        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        qpos = torch.arange(length - n, length)
+        want = reference(q[starts[s] : starts[s] + n], keys, values, qpos, 0.3, window, softcap, sinks)
+        torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=2e-5, rtol=1e-4)
