@@ -90,10 +90,10 @@ class LLMEngine:
             prompt=text,
             prompt_token_ids=ids,
             params=params,
-            max_tokens=min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids)),
+            max_tokens=self._max_tokens(ids, params),
             base_seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
         )
-        req.error = self.scheduler.check(req)
+        req.error = self.request_error(ids, params)
         self.stats.requests += 1
         if req.error:
             self.stats.failed_requests += 1
@@ -103,6 +103,13 @@ class LLMEngine:
             self.stats.samples += params.n
             self.scheduler.add(req)
         return req
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        return min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
+
+    def request_error(self, token_ids: list[int], params: SamplingParams) -> str | None:
+        """Why a prompt of these tokens can never run on this model and pool (None if it can)."""
+        return self.scheduler.check(len(token_ids), params.n, self._max_tokens(token_ids, params))
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""

@@ -46,9 +46,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
 
-    def check(self, req: Request) -> str | None:
-        """Why ``req`` can never run here, or None. Checked before it is queued."""
-        n_prompt = req.num_prompt_tokens
+    def check(self, n_prompt: int, n: int, max_tokens: int) -> str | None:
+        """Why a request of ``n_prompt`` tokens and ``n`` samples can never run here, or None."""
         if n_prompt == 0:
             return "the prompt is empty"
         if n_prompt >= self.max_model_len:
@@ -56,13 +55,13 @@ class Scheduler:
                 f"the prompt has {n_prompt} tokens; the model's context is {self.max_model_len} tokens "
                 "(one more is needed to generate)"
             )
-        if req.params.n > self.max_num_seqs:
-            return f"n={req.params.n} samples exceed max_num_seqs={self.max_num_seqs}"
-        worst = self.worst_case_blocks(n_prompt, req.max_tokens, req.params.n)
+        if n > self.max_num_seqs:
+            return f"n={n} samples exceed max_num_seqs={self.max_num_seqs}"
+        worst = self.worst_case_blocks(n_prompt, max_tokens, n)
         if worst > self.pool.num_blocks:
             return (
-                f"the request may need {worst} KV blocks ({n_prompt} prompt tokens, n={req.params.n}, "
-                f"max_tokens={req.max_tokens}, block size {self.pool.block_size}) but the pool has "
+                f"the request may need {worst} KV blocks ({n_prompt} prompt tokens, n={n}, "
+                f"max_tokens={max_tokens}, block size {self.pool.block_size}) but the pool has "
                 f"{self.pool.num_blocks}; raise the pool size or lower n / max_tokens"
             )
         return None

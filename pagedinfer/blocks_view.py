@@ -1,0 +1,257 @@
+"""``pagedinfer blocks``: draw the KV pool and every block table, step by step.
+
+Input is a trace: the engine's per-step snapshots (``engine.enable_trace()``), either recorded by
+``pagedinfer run --trace FILE`` or made here for a tiny built-in example (block size 4, a 6-token
+prompt, 2 samples) on a random-weight Llama built in a temporary directory, so it runs offline.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.rule import Rule
+from rich.text import Text
+
+TRACE_FORMAT = "pagedinfer-trace"
+MAX_POOL_CELLS = 24  # larger pools show only the blocks in use
+
+
+class TraceError(Exception):
+    """A trace file that cannot be read; the message is one line."""
+
+
+# -- trace files --------------------------------------------------------------------------------------
+def trace_document(engine) -> dict:
+    return {
+        "format": TRACE_FORMAT,
+        "version": 1,
+        "block_size": engine.pool.block_size,
+        "num_blocks": engine.pool.num_blocks,
+        "steps": engine.trace or [],
+    }
+
+
+def save_trace(path: Path, engine) -> None:
+    path.write_text(json.dumps(trace_document(engine)) + "\n", encoding="utf-8")
+
+
+def load_trace(path: Path) -> dict:
+    if not path.is_file():
+        raise TraceError(
+            f"trace file {path} does not exist" if not path.exists() else f"{path} is not a file"
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(f"{path} is not a trace file: {e}") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != TRACE_FORMAT
+        or not isinstance(doc.get("steps"), list)
+    ):
+        raise TraceError(f"{path} is not a pagedinfer trace (record one with `pagedinfer run --trace FILE`)")
+    return doc
+
+
+# -- the built-in example -----------------------------------------------------------------------------
+def builtin_trace(
+    model: str | None = None,
+    block_size: int = 4,
+    prompt_tokens: int = 6,
+    n: int = 2,
+    max_tokens: int = 5,
+    num_blocks: int = 8,
+    seed: int = 0,
+) -> dict:
+    """Run the small example with tracing on; a random tiny Llama unless ``model`` is given."""
+    from pagedinfer.llm import LLM
+    from pagedinfer.sampling_params import SamplingParams
+
+    with tempfile.TemporaryDirectory(prefix="pagedinfer-blocks-") as tmp:
+        path = model or _tiny_llama(Path(tmp))
+        llm = LLM(path, block_size=block_size, num_blocks=num_blocks, device="cpu", seed=seed)
+        vocab = llm.engine.loaded.model.get_input_embeddings().num_embeddings
+        prompt = {"prompt_token_ids": [(7 * i + 3) % vocab for i in range(prompt_tokens)]}
+        params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+        llm.engine.enable_trace()
+        for _, result in llm.generate_iter([prompt], [params], request_ids=["r"]):
+            if result.error:
+                raise ValueError(result.error)
+        return trace_document(llm.engine)
+
+
+def _tiny_llama(directory: Path) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+# -- drawing ------------------------------------------------------------------------------------------
+def render(doc: dict, console: Console, max_steps: int | None = None) -> None:
+    bs = int(doc["block_size"])
+    num_blocks = int(doc["num_blocks"])
+    steps = doc["steps"]
+    console.print(
+        Text.assemble(
+            ("KV pool: ", "bold"),
+            f"{num_blocks} physical blocks of {bs} slots.  ",
+            ("█", "green"),
+            " filled slot  ",
+            ("░", "green dim"),
+            " allocated, empty  ",
+            ("×k", "yellow"),
+            " reference count  ",
+            ("L0→P3", "cyan"),
+            " logical block 0 of a sequence lives in physical block 3",
+        )
+    )
+    shown = steps if max_steps is None else steps[:max_steps]
+    tables: dict[str, list[int]] = {}
+    for step in shown:
+        _render_step(step, bs, num_blocks, tables, console)
+        tables = step.get("tables", {})
+    if len(shown) < len(steps):
+        console.print(Text(f"… {len(steps) - len(shown)} more steps (raise --max-steps)", style="dim"))
+    elif steps:
+        used = len(_ints(steps[-1].get("ref_counts", {})))
+        if used == 0:
+            console.print(Text(f"All {num_blocks} blocks are back in the pool.", style="bold green"))
+        else:
+            console.print(Text(f"{used} blocks still in use at the end of the trace.", style="bold yellow"))
+
+
+def _ints(mapping: dict) -> dict[int, int]:
+    return {int(k): int(v) for k, v in mapping.items()}
+
+
+def _render_step(step: dict, bs: int, num_blocks: int, before: dict, console: Console) -> None:
+    """One step; ``before`` holds the tables at the end of the previous step (for sequences that finish)."""
+    refs = _ints(step.get("ref_counts", {}))
+    filled = _ints(step.get("filled", {}))
+    tables: dict[str, list[int]] = step.get("tables", {})
+    events = step.get("events", [])
+    cows = {e["block"]: e.get("src") for e in events if e["kind"] == "cow"}
+    allocs = {e["block"] for e in events if e["kind"] == "alloc"}
+    console.print(Rule(f"step {step.get('step', '?')}", style="dim", align="left"))
+
+    line = Text("  scheduled  ", style="bold")
+    for i, s in enumerate(step.get("scheduled", [])):
+        if i:
+            line.append(" · ")
+        line.append_text(_describe_write(s, tables, before, bs, cows, allocs))
+    if step.get("preempted"):
+        line.append(f"  preempted: {', '.join(step['preempted'])}", style="bold red")
+    console.print(line)
+
+    line = Text("  pool       ", style="bold")
+    blocks = range(num_blocks) if num_blocks <= MAX_POOL_CELLS else sorted(refs)
+    for b in blocks:
+        _pool_cell(line, b, refs.get(b, 0), filled.get(b, 0), bs, b in cows)
+        line.append(" ")
+    if num_blocks > MAX_POOL_CELLS:
+        line.append(f"… {num_blocks - len(refs)} free ", style="dim")
+    line.append(f"({len(refs)}/{num_blocks} in use)", style="bold")
+    console.print(line)
+
+    for i, (name, table) in enumerate(sorted(tables.items())):
+        line = Text("  tables     " if i == 0 else "             ", style="bold")
+        line.append(f"{name:<10}", style="bold")
+        for logical, block in enumerate(table):
+            line.append(f" L{logical}→P{block}", style="bold red" if block in cows else "cyan")
+        console.print(line)
+    if not tables:
+        console.print(Text("  tables     (no live sequences)", style="dim"))
+
+    for text in _describe_events(events, tables):
+        console.print(text)
+
+
+def _pool_cell(line: Text, block: int, ref: int, filled: int, bs: int, copied: bool) -> None:
+    line.append(f"P{block}", style="bold red" if copied else ("bold" if ref else "dim"))
+    if not ref:
+        line.append(" " + "·" * min(bs, 8) + "   ", style="dim")
+        return
+    if bs <= 8:
+        line.append(" ")
+        line.append("█" * filled, style="green")
+        line.append("░" * (bs - filled), style="green dim")
+    else:
+        line.append(f" {filled:>3}/{bs}", style="green")
+    line.append(f" ×{ref}", style="yellow bold" if ref > 1 else "yellow")
+
+
+def _describe_write(s: dict, tables: dict, before: dict, bs: int, cows: dict, allocs: set) -> Text:
+    seq, start, count = s["seq"], int(s["start"]), int(s["tokens"])
+    span = f"position {start}" if count == 1 else f"positions {start}–{start + count - 1}"
+    text = Text(f"{seq} {'prefills' if seq.endswith('/prompt') else 'writes'} {span}")
+    table = tables.get(seq)
+    logical = start // bs
+    if table is None and count == 1 and logical < len(before.get(seq, [])):
+        text.append(f" into P{before[seq][logical]}, then finishes", style="magenta")
+        return text
+    if table is None or count != 1 or logical >= len(table):
+        return text
+    block = table[logical]
+    if block in cows:
+        text.append(f" into its copy P{block}", style="bold red")
+    elif block in allocs:
+        text.append(f" into new block P{block}", style="green")
+    else:
+        text.append(f" into P{block} in place", style="cyan")
+    return text
+
+
+def _describe_events(events: list[dict], tables: dict) -> list[Text]:
+    owners: dict[int, list[str]] = {}
+    for name, table in tables.items():
+        for block in table:
+            owners.setdefault(block, []).append(name)
+    out: list[Text] = []
+    allocs = [e["block"] for e in events if e["kind"] == "alloc"]
+    frees = [e["block"] for e in events if e["kind"] == "free"]
+    forks = [e for e in events if e["kind"] == "fork"]
+    for e in events:
+        if e["kind"] == "cow":
+            who = ", ".join(owners.get(e["block"], [])) or "a sample"
+            out.append(
+                Text.assemble(
+                    ("  ! copy-on-write  ", "bold red"),
+                    f"{who} had to write into P{e['src']}, a partly filled block it shares; "
+                    f"P{e['src']} was copied to P{e['block']} (P{e['src']}'s reference count drops by one)",
+                )
+            )
+    if allocs:
+        out.append(Text(f"  + allocated  {', '.join(f'P{b}' for b in allocs)}", style="green"))
+    if forks:
+        try:
+            table = "[" + ", ".join(f"P{b}" for b in json.loads(forks[0].get("detail") or "[]")) + "]"
+        except (json.JSONDecodeError, TypeError):
+            table = str(forks[0].get("detail", ""))
+        out.append(
+            Text(
+                f"  ⑂ fork       {len(forks)} sample{'s' if len(forks) > 1 else ''} took references to the "
+                f"prompt's blocks {table} (no copy); the prompt sequence then dropped its own",
+                style="yellow",
+            )
+        )
+    if frees:
+        out.append(Text(f"  - returned to the pool  {', '.join(f'P{b}' for b in frees)}", style="magenta"))
+    return out

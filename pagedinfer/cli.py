@@ -1,0 +1,355 @@
+"""The ``pagedinfer`` command line: ``run`` a prompts file, draw the KV ``blocks``, ``--version``.
+
+Exit codes of ``run``: 0 all lines succeeded, 1 some lines failed, 2 unusable invocation,
+130 interrupted (finished work is written; ``--resume`` completes the rest).
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="pagedinfer",
+    help="Offline batch LLM inference on a paged KV cache, with a memory-usage report.",
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from pagedinfer import __version__
+
+        typer.echo(f"pagedinfer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """Offline batch LLM inference on a paged KV cache, with a memory-usage report.
+
+    [bold]pagedinfer run PROMPTS.jsonl[/] generates for every line of a JSONL file;
+    [bold]pagedinfer blocks[/] draws the KV pool and block tables step by step.
+    """
+
+
+SAMPLING = "Sampling (defaults; per-line fields override)"
+POOL = "KV cache and scheduling"
+OUTPUT = "Output and reporting"
+
+
+@app.command()
+def run(
+    prompts: Annotated[
+        Path,
+        typer.Argument(
+            help="JSONL file: one request per line ({'prompt': ...}, {'messages': [...]}, "
+            "{'prompt_token_ids': [...]} or an OpenAI Batch API request line).",
+            show_default=False,
+            metavar="PROMPTS.jsonl",
+        ),
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Hugging Face hub id or local model directory. Default: the embedded demo model.",
+            show_default=False,
+        ),
+    ] = None,
+    n: Annotated[int, typer.Option("-n", help="Samples per prompt.", rich_help_panel=SAMPLING)] = 1,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Most tokens generated per sample.", rich_help_panel=SAMPLING)
+    ] = 16,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="0 = greedy.", rich_help_panel=SAMPLING)
+    ] = 1.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].", rich_help_panel=SAMPLING)
+    ] = 1.0,
+    top_k: Annotated[
+        int,
+        typer.Option(
+            "--top-k", help="Keep the k most likely tokens (0 or -1: off).", rich_help_panel=SAMPLING
+        ),
+    ] = 0,
+    min_p: Annotated[
+        float,
+        typer.Option(
+            "--min-p", help="Drop tokens below min_p × the top probability.", rich_help_panel=SAMPLING
+        ),
+    ] = 0.0,
+    seed: Annotated[
+        int,
+        typer.Option(
+            "--seed",
+            help="Base seed: a line without its own seed samples with a seed derived from this and the "
+            "line's id, so its output does not depend on the other lines (or on --resume).",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 0,
+    stop: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stop", help="Stop string (repeat for several).", rich_help_panel=SAMPLING, show_default=False
+        ),
+    ] = None,
+    block_size: Annotated[
+        int,
+        typer.Option(
+            "--block-size", help="Tokens per KV block (1..128, power of two).", rich_help_panel=POOL
+        ),
+    ] = 16,
+    num_blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--num-blocks",
+            help="Exact number of KV blocks in the pool.",
+            show_default=False,
+            rich_help_panel=POOL,
+        ),
+    ] = None,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-memory",
+            help="KV pool size in bytes, e.g. 512MiB, 2GB. Default: 2 GiB on the CPU, 85% of free GPU memory "
+            "(capped at what --max-num-seqs sequences of the model's context can use).",
+            show_default=False,
+            rich_help_panel=POOL,
+        ),
+    ] = None,
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="Most sequences running at once.", rich_help_panel=POOL)
+    ] = 256,
+    max_batched_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-batched-tokens", help="Most tokens computed per engine step.", rich_help_panel=POOL
+        ),
+    ] = 4096,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-model-len",
+            help="Context length limit (default: the model's).",
+            show_default=False,
+            rich_help_panel=POOL,
+        ),
+    ] = None,
+    device: Annotated[
+        Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
+    ] = Device.auto,
+    dtype: Annotated[
+        DType,
+        typer.Option("--dtype", help="Weight and KV dtype (auto: float32 on the CPU).", rich_help_panel=POOL),
+    ] = DType.auto,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Output JSONL. Default: next to the input (prompts.jsonl -> prompts.out.jsonl); '-' for stdout.",
+            show_default=False,
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    report: Annotated[
+        bool | None,
+        typer.Option(
+            "--report/--no-report",
+            help="Print the memory-usage report at the end. Default: on, unless --quiet.",
+            show_default=False,
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    report_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--report-json",
+            help="Also write the report's figures as JSON to FILE.",
+            show_default=False,
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            help="Record every step's pool and block tables to FILE (small runs; view with `pagedinfer blocks FILE`).",
+            show_default=False,
+            rich_help_panel=OUTPUT,
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Skip lines whose id is already in the output file and append the rest.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Stop with the list of bad lines instead of running the good ones (exit 1).",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="No progress bar or report; only the final summary.", rich_help_panel=OUTPUT
+        ),
+    ] = False,
+) -> None:
+    """Generate for every line of PROMPTS.jsonl; write one output line per input line, in input order.
+
+    Bad lines get an error record naming the line and the reason; the other lines still run.
+    Exit code: 0 all lines succeeded, 1 some failed, 2 unusable invocation, 130 interrupted.
+    """
+    from pagedinfer.batch import RunOptions, execute
+
+    if num_blocks is not None and kv_memory is not None:
+        _usage_error("give --num-blocks or --kv-memory, not both")
+    opts = RunOptions(
+        prompts=prompts,
+        output=output,
+        model=model,
+        sampling={
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "stop": list(stop or []),
+        },
+        seed=seed,
+        engine={
+            "block_size": block_size,
+            "num_blocks": num_blocks,
+            "kv_cache_memory": kv_memory,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_batched_tokens,
+            "max_model_len": max_model_len,
+            "device": device.value,
+            "dtype": dtype.value,
+        },
+        report=report,
+        report_json=report_json,
+        trace=trace,
+        resume=resume,
+        strict=strict,
+        quiet=quiet,
+    )
+    out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    raise typer.Exit(execute(opts, out, err))
+
+
+@app.command()
+def blocks(
+    trace_file: Annotated[
+        Path | None,
+        typer.Argument(
+            help="A trace recorded with `pagedinfer run --trace FILE`. Default: run the built-in example.",
+            show_default=False,
+        ),
+    ] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="Built-in example: tokens per block.")] = 4,
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", help="Built-in example: prompt length in tokens.")
+    ] = 6,
+    n: Annotated[int, typer.Option("-n", help="Built-in example: samples of the prompt.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Built-in example: tokens per sample.")] = 5,
+    num_blocks: Annotated[
+        int, typer.Option("--num-blocks", help="Built-in example: blocks in the pool.")
+    ] = 8,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Built-in example: run on this model (default: a tiny random Llama built in a temp dir, offline).",
+            show_default=False,
+        ),
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Draw at most this many steps.", show_default=False)
+    ] = None,
+) -> None:
+    """Draw the KV pool and the block tables, step by step.
+
+    Shows the physical blocks P0..Pn with their reference counts and filled slots, each sequence's
+    block table (L0 -> Pk), and every prefill, fork, copy-on-write and block returning to the pool.
+    Without a trace file it runs a tiny offline example: a 6-token prompt, 2 samples, block size 4.
+    """
+    from pagedinfer import blocks_view
+
+    console = Console(highlight=False, soft_wrap=True)
+    err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    if trace_file is not None:
+        try:
+            doc = blocks_view.load_trace(trace_file)
+        except blocks_view.TraceError as e:
+            _usage_error(str(e), err)
+        title = f"trace {trace_file}"
+    else:
+        from transformers.utils import logging as hf_logging
+
+        from pagedinfer.model_loader import ModelLoadError
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        try:
+            doc = blocks_view.builtin_trace(model, block_size, prompt_tokens, n, max_tokens, num_blocks)
+        except (ModelLoadError, ValueError) as e:
+            _usage_error(str(e).splitlines()[0], err)
+        title = (
+            f"built-in example: one {prompt_tokens}-token prompt, n={n} samples of {max_tokens} tokens, "
+            f"block size {block_size}, {num_blocks} blocks"
+        )
+    console.print(f"[bold]{title}[/]")
+    blocks_view.render(doc, console, max_steps)
+
+
+def _usage_error(message: str, err: Console | None = None) -> None:
+    from rich.markup import escape
+
+    (err or Console(file=sys.stderr)).print(
+        f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True
+    )
+    raise typer.Exit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

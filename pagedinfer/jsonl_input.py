@@ -1,0 +1,444 @@
+"""Read a prompts JSONL file and validate every line into a request, before any model is loaded.
+
+Each non-blank line is one of
+
+* ``{"prompt": "..."}``, ``{"messages": [...]}`` or ``{"prompt_token_ids": [...]}``, with an optional
+  ``id`` and per-line sampling fields (``n``, ``max_tokens``, ``temperature``, ...), or
+* an OpenAI Batch API request line (``custom_id``, ``method``, ``url``, ``body``).
+
+A line that cannot be used becomes a `LineError` naming its line number and the reason; the other
+lines are unaffected. Only problems of the whole file (missing, a directory, empty, not UTF-8)
+raise `InputFileError`. Checks that need the model (tokenization, length) live in `resolve.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedinfer.sampling_params import SamplingParams
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+
+
+class InputFileError(Exception):
+    """The input file as a whole is unusable; the message is one line."""
+
+
+# Per-line sampling fields: name -> accepted JSON types ("int", "float", "bool", "str", "strs", "ints")
+# with "null" allowed where the SamplingParams field accepts None.
+SAMPLING_FIELDS: dict[str, tuple[str, ...]] = {
+    "n": ("int",),
+    "max_tokens": ("int", "null"),
+    "min_tokens": ("int",),
+    "temperature": ("float",),
+    "top_p": ("float",),
+    "top_k": ("int",),
+    "min_p": ("float",),
+    "repetition_penalty": ("float",),
+    "presence_penalty": ("float",),
+    "frequency_penalty": ("float",),
+    "seed": ("int", "null"),
+    "stop": ("str", "strs", "null"),
+    "stop_token_ids": ("ints", "null"),
+    "include_stop_str_in_output": ("bool",),
+    "ignore_eos": ("bool",),
+    "logprobs": ("int", "null"),
+    "skip_special_tokens": ("bool",),
+}
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS}
+
+OPENAI_LINE_FIELDS = {"custom_id", "method", "url", "body"}
+# Body fields OpenAI documents that we honour, plus vLLM's sampling extensions.
+OPENAI_BODY_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "stream",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+}
+MESSAGE_FIELDS = {"role", "content", "name"}
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "strs": "a list of strings",
+    "ints": "a list of integers",
+    "null": "null",
+}
+
+
+@dataclass
+class OpenAIRequest:
+    """What an OpenAI batch line needs to be answered in kind."""
+
+    custom_id: str
+    url: str  # COMPLETIONS_URL or CHAT_URL
+    model: str | None
+    logprobs_style: str | None = None  # "completions", "chat" or None (not asked)
+
+    @property
+    def chat(self) -> bool:
+        return self.url == CHAT_URL
+
+
+@dataclass
+class LineRequest:
+    """A line that passed every check that needs no model."""
+
+    line: int  # 1-based line number in the file
+    key: str  # identity for --resume (see `line_key`)
+    id: object  # plain lines: the `id` field or the line number; OpenAI lines: custom_id
+    kind: str  # "prompt", "messages" or "token_ids"
+    prompt: str | list[dict] | list[int]
+    params: SamplingParams
+    openai: OpenAIRequest | None = None
+
+
+@dataclass
+class LineError:
+    """A line that cannot run; written to the output as an error record."""
+
+    line: int
+    key: str
+    id: object
+    reason: str
+    openai: OpenAIRequest | None = None  # set when the line was recognisably an OpenAI request
+    openai_file: bool = False  # unrecognisable line in a file of OpenAI lines: answer in that shape
+    echo: dict = field(default_factory=dict)  # the prompt as given, when it could be read
+
+    @property
+    def message(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+Item = LineRequest | LineError
+
+
+class _Bad(Exception):
+    """A line-level problem (internal; becomes a LineError)."""
+
+
+def read_input(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of ``path`` as (line number, text). Raises InputFileError."""
+    if not path.exists():
+        raise InputFileError(f"input file {path} does not exist")
+    if path.is_dir():
+        raise InputFileError(f"input path {path} is a directory; give a .jsonl file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputFileError(f"cannot read input file {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise InputFileError(
+            f"input file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line})"
+        ) from None
+    lines = [(i, s) for i, s in enumerate(text.split("\n"), start=1) if s.strip()]
+    if not lines:
+        raise InputFileError(f"input file {path} is empty: it needs one JSON request per line")
+    return lines
+
+
+def derive_seed(base_seed: int, key: str) -> int:
+    """The sampling seed of a line that gives none: from --seed and the line's identity only."""
+    digest = hashlib.blake2b(f"{base_seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def line_key(openai: bool, ident: object) -> str:
+    """How --resume recognises a line in the output: its custom_id, else its id."""
+    return f"custom_id:{ident}" if openai else f"id:{ident}"
+
+
+def parse_lines(lines: list[tuple[int, str]], defaults: dict, base_seed: int = 0) -> list[Item]:
+    """Validate every line; ``defaults`` are SamplingParams keyword arguments from the command line."""
+    parsed: list[tuple[int, object]] = []
+    for number, text in lines:
+        try:
+            parsed.append((number, json.loads(text)))
+        except json.JSONDecodeError as e:
+            parsed.append((number, _Bad(f"not valid JSON ({e.msg} at column {e.colno})")))
+    openai_file = any(isinstance(obj, dict) and _is_openai(obj) for _, obj in parsed)
+    items: list[Item] = []
+    seen: dict[str, int] = {}
+    for number, obj in parsed:
+        item = _parse_one(number, obj, defaults, base_seed, openai_file)
+        if isinstance(item, LineRequest) and item.key in seen:
+            what = "custom_id" if item.openai else "id"
+            item = LineError(
+                number,
+                item.key,
+                item.id,
+                f"duplicate {what} {item.id!r} (first used on line {seen[item.key]})",
+                item.openai,
+                item.openai is not None,
+            )
+        elif isinstance(item, LineRequest):
+            seen[item.key] = number
+        items.append(item)
+    return items
+
+
+def _is_openai(obj: dict) -> bool:
+    return bool(OPENAI_LINE_FIELDS & obj.keys())
+
+
+def _parse_one(number: int, obj: object, defaults: dict, base_seed: int, openai_file: bool) -> Item:
+    if isinstance(obj, _Bad):
+        ident = f"line-{number}" if openai_file else number
+        return LineError(number, line_key(False, ident), ident, str(obj), None, openai_file)
+    if not isinstance(obj, dict):
+        ident = f"line-{number}" if openai_file else number
+        return LineError(
+            number,
+            line_key(False, ident),
+            ident,
+            f"a line must be a JSON object, not {_json_type(obj)}",
+            None,
+            openai_file,
+        )
+    if _is_openai(obj):
+        return _parse_openai(number, obj, defaults, base_seed)
+    return _parse_plain(number, obj, defaults, base_seed)
+
+
+# -- plain lines ----------------------------------------------------------------------------------
+def _parse_plain(number: int, obj: dict, defaults: dict, base_seed: int) -> Item:
+    ident = obj.get("id", number)
+    if not (isinstance(ident, str) and ident) and not _is_int(ident):
+        ident = number
+        key = line_key(False, ident)
+        return LineError(number, key, ident, "id must be a non-empty string or an integer")
+    key = line_key(False, ident)
+    echo = {k: obj[k] for k in PROMPT_FIELDS if k in obj}
+    try:
+        unknown = sorted(obj.keys() - PLAIN_FIELDS)
+        if unknown:
+            raise _Bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        kind, prompt = _plain_prompt(obj)
+        overrides = {k: _check_field(k, obj[k], SAMPLING_FIELDS[k]) for k in SAMPLING_FIELDS if k in obj}
+        params = _sampling(defaults, overrides, base_seed, key)
+    except _Bad as e:
+        return LineError(number, key, ident, str(e), None, False, echo)
+    return LineRequest(number, key, ident, kind, prompt, params)
+
+
+def _plain_prompt(obj: dict) -> tuple[str, object]:
+    given = [k for k in PROMPT_FIELDS if k in obj]
+    if not given:
+        raise _Bad("no prompt: give 'prompt', 'messages' or 'prompt_token_ids'")
+    if len(given) > 1:
+        raise _Bad(f"give exactly one of 'prompt', 'messages', 'prompt_token_ids' (got {', '.join(given)})")
+    name = given[0]
+    if name == "prompt":
+        return "prompt", _check_prompt_text(obj["prompt"], "prompt")
+    if name == "messages":
+        return "messages", _check_messages(obj["messages"])
+    return "token_ids", _check_token_ids(obj["prompt_token_ids"], "prompt_token_ids")
+
+
+# -- OpenAI batch lines ---------------------------------------------------------------------------
+def _parse_openai(number: int, obj: dict, defaults: dict, base_seed: int) -> Item:
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        ident = f"line-{number}"
+        return LineError(
+            number, line_key(False, ident), ident, "custom_id must be a non-empty string", None, True
+        )
+    key = line_key(True, cid)
+    body = obj.get("body")
+    url = obj.get("url")
+    info = OpenAIRequest(cid, url if url in (COMPLETIONS_URL, CHAT_URL) else COMPLETIONS_URL, None)
+    echo = {k: body[k] for k in ("prompt", "messages") if isinstance(body, dict) and k in body}
+    try:
+        unknown = sorted(obj.keys() - OPENAI_LINE_FIELDS)
+        if unknown:
+            raise _Bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        if obj.get("method", "POST") != "POST":
+            raise _Bad(f"method must be 'POST', not {obj.get('method')!r}")
+        if url not in (COMPLETIONS_URL, CHAT_URL):
+            raise _Bad(f"url must be {COMPLETIONS_URL!r} or {CHAT_URL!r}, not {url!r}")
+        if not isinstance(body, dict):
+            raise _Bad(f"body must be a JSON object, not {_json_type(body)}")
+        unknown = sorted(body.keys() - OPENAI_BODY_FIELDS)
+        if unknown:
+            raise _Bad(f"unknown body field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _Bad("body.model must be a string")
+        info.model = model
+        if body.get("stream", False) is not False:
+            raise _Bad("body.stream must be false: batch requests are not streamed")
+        if "user" in body and not isinstance(body["user"], str):
+            raise _Bad("body.user must be a string")
+        kind, prompt = _openai_prompt(body, info.chat)
+        overrides, info.logprobs_style = _openai_sampling(body, info.chat)
+        params = _sampling(defaults, overrides, base_seed, key)
+    except _Bad as e:
+        return LineError(number, key, cid, str(e), info, True, echo)
+    return LineRequest(number, key, cid, kind, prompt, params, info)
+
+
+def _openai_prompt(body: dict, chat: bool) -> tuple[str, object]:
+    if chat:
+        if "prompt" in body:
+            raise _Bad("a chat completions body takes 'messages', not 'prompt'")
+        if "messages" not in body:
+            raise _Bad("no prompt: a chat completions body needs 'messages'")
+        return "messages", _check_messages(body["messages"], "body.messages")
+    if "messages" in body:
+        raise _Bad("a completions body takes 'prompt', not 'messages' (use /v1/chat/completions)")
+    if "prompt" not in body:
+        raise _Bad("no prompt: a completions body needs 'prompt'")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a one-element batch of prompts
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, str) for p in prompt):
+            raise _Bad("body.prompt holds several prompts; give one prompt per line")
+        return "token_ids", _check_token_ids(prompt, "body.prompt")
+    return "prompt", _check_prompt_text(prompt, "body.prompt")
+
+
+def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
+    names = set(SAMPLING_FIELDS) - {"logprobs"}
+    overrides = {k: _check_field(f"body.{k}", body[k], SAMPLING_FIELDS[k]) for k in names if k in body}
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            raise _Bad("give body.max_tokens or body.max_completion_tokens, not both")
+        overrides["max_tokens"] = _check_field(
+            "body.max_completion_tokens", body["max_completion_tokens"], ("int", "null")
+        )
+    style = None
+    if chat:
+        wanted = _check_field("body.logprobs", body.get("logprobs", False), ("bool", "null"))
+        top = _check_field("body.top_logprobs", body.get("top_logprobs"), ("int", "null"))
+        if top is not None and not wanted:
+            raise _Bad("body.top_logprobs needs body.logprobs set to true")
+        if wanted:
+            overrides["logprobs"], style = top or 0, "chat"
+    else:
+        if "top_logprobs" in body:
+            raise _Bad("body.top_logprobs belongs to chat completions; completions take body.logprobs")
+        count = _check_field("body.logprobs", body.get("logprobs"), ("int", "null"))
+        if count is not None:
+            overrides["logprobs"], style = count, "completions"
+    return overrides, style
+
+
+# -- shared checks --------------------------------------------------------------------------------
+def _sampling(defaults: dict, overrides: dict, base_seed: int, key: str) -> SamplingParams:
+    values = {**defaults, **overrides}  # null overrides too: max_tokens null = up to the context
+    if values.get("seed") is None:
+        values["seed"] = derive_seed(base_seed, key)
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise _Bad(str(e)) from None
+
+
+def _check_prompt_text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"{name} must be a string, not {_json_type(value)}")
+    return value
+
+
+def _check_token_ids(value: object, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise _Bad(f"{name} must be a list of non-negative integers")
+    if not value:
+        raise _Bad(f"{name} is empty")
+    return list(value)
+
+
+def _check_messages(value: object, name: str = "messages") -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise _Bad(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} objects")
+    out = []
+    for i, msg in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(msg, dict):
+            raise _Bad(f"{where} must be an object, not {_json_type(msg)}")
+        unknown = sorted(msg.keys() - MESSAGE_FIELDS)
+        if unknown:
+            raise _Bad(
+                f"{where} has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+            )
+        if not isinstance(msg.get("role"), str) or not msg["role"]:
+            raise _Bad(f"{where}.role must be a non-empty string")
+        content = msg.get("content")
+        if isinstance(content, list):  # OpenAI content parts: only text parts can be served
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise _Bad(f"{where}.content parts must all be {{'type': 'text', 'text': ...}}")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _Bad(f"{where}.content must be a string, not {_json_type(content)}")
+        out.append({**msg, "content": content})
+    return out
+
+
+def _check_field(name: str, value: object, kinds: tuple[str, ...]) -> object:
+    ok = {
+        "int": _is_int(value),
+        "float": (_is_int(value) or isinstance(value, float)),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "strs": isinstance(value, list) and all(isinstance(s, str) for s in value),
+        "ints": isinstance(value, list) and all(_is_int(t) for t in value),
+        "null": value is None,
+    }
+    if not any(ok[k] for k in kinds):
+        want = " or ".join(_TYPE_WORDS[k] for k in kinds)
+        raise _Bad(f"{name} must be {want}, not {_json_type(value)}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,229 @@
+"""Output records: one JSON object per input line, in the shape its input line asked for.
+
+Plain lines get ``{"id", "line", "prompt"..., "outputs", "usage", "error": null}``; OpenAI batch
+lines get OpenAI batch output lines (``id``, ``custom_id``, ``response``, ``error``) with a
+completions or chat-completions body. A line that failed gets an error record naming its line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from pagedinfer.jsonl_input import LineError, OpenAIRequest
+from pagedinfer.outputs import CompletionOutput, RequestOutput
+from pagedinfer.resolve import Resolved
+
+
+class TokenText:
+    """Per-token text (and bytes) for logprobs, cached; works without a tokenizer too."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_map: dict[str, int] | None = None
+        if tokenizer is not None and type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel":
+            self._byte_map = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._cache:
+            if self._tok is None:
+                text = f"<{token_id}>"
+                raw = list(text.encode())
+            else:
+                text = self._tok.decode([token_id], skip_special_tokens=False)
+                piece = self._tok.convert_ids_to_tokens(token_id)
+                if self._byte_map is not None and piece and all(c in self._byte_map for c in piece):
+                    raw = [self._byte_map[c] for c in piece]  # exact bytes, even of half a character
+                else:
+                    raw = list(text.encode())
+            self._cache[token_id] = (text, raw)
+        return self._cache[token_id]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE shows it."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def success_record(res: Resolved, out: RequestOutput, token_text: TokenText, model: str) -> dict:
+    usage = _usage(res, out)
+    if res.item.openai is not None:
+        k = res.item.params.logprobs or 0
+        return _openai_success(res.item.openai, out, usage, k, token_text, model)
+    item = res.item
+    record: dict = {"id": item.id, "line": item.line}
+    if item.kind == "prompt":
+        record["prompt"] = item.prompt
+    elif item.kind == "messages":
+        record["messages"] = item.prompt
+        record["prompt"] = res.text
+    else:
+        record["prompt_token_ids"] = item.prompt
+    k = item.params.logprobs or 0
+    record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
+    record["usage"] = usage
+    record["error"] = None
+    return record
+
+
+def error_record(err: LineError) -> dict:
+    if err.openai is not None:
+        rid = _rid(err.openai.custom_id)
+        return {
+            "id": f"batch_req_{rid}",
+            "custom_id": err.openai.custom_id,
+            "response": {
+                "status_code": 400,
+                "request_id": f"req_{rid}",
+                "body": {
+                    "error": {
+                        "message": err.message,
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+            },
+            "error": {"code": "invalid_request", "message": err.message},
+        }
+    if err.openai_file:  # not even recognisable as a request: no custom_id to answer with
+        return {
+            "id": err.id,
+            "custom_id": None,
+            "response": None,
+            "error": {"code": "invalid_request", "message": err.message},
+        }
+    return {"id": err.id, "line": err.line, **err.echo, "error": err.message}
+
+
+def is_error_record(record: dict) -> bool:
+    return record.get("error") is not None
+
+
+# -- plain --------------------------------------------------------------------------------------------
+def _plain_output(c: CompletionOutput, k: int, token_text: TokenText) -> dict:
+    entry: dict = {
+        "index": c.index,
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason,
+    }
+    if c.stop_reason is not None:
+        entry["stop_reason"] = c.stop_reason
+    if c.logprobs is not None:
+        entry["cumulative_logprob"] = c.cumulative_logprob
+        entry["logprobs"] = [
+            _plain_logprobs(tid, top, k, token_text)
+            for tid, top in zip(c.token_ids, c.logprobs, strict=False)
+        ]
+    return entry
+
+
+def _plain_logprobs(token_id: int, top: dict, k: int, token_text: TokenText) -> dict:
+    chosen = top[token_id]
+    return {
+        "token_id": token_id,
+        "token": token_text(token_id)[0],
+        "logprob": chosen.logprob,
+        "rank": chosen.rank,
+        "top_logprobs": [
+            {"token_id": tid, "token": token_text(tid)[0], "logprob": lp.logprob, "rank": lp.rank}
+            for tid, lp in _top_k(top, k)
+        ],
+    }
+
+
+def _top_k(top: dict, k: int) -> list:
+    """The k most likely tokens of one step (the sampled token is listed only if it is among them)."""
+    return sorted(((tid, lp) for tid, lp in top.items() if lp.rank <= k), key=lambda x: x[1].rank)
+
+
+def _usage(res: Resolved, out: RequestOutput) -> dict:
+    prompt = len(res.token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- OpenAI -------------------------------------------------------------------------------------------
+def _rid(custom_id: str) -> str:
+    return hashlib.sha256(custom_id.encode()).hexdigest()[:24]
+
+
+def _openai_success(
+    info: OpenAIRequest, out: RequestOutput, usage: dict, k: int, token_text: TokenText, model: str
+) -> dict:
+    rid = _rid(info.custom_id)
+    choices = []
+    for c in out.outputs:
+        choice: dict = {"index": c.index}
+        if info.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choice["logprobs"] = _openai_logprobs(c, info, k, token_text)
+        choice["finish_reason"] = c.finish_reason
+        choices.append(choice)
+    body = {
+        "id": f"{'chatcmpl' if info.chat else 'cmpl'}-{rid}",
+        "object": "chat.completion" if info.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+    return {
+        "id": f"batch_req_{rid}",
+        "custom_id": info.custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{rid}", "body": body},
+        "error": None,
+    }
+
+
+def _openai_logprobs(c: CompletionOutput, info: OpenAIRequest, k: int, token_text: TokenText) -> dict | None:
+    if c.logprobs is None or info.logprobs_style is None:
+        return None
+    steps = list(zip(c.token_ids, c.logprobs, strict=False))
+    if info.logprobs_style == "chat":
+        content = []
+        for tid, top in steps:
+            text, raw = token_text(tid)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": top[tid].logprob,
+                    "bytes": raw,
+                    "top_logprobs": [
+                        {"token": token_text(t)[0], "logprob": lp.logprob, "bytes": token_text(t)[1]}
+                        for t, lp in _top_k(top, k)
+                    ],
+                }
+            )
+        return {"content": content}
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for tid, top in steps:
+        text = token_text(tid)[0]
+        tokens.append(text)
+        token_logprobs.append(top[tid].logprob)
+        top_logprobs.append({token_text(t)[0]: lp.logprob for t, lp in _top_k(top, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }

@@ -1,0 +1,225 @@
+"""The memory-usage report: where every KV byte went during a run, drawn with rich, and as JSON.
+
+All figures come from `EngineStats` (pagedinfer/stats.py); `derived` adds the few byte and ratio
+figures the report shows on top of ``stats.to_dict()``. The JSON keys are documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from pagedinfer.stats import EngineStats
+
+BARS = " ▁▂▃▄▅▆▇█"
+CHART_ROWS = 4
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def derived(stats: EngineStats) -> dict:
+    """Figures the report adds to ``stats.to_dict()`` (bytes, savings, the most-shared step)."""
+    bpt = stats.bytes_per_token
+    saving = [lo - ph for lo, ph in zip(stats.logical_blocks, stats.blocks_used, strict=True)]
+    best = max(range(len(saving)), key=saving.__getitem__) if saving else None
+    naive_waste_slots = stats.naive_slots_at_peak - stats.slots_filled[stats.peak_step] if stats.steps else 0
+    return {
+        "empty_bytes_at_peak": stats.empty_slots_at_peak * bpt,
+        "naive_wasted_bytes_at_peak": naive_waste_slots * bpt,
+        "peak_filled_slots": stats.slots_filled[stats.peak_step] if stats.steps else 0,
+        "peak_step": stats.peak_step,
+        "logical_blocks_at_max_sharing": stats.logical_blocks[best] if best is not None else 0,
+        "physical_blocks_at_max_sharing": stats.blocks_used[best] if best is not None else 0,
+        "bytes_saved_by_sharing": stats.blocks_saved_by_sharing * stats.bytes_per_block,
+        "prompt_tokens_saved_by_sharing": stats.prompt_tokens_requested - stats.prompt_tokens,
+        "pool_usage_fraction_at_peak": round(stats.peak_blocks_used / stats.num_blocks, 6),
+    }
+
+
+def report_dict(stats: EngineStats | None, run: dict) -> dict:
+    """The ``--report-json`` document: ``stats.to_dict()``, ``derived`` and the run's summary."""
+    from pagedinfer import __version__
+
+    doc: dict = {"version": __version__}
+    if stats is not None:
+        doc.update(stats.to_dict())
+        doc["derived"] = derived(stats)
+    doc["run"] = run
+    return doc
+
+
+def resample(values: list[int], width: int) -> list[int]:
+    """``width`` columns: each the max of its steps (peaks stay visible), or steps repeated to fill."""
+    if not values or width <= 0:
+        return []
+    if len(values) <= width:
+        return [values[j * len(values) // width] for j in range(width)]
+    out = []
+    for j in range(width):
+        lo = j * len(values) // width
+        hi = max(lo + 1, (j + 1) * len(values) // width)
+        out.append(max(values[lo:hi]))
+    return out
+
+
+def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -> list[str]:
+    """A ``rows``-high unicode bar chart of ``values`` resampled to ``width`` columns, 0..top."""
+    cols = resample(values, width)
+    levels = rows * 8
+    heights = [round(v / top * levels) if top else 0 for v in cols]
+    heights = [max(h, 1) if v else 0 for h, v in zip(heights, cols, strict=True)]
+    lines = []
+    for row in range(rows - 1, -1, -1):
+        base = row * 8
+        lines.append("".join(BARS[min(8, max(0, h - base))] for h in heights))
+    return lines
+
+
+def describe_source(stats: EngineStats, label: str | None = None) -> str:
+    if label:
+        return label
+    src = stats.pool_source
+    if src.startswith("num_blocks="):
+        return f"--num-blocks {src.split('=', 1)[1]}"
+    if src.startswith("kv_cache_memory="):
+        return f"--kv-memory ({human_bytes(int(src.split('=', 1)[1].split()[0]))})"
+    if src.startswith("default: "):
+        return f"the default ({src[len('default: ') :].replace(' x ', ' × ')})"
+    return src
+
+
+def _grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan", no_wrap=True, min_width=13)
+    grid.add_column(overflow="fold")
+    return grid
+
+
+def render(stats: EngineStats, console: Console, source_label: str | None = None) -> None:
+    """Print the report panel for one run."""
+    d = derived(stats)
+    parts: list = []
+    pool = _grid()
+    pool.add_row(
+        "Pool",
+        f"[bold]{stats.num_blocks:,}[/] blocks × {stats.block_size} tokens = {stats.num_blocks * stats.block_size:,} "
+        f"slots · {human_bytes(stats.bytes_per_token)}/token · {human_bytes(stats.bytes_per_block)}/block · "
+        f"[bold]{human_bytes(stats.kv_bytes_total)}[/] of KV cache",
+    )
+    pool.add_row(
+        "",
+        f"[dim]sized by[/] {describe_source(stats, source_label)} · [dim]max_model_len[/] {stats.max_model_len:,}",
+    )
+    parts.append(pool)
+    if not stats.steps:
+        pool.add_row("Usage", "[dim]no engine steps ran[/]")
+        console.print(
+            Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
+        )
+        return
+
+    usage = _grid()
+    usage.add_row(
+        "Usage",
+        f"peak [bold]{stats.peak_blocks_used:,}[/] blocks ({_pct(d['pool_usage_fraction_at_peak'])} of the pool, "
+        f"{human_bytes(stats.peak_blocks_used * stats.bytes_per_block)}) at step {stats.peak_step} · "
+        f"mean {stats.mean_blocks_used:,.1f} blocks over {stats.steps:,} steps",
+    )
+    parts.append(usage)
+    parts.append(_chart(stats, console))
+
+    frag = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+    frag.add_column("allocated but empty", style="dim", no_wrap=True)
+    frag.add_column("paged (this run)", justify="right")
+    frag.add_column("contiguous †", justify="right")
+    frag.add_row(
+        "at peak",
+        f"[bold green]{_pct(stats.fragmentation_at_peak)}[/] ({stats.empty_slots_at_peak:,} slots, "
+        f"{human_bytes(d['empty_bytes_at_peak'])})",
+        f"[bold red]{_pct(stats.naive_waste_at_peak)}[/] ({human_bytes(d['naive_wasted_bytes_at_peak'])} of "
+        f"{human_bytes(stats.naive_slots_at_peak * stats.bytes_per_token)})",
+    )
+    frag.add_row(
+        "mean over steps",
+        f"[green]{_pct(stats.mean_fragmentation)}[/]",
+        f"[red]{_pct(stats.naive_mean_waste)}[/]",
+    )
+    fr = _grid()
+    fr.add_row("Fragmentation", frag)
+    fr.add_row(
+        "",
+        f"[dim]† a non-paged cache reserves max_model_len ({stats.max_model_len:,}) contiguous slots per running "
+        "sequence[/]",
+    )
+    parts.append(fr)
+
+    rest = _grid()
+    saved_prompt = d["prompt_tokens_saved_by_sharing"]
+    rest.add_row(
+        "Sharing",
+        f"{d['logical_blocks_at_max_sharing']:,} logical blocks → {d['physical_blocks_at_max_sharing']:,} physical: "
+        f"[bold]{stats.blocks_saved_by_sharing:,}[/] blocks ({human_bytes(d['bytes_saved_by_sharing'])}) saved by "
+        f"sharing prompt blocks among samples · [bold]{stats.cow_copies:,}[/] copy-on-write "
+        + ("copy" if stats.cow_copies == 1 else "copies"),
+    )
+    rest.add_row(
+        "",
+        f"prompt tokens {stats.prompt_tokens_requested:,} requested (× n) · {stats.prompt_tokens_computed:,} computed"
+        + (f" · {saved_prompt:,} never computed thanks to sharing" if saved_prompt else ""),
+    )
+    rest.add_row(
+        "Scheduling",
+        f"{stats.samples:,} samples of {stats.requests - stats.failed_requests:,} requests · "
+        f"[bold]{stats.preemptions:,}[/] preemptions"
+        + (f" ({stats.output_tokens_recomputed:,} generated tokens recomputed)" if stats.preemptions else ""),
+    )
+    rest.add_row(
+        "",
+        f"peak [bold]{stats.peak_running_seqs:,}[/] concurrent sequences · reserving {stats.max_model_len:,} "
+        f"contiguous slots each, this pool holds [bold]{stats.naive_max_seqs:,}[/]",
+    )
+    t = stats.to_dict()["throughput"]
+    rest.add_row(
+        "Throughput",
+        f"prompt {t['prompt_tokens_per_s']:,.1f} tok/s · generated [bold]{t['generated_tokens_per_s']:,.1f}[/] tok/s "
+        f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s",
+    )
+    parts.append(rest)
+    console.print(
+        Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
+    )
+
+
+def _chart(stats: EngineStats, console: Console) -> Text:
+    """Blocks in use per step, resampled to the terminal width, 0..peak."""
+    label_width = 8
+    width = max(10, min(160, console.width - 4 - label_width))
+    lines = bar_chart(stats.blocks_used, width, max(stats.peak_blocks_used, 1))
+    chart = Text(no_wrap=True, overflow="crop")
+    for i, line in enumerate(lines):
+        if i == 0:
+            label = f"{stats.peak_blocks_used:>6} ┤"
+        elif i == len(lines) - 1:
+            label = f"{0:>6} ┤"
+        else:
+            label = " " * 6 + " │"
+        chart.append(label, style="dim")
+        chart.append(line + "\n", style="green")
+    chart.append(" " * 7 + "└" + "─" * width + "\n", style="dim")
+    chart.append(f"{'':8}blocks in use per step, step 0 → {stats.steps - 1}", style="dim")
+    if stats.steps > width:
+        chart.append(f" ({stats.steps:,} steps, max per column)", style="dim")
+    return chart

@@ -1,0 +1,121 @@
+"""Tiny random-weight models with a trained byte-level BPE tokenizer, for the CLI tests.
+
+Built once per test session (memoized here, so every tests/test_cli*.py module shares one copy).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+BOS, EOS, PAD, USER, ASSISTANT = "<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>"
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"
+)
+CORPUS = [
+    "To be, or not to be, that is the question.",
+    "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune,",
+    "or to take arms against a sea of troubles, and by opposing end them.",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+] * 4
+MAX_POSITIONS = 128
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=[BOS, EOS, PAD, USER, ASSISTANT, "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+            ),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _llama(vocab: int, bos: int = 0, eos: int = 1):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+@cache
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="pagedinfer-cli-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@cache
+def tiny_model() -> Path:
+    """A 2-layer random Llama (context 128) with a byte-level BPE tokenizer and a chat template."""
+    out = _root() / "tiny-llama"
+    tok = _tokenizer()
+    model = _llama(len(tok), tok.bos_token_id, tok.eos_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@cache
+def tiny_model_no_tokenizer() -> Path:
+    """The same kind of model without tokenizer files: token-id prompts only."""
+    out = _root() / "tiny-llama-ids"
+    _llama(64).save_pretrained(out)
+    return out
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """Each item is a dict (dumped as JSON) or a str (written as is)."""
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,75 @@
+"""`pagedinfer blocks`: the step-by-step drawing of the pool and the block tables."""
+
+from __future__ import annotations
+
+import json
+
+from cli_helpers import tiny_model, write_jsonl
+from typer.testing import CliRunner
+
+from pagedinfer.cli import app
+
+
+def invoke(*args):
+    result = CliRunner(env={"COLUMNS": "160"}).invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def _steps(text: str) -> list[str]:
+    return text.split("step ")[1:]
+
+
+def test_builtin_example_shows_fork_copy_on_write_and_release():
+    result = invoke("blocks")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "built-in example: one 6-token prompt, n=2 samples" in text
+    steps = _steps(text.split("KV pool:", 1)[1])
+    prefill, cow, *_, last = steps
+    # after the prompt: 2 physical blocks, both shared by the 2 samples (reference count 2)
+    assert "P0 ████ ×2" in prefill and "P1 ██░░ ×2" in prefill and "(2/8 in use)" in prefill
+    assert "L0→P0 L1→P1" in prefill and "fork" in prefill
+    # the first sample's write copies the partly filled shared block; the second writes in place
+    assert "copy-on-write" in cow and "P1 was copied to P2" in cow
+    assert "into its copy P2" in cow and "into P1 in place" in cow and "(3/8 in use)" in cow
+    assert "r/0        L0→P0 L1→P2" in cow and "r/1        L0→P0 L1→P1" in cow
+    # at the end every block is back in the pool
+    assert "returned to the pool" in last and "(0/8 in use)" in last
+    assert "All 8 blocks are back in the pool." in text
+
+
+def test_run_trace_file_is_drawn_by_blocks(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt_token_ids": [3, 4, 5, 6, 7], "n": 3, "max_tokens": 3}])
+    trace = tmp_path / "trace.json"
+    args = [
+        "run",
+        path,
+        "--model",
+        tiny_model(),
+        "--block-size",
+        "2",
+        "--num-blocks",
+        "16",
+        "--quiet",
+        "--trace",
+        trace,
+    ]
+    assert invoke(*args).exit_code == 0
+    doc = json.loads(trace.read_text())
+    assert doc["format"] == "pagedinfer-trace" and doc["block_size"] == 2 and doc["num_blocks"] == 16
+    assert doc["steps"][0]["tables"] == {"1/0": [0, 1, 2], "1/1": [0, 1, 2], "1/2": [0, 1, 2]}
+    result = invoke("blocks", trace)
+    assert result.exit_code == 0
+    assert "P2 █░ ×3" in result.stdout and "copy-on-write" in result.stdout
+    assert "All 16 blocks are back in the pool." in result.stdout
+
+
+def test_blocks_rejects_a_file_that_is_not_a_trace(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"steps": 1}')
+    result = invoke("blocks", bad)
+    assert result.exit_code == 2 and "is not a pagedinfer trace" in result.stderr
+    result = invoke("blocks", tmp_path / "missing.json")
+    assert result.exit_code == 2 and "does not exist" in result.stderr

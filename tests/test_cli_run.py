@@ -1,0 +1,506 @@
+"""`pagedinfer run` end to end on tiny random-weight models (Typer's CliRunner, in process)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from cli_helpers import read_jsonl, tiny_model, tiny_model_no_tokenizer, write_jsonl
+from rich.console import Console
+from typer.testing import CliRunner
+
+from pagedinfer.cli import app
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_model())
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def run(model: str, path: Path, *args: str):
+    return invoke("run", path, "--model", model, "--device", "cpu", "--quiet", *args)
+
+
+def test_every_input_form(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+    lines = [
+        {"id": "text", "prompt": "To be, or not to be", "n": 2, "max_tokens": 3, "ignore_eos": True},
+        {"messages": messages, "ignore_eos": True},
+        {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 2, "ignore_eos": True, "logprobs": 2},
+        {
+            "custom_id": "cmpl",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "x", "prompt": "The quick", "max_tokens": 3, "logprobs": 1, "ignore_eos": True},
+        },
+        {
+            "custom_id": "chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "x",
+                "messages": messages,
+                "n": 2,
+                "max_completion_tokens": 2,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "ignore_eos": True,
+            },
+        },
+    ]
+    path = write_jsonl(tmp_path / "forms.jsonl", lines)
+    result = run(model, path, "--max-tokens", "4")
+    assert result.exit_code == 0, result.output
+    text, chat, ids, cmpl, chat_oa = read_jsonl(tmp_path / "forms.out.jsonl")
+
+    assert text["id"] == "text" and text["prompt"] == "To be, or not to be" and text["error"] is None
+    assert [o["index"] for o in text["outputs"]] == [0, 1]
+    assert all(len(o["token_ids"]) == 3 and o["finish_reason"] == "length" for o in text["outputs"])
+    assert text["usage"]["completion_tokens"] == 6
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["id"] == 2 and chat["messages"] == messages and chat["prompt"] == rendered
+    assert chat["usage"]["prompt_tokens"] == len(
+        tok(rendered, add_special_tokens=False)["input_ids"]
+    )  # one BOS
+    assert len(chat["outputs"][0]["token_ids"]) == 4  # the command-line default
+
+    assert ids["prompt_token_ids"] == [5, 6, 7, 8] and ids["usage"]["prompt_tokens"] == 4
+    step = ids["outputs"][0]["logprobs"][0]
+    assert step["token_id"] == ids["outputs"][0]["token_ids"][0] and len(step["top_logprobs"]) == 2
+
+    assert cmpl["custom_id"] == "cmpl" and cmpl["error"] is None and cmpl["response"]["status_code"] == 200
+    body = cmpl["response"]["body"]
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 3
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
+
+    body = chat_oa["response"]["body"]
+    assert chat_oa["custom_id"] == "chat" and body["object"] == "chat.completion"
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    content = body["choices"][0]["logprobs"]["content"]
+    assert (
+        len(content) == 2 and len(content[0]["top_logprobs"]) == 2 and isinstance(content[0]["bytes"], list)
+    )
+
+
+def test_bad_lines_get_error_records_and_good_lines_complete(model, tmp_path):
+    lines = [
+        {"id": "good-1", "prompt": "hello", "max_tokens": 2},
+        '{"prompt": "torn',
+        {"id": "no-prompt"},
+        {"id": "wrong-type", "prompt": ["x"]},
+        {"id": "unknown", "prompt": "x", "bogus": 1},
+        {"id": "model-too-long", "prompt_token_ids": [3] * 200},
+        {"id": "pool-too-long", "prompt_token_ids": [3] * 20, "max_tokens": 100},
+        {"id": "vocab", "prompt_token_ids": [99999]},
+        {"id": "good-2", "prompt_token_ids": [4, 5], "max_tokens": 2},
+    ]
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    result = run(model, path, "--block-size", "4", "--num-blocks", "12")
+    assert result.exit_code == 1
+    assert "2 ok, 7 failed (lines 2, 3, 4, 5, 6, 7, 8)" in result.stdout
+    records = read_jsonl(tmp_path / "bad.out.jsonl")
+    assert len(records) == len(lines)
+    by_line = {i + 1: r for i, r in enumerate(records)}
+    assert by_line[1]["error"] is None and len(by_line[1]["outputs"][0]["token_ids"]) <= 2
+    assert by_line[9]["error"] is None
+    expected = {
+        2: "not valid JSON",
+        3: "no prompt",
+        4: "prompt must be a string, not a list",
+        5: "unknown field 'bogus'",
+        6: "the prompt has 200 tokens; the model's context is 128 tokens",
+        7: "but the pool has 12",
+        8: "prompt_token_ids must be a list of integers in [0, ",
+    }
+    for line, reason in expected.items():
+        assert by_line[line]["error"].startswith(f"line {line}: "), by_line[line]
+        assert reason in by_line[line]["error"]
+        assert by_line[line]["id"] == (line if line == 2 else lines[line - 1]["id"])
+    for line, reason in expected.items():  # the summary names every failed line and its reason
+        assert f"✗ line {line}: " in result.stdout and reason in result.stdout
+
+
+def test_bad_openai_lines_get_openai_error_records(tmp_path):
+    lines = [
+        {"custom_id": "oa-bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": 3}},
+        "{not json",
+        {
+            "custom_id": "oa-unknown",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [], "x": 1},
+        },
+    ]
+    path = write_jsonl(tmp_path / "oa.jsonl", lines)
+    result = invoke("run", path, "--model", "/no/such/model")  # nothing can run: the model is never loaded
+    assert result.exit_code == 1
+    first, torn, unknown = read_jsonl(tmp_path / "oa.out.jsonl")
+    assert first["custom_id"] == "oa-bad" and first["response"]["status_code"] == 400
+    assert first["error"]["message"].startswith("line 1: body.prompt must be a string")
+    assert first["response"]["body"]["error"]["message"] == first["error"]["message"]
+    assert (
+        torn["custom_id"] is None
+        and torn["response"] is None
+        and torn["error"]["message"].startswith("line 2: not valid JSON")
+    )
+    assert unknown["custom_id"] == "oa-unknown" and "unknown body field 'x'" in unknown["error"]["message"]
+
+
+def test_strict_stops_before_loading_the_model(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "x"}, "nope", {"prompt": 1}])
+    result = invoke("run", path, "--model", "/no/such/model", "--strict")  # never loaded
+    assert result.exit_code == 1
+    assert "2 bad lines; stopping before loading the model" in result.stderr
+    assert "line 2: not valid JSON" in result.stderr and "line 3: prompt must be a string" in result.stderr
+    assert not (tmp_path / "s.out.jsonl").exists()
+
+
+def test_strict_stops_on_lines_too_long_after_tokenization(model, tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "x"}, {"prompt_token_ids": [3] * 500}])
+    result = run(model, path, "--strict")
+    assert result.exit_code == 1 and "stopping before generating" in result.stderr
+    assert "line 2: the prompt has 500 tokens" in result.stderr
+
+
+def _one_line_error(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in " ".join(result.stderr.split()), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "does not exist"),
+        ("directory", "is a directory"),
+        ("empty", "is empty"),
+        ("not-utf8", "is not UTF-8 text"),
+        ("no-output-dir", "directory"),
+        ("output-is-dir", "is a directory"),
+        ("output-is-input", "is the input file"),
+        ("unknown-model", "model directory /no/such/model does not exist"),
+        ("model-is-file", "is a file"),
+        ("both-pool-sizes", "give --num-blocks or --kv-memory, not both"),
+        ("bad-kv-memory", "cannot read 'lots' as a size"),
+        ("bad-block-size", "--block-size must be a power of two"),
+        ("bad-temperature", "temperature must be >= 0"),
+        ("resume-stdout", "--resume needs an output file"),
+    ],
+)
+def test_unusable_invocations_exit_2_with_one_line(model, tmp_path, case, message):
+    good = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    args = {
+        "missing": [tmp_path / "nope.jsonl"],
+        "directory": [tmp_path],
+        "empty": [write_jsonl(tmp_path / "e.jsonl", [])],
+        "not-utf8": [tmp_path / "bin.jsonl"],
+        "no-output-dir": [good, "-o", tmp_path / "missing-dir" / "o.jsonl"],
+        "output-is-dir": [good, "-o", tmp_path],
+        "output-is-input": [good, "-o", good],
+        "unknown-model": [good, "--model", "/no/such/model"],
+        "model-is-file": [good, "--model", good],
+        "both-pool-sizes": [good, "--num-blocks", "4", "--kv-memory", "1MiB"],
+        "bad-kv-memory": [good, "--kv-memory", "lots"],
+        "bad-block-size": [good, "--block-size", "3"],
+        "bad-temperature": [good, "--temperature", "-1"],
+        "resume-stdout": [good, "-o", "-", "--resume"],
+    }[case]
+    (tmp_path / "bin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    if "--model" not in args:
+        args = [*args, "--model", model]
+    result = invoke("run", *args)
+    _one_line_error(result, message)
+
+
+def test_output_order_is_input_order_when_later_lines_finish_first(model, tmp_path):
+    lines = [{"id": "slow", "prompt_token_ids": [3, 4], "max_tokens": 12, "ignore_eos": True}]
+    lines += [{"id": f"fast-{i}", "prompt_token_ids": [5 + i], "max_tokens": 1} for i in range(4)]
+    path = write_jsonl(tmp_path / "o.jsonl", lines)
+    result = invoke("run", path, "--model", model, "--quiet", "-o", "-")
+    assert result.exit_code == 0
+    out = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    assert [r["id"] for r in out] == ["slow", "fast-0", "fast-1", "fast-2", "fast-3"]
+    assert len(out[0]["outputs"][0]["token_ids"]) == 12
+
+
+class _InterruptAfter:
+    """Patch LLMEngine.step to send a real SIGINT (Ctrl-C) to this process after some steps."""
+
+    def __init__(self, monkeypatch, steps: int) -> None:
+        from pagedinfer.engine import LLMEngine
+
+        original = LLMEngine.step
+        self.calls = 0
+
+        def step(engine):
+            self.calls += 1
+            if self.calls == steps:
+                os.kill(os.getpid(), signal.SIGINT)
+            return original(engine)
+
+        monkeypatch.setattr(LLMEngine, "step", step)
+
+
+def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path, monkeypatch):
+    # line 1 is long, lines 2..5 finish first: on Ctrl-C they are written (finished work is kept)
+    lines = [{"id": "long", "prompt_token_ids": [3, 4, 5], "max_tokens": 30, "ignore_eos": True}]
+    lines += [
+        {"id": f"s{i}", "prompt_token_ids": [6, i + 7], "max_tokens": 2, "ignore_eos": True} for i in range(4)
+    ]
+    lines.append({"id": "bad", "prompt": 5})
+    path = write_jsonl(tmp_path / "r.jsonl", lines)
+    out = tmp_path / "r.out.jsonl"
+    with monkeypatch.context() as m:
+        _InterruptAfter(m, steps=5)
+        result = run(model, path)
+    assert result.exit_code == 130
+    assert "interrupted: 1 line not run; run again with --resume" in result.stdout
+    first = read_jsonl(out)
+    assert sorted(r["id"] for r in first) == ["bad", "s0", "s1", "s2", "s3"]
+
+    report = tmp_path / "report.json"
+    result = run(model, path, "--resume", "--report-json", report)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+    assert doc["run"]["skipped"] == 5 and doc["run"]["succeeded"] == 1
+    assert doc["scheduling"]["requests"] == 1  # only the missing line ran
+    final = read_jsonl(out)
+    assert [r["id"] for r in final] == ["long", "s0", "s1", "s2", "s3", "bad"]  # input order restored
+    assert len(final[0]["outputs"][0]["token_ids"]) == 30
+    assert {r["id"]: r for r in final if r["id"] != "long"} == {r["id"]: r for r in first}  # kept as written
+
+
+def test_resume_after_a_crash_mid_write(model, tmp_path):
+    lines = [{"id": i, "prompt_token_ids": [i + 3], "max_tokens": 2} for i in range(4)]
+    path = write_jsonl(tmp_path / "c.jsonl", lines)
+    out = tmp_path / "c.out.jsonl"
+    assert run(model, path).exit_code == 0
+    complete = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(complete[:2]) + complete[2][:17])  # crashed while writing line 3
+    result = run(model, path, "--resume")
+    assert result.exit_code == 0
+    assert out.read_bytes().splitlines(keepends=True)[:2] == complete[:2]
+    assert [r["id"] for r in read_jsonl(out)] == [0, 1, 2, 3]
+    assert out.read_bytes().splitlines(keepends=True) == complete  # seeds derive from ids: same results
+
+
+def test_report_figures_match_the_engine_and_predicted_sharing(model, tmp_path):
+    from pagedinfer import LLM, SamplingParams
+
+    prompt_len, block_size, n, max_tokens = 10, 4, 4, 6
+    ids = list(range(3, 3 + prompt_len))
+    line = {
+        "id": "p",
+        "prompt_token_ids": ids,
+        "n": n,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "seed": 1,
+    }
+    path = write_jsonl(tmp_path / "share.jsonl", [line])
+    report = tmp_path / "share.json"
+    args = ["--block-size", block_size, "--num-blocks", 64, "--report-json", report, "--report"]
+    result = run(model, path, *args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(report.read_text())
+
+    full_blocks = prompt_len // block_size
+    assert doc["sharing"]["blocks_saved_by_sharing"] == (n - 1) * full_blocks  # = 6 blocks
+    assert doc["sharing"]["cow_copies"] == (n - 1 if prompt_len % block_size else 0)
+    assert doc["sharing"]["prompt_tokens_requested"] == n * prompt_len
+    assert doc["sharing"]["prompt_tokens_computed"] == prompt_len
+    own = -(-(prompt_len + max_tokens - 1) // block_size) - full_blocks
+    assert doc["usage"]["peak_blocks_used"] == full_blocks + n * own
+    assert doc["scheduling"]["peak_running_seqs"] == n
+    assert doc["scheduling"]["naive_max_seqs"] == 64 * block_size // 128
+    assert doc["pool"]["num_blocks"] == 64 and doc["pool"]["source"] == "num_blocks=64"
+    assert doc["usage"]["blocks_used_per_step"][-1] > 0 and doc["run"]["succeeded"] == 1
+
+    # the same run through the Python API gives the same statistics (throughput aside)
+    llm = LLM(model, block_size=block_size, num_blocks=64, device="cpu")
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=1)
+    llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    api = llm.stats.to_dict()
+    for section in ("pool", "usage", "fragmentation", "sharing", "scheduling"):
+        assert doc[section] == api[section], section
+    assert doc["throughput"]["generated_tokens"] == api["throughput"]["generated_tokens"] == n * max_tokens
+
+    # the terminal report shows the same figures
+    text = " ".join(result.stdout.split())
+    assert "KV cache memory report" in text
+    assert f"{(n - 1) * full_blocks} blocks" in text and f"{n - 1} copy-on-write copies" in text
+    assert f"peak {full_blocks + n * own} blocks" in text and "sized by --num-blocks 64" in text
+    assert f"{n * prompt_len} requested" in text
+
+
+REPORT_KEYS = {
+    "version",
+    "pool",
+    "pool.num_blocks",
+    "pool.block_size",
+    "pool.bytes_per_token",
+    "pool.bytes_per_block",
+    "pool.kv_bytes_total",
+    "pool.source",
+    "pool.max_model_len",
+    "usage",
+    "usage.steps",
+    "usage.peak_blocks_used",
+    "usage.peak_kv_bytes",
+    "usage.mean_blocks_used",
+    "usage.blocks_used_per_step",
+    "fragmentation",
+    "fragmentation.empty_slots_at_peak",
+    "fragmentation.empty_fraction_at_peak",
+    "fragmentation.empty_fraction_mean",
+    "fragmentation.naive_reserved_slots_at_peak",
+    "fragmentation.naive_reserved_bytes_at_peak",
+    "fragmentation.naive_waste_fraction_at_peak",
+    "fragmentation.naive_waste_fraction_mean",
+    "sharing",
+    "sharing.peak_logical_blocks",
+    "sharing.blocks_saved_by_sharing",
+    "sharing.cow_copies",
+    "sharing.prompt_tokens",
+    "sharing.prompt_tokens_requested",
+    "sharing.prompt_tokens_computed",
+    "sharing.output_tokens_recomputed",
+    "scheduling",
+    "scheduling.requests",
+    "scheduling.failed_requests",
+    "scheduling.samples",
+    "scheduling.preemptions",
+    "scheduling.peak_running_seqs",
+    "scheduling.naive_max_seqs",
+    "throughput",
+    "throughput.wall_time_s",
+    "throughput.prompt_tokens_per_s",
+    "throughput.generated_tokens",
+    "throughput.generated_tokens_per_s",
+    "derived",
+    "derived.empty_bytes_at_peak",
+    "derived.naive_wasted_bytes_at_peak",
+    "derived.peak_filled_slots",
+    "derived.peak_step",
+    "derived.logical_blocks_at_max_sharing",
+    "derived.physical_blocks_at_max_sharing",
+    "derived.bytes_saved_by_sharing",
+    "derived.prompt_tokens_saved_by_sharing",
+    "derived.pool_usage_fraction_at_peak",
+    "run",
+    "run.input",
+    "run.output",
+    "run.model",
+    "run.lines",
+    "run.skipped",
+    "run.succeeded",
+    "run.failed",
+    "run.failed_lines",
+    "run.interrupted",
+}
+
+
+def _keys(doc: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in doc.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= _keys(v, f"{prefix}{k}.")
+    return keys
+
+
+def test_report_json_keys_are_stable_and_documented(model, tmp_path):
+    path = write_jsonl(tmp_path / "k.jsonl", [{"prompt": "x", "max_tokens": 2}, {"prompt": 1}])
+    report = tmp_path / "k.json"
+    assert run(model, path, "--report-json", report).exit_code == 1
+    doc = json.loads(report.read_text())
+    assert _keys(doc) == REPORT_KEYS
+    assert doc["run"]["failed_lines"] == [2] and doc["scheduling"]["requests"] == 1
+    documented = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)?)`", DOCS.read_text()))
+    assert REPORT_KEYS - {"version"} <= documented | {k.split(".")[0] for k in REPORT_KEYS}, sorted(
+        REPORT_KEYS - documented
+    )
+    assert {k for k in REPORT_KEYS if "." in k} <= documented, sorted(
+        k for k in REPORT_KEYS if k not in documented
+    )
+
+
+def test_model_without_tokenizer_takes_token_ids_only(tmp_path):
+    path = write_jsonl(
+        tmp_path / "ids.jsonl",
+        [
+            {"prompt_token_ids": [3, 4], "max_tokens": 2},
+            {"prompt": "text"},
+            {"messages": [{"role": "user", "content": "x"}]},
+        ],
+    )
+    result = run(str(tiny_model_no_tokenizer()), path)
+    assert result.exit_code == 1
+    ok, text, chat = read_jsonl(tmp_path / "ids.out.jsonl")
+    assert ok["error"] is None and ok["outputs"][0]["text"] == ""
+    assert "has no tokenizer" in text["error"] and "has no tokenizer" in chat["error"]
+
+
+def test_progress_bar_on_a_terminal_and_silent_when_quiet(model, tmp_path):
+    from pagedinfer.batch import RunOptions, execute
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "max_tokens": 3, "n": 2}])
+    for quiet in (False, True):
+        err = Console(file=io.StringIO(), force_terminal=True, width=120)
+        out = Console(file=io.StringIO(), width=100)
+        opts = RunOptions(
+            prompts=path, model=model, quiet=quiet, engine={"device": "cpu"}, sampling={"max_tokens": 3}
+        )
+        assert execute(opts, out, err) == 0
+        shown = err.file.getvalue()
+        if quiet:
+            assert shown == "" and "KV cache memory report" not in out.file.getvalue()
+        else:
+            assert (
+                "completions" in shown
+                and "2/2" in shown
+                and "tok/s" in shown
+                and "KV " in shown
+                and "blocks" in shown
+            )
+            assert "KV cache memory report" in out.file.getvalue()
+        assert "pagedinfer: 1 line " in out.file.getvalue()
+
+
+def test_version_and_help_everywhere():
+    result = invoke("--version")
+    assert result.exit_code == 0 and re.fullmatch(r"pagedinfer \d+\.\d+\.\d+\s*", result.stdout)
+    for args in (["--help"], ["run", "--help"], ["blocks", "--help"]):
+        result = CliRunner(env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).invoke(app, args)
+        assert result.exit_code == 0 and "Usage" in result.stdout
+    help_text = (
+        CliRunner(env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"}).invoke(app, ["run", "--help"]).stdout
+    )
+    options = (
+        "--model -m -n --max-tokens --temperature --top-p --top-k --min-p --seed --stop --output -o --block-size "
+        "--num-blocks --kv-memory --max-num-seqs --max-batched-tokens --max-model-len --device --dtype --report "
+        "--no-report --report-json --trace --resume --strict --quiet"
+    )
+    for option in options.split():
+        assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text), option
