@@ -20,7 +20,9 @@ from pagedinfer.stats import EngineStats
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, use_cuda_kernels: bool = False) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, use_cuda_kernels: bool | None = None
+    ) -> None:
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -31,11 +33,25 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, use_cuda_kernels)
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, self._backend(use_cuda_kernels))
         self._seeds = random.Random(config.seed)
         self._next_id = 0
         self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
         self.reset_stats()
+
+    def _backend(self, requested: bool | None) -> bool:
+        """CUDA kernels when asked (or, by default, on a CUDA device with CuPy); else the torch path."""
+        if requested is False or (requested is None and self.loaded.device.type != "cuda"):
+            return False
+        from pagedinfer import cuda_kernels
+
+        dims = {(s.head_dim, s.head_dim_v) for s in self.loaded.layer_shapes.values()}
+        reason = cuda_kernels.unsupported_reason(dims, self.loaded.dtype, self.config.block_size)
+        if requested is None:
+            return reason is None and cuda_kernels.is_available()
+        if reason:
+            raise ValueError(f"use_cuda_kernels=True but {reason}")
+        return True
 
     def reset_stats(self) -> None:
         self.stats = EngineStats(

@@ -51,8 +51,6 @@ class LLM:
             seed=seed,
         )
         loaded = load_model(model, device=device, dtype=dtype)
-        if use_cuda_kernels is None:
-            use_cuda_kernels = loaded.device.type == "cuda" and _cupy_available()
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 
     @property
@@ -129,11 +127,3 @@ class LLM:
             bar.close()
             engine.stats.wall_time_s = time.perf_counter() - start
             engine.abort_all()  # a caller that stops early (Ctrl-C) leaves no blocks behind
-
-
-def _cupy_available() -> bool:
-    try:
-        from pagedinfer import cuda_kernels
-    except ImportError:
-        return False
-    return cuda_kernels.is_available()

@@ -55,10 +55,25 @@ class ModelRunner:
         )
         return torch.tensor(ids, device=self.device), positions.to(self.device), meta
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        if not self.use_cuda_kernels:
+            self.kv.copy_blocks(copies)
+            return
+        from pagedinfer import cuda_kernels
+
+        groups: dict[tuple, list[int]] = {}  # one launch per group of same-shaped layers
+        for layer, k in self.kv.k.items():
+            groups.setdefault((k.shape, self.kv.v[layer].shape), []).append(layer)
+        for layers in groups.values():
+            ks, vs = [self.kv.k[i] for i in layers], [self.kv.v[i] for i in layers]
+            cuda_kernels.copy_blocks(ks, vs, copies)
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
-        self.kv.copy_blocks(copies)  # copy-on-write before this step's writes land
+        self._copy_blocks(copies)  # copy-on-write before this step's writes land
         ids, positions, meta = self.build_metadata(batch)
         ends = torch.cumsum(torch.tensor([s.num_tokens for s in batch]), 0) - 1  # [S]
         keep = ends[torch.tensor([s.sample for s in batch], dtype=torch.bool)].to(self.device)  # [R]
