@@ -22,6 +22,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+MIN_WORK_PER_THREAD = 1 << 21  # multiply-adds; below this a thread hand-off costs more than it saves
 
 
 @functools.cache
@@ -100,12 +101,13 @@ def paged_decode(
         softcap,
         None if sinks is None else sinks.data_ptr(),
     )
-    threads = min(torch.get_num_threads(), num_seqs)
+    work = torch.cumsum(ctx_lens.to(torch.int64), 0)  # [S] keys read up to each sequence
+    total = int(work[-1]) * q.shape[1] * (head_dim + v_cache.shape[3])
+    threads = min(torch.get_num_threads(), num_seqs, max(1, total // MIN_WORK_PER_THREAD))
     if threads <= 1:
         fn(*args, 0, num_seqs, *tail)
         return
     # split the sequences into ranges of about equal context length, one per thread
-    work = torch.cumsum(ctx_lens.to(torch.int64), 0)
     cuts = torch.searchsorted(work, torch.arange(1, threads) * (int(work[-1]) / threads)).tolist()
     bounds = [0, *cuts, num_seqs]
     futures = [

@@ -89,3 +89,26 @@ def test_paged_attention_matches_reference(use_kernel, group, window, softcap, w
         qpos = torch.arange(length - n, length)
         want = reference(q[starts[s] : starts[s] + n], keys, values, qpos, 0.3, window, softcap, sinks)
         torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
+    """Enough work to be split across threads (sequence ranges of equal context): same as the torch path."""
+    torch.set_num_threads(2)
+    query_lens = [1] * 16
+    context_lens = [40 + 37 * i for i in range(16)]
+    q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
+    splits = []
+    real = cpu_kernel._library().paged_decode_f32
+    monkeypatch.setattr(cpu_kernel, "_library", lambda: type("L", (), {"paged_decode_f32": staticmethod(spy)})())
+
+    def spy(*args):
+        splits.append((args[7], args[8]))
+        real(*args)
+
+    outs = []
+    for use_kernel in (True, False):
+        out = torch.empty(16, 8, 64)
+        TorchPlan.build(meta, use_kernel).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)
+        outs.append(out)
+    assert len(splits) == 2 and splits[0][0] == 0 and splits[-1][1] == 16 and splits[0][1] == splits[1][0]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)

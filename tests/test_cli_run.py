@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from pagedinfer.cli import app
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+DOCS = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.fixture(scope="module")
