@@ -2,14 +2,42 @@
 // through the block table, never gathered into a contiguous copy. All query heads of a KV head are
 // served from one read of each K/V row (grouped-query attention). Online softmax, block by block.
 // Compiled at first use with the system C compiler and called through ctypes (which releases the
-// GIL, so Python threads can run disjoint sequence ranges in parallel).
+// GIL, so Python threads can run disjoint sequence ranges in parallel). Head sizes must be
+// multiples of 8: rows are processed as 8-float vectors (GCC/Clang vector extensions).
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
-#define MAX_GROUP 64   // query heads per KV head
+#define MAX_HEADS 128  // query heads
 #define MAX_DIM 512    // head size
 #define MAX_BLOCK 128  // block size
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+  v8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float hsum8(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// q . k for one key row: four independent accumulators hide the FMA latency.
+static inline float dot8(const v8 *q, const float *k, int chunks) {
+  v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+  int c = 0;
+  for (; c + 4 <= chunks; c += 4) {
+    s0 += q[c] * load8(k + 8 * c);
+    s1 += q[c + 1] * load8(k + 8 * c + 8);
+    s2 += q[c + 2] * load8(k + 8 * c + 16);
+    s3 += q[c + 3] * load8(k + 8 * c + 24);
+  }
+  for (; c < chunks; ++c) s0 += q[c] * load8(k + 8 * c);
+  return hsum8((s0 + s1) + (s2 + s3));
+}
 
 void paged_decode_f32(float *out, const float *q, const float *k_cache, const float *v_cache,
                       const int32_t *block_tables, const int32_t *ctx_lens, const int64_t *rows,
@@ -17,61 +45,66 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
                       int num_kv_heads, int head_dim, int head_dim_v, int64_t q_token_stride,
                       int64_t q_head_stride, float scale, int window, float softcap,
                       const float *sinks) {
-  const int g = num_heads / num_kv_heads;
-  float qs[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], logits[MAX_BLOCK][MAX_GROUP];
-  float m[MAX_GROUP], l[MAX_GROUP];
+  // All heads of a sequence advance together, block by block, so each K/V row (all KV heads,
+  // contiguous in the pool) is read from memory exactly once per step and layer.
+  const int g = num_heads / num_kv_heads, kc = head_dim / 8, vc = head_dim_v / 8;
+  const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
+  static _Thread_local v8 qs[MAX_HEADS * MAX_DIM / 8], acc[MAX_HEADS * MAX_DIM / 8];
+  static _Thread_local float logits[MAX_HEADS * MAX_BLOCK];
+  float m[MAX_HEADS], l[MAX_HEADS];
   for (int s = s_begin; s < s_end; ++s) {
     const int len = ctx_lens[s];
     const int first = (window > 0 && len > window) ? len - window : 0;
     const int32_t *table = block_tables + (size_t)s * max_blocks;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      for (int j = 0; j < g; ++j) {
-        const float *src = q + rows[s] * q_token_stride + (int64_t)(h * g + j) * q_head_stride;
-        for (int d = 0; d < head_dim; ++d) qs[j][d] = src[d] * scale;
-        for (int d = 0; d < head_dim_v; ++d) acc[j][d] = 0.f;
-        m[j] = -INFINITY;
-        l[j] = 0.f;
+    for (int i = 0; i < num_heads; ++i) {
+      const float *src = q + rows[s] * q_token_stride + (int64_t)i * q_head_stride;
+      for (int c = 0; c < kc; ++c) qs[i * kc + c] = load8(src + 8 * c) * scale;
+      for (int c = 0; c < vc; ++c) acc[i * vc + c] = (v8){0};
+      m[i] = -INFINITY;
+      l[i] = 0.f;
+    }
+    for (int b = first / block_size; b * block_size < len; ++b) {
+      const int t0 = b * block_size > first ? b * block_size : first;
+      const int t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+      const int n = t1 - t0;
+      const size_t base = (size_t)table[b] * block_size + t0 % block_size;
+      const float *k = k_cache + base * k_row, *v = v_cache + base * v_row;
+      for (int t = 0; t < n; ++t)  // query head i reads KV head i / g of row t
+        for (int i = 0; i < num_heads; ++i)
+          logits[i * MAX_BLOCK + t] = dot8(qs + i * kc, k + t * k_row + (size_t)(i / g) * head_dim, kc);
+      for (int i = 0; i < num_heads; ++i) {
+        float *li = logits + i * MAX_BLOCK, block_max = -INFINITY, sum = 0.f;
+        if (softcap > 0.f)
+          for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
+        for (int t = 0; t < n; ++t) block_max = li[t] > block_max ? li[t] : block_max;
+        if (block_max > m[i]) {  // rescale what was accumulated under the old maximum
+          const float corr = expf(m[i] - block_max);
+          l[i] *= corr;
+          for (int c = 0; c < vc; ++c) acc[i * vc + c] *= corr;
+          m[i] = block_max;
+        }
+        for (int t = 0; t < n; ++t) {
+          li[t] = expf(li[t] - m[i]);
+          sum += li[t];
+        }
+        l[i] += sum;
       }
-      for (int b = first / block_size; b * block_size < len; ++b) {
-        const int t0 = b * block_size > first ? b * block_size : first;
-        const int t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
-        const size_t base = (size_t)table[b] * block_size;
-        float block_max[MAX_GROUP];
-        for (int j = 0; j < g; ++j) block_max[j] = -INFINITY;
-        for (int t = t0; t < t1; ++t) {
-          const float *k = k_cache + ((base + t % block_size) * num_kv_heads + h) * head_dim;
-          for (int j = 0; j < g; ++j) {
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head_dim; ++d) dot += qs[j][d] * k[d];
-            if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);
-            logits[t - t0][j] = dot;
-            if (dot > block_max[j]) block_max[j] = dot;
-          }
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < num_heads; ++i) {
+          const float p = logits[i * MAX_BLOCK + t];
+          const float *vt = v + t * v_row + (size_t)(i / g) * head_dim_v;
+          v8 *a = acc + i * vc;
+          for (int c = 0; c < vc; ++c) a[c] += p * load8(vt + 8 * c);
         }
-        for (int j = 0; j < g; ++j) {
-          if (block_max[j] > m[j]) {  // rescale what was accumulated under the old maximum
-            const float corr = expf(m[j] - block_max[j]);
-            l[j] *= corr;
-            for (int d = 0; d < head_dim_v; ++d) acc[j][d] *= corr;
-            m[j] = block_max[j];
-          }
-        }
-        for (int t = t0; t < t1; ++t) {
-          const float *v = v_cache + ((base + t % block_size) * num_kv_heads + h) * head_dim_v;
-          for (int j = 0; j < g; ++j) {
-            const float p = expf(logits[t - t0][j] - m[j]);
-            l[j] += p;
-#pragma omp simd
-            for (int d = 0; d < head_dim_v; ++d) acc[j][d] += p * v[d];
-          }
-        }
-      }
-      for (int j = 0; j < g; ++j) {
-        float denom = l[j];
-        if (sinks) denom += expf(sinks[h * g + j] - m[j]);
-        float *dst = out + (rows[s] * num_heads + h * g + j) * (int64_t)head_dim_v;
-        for (int d = 0; d < head_dim_v; ++d) dst[d] = acc[j][d] / denom;
+    }
+    for (int i = 0; i < num_heads; ++i) {
+      float denom = l[i];
+      if (sinks) denom += expf(sinks[i] - m[i]);
+      float *dst = out + (rows[s] * num_heads + i) * (int64_t)head_dim_v;
+      const v8 inv = (v8){0} + 1.f / denom;
+      for (int c = 0; c < vc; ++c) {
+        const v8 r = acc[i * vc + c] * inv;
+        memcpy(dst + 8 * c, &r, sizeof r);
       }
     }
   }

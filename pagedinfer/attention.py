@@ -62,10 +62,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         cuda_kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     else:
-        plan = ctx._plans.get("torch")
+        use_kernel = (
+            k_cache.dtype == torch.float32
+            and cpu_kernel.available()
+            and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
+        )
+        plan = ctx._plans.get(use_kernel)  # one plan per step (two if layers differ in kernel support)
         if plan is None:
-            use_kernel = k_cache.dtype == torch.float32 and cpu_kernel.available()
-            plan = ctx._plans["torch"] = TorchPlan.build(meta, use_kernel)
+            plan = ctx._plans[use_kernel] = TorchPlan.build(meta, use_kernel)
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out.unsqueeze(0), None  # [1, T, Hq, Dv]
 

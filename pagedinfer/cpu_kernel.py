@@ -55,6 +55,17 @@ def available() -> bool:
     return _library() is not None
 
 
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, block_size: int) -> bool:
+    """The kernel's limits (mirrors of kernels/cpu_paged_decode.c): 8-float rows, bounded buffers."""
+    return (
+        head_dim % 8 == 0
+        and head_dim_v % 8 == 0
+        and max(head_dim, head_dim_v) <= 512
+        and num_heads <= 128
+        and block_size <= 128
+    )
+
+
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedinfer-attn")

@@ -28,11 +28,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
     params = [s.request.params for s in seqs]
     log_z = torch.logsumexp(logits, dim=-1)  # [R] reported logprobs are the model's own
     raw = logits
-    logits = logits.clone()
-    _apply_penalties(logits, seqs)
-    _suppress_early_stop(logits, seqs, eos_ids)
-    tokens = logits.argmax(dim=-1)  # [R] greedy choice
+    if any(p.penalized or p.min_tokens for p in params):
+        logits = logits.clone()
+        _apply_penalties(logits, seqs)
+        _suppress_early_stop(logits, seqs, eos_ids)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    all_sampled = len(sampled) == len(seqs)  # then no argmax is needed
+    tokens = torch.empty(len(seqs), dtype=torch.int64) if all_sampled else logits.argmax(dim=-1)  # [R]
     if sampled:
         rows = torch.tensor(sampled)
         temps = torch.tensor([params[i].temperature for i in sampled]).unsqueeze(1)  # [Rs, 1]
