@@ -342,6 +342,21 @@ def blocks(
     blocks_view.render(doc, console, max_steps)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def bench(ctx: typer.Context) -> None:
+    """Throughput benchmark: pagedinfer vs transformers generate and generate_batch, same prompts.
+
+    All arguments go to the benchmark (`pagedinfer bench --help` lists them): --workloads W0,W1,W2,
+    --systems, --threads, --quick, --repeats, --json FILE, ...
+    """
+    from pagedinfer.bench import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
 def _usage_error(message: str, err: Console | None = None) -> None:
     from rich.markup import escape
 
