@@ -13,7 +13,6 @@ taking a free block, and freed hashed blocks parked in an evictable LRU instead 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -37,7 +36,7 @@ class BlockPool:
     block_size: int
     ref_counts: list[int] = field(init=False)
     filled: list[int] = field(init=False)  # slots of each block holding K/V (fragmentation stats)
-    free_ids: deque[int] = field(init=False)
+    free_ids: list[int] = field(init=False)  # a stack: the most recently freed block is reused first
     num_filled_slots: int = field(init=False, default=0)
     num_cow_copies: int = field(init=False, default=0)
     events: list[BlockEvent] | None = field(init=False, default=None)  # set to [] to trace
@@ -47,7 +46,7 @@ class BlockPool:
             raise ValueError("the KV pool needs at least one block of at least one slot")
         self.ref_counts = [0] * self.num_blocks
         self.filled = [0] * self.num_blocks
-        self.free_ids = deque(range(self.num_blocks))
+        self.free_ids = list(range(self.num_blocks - 1, -1, -1))  # P0 is handed out first
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -72,7 +71,7 @@ class BlockPool:
     def _take(self) -> int:
         if not self.free_ids:
             raise OutOfBlocks("no free KV block")
-        block = self.free_ids.popleft()
+        block = self.free_ids.pop()  # LIFO keeps the touched memory (RSS) near the peak in use
         self.ref_counts[block] = 1
         self._trace("alloc", block)
         return block
