@@ -99,7 +99,9 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
     real = cpu_kernel._library().paged_decode_f32
-    monkeypatch.setattr(cpu_kernel, "_library", lambda: type("L", (), {"paged_decode_f32": staticmethod(spy)})())
+    monkeypatch.setattr(
+        cpu_kernel, "_library", lambda: type("L", (), {"paged_decode_f32": staticmethod(spy)})()
+    )
 
     def spy(*args):
         splits.append((args[7], args[8]))
