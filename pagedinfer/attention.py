@@ -90,8 +90,9 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, ou
 class TorchPlan:
     """Index tensors for the CPU path, built once per step and reused by every layer.
 
-    Decode sequences (one new token) are attended together with their contexts padded to the
-    longest; each prefill/extend chunk is attended on its own.
+    Decode sequences (one new token) go through the C kernel, or are attended together with their
+    contexts padded to the longest; prefill/extend chunks are attended together, padded to the
+    longest chunk and context (one batched matmul per layer, not a Python loop over chunks).
     """
 
     decode_rows: torch.Tensor  # [Sd] packed-row index of each decode token
@@ -100,52 +101,66 @@ class TorchPlan:
     decode_qpos: torch.Tensor  # [Sd, 1] query positions
     decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block tables of the decode sequences
     decode_lens: torch.Tensor  # [Sd] int32 context lengths of the decode sequences
-    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]  # (t0, t1, slots, qpos, kpos)
+    chunk_rows: torch.Tensor  # [Sc, Nmax] packed-row index of each chunk token (padded: first row)
+    chunk_valid: torch.Tensor  # [Sc, Nmax] real (not padding) chunk tokens
+    chunk_slots: torch.Tensor  # [Sc, Cmax] slot of each context position (padded with a valid slot)
+    chunk_qpos: torch.Tensor  # [Sc, Nmax, 1] query positions
+    chunk_kpos: torch.Tensor  # [Cmax] key positions
     use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
-    masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk masks)
+    masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk mask)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, use_kernel: bool) -> TorchPlan:
         bs = meta.block_size
         tables = meta.block_tables.to(torch.int64)
-        starts = meta.query_start_loc.tolist()
-        decode = [s for s, n in enumerate(meta.query_lens) if n == 1]
-        lmax = max((meta.context_lens_host[s] for s in decode), default=1)
-        pos = torch.arange(lmax)  # [Lmax]
-        idx = torch.tensor(decode, dtype=torch.int64)
-        rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64)
-        decode_tables = meta.block_tables[idx].contiguous()
-        decode_lens = meta.context_lens[idx].contiguous()
-        ctx_lens = decode_lens.to(torch.int64).unsqueeze(1)  # [Sd, 1]
-        qpos = ctx_lens - 1
-        if decode and not use_kernel:
-            kpos = torch.minimum(pos.unsqueeze(0), qpos)  # [Sd, Lmax] pad -> last valid
-            slots = tables[idx].gather(1, kpos // bs) * bs + kpos % bs  # [Sd, Lmax]
-            kpos = pos.unsqueeze(0).expand_as(slots)
+        starts = meta.query_start_loc.to(torch.int64)
+        q_lens = torch.tensor(meta.query_lens)  # [S]
+        ctx_lens = meta.context_lens.to(torch.int64)  # [S]
+        decode = torch.nonzero(q_lens == 1).flatten()  # [Sd]
+        chunk = torch.nonzero(q_lens > 1).flatten()  # [Sc]
+        decode_lens = meta.context_lens[decode].contiguous()
+        qpos = ctx_lens[decode].unsqueeze(1) - 1  # [Sd, 1]
+        if len(decode) and not use_kernel:
+            slots, kpos = cls._context(tables[decode], ctx_lens[decode], bs)
+            kpos = kpos.unsqueeze(0).expand_as(slots)
         else:  # the CPU kernel reads through the block tables itself
             slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64)
-        chunks = []
-        for s, n in enumerate(meta.query_lens):
-            if n == 1:
-                continue
-            length = meta.context_lens_host[s]
-            cpos = torch.arange(length)  # [L]
-            cslots = tables[s, cpos // bs] * bs + cpos % bs  # [L]
-            chunks.append((starts[s], starts[s] + n, cslots, cpos[length - n :].unsqueeze(1), cpos))
-        return cls(rows, slots, kpos, qpos, decode_tables, decode_lens, chunks, use_kernel)
+        n = q_lens[chunk]  # [Sc]
+        offs = torch.arange(int(n.max()) if len(chunk) else 0)  # [Nmax]
+        chunk_valid = offs.unsqueeze(0) < n.unsqueeze(1)  # [Sc, Nmax]
+        chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
+        chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
+        chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
+        return cls(
+            starts[decode],
+            slots,
+            kpos,
+            qpos,
+            meta.block_tables[decode].contiguous(),
+            decode_lens,
+            chunk_rows,
+            chunk_valid,
+            chunk_slots,
+            chunk_qpos.unsqueeze(2),
+            chunk_kpos,
+            use_kernel,
+        )
+
+    @staticmethod
+    def _context(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[S, Lmax]`` of every context position (past each length: the last valid one)."""
+        pos = torch.arange(int(lens.max()) if len(lens) else 0)  # [Lmax]
+        clamped = torch.minimum(pos.unsqueeze(0), lens.unsqueeze(1) - 1)  # [S, Lmax]
+        return tables.gather(1, clamped // bs) * bs + clamped % bs, pos
 
     def _masks(self, window: int):
         if window not in self.masks:
             visible = self.decode_kpos <= self.decode_qpos  # [Sd, Lmax]
+            chunk = self.chunk_kpos <= self.chunk_qpos  # [Sc, Nmax, Cmax]
             if window:
                 visible &= self.decode_qpos - self.decode_kpos < window
-            chunk_masks = []
-            for _, _, _, qpos, kpos in self.chunks:
-                m = kpos.unsqueeze(0) <= qpos  # [n, L]
-                if window:
-                    m &= qpos - kpos.unsqueeze(0) < window
-                chunk_masks.append(m)
-            self.masks[window] = (visible, chunk_masks)
+                chunk &= self.chunk_qpos - self.chunk_kpos < window
+            self.masks[window] = (visible, chunk)
         return self.masks[window]
 
     def attend(self, out, q, k, v, k_cache, v_cache, slot_mapping, scale, window, softcap, sinks) -> None:
@@ -157,7 +172,7 @@ class TorchPlan:
         kvh = k_flat.shape[1]
         hq, d = q.shape[1], q.shape[2]
         g = hq // kvh
-        decode_mask, chunk_masks = self._masks(window)
+        decode_mask, chunk_mask = self._masks(window)
         if len(self.decode_rows) and self.use_kernel:
             q = q if q.stride(-1) == 1 else q.contiguous()
             tables, lens, rows = self.decode_tables, self.decode_lens, self.decode_rows
@@ -173,15 +188,18 @@ class TorchPlan:
             sink = None if sinks is None else sinks.view(1, kvh, g, 1)
             probs = _softmax(scores, decode_mask[:, None, None, :], softcap, sink, vals.dtype)
             out[self.decode_rows] = (probs @ vals).reshape(sd, hq, -1).to(out.dtype)
-        for (t0, t1, slots, _, _), mask in zip(self.chunks, chunk_masks, strict=True):
-            n = t1 - t0
-            qc = q[t0:t1].view(n, kvh, g, d).permute(1, 2, 0, 3) * scale  # [kvh, g, n, D]
-            keys = k_flat[slots].permute(1, 2, 0).unsqueeze(1)  # [kvh, 1, D, L]
-            vals = v_flat[slots].transpose(0, 1).unsqueeze(1)  # [kvh, 1, L, Dv]
-            scores = qc @ keys.to(qc.dtype)  # [kvh, g, n, L]
-            sink = None if sinks is None else sinks.view(kvh, g, 1, 1)
-            probs = _softmax(scores, mask, softcap, sink, vals.dtype)
-            out[t0:t1] = (probs @ vals).permute(2, 0, 1, 3).reshape(n, hq, -1).to(out.dtype)
+        if len(self.chunk_rows):
+            sc, nmax = self.chunk_rows.shape
+            qc = (
+                q[self.chunk_rows].view(sc, nmax, kvh, g, d).permute(0, 2, 3, 1, 4) * scale
+            )  # [Sc, kvh, g, N, D]
+            keys = k_flat[self.chunk_slots].permute(0, 2, 3, 1).unsqueeze(2)  # [Sc, kvh, 1, D, Cmax]
+            vals = v_flat[self.chunk_slots].transpose(1, 2).unsqueeze(2)  # [Sc, kvh, 1, Cmax, Dv]
+            scores = qc @ keys.to(qc.dtype)  # [Sc, kvh, g, N, Cmax]
+            sink = None if sinks is None else sinks.view(1, kvh, g, 1, 1)
+            probs = _softmax(scores, chunk_mask[:, None, None], softcap, sink, vals.dtype)
+            res = (probs @ vals).permute(0, 3, 1, 2, 4).reshape(sc, nmax, hq, -1)  # [Sc, N, Hq, Dv]
+            out[self.chunk_rows[self.chunk_valid]] = res[self.chunk_valid].to(out.dtype)
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
