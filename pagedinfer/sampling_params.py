@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -30,7 +30,6 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs per generated token (0: the sampled token only)
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)  # ignored keys kept for callers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
