@@ -14,6 +14,7 @@
 #define MAX_BLOCK 128  // block size
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
   v8 v;
@@ -23,6 +24,26 @@ static inline v8 load8(const float *p) {
 
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// exp(x) for x <= 0 (logit minus running maximum), 8 lanes at once: Cephes' expf polynomial after
+// x = n ln2 + r, |r| <= ln2 / 2; lanes below -87.3 (and -inf) give 0. About 1 ulp from expf.
+static inline v8 exp8_nonpos(v8 x) {
+  const v8 lo = (v8){0} - 87.3f;
+  const v8i under = x < lo;
+  x = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
+  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round to nearest, x <= 0
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v8 p = (v8){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8 scale = (v8)((n + 127) << 23);  // 2^n
+  return (v8)((v8i)(p * scale) & ~under);
 }
 
 // q . k for one key row: four independent accumulators hide the FMA latency.
@@ -50,7 +71,7 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
   const int g = num_heads / num_kv_heads, kc = head_dim / 8, vc = head_dim_v / 8;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
   static _Thread_local v8 qs[MAX_HEADS * MAX_DIM / 8], acc[MAX_HEADS * MAX_DIM / 8];
-  static _Thread_local float logits[MAX_HEADS * MAX_BLOCK];
+  static _Thread_local float logits[MAX_HEADS * (MAX_BLOCK + 8)] __attribute__((aligned(32)));
   float m[MAX_HEADS], l[MAX_HEADS];
   for (int s = s_begin; s < s_end; ++s) {
     const int len = ctx_lens[s];
@@ -71,9 +92,9 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
       const float *k = k_cache + base * k_row, *v = v_cache + base * v_row;
       for (int t = 0; t < n; ++t)  // query head i reads KV head i / g of row t
         for (int i = 0; i < num_heads; ++i)
-          logits[i * MAX_BLOCK + t] = dot8(qs + i * kc, k + t * k_row + (size_t)(i / g) * head_dim, kc);
+          logits[i * (MAX_BLOCK + 8) + t] = dot8(qs + i * kc, k + t * k_row + (size_t)(i / g) * head_dim, kc);
       for (int i = 0; i < num_heads; ++i) {
-        float *li = logits + i * MAX_BLOCK, block_max = -INFINITY, sum = 0.f;
+        float *li = logits + i * (MAX_BLOCK + 8), block_max = -INFINITY;
         if (softcap > 0.f)
           for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
         for (int t = 0; t < n; ++t) block_max = li[t] > block_max ? li[t] : block_max;
@@ -83,15 +104,19 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
           for (int c = 0; c < vc; ++c) acc[i * vc + c] *= corr;
           m[i] = block_max;
         }
-        for (int t = 0; t < n; ++t) {
-          li[t] = expf(li[t] - m[i]);
-          sum += li[t];
+        const int n8 = (n + 7) & ~7;
+        for (int t = n; t < n8; ++t) li[t] = -INFINITY;  // padding lanes: probability 0
+        v8 sum8 = {0};
+        for (int t = 0; t < n8; t += 8) {
+          const v8 p = exp8_nonpos(load8(li + t) - m[i]);
+          memcpy(li + t, &p, sizeof p);
+          sum8 += p;
         }
-        l[i] += sum;
+        l[i] += hsum8(sum8);
       }
       for (int t = 0; t < n; ++t)
         for (int i = 0; i < num_heads; ++i) {
-          const float p = logits[i * MAX_BLOCK + t];
+          const float p = logits[i * (MAX_BLOCK + 8) + t];
           const float *vt = v + t * v_row + (size_t)(i / g) * head_dim_v;
           v8 *a = acc + i * vc;
           for (int c = 0; c < vc; ++c) a[c] += p * load8(vt + 8 * c);

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=gnu11"]
 MIN_WORK_PER_THREAD = 1 << 21  # multiply-adds; below this a thread hand-off costs more than it saves
 
 

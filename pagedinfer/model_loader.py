@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from pagedinfer import attention
+from pagedinfer import attention, packed_linear
 from pagedinfer.kv_cache import LayerShape
 
 DEMO_MODEL = Path(__file__).parent / "demo_model"
@@ -127,6 +127,8 @@ def load_model(
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
+    if os.environ.get("PAGEDINFER_PACK_WEIGHTS", "1") != "0" and packed_linear.can_pack(model):
+        packed_linear.pack_linears(model)
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(

@@ -114,3 +114,19 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         outs.append(out)
     assert len(splits) == 2 and splits[0][0] == 0 and splits[-1][1] == 16 and splits[0][1] == splits[1][0]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+
+
+def test_decode_kernel_underflowing_probabilities():
+    """Scores hundreds apart: most probabilities underflow to exactly 0 in the kernel's vector exp."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    query_lens, context_lens = [1, 1, 1], [7, 16, 33]
+    q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=8, kvh=2, hq=4, d=16, seed=5)
+    out = torch.empty(3, 4, 16)
+    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
+    for s, length in enumerate(context_lens):
+        pos = torch.arange(length)
+        slots = meta.block_tables[s, pos // 8].long() * 8 + pos % 8
+        keys, values = kc.view(-1, 2, 16)[slots], vc.view(-1, 2, 16)[slots]
+        want = reference(q[s : s + 1], keys, values, torch.tensor([length - 1]), 60.0, 0, 0.0, None)
+        torch.testing.assert_close(out[s : s + 1].double(), want, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,98 @@
+"""CPU fp32 linears with their weights packed once for oneDNN instead of repacked by MKL on every call.
+
+A decode step multiplies a few dozen rows by each weight; MKL's sgemm re-lays the whole weight out
+per call, which costs about as much as the multiply itself at that size. oneDNN's prepacked
+weights run the same products 1.2-2.5x faster on the CPU (the 49152-wide lm_head most), for
+every row count (measured in docs/bench.md), so `pack_linears` swaps each ``nn.Linear`` of a
+loaded CPU float32 model for a `PackedLinear`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import mmap
+
+import torch
+from torch import nn
+
+ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
+MADV_DONTNEED = 4  # madvise(2): drop these pages
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` forward through oneDNN with a prepacked (opaque) weight; inference only."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().contiguous()  # [out, in]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def can_pack(model: nn.Module) -> bool:
+    param = next(model.parameters(), None)
+    return (
+        param is not None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+@torch.inference_mode()
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a `PackedLinear`; return how many were packed.
+
+    A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
+    The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
+    would otherwise stay mapped, and resident, for their sake: the unpacked weights' pages with it.
+    """
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    kept = {  # weights that other modules (a tied embedding) go on using
+        p.data_ptr() for m in model.modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)
+    }
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+        if child.weight.data_ptr() not in kept:
+            _release_pages(child.weight)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return len(targets)
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Hand the pages wholly inside ``t`` back to the OS now (its contents are gone after).
+
+    Without this the unpacked and packed weights are resident together until the last linear is
+    packed, which raises the process's peak RSS by the model's size.
+    """
+    libc = _libc()
+    if libc is None:
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "madvise") else None

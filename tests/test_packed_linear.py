@@ -1,0 +1,67 @@
+"""Prepacked oneDNN linears: same products as nn.Linear, every Linear swapped, tied embeddings intact."""
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+from pagedinfer import packed_linear
+from pagedinfer.model_loader import load_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (nothing is packed)"
+)
+
+
+def test_packed_linear_matches_linear_for_any_row_count_and_layout():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 40, bias=False))
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    x = torch.randn(2, 33, 48)
+    want = model(x)
+    assert packed_linear.can_pack(model)
+    assert packed_linear.pack_linears(model) == 2
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "ReLU", "PackedLinear"]
+    torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    for rows in (1, 7, 64, 2048):  # the layout is picked for 2048 rows; every row count works
+        xr = torch.randn(rows, 48)
+        torch.testing.assert_close(model[0](xr), xr @ weight.T + bias, atol=1e-5, rtol=1e-5)
+    strided = torch.randn(48, 5).T  # [5, 48], last dim not contiguous
+    torch.testing.assert_close(model[0](strided), strided @ weight.T + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_only_float32_cpu_models_are_packed():
+    assert not packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16))
+    assert not packed_linear.can_pack(nn.ReLU())  # no parameters at all
+
+
+def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatch):
+    torch.manual_seed(1)
+    config = tf.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = load_model(tmp_path, device="cpu").model
+    linears = [m for m in loaded.modules() if isinstance(m, nn.Linear)]
+    packed = [m for m in loaded.modules() if isinstance(m, packed_linear.PackedLinear)]
+    assert linears == [] and len(packed) == 2 * 7 + 1  # q k v o gate up down per layer, lm_head
+    # the embedding the lookup reads was not released with the unpacked weights
+    torch.testing.assert_close(loaded.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    ids = torch.tensor([[5, 9, 2, 77]])
+    head = loaded.lm_head(reference.model(ids).last_hidden_state)
+    torch.testing.assert_close(
+        head, reference.lm_head(reference.model(ids).last_hidden_state), atol=1e-5, rtol=1e-5
+    )
+
+    monkeypatch.setenv("PAGEDINFER_PACK_WEIGHTS", "0")
+    plain = load_model(tmp_path, device="cpu").model
+    assert not any(isinstance(m, packed_linear.PackedLinear) for m in plain.modules())
