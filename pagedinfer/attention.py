@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from pagedinfer import cpu_kernel
@@ -92,7 +93,8 @@ class TorchPlan:
 
     Decode sequences (one new token) go through the C kernel, or are attended together with their
     contexts padded to the longest; prefill/extend chunks are attended together, padded to the
-    longest chunk and context (one batched matmul per layer, not a Python loop over chunks).
+    longest chunk and context: one fused ``scaled_dot_product_attention`` call per layer (a
+    batched matmul + softmax when the model needs softcapping or sinks), not a loop over chunks.
     """
 
     decode_rows: torch.Tensor  # [Sd] packed-row index of each decode token
@@ -188,7 +190,15 @@ class TorchPlan:
             sink = None if sinks is None else sinks.view(1, kvh, g, 1)
             probs = _softmax(scores, decode_mask[:, None, None, :], softcap, sink, vals.dtype)
             out[self.decode_rows] = (probs @ vals).reshape(sd, hq, -1).to(out.dtype)
-        if len(self.chunk_rows):
+        if len(self.chunk_rows) and not softcap and sinks is None:  # fused: no [N, C] probabilities kept
+            qc = q[self.chunk_rows].transpose(1, 2)  # [Sc, Hq, N, D]
+            keys = k_flat[self.chunk_slots].transpose(1, 2).to(qc.dtype)  # [Sc, kvh, Cmax, D]
+            vals = v_flat[self.chunk_slots].transpose(1, 2).to(qc.dtype)  # [Sc, kvh, Cmax, Dv]
+            res = F.scaled_dot_product_attention(
+                qc, keys, vals, attn_mask=chunk_mask[:, None], scale=scale, enable_gqa=True
+            ).transpose(1, 2)  # [Sc, N, Hq, Dv]
+            out[self.chunk_rows[self.chunk_valid]] = res[self.chunk_valid].to(out.dtype)
+        elif len(self.chunk_rows):
             sc, nmax = self.chunk_rows.shape
             qc = (
                 q[self.chunk_rows].view(sc, nmax, kvh, g, d).permute(0, 2, 3, 1, 4) * scale

@@ -147,12 +147,14 @@ class LLMEngine:
             logits = self.runner.execute(plan.seqs, plan.copies)  # [R, V]
             rows, seqs = self._advance(plan)
             if seqs:
-                self._append(sample(logits[rows], seqs, self.loaded.eos_token_ids), seqs, finished)
+                if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
+                    logits = logits[torch.tensor(rows, dtype=torch.int64)]  # [len(seqs), V]
+                self._append(sample(logits, seqs, self.loaded.eos_token_ids), seqs, finished)
         if self.trace is not None:
             self._snapshot(plan)
         return finished
 
-    def _advance(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+    def _advance(self, plan: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Mark this step's tokens computed; fork finished prompts. Returns logit row per sampling seq."""
         rows: list[int] = []
         seqs: list[Sequence] = []
@@ -176,7 +178,7 @@ class LLMEngine:
                     rows.append(row)
                     seqs.append(seq)
             row += s.sample
-        return torch.tensor(rows, dtype=torch.int64), seqs
+        return rows, seqs
 
     def _new_sample(self, req: Request, index: int) -> Sequence:
         p = req.params
@@ -205,8 +207,8 @@ class LLMEngine:
         for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, result.top, strict=True):
             req, p = seq.request, seq.request.params
             seq.token_ids.append(token)
-            seq.cumulative_logprob += logprob
             if seq.logprobs is not None:
+                seq.cumulative_logprob += logprob
                 seq.logprobs.append(top)
             self.stats.generated_tokens += 1
             if token in p.stop_token_ids:

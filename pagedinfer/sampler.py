@@ -3,7 +3,8 @@
 Greedy rows take the argmax. Sampled rows are tempered, filtered (top-k, top-p, min-p) and drawn
 by inverting their CDF at one uniform number from each sample's own generator: the draw depends
 only on that sample's generator and logits, never on its neighbours, and costs one scalar of
-randomness per row. Only rows with penalties, min_tokens or logprobs take extra (tensor) work.
+randomness per row. Only rows with penalties, min_tokens or logprobs take extra (tensor) work;
+the log-normaliser over the vocabulary is computed only for rows that asked for logprobs.
 """
 
 from __future__ import annotations
@@ -19,45 +20,49 @@ from pagedinfer.sequence import Sequence
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token under the model's raw distribution
+    logprobs: list[float | None]  # of each sampled token under the model's raw distribution, if asked
     top: list[dict[int, Logprob] | None]  # per row, when logprobs were asked for
 
 
+@torch.inference_mode()  # the step's logits are inference tensors, updated in place
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> SampleResult:
-    """``logits [R, V]`` float32, one row per sequence in ``seqs`` (a row may repeat for forked samples)."""
+    """``logits [R, V]`` float32, one row per sequence in ``seqs`` (a row may repeat for forked samples).
+
+    ``logits`` may be modified in place: the caller hands over the step's own tensor.
+    """
     params = [s.request.params for s in seqs]
-    log_z = torch.logsumexp(logits, dim=-1)  # [R] reported logprobs are the model's own
-    raw = logits
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw = logits[torch.tensor(want)] if want else None  # [Rw, V] reported logprobs are the model's own
     if any(p.penalized or p.min_tokens for p in params):
-        logits = logits.clone()
         _apply_penalties(logits, seqs)
         _suppress_early_stop(logits, seqs, eos_ids)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    all_sampled = len(sampled) == len(seqs)  # then no argmax is needed
+    all_sampled = len(sampled) == len(seqs)  # then no argmax and no row gather are needed
     tokens = torch.empty(len(seqs), dtype=torch.int64) if all_sampled else logits.argmax(dim=-1)  # [R]
     if sampled:
         rows = torch.tensor(sampled)
         temps = torch.tensor([params[i].temperature for i in sampled]).unsqueeze(1)  # [Rs, 1]
-        probs = _filtered_probs(logits[rows] / temps, [params[i] for i in sampled])  # [Rs, V]
+        tempered = logits.div_(temps) if all_sampled else logits[rows] / temps  # [Rs, V]
+        probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
         cdf = probs.cumsum_(dim=-1)  # [Rs, V]
         uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])  # [Rs]
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tokens[rows] = picked.clamp_(max=cdf.shape[1] - 1)
-    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_z  # [R]
+    chosen: list[float | None] = [None] * len(seqs)
     top: list[dict[int, Logprob] | None] = [None] * len(seqs)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         k = max(params[i].logprobs for i in want)
-        rows = torch.tensor(want)
-        logprobs = raw[rows] - log_z[rows].unsqueeze(1)  # [Rw, V]
+        logprobs = raw - torch.logsumexp(raw, dim=-1, keepdim=True)  # [Rw, V]
+        picked_lp = logprobs.gather(1, tokens[want].unsqueeze(1))  # [Rw, 1]
         values, ids = logprobs.topk(max(k, 1), dim=-1)  # [Rw, k]
-        ranks = (logprobs > chosen[rows].unsqueeze(1)).sum(dim=1) + 1  # [Rw]
+        ranks = (logprobs > picked_lp).sum(dim=1) + 1  # [Rw]
         for j, i in enumerate(want):
-            entry = {int(tokens[i]): Logprob(float(chosen[i]), int(ranks[j]))}
+            chosen[i] = float(picked_lp[j])
+            entry = {int(tokens[i]): Logprob(chosen[i], int(ranks[j]))}
             for r in range(params[i].logprobs):
                 entry.setdefault(int(ids[j, r]), Logprob(float(values[j, r]), r + 1))
             top[i] = entry
-    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+    return SampleResult(tokens.tolist(), chosen, top)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -64,7 +64,7 @@ class Sequence:
             text=self.detok.text if self.detok else "",
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
             logprobs=self.logprobs,
             stop_reason=self.stop_reason,
         )

@@ -137,6 +137,9 @@ def test_logprobs(llama):
     assert c.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True))
     )
+    plain = llama.generate(ids(7, 9), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert plain.outputs[0].token_ids == c.token_ids
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None  # as in vLLM
 
 
 def test_stop_token_ids_and_max_tokens(llama):
