@@ -134,3 +134,21 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
     }
   }
 }
+
+// Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped). The
+// sources are strided views ([token, head, dim] with any token/head stride, unit dim stride).
+void store_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v,
+                  const int64_t *slots, int n, int num_kv_heads, int head_dim, int head_dim_v,
+                  int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
+                  int64_t v_head_stride) {
+  for (int i = 0; i < n; ++i) {
+    if (slots[i] < 0) continue;
+    float *kd = k_cache + slots[i] * num_kv_heads * (int64_t)head_dim;
+    float *vd = v_cache + slots[i] * num_kv_heads * (int64_t)head_dim_v;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      memcpy(kd + h * head_dim, k + i * k_token_stride + h * k_head_stride, head_dim * sizeof(float));
+      memcpy(vd + h * head_dim_v, v + i * v_token_stride + h * v_head_stride,
+             head_dim_v * sizeof(float));
+    }
+  }
+}

@@ -66,7 +66,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Softmax after top-k, top-p and min-p (each per row; rows without them pay only the softmax)."""
+    """Unnormalised probabilities after top-k, top-p and min-p, computed in place in ``logits``.
+
+    Each filter applies per row; rows without them pay only ``exp(logit - max)``. The CDF
+    inversion scales its uniform number by each row's total, so no normalising pass is needed.
+    """
     if any(p.top_k or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
@@ -76,7 +80,7 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # [R, 1]
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keep the token crossing top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [R, V]
     min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [R, 1]
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)

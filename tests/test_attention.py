@@ -98,14 +98,15 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     context_lens = [40 + 37 * i for i in range(16)]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
-    real = cpu_kernel._library().paged_decode_f32
-    monkeypatch.setattr(
-        cpu_kernel, "_library", lambda: type("L", (), {"paged_decode_f32": staticmethod(spy)})()
-    )
+    lib = cpu_kernel._library()
+    real = lib.paged_decode_f32
 
     def spy(*args):
         splits.append((args[7], args[8]))
         real(*args)
+
+    fake = type("L", (), {"paged_decode_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
+    monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
 
     outs = []
     for use_kernel in (True, False):
@@ -130,3 +131,17 @@ def test_decode_kernel_underflowing_probabilities():
         keys, values = kc.view(-1, 2, 16)[slots], vc.view(-1, 2, 16)[slots]
         want = reference(q[s : s + 1], keys, values, torch.tensor([length - 1]), 60.0, 0, 0.0, None)
         torch.testing.assert_close(out[s : s + 1].double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_store_kv_writes_strided_rows_at_their_slots():
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    kc, vc = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 8)
+    k = torch.randn(1, 2, 5, 16)[0].transpose(0, 1)  # [5, 2, 16] strided like the model's key
+    v = torch.randn(1, 2, 5, 8)[0].transpose(0, 1)  # [5, 2, 8]
+    slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
+    cpu_kernel.store_kv(kc, vc, k, v, slots)
+    want_k, want_v = torch.zeros(32, 2, 16), torch.zeros(32, 2, 8)
+    keep = slots >= 0
+    want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+    assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)
