@@ -45,3 +45,19 @@ def test_chunked_prefill_matches_transformers(tiny_model, prompts):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS)
     assert max(llm.stats.batch_tokens) <= 7
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])  # gpt2: Conv1D layers + a tied Linear head
+def test_greedy_matches_transformers_with_every_linear_packed(tiny_model, prompts, family, monkeypatch):
+    """The tiny models' weights are below the packing threshold; force oneDNN packing on all of them."""
+    from pagedinfer import packed_linear
+
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
+    path = tiny_model(family)
+    llm = LLM(str(path), block_size=4, num_blocks=256, device=DEVICE)
+    if DEVICE == "cpu":
+        assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.loaded.model.modules())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
