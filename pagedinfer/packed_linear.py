@@ -65,11 +65,9 @@ def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.in_features * child.out_features >= min_weights
     ]
+    packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using
-        p.data_ptr()
-        for m in model.modules()
-        if all(m is not child for _, _, child in targets)
-        for p in m.parameters(recurse=False)
+        p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
     }
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
