@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+// Limits, checked by cpu_kernel.supports(): they bound the per-call arrays on the stack (< 1 MB).
 #define MAX_HEADS 128  // query heads
 #define MAX_DIM 512    // head size
 #define MAX_BLOCK 128  // block size
@@ -70,8 +71,9 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
   // contiguous in the pool) is read from memory exactly once per step and layer.
   const int g = num_heads / num_kv_heads, kc = head_dim / 8, vc = head_dim_v / 8;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
-  static _Thread_local v8 qs[MAX_HEADS * MAX_DIM / 8], acc[MAX_HEADS * MAX_DIM / 8];
-  static _Thread_local float logits[MAX_HEADS * (MAX_BLOCK + 8)] __attribute__((aligned(32)));
+  // on the stack, sized to this call (a few KB): thread-local arrays cost a TLS lookup per use here
+  v8 qs[num_heads * kc], acc[num_heads * vc];
+  float logits[num_heads * (block_size + 8)] __attribute__((aligned(32)));
   float m[MAX_HEADS], l[MAX_HEADS];
   for (int s = s_begin; s < s_end; ++s) {
     const int len = ctx_lens[s];
@@ -92,9 +94,9 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
       const float *k = k_cache + base * k_row, *v = v_cache + base * v_row;
       for (int t = 0; t < n; ++t)  // query head i reads KV head i / g of row t
         for (int i = 0; i < num_heads; ++i)
-          logits[i * (MAX_BLOCK + 8) + t] = dot8(qs + i * kc, k + t * k_row + (size_t)(i / g) * head_dim, kc);
+          logits[i * (block_size + 8) + t] = dot8(qs + i * kc, k + t * k_row + (size_t)(i / g) * head_dim, kc);
       for (int i = 0; i < num_heads; ++i) {
-        float *li = logits + i * (MAX_BLOCK + 8), block_max = -INFINITY;
+        float *li = logits + i * (block_size + 8), block_max = -INFINITY;
         if (softcap > 0.f)
           for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
         for (int t = 0; t < n; ++t) block_max = li[t] > block_max ? li[t] : block_max;
@@ -116,7 +118,7 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
       }
       for (int t = 0; t < n; ++t)
         for (int i = 0; i < num_heads; ++i) {
-          const float p = logits[i * (MAX_BLOCK + 8) + t];
+          const float p = logits[i * (block_size + 8) + t];
           const float *vt = v + t * v_row + (size_t)(i / g) * head_dim_v;
           v8 *a = acc + i * vc;
           for (int c = 0; c < vc; ++c) a[c] += p * load8(vt + 8 * c);

@@ -127,12 +127,16 @@ class TorchPlan:
             kpos = kpos.unsqueeze(0).expand_as(slots)
         else:  # the CPU kernel reads through the block tables itself
             slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64)
-        n = q_lens[chunk]  # [Sc]
-        offs = torch.arange(int(n.max()) if len(chunk) else 0)  # [Nmax]
-        chunk_valid = offs.unsqueeze(0) < n.unsqueeze(1)  # [Sc, Nmax]
-        chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
-        chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
-        chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
+        if len(chunk):
+            n = q_lens[chunk]  # [Sc]
+            offs = torch.arange(int(n.max()))  # [Nmax]
+            chunk_valid = offs.unsqueeze(0) < n.unsqueeze(1)  # [Sc, Nmax]
+            chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
+            chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
+            chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
+        else:  # a decode-only step (most steps): nothing to index
+            chunk_rows = chunk_slots = chunk_qpos = torch.zeros(0, 0, dtype=torch.int64)
+            chunk_valid, chunk_kpos = torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
         return cls(
             starts[decode],
             slots,

@@ -26,22 +26,31 @@ class ModelRunner:
         bs = self.kv.block_size
         query_lens = [s.num_tokens for s in batch]
         context_lens = [s.start + s.num_tokens for s in batch]
-        ids: list[int] = []
-        for s in batch:
-            ids += s.seq.token_ids[s.start : s.start + s.num_tokens]
         max_blocks = max(len(s.seq.block_table) for s in batch)
         tables = torch.tensor(
             [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in batch],
             dtype=torch.int32,
         )  # [S, max_blocks]
-        q_lens = torch.tensor(query_lens)  # [S]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)  # [T]
-        starts = torch.tensor([s.start for s in batch])  # [S]
-        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [S + 1]
-        query_start_loc[1:] = torch.cumsum(q_lens, 0)
-        offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
-        positions = starts[seq_of_token] + offsets  # [T]
-        slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
+        if max(query_lens) == 1:  # decode only: one token per sequence, plain lists are cheapest
+            pos = [s.start for s in batch]
+            ids = [s.seq.token_ids[p] for s, p in zip(batch, pos, strict=True)]
+            positions = torch.tensor(pos)  # [T = S]
+            slot_mapping = torch.tensor(
+                [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(batch, pos, strict=True)]
+            )  # [T]
+            query_start_loc = torch.arange(len(batch) + 1, dtype=torch.int32)  # [S + 1]
+        else:
+            ids = []
+            for s in batch:
+                ids += s.seq.token_ids[s.start : s.start + s.num_tokens]
+            q_lens = torch.tensor(query_lens)  # [S]
+            seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)  # [T]
+            starts = torch.tensor([s.start for s in batch])  # [S]
+            query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [S + 1]
+            query_start_loc[1:] = torch.cumsum(q_lens, 0)
+            offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
+            positions = starts[seq_of_token] + offsets  # [T]
+            slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=query_start_loc.to(self.device),
