@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+from collections import Counter
 
 import torch
 from torch import nn
@@ -69,10 +70,12 @@ def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:
     kept = {  # weights that other modules (a tied embedding) go on using
         p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
     }
+    users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-        if child.weight.data_ptr() not in kept:
-            _release_pages(child.weight)
+        users[child.weight.data_ptr()] -= 1
+        if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
+            _release_pages(child.weight)  # its last user is packed
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
     return len(targets)

@@ -66,3 +66,16 @@ def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatc
     monkeypatch.setenv("PAGEDINFER_PACK_WEIGHTS", "0")
     plain = load_model(tmp_path, device="cpu").model
     assert not any(isinstance(m, packed_linear.PackedLinear) for m in plain.modules())
+
+
+def test_weight_shared_by_two_linears_survives_packing():
+    """The pages of a weight are released only once every linear using it is packed."""
+    torch.manual_seed(2)
+    first, second = nn.Linear(512, 256, bias=False), nn.Linear(512, 256, bias=False)
+    second.weight = first.weight  # tied, as some checkpoints tie projections
+    model = nn.Sequential(first, second)
+    x = torch.randn(3, 512)
+    want = x @ first.weight.detach().T
+    assert packed_linear.pack_linears(model) == 2
+    torch.testing.assert_close(model[0](x), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model[1](x), want, atol=1e-5, rtol=1e-5)
