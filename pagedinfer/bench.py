@@ -563,12 +563,11 @@ def _agreement(ref: list, other: list) -> dict:
     }
 
 
-def run_workload(
-    w: Workload, args, model_dir: Path, params: int, vocab: int, gemm: tuple[float, float], systems
-) -> dict:
+def make_job(w: Workload, args: argparse.Namespace, model_dir: Path, vocab: int) -> dict:
+    """Everything a system's subprocess needs to run workload ``w`` (plain data: it is pickled)."""
     prompts, max_tokens = make_prompts(w, vocab)
     num_blocks = args.num_blocks or default_num_blocks(prompts, max_tokens, w.n, args.block_size)
-    job = {
+    return {
         "model_dir": str(model_dir),
         "prompts": prompts,
         "max_tokens": max_tokens,
@@ -583,6 +582,13 @@ def run_workload(
         "hf_batch_size": args.hf_batch_size or w.hf_batch_size,
         "hf_cb_max_requests": args.hf_cb_max_requests,
     }
+
+
+def run_workload(
+    w: Workload, args, model_dir: Path, params: int, vocab: int, gemm: tuple[float, float], systems
+) -> dict:
+    job = make_job(w, args, model_dir, vocab)
+    prompts, max_tokens = job["prompts"], job["max_tokens"]
     prompt_tokens = sum(map(len, prompts))
     expected = [[m] * w.n for m in max_tokens]
     out: dict = {

@@ -3,8 +3,8 @@
 
     python scripts/profile_ops.py --workload W1 --model-cache /tmp/mc --threads 2
 
-Runs one untimed warm-up, then the whole workload under ``torch.profiler`` and prints the wall
-time and the ops by self CPU time. Our C decode kernel runs through ctypes and so is not an op:
+Sets pagedinfer up exactly as `pagedinfer bench` does (untimed warm-up included), then runs the
+whole workload under ``torch.profiler`` and prints the wall time and the ops by self CPU time. Our C decode kernel runs through ctypes and so is not an op:
 its time is the wall time the table does not account for (with the interpreter's).
 """
 
@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagedinfer import LLM, SamplingParams
-from pagedinfer.bench import MODELS, WORKLOADS, build_model, default_num_blocks, make_prompts
+from pagedinfer.bench import MODELS, WORKLOADS, PagedinferRunner, build_model, default_args, make_job
 
 
 def main() -> None:
@@ -32,18 +31,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
     model_dir, _ = build_model(w.model, args.model_cache or Path(tempfile.mkdtemp()))
-    prompts, max_tokens = make_prompts(w, MODELS[w.model]["vocab_size"])
-    blocks = default_num_blocks(prompts, max_tokens, w.n, 16)
-    llm = LLM(str(model_dir), block_size=16, num_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    params = [
-        SamplingParams(n=w.n, temperature=w.temperature, max_tokens=m, ignore_eos=True, seed=w.seed)
-        for m in max_tokens
-    ]
-    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up: kernel build, oneDNN primitives
+    job = make_job(w, default_args(threads=args.threads), model_dir, MODELS[w.model]["vocab_size"])
+    runner = PagedinferRunner(job)  # the benchmark's own setup, untimed warm-up included
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        llm.generate(inputs, params, use_tqdm=False)
+        runner.run()
         wall = time.perf_counter() - start
     print(f"{args.workload}: {wall:.2f} s wall under the profiler, {args.threads} threads")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
