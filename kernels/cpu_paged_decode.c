@@ -9,11 +9,6 @@
 #include <stdint.h>
 #include <string.h>
 
-// Limits, checked by cpu_kernel.supports(): they bound the per-call arrays on the stack (< 1 MB).
-#define MAX_HEADS 128  // query heads
-#define MAX_DIM 512    // head size
-#define MAX_BLOCK 128  // block size
-
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -71,10 +66,11 @@ void paged_decode_f32(float *out, const float *q, const float *k_cache, const fl
   // contiguous in the pool) is read from memory exactly once per step and layer.
   const int g = num_heads / num_kv_heads, kc = head_dim / 8, vc = head_dim_v / 8;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
-  // on the stack, sized to this call (a few KB): thread-local arrays cost a TLS lookup per use here
+  // on the stack, sized to this call (a few KB; cpu_kernel.supports() bounds heads, head and block
+  // size so they stay under 1 MB): thread-local arrays would cost a TLS lookup per use here
   v8 qs[num_heads * kc], acc[num_heads * vc];
   float logits[num_heads * (block_size + 8)] __attribute__((aligned(32)));
-  float m[MAX_HEADS], l[MAX_HEADS];
+  float m[num_heads], l[num_heads];
   for (int s = s_begin; s < s_end; ++s) {
     const int len = ctx_lens[s];
     const int first = (window > 0 && len > window) ? len - window : 0;
