@@ -96,8 +96,9 @@ class BlockPool:
         """
         if num_tokens <= 0:
             return []
-        if self.blocks_needed(table, start, num_tokens) > self.num_free:
-            raise OutOfBlocks(f"need {self.blocks_needed(table, start, num_tokens)} blocks")
+        needed = self.blocks_needed(table, start, num_tokens)
+        if needed > len(self.free_ids):
+            raise OutOfBlocks(f"need {needed} blocks, {len(self.free_ids)} free")
         bs = self.block_size
         copies = []
         first = start // bs
@@ -111,10 +112,11 @@ class BlockPool:
             copies.append((src, dst))
             self.num_cow_copies += 1
             self._trace("cow", dst, src)
-        while len(table) < self.blocks_for_tokens(start + num_tokens):
-            table.append(self._take())
         end = start + num_tokens
-        for logical in range(first, self.blocks_for_tokens(end)):
+        last = self.blocks_for_tokens(end)
+        while len(table) < last:
+            table.append(self._take())
+        for logical in range(first, last):
             block = table[logical]
             now = min(bs, end - logical * bs)
             if now > self.filled[block]:

@@ -227,12 +227,12 @@ class LLMEngine:
 
     # -- statistics -------------------------------------------------------------------------
     def _record(self, plan: SchedulerOutput) -> None:
-        live = [s for r in self.scheduler.running for s in r.live_seqs()]
+        running = self.scheduler.running
         self.stats.record_step(
             blocks_used=self.pool.num_used,
             slots_filled=self.pool.num_filled_slots,
-            logical=sum(len(s.block_table) for s in live),
-            seqs=sum(r.num_future_seqs() for r in self.scheduler.running),
+            logical=sum(len(s.block_table) for r in running for s in r.live_seqs()),
+            seqs=sum(r.num_future_seqs() for r in running),
             tokens=plan.num_tokens,
         )
         self.stats.cow_copies = self.pool.num_cow_copies - self._cow_base

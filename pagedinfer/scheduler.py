@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedinfer.block_pool import BlockPool
+from pagedinfer.block_pool import BlockPool, OutOfBlocks
 from pagedinfer.sequence import Request, RequestState, Sequence
 
 
@@ -91,10 +91,9 @@ class Scheduler:
                 if budget == 0:
                     break
                 n = min(seq.num_pending, budget)
-                if not self._make_room(seq, n, req, out):
+                if not self._write(seq, n, req, out):
                     del out.seqs[mark[0] :], out.copies[mark[1] :]
                     break
-                out.copies += self.pool.write(seq.block_table, seq.num_computed, n)
                 out.seqs.append(ScheduledSeq(seq, seq.num_computed, n, self._samples(seq, n)))
                 budget -= n
         if not out.preempted:
@@ -106,20 +105,28 @@ class Scheduler:
             return False
         return seq.index >= 0 or not seq.request.samples  # a resumed request's samples have tokens
 
-    def _make_room(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
-        """Preempt the latest admitted requests until ``seq`` can write ``n`` tokens.
+    def _write(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
+        """Make room for ``seq``'s next ``n`` tokens, preempting the latest admitted requests as needed.
 
         Returns False when ``req`` itself had to be preempted.
         """
-        while self.pool.blocks_needed(seq.block_table, seq.num_computed, n) > self.pool.num_free:
-            victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim)
-            if victim is req:
-                return False
-        return True
+        while True:
+            try:
+                copies = self.pool.write(seq.block_table, seq.num_computed, n)
+            except OutOfBlocks:  # the pool changed nothing
+                victim = self.running[-1]
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return False
+                continue
+            if copies:
+                out.copies += copies
+            return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         num_seqs = sum(r.num_future_seqs() for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]

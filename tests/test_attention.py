@@ -145,3 +145,44 @@ def test_store_kv_writes_strided_rows_at_their_slots():
     keep = slots >= 0
     want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
     assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)
+
+
+def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
+    """Neighbouring sequences whose tables start with the same physical blocks (the n samples of a
+    prompt) are attended together over those blocks: each output equals the sequence run alone,
+    bit for bit, and the reference. Groups here: 20 samples (more than one pass of the kernel's
+    group), 3 samples whose tables diverge at different blocks, a lone sequence, and 2 samples
+    sharing a block only one of them fills."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    bs, kvh, hq, d = 4, 2, 6, 16
+    gen = torch.Generator().manual_seed(7)
+    prompt = [0, 1, 2]  # physical blocks of the 20 samples' common prompt
+    tables, lens, free = [], [], iter(range(3, 200))
+    for i in range(20):
+        tables.append(prompt + [next(free), next(free)])
+        lens.append(13 + i % 6)  # 3 shared full blocks, then 1-6 own tokens
+    tables += [[40, 41, next(free), 0, 0], [40, 41, 42, 43, 0], [40, next(free), next(free), 0, 0]]
+    lens += [10, 15, 9]
+    tables += [[next(free)] * 5, [60, next(free), 0, 0, 0], [60, 61, 0, 0, 0]]
+    lens += [17, 6, 3]
+    bt = torch.tensor(tables, dtype=torch.int32)  # [S, 5]
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    s = len(lens)
+    kc, vc = torch.randn(200, bs, kvh, d, generator=gen), torch.randn(200, bs, kvh, d, generator=gen)
+    q = torch.randn(s, hq, d, generator=gen)
+    rows = torch.arange(s)
+    together = torch.empty(s, hq, d)
+    torch.set_num_threads(1)
+    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, 0.25, 0, 0.0, None)
+    for i in range(s):
+        alone = torch.empty(s, hq, d)
+        cpu_kernel.paged_decode(
+            alone, q, kc, vc, bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], 0.25, 0, 0.0, None
+        )
+        assert torch.equal(together[i], alone[i]), f"sequence {i}"
+        pos = torch.arange(lens[i])
+        slots = bt[i, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        want = reference(q[i : i + 1], keys, values, torch.tensor([lens[i] - 1]), 0.25, 0, 0.0, None)
+        torch.testing.assert_close(together[i : i + 1].double(), want, atol=2e-5, rtol=1e-4)
