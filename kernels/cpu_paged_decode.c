@@ -1,8 +1,9 @@
 // Paged decode attention for the CPU (float32): one query token per sequence, K/V read in place
 // through the block table, never gathered into a contiguous copy. All query heads of a KV head are
 // served from one read of each K/V row (grouped-query attention). Online softmax, block by block.
-// Compiled at first use with the system C compiler and called through ctypes (which releases the
-// GIL, so Python threads can run disjoint sequence ranges in parallel). Head sizes must be
+// Compiled at first use with the system C compiler and called through ctypes. Sequence ranges run
+// in parallel on OpenMP threads: linked by soname to the libgomp torch has already loaded, they are
+// torch's own workers, so no second pool competes with them for the cores. Head sizes must be
 // multiples of 8: rows are processed as 8-float vectors (vector extensions of GCC >= 12 or Clang).
 #include <math.h>
 #include <stddef.h>
@@ -129,12 +130,12 @@ static void attend_rows(int nm, int num_heads, int g, int kc, int vc, int lstrid
   }
 }
 
-void paged_decode_f32(float *out, const float *q, const float *k_cache, const float *v_cache,
-                      const int32_t *block_tables, const int32_t *ctx_lens, const int64_t *rows,
-                      int s_begin, int s_end, int max_blocks, int block_size, int num_heads,
-                      int num_kv_heads, int head_dim, int head_dim_v, int64_t q_token_stride,
-                      int64_t q_head_stride, float scale, int window, float softcap,
-                      const float *sinks) {
+static void paged_decode_f32(float *out, const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *block_tables, const int32_t *ctx_lens,
+                             const int64_t *rows, int s_begin, int s_end, int max_blocks,
+                             int block_size, int num_heads, int num_kv_heads, int head_dim,
+                             int head_dim_v, int64_t q_token_stride, int64_t q_head_stride,
+                             float scale, int window, float softcap, const float *sinks) {
   // All heads of a sequence advance together, block by block, so each K/V row (all KV heads,
   // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences whose tables
   // start with the same physical blocks (samples of one prompt) are served together over those
@@ -222,4 +223,19 @@ void store_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v
              head_dim_v * sizeof(float));
     }
   }
+}
+
+// paged_decode_f32 over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread.
+void paged_decode_f32_ranges(const int32_t *bounds, int parts, float *out, const float *q,
+                             const float *k_cache, const float *v_cache,
+                             const int32_t *block_tables, const int32_t *ctx_lens,
+                             const int64_t *rows, int max_blocks, int block_size, int num_heads,
+                             int num_kv_heads, int head_dim, int head_dim_v,
+                             int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
+                             float softcap, const float *sinks) {
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int p = 0; p < parts; ++p)
+    paged_decode_f32(out, q, k_cache, v_cache, block_tables, ctx_lens, rows, bounds[p],
+                     bounds[p + 1], max_blocks, block_size, num_heads, num_kv_heads, head_dim,
+                     head_dim_v, q_token_stride, q_head_stride, scale, window, softcap, sinks);
 }

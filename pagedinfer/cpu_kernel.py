@@ -3,7 +3,10 @@
 Decode is where the torch path would gather every sequence's whole history into a padded copy in
 every layer of every step; this kernel reads K/V in place through the block table instead. It is
 built with the system C compiler on first use (about a second) and cached by source and CPU; if no
-compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead.
+compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead. Its threads are
+OpenMP's: the library names libgomp by soname and so gets the copy torch loaded, whose workers are
+already awake after each op; a pool of our own would fight them for the cores (measured in W1: two
+Python threads were no faster than one).
 """
 
 from __future__ import annotations
@@ -15,13 +18,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]  # libgomp: torch's, by soname
 MIN_WORK_PER_THREAD = 1 << 21  # multiply-adds; below this a thread hand-off costs more than it saves
 
 
@@ -44,9 +46,9 @@ def _library() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, lib)
     dll = ctypes.CDLL(str(lib))
-    fn = dll.paged_decode_f32
+    fn = dll.paged_decode_f32_ranges
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr] * 7 + [i32] * 8 + [i64, i64, f32, i32, f32, ptr]
+    fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
     fn.restype = None
     dll.store_kv_f32.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
     dll.store_kv_f32.restype = None
@@ -67,11 +69,6 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, 
         and num_heads <= 128
         and block_size <= 128
     )
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagedinfer-attn")
 
 
 def store_kv(
@@ -113,11 +110,18 @@ def paged_decode(
     sinks: torch.Tensor | None,  # [Hq] float32
 ) -> None:
     """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
-    fn = _library().paged_decode_f32
     num_seqs, max_blocks = block_tables.shape
     _, block_size, kvh, head_dim = k_cache.shape
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    args = (
+    work = torch.cumsum(ctx_lens.to(torch.int64), 0)  # [S] keys read up to each sequence
+    total = int(work[-1]) * q.shape[1] * (head_dim + v_cache.shape[3])
+    threads = min(torch.get_num_threads(), num_seqs, max(1, total // MIN_WORK_PER_THREAD))
+    # the sequences in ranges of about equal context length, one per thread
+    cuts = torch.searchsorted(work, torch.arange(1, threads) * (int(work[-1]) / threads)).tolist()
+    bounds = (ctypes.c_int32 * (threads + 1))(0, *cuts, num_seqs)
+    _library().paged_decode_f32_ranges(
+        bounds,
+        threads,
         out.data_ptr(),
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -125,8 +129,6 @@ def paged_decode(
         block_tables.data_ptr(),
         ctx_lens.data_ptr(),
         rows.data_ptr(),
-    )
-    tail = (
         max_blocks,
         block_size,
         q.shape[1],
@@ -140,19 +142,3 @@ def paged_decode(
         softcap,
         None if sinks is None else sinks.data_ptr(),
     )
-    work = torch.cumsum(ctx_lens.to(torch.int64), 0)  # [S] keys read up to each sequence
-    total = int(work[-1]) * q.shape[1] * (head_dim + v_cache.shape[3])
-    threads = min(torch.get_num_threads(), num_seqs, max(1, total // MIN_WORK_PER_THREAD))
-    if threads <= 1:
-        fn(*args, 0, num_seqs, *tail)
-        return
-    # split the sequences into ranges of about equal context length, one per thread
-    cuts = torch.searchsorted(work, torch.arange(1, threads) * (int(work[-1]) / threads)).tolist()
-    bounds = [0, *cuts, num_seqs]
-    futures = [
-        _pool(threads).submit(fn, *args, lo, hi, *tail)
-        for lo, hi in zip(bounds, bounds[1:], strict=False)
-        if hi > lo
-    ]
-    for f in futures:
-        f.result()

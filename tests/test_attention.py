@@ -1,6 +1,7 @@
 """The CPU attention paths (C decode kernel and torch) against a plain per-sequence reference."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,13 +100,13 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
     lib = cpu_kernel._library()
-    real = lib.paged_decode_f32
+    real = lib.paged_decode_f32_ranges
 
-    def spy(*args):
-        splits.append((args[7], args[8]))
-        real(*args)
+    def spy(bounds, parts, *args):
+        splits.append(list(bounds[: parts + 1]))
+        real(bounds, parts, *args)
 
-    fake = type("L", (), {"paged_decode_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
+    fake = type("L", (), {"paged_decode_f32_ranges": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
     monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
 
     outs = []
@@ -113,7 +114,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         out = torch.empty(16, 8, 64)
         TorchPlan.build(meta, use_kernel).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)
         outs.append(out)
-    assert len(splits) == 2 and splits[0][0] == 0 and splits[-1][1] == 16 and splits[0][1] == splits[1][0]
+    assert len(splits) == 1 and len(splits[0]) == 3 and splits[0][0] == 0 < splits[0][1] < splits[0][2] == 16
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
 
 
@@ -186,3 +187,12 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
         keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
         want = reference(q[i : i + 1], keys, values, torch.tensor([lens[i] - 1]), 0.25, 0, 0.0, None)
         torch.testing.assert_close(together[i : i + 1].double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_kernel_shares_torchs_openmp_runtime():
+    """The kernel's threads are torch's OpenMP workers: loading it maps no second libgomp."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
