@@ -103,6 +103,7 @@ class TorchPlan:
     decode_qpos: torch.Tensor  # [Sd, 1] query positions
     decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block tables of the decode sequences
     decode_lens: torch.Tensor  # [Sd] int32 context lengths of the decode sequences
+    decode_lens_host: list[int]  # the same, as a list
     chunk_rows: torch.Tensor  # [Sc, Nmax] packed-row index of each chunk token (padded: first row)
     chunk_valid: torch.Tensor  # [Sc, Nmax] real (not padding) chunk tokens
     chunk_slots: torch.Tensor  # [Sc, Cmax] slot of each context position (padded with a valid slot)
@@ -110,6 +111,7 @@ class TorchPlan:
     chunk_kpos: torch.Tensor  # [Cmax] key positions
     use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
     masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk mask)
+    ranges: dict = field(default_factory=dict)  # kernel work per key -> its thread ranges
 
     @classmethod
     def build(cls, meta: AttentionMetadata, use_kernel: bool) -> TorchPlan:
@@ -144,6 +146,7 @@ class TorchPlan:
             qpos,
             meta.block_tables[decode].contiguous(),
             decode_lens,
+            [meta.context_lens_host[i] for i in decode.tolist()],
             chunk_rows,
             chunk_valid,
             chunk_slots,
@@ -185,8 +188,12 @@ class TorchPlan:
         if len(self.decode_rows) and self.use_kernel:
             q = q if q.stride(-1) == 1 else q.contiguous()
             tables, lens, rows = self.decode_tables, self.decode_lens, self.decode_rows
+            per_key = hq * (d + v.shape[2])  # multiply-adds per key and sequence
+            if per_key not in self.ranges:
+                self.ranges[per_key] = cpu_kernel.split(self.decode_lens_host, per_key)
+            bounds = self.ranges[per_key]
             cpu_kernel.paged_decode(
-                out, q, k_cache, v_cache, tables, lens, rows, scale, window, softcap, sinks
+                out, q, k_cache, v_cache, tables, lens, rows, bounds, scale, window, softcap, sinks
             )
         elif len(self.decode_rows):
             sd = len(self.decode_rows)

@@ -11,9 +11,11 @@ Python threads were no faster than one).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -24,7 +26,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]  # libgomp: torch's, by soname
-MIN_WORK_PER_THREAD = 1 << 21  # multiply-adds; below this a thread hand-off costs more than it saves
+MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 
 
 @functools.cache
@@ -96,6 +98,21 @@ def store_kv(
     )
 
 
+def split(ctx_lens: list[int], madds_per_key: int) -> ctypes.Array:
+    """Sequence ranges of about equal context length, one per thread: bounds ``[0, ..., S]`` (int32).
+
+    Computed once per step (every layer of the same shape reuses it)."""
+    work = list(itertools.accumulate(ctx_lens))  # [S] keys read up to each sequence
+    total = work[-1]
+    threads = min(torch.get_num_threads(), len(work), max(1, total * madds_per_key // MIN_WORK_PER_THREAD))
+    cuts = []
+    for k in range(1, threads):
+        target = k * total / threads
+        i = bisect.bisect_left(work, target)  # work[i] >= target: end after i if that is nearer
+        cuts.append(i + 1 if work[i] - target < target - (work[i - 1] if i else 0) else i)
+    return (ctypes.c_int32 * (threads + 1))(0, *cuts, len(work))
+
+
 def paged_decode(
     out: torch.Tensor,  # [T, Hq, Dv] float32, contiguous
     q: torch.Tensor,  # [T, Hq, D] float32, last dim contiguous
@@ -104,24 +121,19 @@ def paged_decode(
     block_tables: torch.Tensor,  # [S, max_blocks] int32, contiguous
     ctx_lens: torch.Tensor,  # [S] int32
     rows: torch.Tensor,  # [S] int64: packed-row index of each sequence's query token
+    bounds: ctypes.Array,  # [threads + 1] int32 from split(): one range of sequences per thread
     scale: float,
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,  # [Hq] float32
 ) -> None:
     """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
-    num_seqs, max_blocks = block_tables.shape
+    _, max_blocks = block_tables.shape
     _, block_size, kvh, head_dim = k_cache.shape
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    work = torch.cumsum(ctx_lens.to(torch.int64), 0)  # [S] keys read up to each sequence
-    total = int(work[-1]) * q.shape[1] * (head_dim + v_cache.shape[3])
-    threads = min(torch.get_num_threads(), num_seqs, max(1, total // MIN_WORK_PER_THREAD))
-    # the sequences in ranges of about equal context length, one per thread
-    cuts = torch.searchsorted(work, torch.arange(1, threads) * (int(work[-1]) / threads)).tolist()
-    bounds = (ctypes.c_int32 * (threads + 1))(0, *cuts, num_seqs)
     _library().paged_decode_f32_ranges(
         bounds,
-        threads,
+        len(bounds) - 1,
         out.data_ptr(),
         q.data_ptr(),
         k_cache.data_ptr(),

@@ -217,7 +217,7 @@ class LLMEngine:
                 seq.finish_reason = "stop"
             elif seq.detok is not None and (stop := seq.detok.step(token)) is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
-            elif len(seq.output_ids) >= req.max_tokens:
+            elif seq.num_output_tokens >= req.max_tokens:
                 seq.finish_reason = "length"
             if seq.finished:
                 self.scheduler.finish_seq(seq)

@@ -84,8 +84,11 @@ class ModelRunner:
         """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
         self._copy_blocks(copies)  # copy-on-write before this step's writes land
         ids, positions, meta = self.build_metadata(batch)
-        ends = torch.cumsum(torch.tensor([s.num_tokens for s in batch]), 0) - 1  # [S]
-        keep = ends[torch.tensor([s.sample for s in batch], dtype=torch.bool)].to(self.device)  # [R]
+        if meta.max_query_len == 1 and all(s.sample for s in batch):
+            keep: torch.Tensor | int = 0  # every row samples: HF's "keep all"
+        else:
+            ends = torch.cumsum(torch.tensor(meta.query_lens), 0) - 1  # [S]
+            keep = ends[torch.tensor([s.sample for s in batch], dtype=torch.bool)].to(self.device)  # [R]
         attention.set_context(attention.StepContext(meta, self.kv, self.use_cuda_kernels))
         try:
             out = self.model(

@@ -108,7 +108,7 @@ def _suppress_early_stop(logits: torch.Tensor, seqs: list[Sequence], eos_ids: se
     """Below min_tokens, EOS and stop tokens cannot be drawn."""
     for i, seq in enumerate(seqs):
         p = seq.request.params
-        if p.min_tokens and len(seq.output_ids) < p.min_tokens:
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
             ids = [t for t in banned if t < logits.shape[1]]
             if ids:

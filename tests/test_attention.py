@@ -175,11 +175,24 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
     rows = torch.arange(s)
     together = torch.empty(s, hq, d)
     torch.set_num_threads(1)
-    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, 0.25, 0, 0.0, None)
+    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    assert list(bounds) == [0, s]  # one thread: every group in one range
+    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
     for i in range(s):
         alone = torch.empty(s, hq, d)
         cpu_kernel.paged_decode(
-            alone, q, kc, vc, bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], 0.25, 0, 0.0, None
+            alone,
+            q,
+            kc,
+            vc,
+            bt[i : i + 1],
+            ctx[i : i + 1],
+            rows[i : i + 1],
+            cpu_kernel.split([lens[i]], 1),
+            0.25,
+            0,
+            0.0,
+            None,
         )
         assert torch.equal(together[i], alone[i]), f"sequence {i}"
         pos = torch.arange(lens[i])
@@ -196,3 +209,19 @@ def test_decode_kernel_shares_torchs_openmp_runtime():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+@pytest.mark.parametrize(
+    "lens,threads,want",
+    [
+        ([10, 10, 10, 10, 40], 2, [0, 4, 5]),  # 40 | 40
+        ([10, 20, 30, 45, 80], 2, [0, 4, 5]),  # 105 | 80 is nearer halves than 60 | 125
+        ([5] * 9, 3, [0, 3, 6, 9]),
+        ([100, 1, 1, 1], 2, [0, 1, 4]),
+        ([3, 3], 4, [0, 1, 2]),  # never more threads than sequences
+    ],
+)
+def test_split_gives_each_thread_about_equal_context(monkeypatch, lens, threads, want):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)
+    assert list(cpu_kernel.split(lens, 1)) == want
