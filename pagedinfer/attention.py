@@ -109,6 +109,7 @@ class TorchPlan:
     chunk_slots: torch.Tensor  # [Sc, Cmax] slot of each context position (padded with a valid slot)
     chunk_qpos: torch.Tensor  # [Sc, Nmax, 1] query positions
     chunk_kpos: torch.Tensor  # [Cmax] key positions
+    chunk_spans: list[tuple[int, int, int]]  # per chunk: first packed row, tokens, context length
     use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
     masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk mask)
     ranges: dict = field(default_factory=dict)  # kernel work per key -> its thread ranges
@@ -136,9 +137,11 @@ class TorchPlan:
             chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
             chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
             chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
+            spans = list(zip(starts[chunk].tolist(), n.tolist(), ctx_lens[chunk].tolist(), strict=True))
         else:  # a decode-only step (most steps): nothing to index
             chunk_rows = chunk_slots = chunk_qpos = torch.zeros(0, 0, dtype=torch.int64)
             chunk_valid, chunk_kpos = torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
+            spans = []
         return cls(
             starts[decode],
             slots,
@@ -152,6 +155,7 @@ class TorchPlan:
             chunk_slots,
             chunk_qpos.unsqueeze(2),
             chunk_kpos,
+            spans,
             use_kernel,
         )
 
@@ -204,14 +208,28 @@ class TorchPlan:
             sink = None if sinks is None else sinks.view(1, kvh, g, 1)
             probs = _softmax(scores, decode_mask[:, None, None, :], softcap, sink, vals.dtype)
             out[self.decode_rows] = (probs @ vals).reshape(sd, hq, -1).to(out.dtype)
-        if len(self.chunk_rows) and not softcap and sinks is None:  # fused: no [N, C] probabilities kept
-            qc = q[self.chunk_rows].transpose(1, 2)  # [Sc, Hq, N, D]
-            keys = k_flat[self.chunk_slots].transpose(1, 2).to(qc.dtype)  # [Sc, kvh, Cmax, D]
-            vals = v_flat[self.chunk_slots].transpose(1, 2).to(qc.dtype)  # [Sc, kvh, Cmax, Dv]
-            res = F.scaled_dot_product_attention(
-                qc, keys, vals, attn_mask=chunk_mask[:, None], scale=scale, enable_gqa=True
-            ).transpose(1, 2)  # [Sc, N, Hq, Dv]
-            out[self.chunk_rows[self.chunk_valid]] = res[self.chunk_valid].to(out.dtype)
+        if len(self.chunk_rows) and not softcap and sinks is None:
+            # one fused SDPA per chunk (no [N, C] probabilities kept, no padding to the longest
+            # chunk); a whole prompt attends its own rows of this step, causally, so SDPA skips
+            # the masked half instead of computing it and masking it out
+            for i, (start, n, c) in enumerate(self.chunk_spans):
+                qc = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+                whole = c == n and k.dtype == k_flat.dtype and v.dtype == v_flat.dtype
+                if whole:
+                    kc, vc = k[start : start + n], v[start : start + n]  # [n, kvh, D], [n, kvh, Dv]
+                else:
+                    kc, vc = k_flat[self.chunk_slots[i, :c]], v_flat[self.chunk_slots[i, :c]]
+                causal = whole and not window
+                res = F.scaled_dot_product_attention(
+                    qc,
+                    kc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, D]
+                    vc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, Dv]
+                    attn_mask=None if causal else chunk_mask[i, :n, :c],
+                    is_causal=causal,
+                    scale=scale,
+                    enable_gqa=True,
+                )  # [1, Hq, n, Dv]
+                out[start : start + n] = res[0].transpose(0, 1).to(out.dtype)
         elif len(self.chunk_rows):
             sc, nmax = self.chunk_rows.shape
             qc = (
