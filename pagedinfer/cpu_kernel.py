@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]  # libgomp: torch's, by soname
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 
 
@@ -37,16 +38,21 @@ def _library() -> ctypes.CDLL | None:
     code = SOURCE.read_bytes()
     cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + flags_line).hexdigest()[:20]
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
-    lib = cache / f"cpu_paged_decode-{key}.so"
-    if not lib.exists():
+    for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
+        flags = FLAGS + threading
+        key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
+        lib = cache / f"cpu_paged_decode-{key}.so"
+        if lib.exists():
+            break
         cache.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True)
-        if result.returncode != 0:
-            return None
-        os.replace(tmp, lib)
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True)
+        if result.returncode == 0:
+            os.replace(tmp, lib)
+            break
+    else:
+        return None
     dll = ctypes.CDLL(str(lib))
     fn = dll.paged_decode_f32_ranges
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float

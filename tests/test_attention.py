@@ -203,9 +203,10 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
 
 
 def test_decode_kernel_shares_torchs_openmp_runtime():
-    """The kernel's threads are torch's OpenMP workers: loading it maps no second libgomp."""
+    """The kernel's threads are torch's OpenMP workers: it needs libgomp, and loading it maps no second one."""
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    assert b"libgomp.so.1" in Path(cpu_kernel._library()._name).read_bytes()  # built with OpenMP
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
@@ -225,3 +226,26 @@ def test_split_gives_each_thread_about_equal_context(monkeypatch, lens, threads,
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)
     assert list(cpu_kernel.split(lens, 1)) == want
+
+
+def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
+    """A compiler that cannot link OpenMP still builds the kernel: ranges then run one after another."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "THREADING", (["-fno-such-option"], ["-fopenmp-simd"]))
+    cpu_kernel._library.cache_clear()
+    try:
+        assert cpu_kernel.available() and len(list(tmp_path.glob("*.so"))) == 1
+        torch.set_num_threads(2)
+        q, k, v, kc, vc, meta = make_batch([1] * 8, [40 + 37 * i for i in range(8)], 16, 2, 8, 64, seed=4)
+        outs = []
+        for use_kernel in (True, False):
+            out = torch.empty(8, 8, 64)
+            TorchPlan.build(meta, use_kernel).attend(
+                out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None
+            )
+            outs.append(out)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    finally:
+        cpu_kernel._library.cache_clear()
