@@ -63,16 +63,22 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         cuda_kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     else:
-        use_kernel = (
-            k_cache.dtype == torch.float32
-            and cpu_kernel.available()
-            and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
-        )
+        use_kernel = use_cpu_kernel(q, k, v, k_cache)
         plan = ctx._plans.get(use_kernel)  # one plan per step (two if layers differ in kernel support)
         if plan is None:
             plan = ctx._plans[use_kernel] = TorchPlan.build(meta, use_kernel)
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out.unsqueeze(0), None  # [1, T, Hq, Dv]
+
+
+def use_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Decode rows go through the C kernel: a float32 pool in host memory, shapes within its limits."""
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and cpu_kernel.available()
+        and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
+    )
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, out_dtype) -> torch.Tensor:

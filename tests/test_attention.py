@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedinfer import cpu_kernel
-from pagedinfer.attention import TorchPlan
+from pagedinfer.attention import TorchPlan, use_cpu_kernel
 from pagedinfer.attention_metadata import AttentionMetadata
 
 
@@ -249,3 +249,14 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     finally:
         cpu_kernel._library.cache_clear()
+
+
+def test_cpu_kernel_only_for_float32_pools_in_host_memory():
+    """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    q, k, v = torch.empty(3, 8, 64), torch.empty(3, 2, 64), torch.empty(3, 2, 64)
+    assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64))
+    assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, device="meta"))
+    assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=torch.bfloat16))
+    assert not use_cpu_kernel(q[..., :60], k[..., :60], v, torch.empty(4, 16, 2, 60))  # head size 60: not 8k
