@@ -173,6 +173,8 @@ class TorchPlan:
         return tables.gather(1, clamped // bs) * bs + clamped % bs, pos
 
     def _masks(self, window: int):
+        """(decode mask, chunk mask) for ``window``, built on first need in the step: the kernel's
+        decode rows and whole prompts without a window use none."""
         if window not in self.masks:
             visible = self.decode_kpos <= self.decode_qpos  # [Sd, Lmax]
             chunk = self.chunk_kpos <= self.chunk_qpos  # [Sc, Nmax, Cmax]
@@ -194,7 +196,6 @@ class TorchPlan:
         kvh = k_flat.shape[1]
         hq, d = q.shape[1], q.shape[2]
         g = hq // kvh
-        decode_mask, chunk_mask = self._masks(window)
         if len(self.decode_rows) and self.use_kernel:
             q = q if q.stride(-1) == 1 else q.contiguous()
             tables, lens, rows = self.decode_tables, self.decode_lens, self.decode_rows
@@ -212,6 +213,7 @@ class TorchPlan:
             vals = v_flat[self.decode_slots].transpose(1, 2)  # [Sd, kvh, Lmax, Dv]
             scores = qd @ keys.to(qd.dtype)  # [Sd, kvh, g, Lmax]
             sink = None if sinks is None else sinks.view(1, kvh, g, 1)
+            decode_mask = self._masks(window)[0]  # [Sd, Lmax]
             probs = _softmax(scores, decode_mask[:, None, None, :], softcap, sink, vals.dtype)
             out[self.decode_rows] = (probs @ vals).reshape(sd, hq, -1).to(out.dtype)
         if len(self.chunk_rows) and not softcap and sinks is None:
@@ -230,7 +232,7 @@ class TorchPlan:
                     qc,
                     kc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, D]
                     vc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, Dv]
-                    attn_mask=None if causal else chunk_mask[i, :n, :c],
+                    attn_mask=None if causal else self._masks(window)[1][i, :n, :c],
                     is_causal=causal,
                     scale=scale,
                     enable_gqa=True,
@@ -245,6 +247,7 @@ class TorchPlan:
             vals = v_flat[self.chunk_slots].transpose(1, 2).unsqueeze(2)  # [Sc, kvh, 1, Cmax, Dv]
             scores = qc @ keys.to(qc.dtype)  # [Sc, kvh, g, N, Cmax]
             sink = None if sinks is None else sinks.view(1, kvh, g, 1, 1)
+            chunk_mask = self._masks(window)[1]  # [Sc, Nmax, Cmax]
             probs = _softmax(scores, chunk_mask[:, None, None], softcap, sink, vals.dtype)
             res = (probs @ vals).permute(0, 3, 1, 2, 4).reshape(sc, nmax, hq, -1)  # [Sc, N, Hq, Dv]
             out[self.chunk_rows[self.chunk_valid]] = res[self.chunk_valid].to(out.dtype)
