@@ -137,9 +137,10 @@ static void paged_decode_f32(float *out, const float *q, const float *k_cache, c
                              int head_dim_v, int64_t q_token_stride, int64_t q_head_stride,
                              float scale, int window, float softcap, const float *sinks) {
   // All heads of a sequence advance together, block by block, so each K/V row (all KV heads,
-  // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences whose tables
-  // start with the same physical blocks (samples of one prompt) are served together over those
-  // blocks: the arithmetic per sequence is the same as alone, the shared rows are read once.
+  // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences
+  // whose tables start with the same physical blocks (samples of one prompt) are served together
+  // over those blocks: the arithmetic per sequence is the same as alone, the shared rows are read
+  // once.
   const int kc = head_dim / 8, vc = head_dim_v / 8, lstride = block_size + 8;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
   const size_t member_bytes = (size_t)num_heads * ((kc + vc) * sizeof(v8) + lstride * 4 + 8);

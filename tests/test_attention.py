@@ -148,7 +148,7 @@ def test_store_kv_writes_strided_rows_at_their_slots():
     assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)
 
 
-def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
+def test_decode_kernel_serves_samples_sharing_prompt_blocks_together(monkeypatch):
     """Neighbouring sequences whose tables start with the same physical blocks (the n samples of a
     prompt) are attended together over those blocks: each output equals the sequence run alone,
     bit for bit, and the reference. Groups here: 20 samples (more than one pass of the kernel's
@@ -174,7 +174,7 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together():
     q = torch.randn(s, hq, d, generator=gen)
     rows = torch.arange(s)
     together = torch.empty(s, hq, d)
-    torch.set_num_threads(1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one range: groups never cut
     bounds = cpu_kernel.split(lens, hq * 2 * d)
     assert list(bounds) == [0, s]  # one thread: every group in one range
     cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
