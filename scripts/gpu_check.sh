@@ -3,11 +3,14 @@
 #   bash scripts/gpu_check.sh
 # 1. the kernel tests through real CuPy on CUDA tensors (PAGEDINFER_TEST_CUDA=1),
 # 2. the engine's greedy parity tests on CUDA (PAGEDINFER_TEST_DEVICE=cuda),
-# 3. the decode microbenchmark (bandwidth vs a device-to-device copy, time vs SDPA).
+# 3. the decode microbenchmark (bandwidth vs a device-to-device copy, time vs SDPA),
+# 4. the CLI end to end on the embedded demo model: greedy in float32 on the CPU and on CUDA (outputs compared)
+#    and n=4 sampling in bfloat16 on CUDA, with the memory report; outputs go to $OUT (else /tmp).
 # Every step runs (no -x: one GPU run should show all failures); the exit status is non-zero if any failed.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py=$(command -v python3 || command -v python)
 failed=()
 
 step() {
@@ -18,16 +21,23 @@ step() {
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__)"
+"$py" -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__)"
 # --noconftest: the kernel tests need only torch and CuPy, not the model fixtures' dependencies
-step env PAGEDINFER_TEST_CUDA=1 python -m pytest -q -rf -p no:cacheprovider --noconftest tests/test_kernels.py
+step env PAGEDINFER_TEST_CUDA=1 "$py" -m pytest -q -rf -p no:cacheprovider --noconftest tests/test_kernels.py
 if [[ -f tests/test_parity.py ]]; then
-  step env PAGEDINFER_TEST_DEVICE=cuda python -m pytest -q -rf -p no:cacheprovider tests/test_parity.py
+  step env PAGEDINFER_TEST_DEVICE=cuda "$py" -m pytest -q -rf -p no:cacheprovider tests/test_parity.py
 else
   echo "=== tests/test_parity.py is missing"
   failed+=("parity tests (missing)")
 fi
-step python scripts/bench_kernels.py
+step "$py" scripts/bench_kernels.py
+
+out_dir=${OUT:-/tmp}
+cli() { "$py" -m pagedinfer.cli run prompts/example.jsonl --max-tokens 24 "$@"; }
+step cli --temperature 0 --device cpu -o "$out_dir/example.cpu.jsonl" --quiet
+step cli --temperature 0 --device cuda -o "$out_dir/example.cuda.jsonl" --report-json "$out_dir/report.cuda.json"
+step cli --temperature 0.8 -n 4 --device cuda --dtype bfloat16 -o "$out_dir/example.cuda-bf16.jsonl" --quiet
+step "$py" scripts/compare_outputs.py "$out_dir/example.cpu.jsonl" "$out_dir/example.cuda.jsonl"
 
 if ((${#failed[@]})); then
   printf '=== FAILED: %s\n' "${failed[@]}"

@@ -94,7 +94,9 @@ _HF_CACHE: dict[str, torch.nn.Module] = {}
 
 def _hf_model(path: str) -> torch.nn.Module:
     if path not in _HF_CACHE:
-        _HF_CACHE[path] = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        _HF_CACHE[path] = tf.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     return _HF_CACHE[path]
 
 
