@@ -125,7 +125,8 @@ class TorchPlan:
         bs = meta.block_size
         tables = meta.block_tables.to(torch.int64)
         starts = meta.query_start_loc.to(torch.int64)
-        q_lens = torch.tensor(meta.query_lens)  # [S]
+        dev = meta.context_lens.device  # the model's: index tensors live beside the pool
+        q_lens = torch.tensor(meta.query_lens, device=dev)  # [S]
         ctx_lens = meta.context_lens.to(torch.int64)  # [S]
         decode = torch.nonzero(q_lens == 1).flatten()  # [Sd]
         chunk = torch.nonzero(q_lens > 1).flatten()  # [Sc]
@@ -135,18 +136,19 @@ class TorchPlan:
             slots, kpos = cls._context(tables[decode], ctx_lens[decode], bs)
             kpos = kpos.unsqueeze(0).expand_as(slots)
         else:  # the CPU kernel reads through the block tables itself
-            slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64)
+            slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64, device=dev)
         if len(chunk):
             n = q_lens[chunk]  # [Sc]
-            offs = torch.arange(int(n.max()))  # [Nmax]
+            offs = torch.arange(int(n.max()), device=dev)  # [Nmax]
             chunk_valid = offs.unsqueeze(0) < n.unsqueeze(1)  # [Sc, Nmax]
             chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
             chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
             chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
             spans = list(zip(starts[chunk].tolist(), n.tolist(), ctx_lens[chunk].tolist(), strict=True))
         else:  # a decode-only step (most steps): nothing to index
-            chunk_rows = chunk_slots = chunk_qpos = torch.zeros(0, 0, dtype=torch.int64)
-            chunk_valid, chunk_kpos = torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
+            chunk_rows = chunk_slots = chunk_qpos = torch.zeros(0, 0, dtype=torch.int64, device=dev)
+            chunk_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+            chunk_kpos = torch.zeros(0, dtype=torch.int64, device=dev)
             spans = []
         return cls(
             starts[decode],
@@ -168,7 +170,7 @@ class TorchPlan:
     @staticmethod
     def _context(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``[S, Lmax]`` of every context position (past each length: the last valid one)."""
-        pos = torch.arange(int(lens.max()) if len(lens) else 0)  # [Lmax]
+        pos = torch.arange(int(lens.max()) if len(lens) else 0, device=lens.device)  # [Lmax]
         clamped = torch.minimum(pos.unsqueeze(0), lens.unsqueeze(1) - 1)  # [S, Lmax]
         return tables.gather(1, clamped // bs) * bs + clamped % bs, pos
 

@@ -134,9 +134,16 @@ def _launch(
         return
     import cupy
 
-    stream = torch.cuda.current_stream(like.device).cuda_stream
-    with cupy.cuda.Device(like.device.index), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.Device(like.device.index), _cupy_stream(cupy, torch.cuda.current_stream(like.device)):
         kernel(grid, block, args)
+
+
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream) -> Any:
+    """torch's stream as CuPy's: through the CUDA stream protocol where both have it (CuPy 14
+    deprecates ExternalStream), else by its raw handle."""
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 
 def _dtype_name(t: torch.Tensor) -> str:

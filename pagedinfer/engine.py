@@ -148,7 +148,7 @@ class LLMEngine:
             rows, seqs = self._advance(plan)
             if seqs:
                 if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
-                    logits = logits[torch.tensor(rows, dtype=torch.int64)]  # [len(seqs), V]
+                    logits = logits[torch.tensor(rows, device=logits.device)]  # [len(seqs), V]
                 self._append(sample(logits, seqs, self.loaded.eos_token_ids), seqs, finished)
         if self.trace is not None:
             self._snapshot(plan)

@@ -31,21 +31,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
     ``logits`` may be modified in place: the caller hands over the step's own tensor.
     """
     params = [s.request.params for s in seqs]
+    dev = logits.device
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    raw = logits[torch.tensor(want)] if want else None  # [Rw, V] reported logprobs are the model's own
+    raw = (
+        logits[torch.tensor(want, device=dev)] if want else None
+    )  # [Rw, V] reported logprobs are the model's own
     if any(p.penalized or p.min_tokens for p in params):
         _apply_penalties(logits, seqs)
         _suppress_early_stop(logits, seqs, eos_ids)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     all_sampled = len(sampled) == len(seqs)  # then no argmax and no row gather are needed
-    tokens = torch.empty(len(seqs), dtype=torch.int64) if all_sampled else logits.argmax(dim=-1)  # [R]
+    tokens = (
+        torch.empty(len(seqs), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
+    )  # [R]
     if sampled:
-        rows = torch.tensor(sampled)
-        temps = torch.tensor([params[i].temperature for i in sampled]).unsqueeze(1)  # [Rs, 1]
+        rows = torch.tensor(sampled, device=dev)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=dev).unsqueeze(1)  # [Rs, 1]
         tempered = logits.div_(temps) if all_sampled else logits[rows] / temps  # [Rs, V]
         probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
         cdf = probs.cumsum_(dim=-1)  # [Rs, V]
-        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])  # [Rs]
+        # drawn from each sample's host generator, so a seed gives the same numbers on every device
+        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled]).to(dev)  # [Rs]
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tokens[rows] = picked.clamp_(max=cdf.shape[1] - 1)
     chosen: list[float | None] = [None] * len(seqs)
@@ -72,16 +78,16 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     inversion scales its uniform number by each row's total, so no normalising pass is needed.
     """
     if any(p.top_k or p.top_p < 1.0 for p in params):
-        vocab = logits.shape[-1]
+        vocab, dev = logits.shape[-1], logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-        top_k = torch.tensor([p.top_k or vocab for p in params]).unsqueeze(1)  # [R, 1]
-        drop = torch.arange(vocab).unsqueeze(0) >= top_k  # [R, V]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)  # [R, 1]
+        drop = torch.arange(vocab, device=dev).unsqueeze(0) >= top_k  # [R, V]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)  # [R, 1]
+        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)  # [R, 1]
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keep the token crossing top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [R, V]
-    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [R, 1]
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)  # [R, 1]
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
@@ -94,11 +100,13 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if not p.penalized:
             continue
         row = logits[i]
-        out_ids = torch.tensor(seq.output_ids, dtype=torch.int64)
+        out_ids = torch.tensor(seq.output_ids, dtype=torch.int64, device=row.device)
         counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)  # [V]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.int64)] = True
+            seen[
+                torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.int64, device=row.device)
+            ] = True
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

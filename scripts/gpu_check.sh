@@ -2,7 +2,8 @@
 # One prepared check for a GPU machine (H200 image: torch, CuPy, nvcc; no internet), run from a checkout:
 #   bash scripts/gpu_check.sh
 # 1. the kernel tests through real CuPy on CUDA tensors (PAGEDINFER_TEST_CUDA=1),
-# 2. the engine's greedy parity tests on CUDA (PAGEDINFER_TEST_DEVICE=cuda),
+# 2. the engine's tests on CUDA (PAGEDINFER_TEST_DEVICE=cuda): greedy parity with transformers through the
+#    torch path (head size 16) and the CuPy kernels (head size 64), sampling, logprobs, penalties,
 # 3. the decode microbenchmark (bandwidth vs a device-to-device copy, time vs SDPA),
 # 4. the CLI end to end on the embedded demo model: greedy in float32 on the CPU and on CUDA (outputs compared)
 #    and n=4 sampling in bfloat16 on CUDA, with the memory report; outputs go to $OUT (else /tmp).
@@ -23,13 +24,8 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$py" -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__)"
 # --noconftest: the kernel tests need only torch and CuPy, not the model fixtures' dependencies
-step env PAGEDINFER_TEST_CUDA=1 "$py" -m pytest -q -rf -p no:cacheprovider --noconftest tests/test_kernels.py
-if [[ -f tests/test_parity.py ]]; then
-  step env PAGEDINFER_TEST_DEVICE=cuda "$py" -m pytest -q -rf -p no:cacheprovider tests/test_parity.py
-else
-  echo "=== tests/test_parity.py is missing"
-  failed+=("parity tests (missing)")
-fi
+step env PAGEDINFER_TEST_CUDA=1 "$py" -m pytest -q -rfs -p no:cacheprovider --noconftest tests/test_kernels.py
+step env PAGEDINFER_TEST_DEVICE=cuda "$py" -m pytest -q -rfs -p no:cacheprovider tests/test_parity.py tests/test_engine.py
 step "$py" scripts/bench_kernels.py
 
 out_dir=${OUT:-/tmp}

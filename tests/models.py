@@ -33,6 +33,10 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    # head size 64: a shape the CUDA kernels serve (the others' 16 and 32 take the torch path there)
+    "llama_d64": lambda: tf.LlamaConfig(
+        **COMMON, **{**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    ),
     "gpt2": lambda: tf.GPT2Config(
         vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=None
     ),

@@ -36,6 +36,25 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks):
         assert llm.stats.preemptions == 0
 
 
+@pytest.mark.parametrize("num_blocks", [64, 6], ids=["roomy-pool", "preempting-pool"])
+def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, num_blocks, monkeypatch):
+    """Head size 64 and blocks of 16: decode goes through the C kernel on the CPU, CuPy's on CUDA."""
+    from pagedinfer import cpu_kernel
+
+    calls = []
+    decode = cpu_kernel.paged_decode
+    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(1) or decode(*a))
+    path = tiny_model("llama_d64")
+    llm = LLM(str(path), block_size=16, num_blocks=num_blocks, device=DEVICE)
+    assert llm.engine.runner.use_cuda_kernels == (DEVICE == "cuda")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert (llm.stats.preemptions > 0) == (num_blocks == 6)  # 6 requests of up to 3 blocks each
+    assert bool(calls) == (DEVICE == "cpu" and cpu_kernel.available())
+
+
 def test_chunked_prefill_matches_transformers(tiny_model, prompts):
     """A token budget of 7 splits every long prompt into chunks that attend to their cached prefix."""
     path = tiny_model("mistral")
