@@ -21,8 +21,11 @@ step() {
   echo "=== done in $((SECONDS - start)) s: $*"
 }
 
+echo "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=${TORCH_ALLOW_TF32_CUBLAS_OVERRIDE-unset} (unset here: it forces TF32 matmuls)"
+unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-"$py" -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__)"
+"$py" -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__,
+      'TF32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cuDNN', torch.backends.cudnn.allow_tf32)"
 # --noconftest: the kernel tests need only torch and CuPy, not the model fixtures' dependencies
 step env PAGEDINFER_TEST_CUDA=1 "$py" -m pytest -q -rfs -p no:cacheprovider --noconftest tests/test_kernels.py
 step env PAGEDINFER_TEST_DEVICE=cuda "$py" -m pytest -q -rfs -p no:cacheprovider tests/test_parity.py tests/test_engine.py
