@@ -21,8 +21,6 @@ step() {
   echo "=== done in $((SECONDS - start)) s: $*"
 }
 
-echo "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=${TORCH_ALLOW_TF32_CUBLAS_OVERRIDE-unset} (unset here: it forces TF32 matmuls)"
-unset TORCH_ALLOW_TF32_CUBLAS_OVERRIDE
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$py" -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'CuPy', cupy.__version__,
       'TF32 matmul', torch.backends.cuda.matmul.allow_tf32, 'cuDNN', torch.backends.cudnn.allow_tf32)"
@@ -34,7 +32,7 @@ step "$py" scripts/bench_kernels.py
 out_dir=${OUT:-/tmp}
 cli() { "$py" -m pagedinfer.cli run prompts/example.jsonl --max-tokens 24 "$@"; }
 step cli --temperature 0 --device cpu -o "$out_dir/example.cpu.jsonl" --quiet
-step cli --temperature 0 --device cuda -o "$out_dir/example.cuda.jsonl" --report-json "$out_dir/report.cuda.json"
+step cli --temperature 0 --device cuda --dtype float32 -o "$out_dir/example.cuda.jsonl" --report-json "$out_dir/report.cuda.json"
 step cli --temperature 0.8 -n 4 --device cuda --dtype bfloat16 -o "$out_dir/example.cuda-bf16.jsonl" --quiet
 step "$py" scripts/compare_outputs.py "$out_dir/example.cpu.jsonl" "$out_dir/example.cuda.jsonl"
 

@@ -10,11 +10,6 @@ from models import save_model, save_text_model  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 DEVICE = os.environ.get("PAGEDINFER_TEST_DEVICE", "cpu")
-if (
-    DEVICE == "cuda"
-):  # strict float32 matmuls: TF32's 10-bit mantissa flips the tiny models' near-tied greedy choices
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(scope="session")

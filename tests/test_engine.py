@@ -14,7 +14,7 @@ from pagedinfer.sequence import Request
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, device=DEVICE)
+    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, device=DEVICE, dtype="float32")
 
 
 def ids(n, seed=0):
@@ -50,7 +50,9 @@ def test_two_samples_through_the_engine(llama):
 
 def test_b_and_c_admitted_together(tiny_model):
     """Seed 000: with 6 blocks of 4 slots, B (6 K/V, growing) and C (6-token prompt) run side by side."""
-    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=6, max_model_len=20, device=DEVICE)
+    llm = LLM(
+        str(tiny_model("llama")), block_size=4, num_blocks=6, max_model_len=20, device=DEVICE, dtype="float32"
+    )
     engine = llm.engine
     b = engine.add_request(ids(6, 1), SamplingParams(temperature=0, max_tokens=6))
     engine.step()  # B's prompt: 6 K/V in 2 blocks
@@ -171,7 +173,7 @@ def test_repetition_penalty_changes_greedy_choice(llama):
 
 
 def test_too_long_and_too_big_requests_fail_alone(tiny_model):
-    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=10, device=DEVICE)
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=10, device=DEVICE, dtype="float32")
     outs = llm.generate(
         [ids(300), ids(30), ids(5)],
         [
@@ -190,7 +192,7 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
 
 
 def test_text_prompts_stop_strings_and_eos(text_model):
-    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE)
+    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE, dtype="float32")
     tok = llm.tokenizer
     base = llm.generate(
         "hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -220,7 +222,7 @@ def test_text_prompts_stop_strings_and_eos(text_model):
 
 
 def test_eos_stops_unless_ignored_and_min_tokens(text_model):
-    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE)
+    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE, dtype="float32")
     base = llm.generate("안녕", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     tokens = base[0].outputs[0].token_ids
     cut = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])
@@ -239,7 +241,7 @@ def test_eos_stops_unless_ignored_and_min_tokens(text_model):
 
 
 def test_prompts_need_a_tokenizer_or_ids(tiny_model):
-    llm = LLM(str(tiny_model("llama")), num_blocks=8, device=DEVICE)
+    llm = LLM(str(tiny_model("llama")), num_blocks=8, device=DEVICE, dtype="float32")
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids"):
