@@ -17,6 +17,10 @@ constexpr int NUM_THREADS = 128;
 constexpr int NUM_WARPS = NUM_THREADS / 32;
 constexpr int MAX_GROUP = 8;                // query heads per CUDA block; larger groups span blocks
 constexpr int DECODE_TILE = NUM_THREADS;    // keys scored per decode step, one per thread
+#ifndef DECODE_LOADS_IN_FLIGHT
+#define DECODE_LOADS_IN_FLIGHT 8  // -D to tune (scripts/bench_kernels.py sweeps it)
+#endif
+constexpr int LOADS_IN_FLIGHT = DECODE_LOADS_IN_FLIGHT;  // decode: 16-byte K/V loads issued before use
 constexpr int ROWS_PER_WARP = 4;            // prefill (query token, head) rows per warp
 constexpr int PREFILL_ROWS = NUM_WARPS * ROWS_PER_WARP;
 
@@ -137,17 +141,21 @@ __global__ void __launch_bounds__(NUM_THREADS)
     if (tid < n) {    // score key t0 + tid against every head of the group
       const T* k = kv_row<T, HEAD, BLOCK>(k_cache, table, t0 + tid, hg.kv_head, num_kv_heads);
       float dot[MAX_GROUP] = {};
-      Vec16<T> next = load16(k);
 #pragma unroll 1
-      for (int c = 0; c < CHUNKS; ++c) {
-        const Vec16<T> kv = next;
-        if (c + 1 < CHUNKS) next = load16(k + (c + 1) * VEC);  // keeps a load in flight during the FMAs
-        for (int e = 0; e < VEC; ++e) {
-          const float x = to_float(kv.v[e]);
+      for (int c0 = 0; c0 < CHUNKS; c0 += LOADS_IN_FLIGHT) {
+        Vec16<T> kv[LOADS_IN_FLIGHT];  // issued together: one memory latency per batch, not per piece
 #pragma unroll
-          for (int g = 0; g < MAX_GROUP; ++g)
-            if (g < hg.count) dot[g] += s_q[g][c * VEC + e] * x;
-        }
+        for (int j = 0; j < LOADS_IN_FLIGHT; ++j)
+          if (c0 + j < CHUNKS) kv[j] = load16(k + (c0 + j) * VEC);
+#pragma unroll
+        for (int j = 0; j < LOADS_IN_FLIGHT; ++j)
+          if (c0 + j < CHUNKS)
+            for (int e = 0; e < VEC; ++e) {
+              const float x = to_float(kv[j].v[e]);
+#pragma unroll
+              for (int g = 0; g < MAX_GROUP; ++g)
+                if (g < hg.count) dot[g] += s_q[g][(c0 + j) * VEC + e] * x;
+            }
       }
 #pragma unroll
       for (int g = 0; g < MAX_GROUP; ++g)
@@ -178,19 +186,26 @@ __global__ void __launch_bounds__(NUM_THREADS)
       for (int g = 0; g < MAX_GROUP; ++g)
         if (g < hg.count)
           for (int e = 0; e < VEC; ++e) acc[g][e] *= s_corr[g];
-      const auto v_piece = [&](int key) {
-        return load16(kv_row<T, HEAD, BLOCK>(v_cache, table, key, hg.kv_head, num_kv_heads) + vc * VEC);
-      };
-      Vec16<T> next = vg < n ? v_piece(t0 + vg) : zero16<T>();
-      for (int t = vg; t < n; t += KEY_GROUPS) {
-        const Vec16<T> vv = next;
-        if (t + KEY_GROUPS < n) next = v_piece(t0 + t + KEY_GROUPS);  // keeps a load in flight
+#pragma unroll 1
+      for (int t = vg; t < n; t += KEY_GROUPS * LOADS_IN_FLIGHT) {
+        Vec16<T> vv[LOADS_IN_FLIGHT];  // keys t, t + KEY_GROUPS, ...: loads issued together
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g)
-          if (g < hg.count) {
-            const float p = s_p[g][t];
-            for (int e = 0; e < VEC; ++e) acc[g][e] += p * to_float(vv.v[e]);
-          }
+        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) {
+          const int key = t + j * KEY_GROUPS;
+          if (key < n)
+            vv[j] = load16(kv_row<T, HEAD, BLOCK>(v_cache, table, t0 + key, hg.kv_head, num_kv_heads) + vc * VEC);
+        }
+#pragma unroll
+        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) {
+          const int key = t + j * KEY_GROUPS;
+          if (key < n)
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g)
+              if (g < hg.count) {
+                const float p = s_p[g][key];
+                for (int e = 0; e < VEC; ++e) acc[g][e] += p * to_float(vv[j].v[e]);
+              }
+        }
       }
     }
   }

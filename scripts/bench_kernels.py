@@ -3,7 +3,8 @@
 Reports the paged decode kernel's K/V bandwidth as a fraction of a device-to-device copy measured in
 the same run (so the number is comparable across GPUs), and its time against torch's
 scaled_dot_product_attention over contiguous K/V (which needs no block table).
-Shape: batch 64, context 4096, 32 query / 8 KV heads, head 128, fp16, block 16.
+Shape: batch 64, context 4096, 32 query / 8 KV heads, head 128, fp16, block 16. Then a sweep of the
+decode kernel's two knobs (loads in flight per thread, keys per partition), each variant checked.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pagedinfer.attention_metadata import AttentionMetadata
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD, BLOCK = 64, 4096, 32, 8, 128, 16
 DTYPE = torch.float16
+DEVICE = "cuda"
+LOADS_SWEEP = (2, 4, 8, 16)  # DECODE_LOADS_IN_FLIGHT (kernels/paged_attention.cu)
+PARTITION_SWEEP = (256, 512, 1024)  # cuda_kernels.DECODE_PARTITION_SIZE
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int = 20) -> float:
@@ -38,7 +42,7 @@ def main() -> None:
     if not cuda_kernels.is_available():
         sys.exit("bench_kernels: needs CuPy and a CUDA device")
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     blocks_per_seq = CONTEXT // BLOCK
     num_blocks = BATCH * blocks_per_seq
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, device=dev, dtype=DTYPE)  # 0.5 GiB
@@ -87,6 +91,25 @@ def main() -> None:
     print(f"max |paged - SDPA| = {err:.2e}")
     if err > 1e-2:
         sys.exit("bench_kernels: paged attention disagrees with SDPA")
+
+    # The decode kernel's two tuning knobs, each variant checked against SDPA like the default
+    reference = sdpa().squeeze(2).float()
+    print("sweep: loads in flight x partition size -> time, fraction of copy, time / SDPA")
+    base_options, base_partition = cuda_kernels.nvrtc_options, cuda_kernels.DECODE_PARTITION_SIZE
+    for loads in LOADS_SWEEP:
+        cuda_kernels.nvrtc_options = lambda n=loads: (*base_options(), f"-DDECODE_LOADS_IN_FLIGHT={n}")
+        cuda_kernels._kernels.clear()
+        for partition in PARTITION_SWEEP:
+            cuda_kernels.DECODE_PARTITION_SIZE = partition
+            run = lambda: cuda_kernels.paged_attention(out, query, k_cache, v_cache, meta, scale)  # noqa: E731
+            t = seconds_per_call(run)
+            bad = (out.float() - reference).abs().max().item() > 1e-2
+            print(
+                f"  loads {loads:2d}  partition {partition:4d}: {t * 1e6:7.1f} us  "
+                f"{kv_bytes / t / copy_bw:6.1%} of copy  {t / t_sdpa:5.2f}x SDPA{'  WRONG' if bad else ''}"
+            )
+    cuda_kernels.nvrtc_options, cuda_kernels.DECODE_PARTITION_SIZE = base_options, base_partition
+    cuda_kernels._kernels.clear()
 
 
 if __name__ == "__main__":
