@@ -18,7 +18,7 @@ constexpr int NUM_WARPS = NUM_THREADS / 32;
 constexpr int MAX_GROUP = 8;                // query heads per CUDA block; larger groups span blocks
 constexpr int DECODE_TILE = NUM_THREADS;    // keys scored per decode step, one per thread
 #ifndef DECODE_LOADS_IN_FLIGHT
-#define DECODE_LOADS_IN_FLIGHT 8  // -D to tune (scripts/bench_kernels.py sweeps it)
+#define DECODE_LOADS_IN_FLIGHT 4  // best of 2, 4, 8, 16 on an H200 (scripts/bench_kernels.py sweeps it)
 #endif
 constexpr int LOADS_IN_FLIGHT = DECODE_LOADS_IN_FLIGHT;  // decode: 16-byte K/V loads issued before use
 constexpr int ROWS_PER_WARP = 4;            // prefill (query token, head) rows per warp
