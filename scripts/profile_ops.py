@@ -1,24 +1,75 @@
 #!/usr/bin/env python
-"""Where a benchmark workload's time goes, op by op (torch.profiler), for pagedinfer alone.
+"""Where a benchmark workload's time goes, for pagedinfer alone: op by op, or component by component.
 
     python scripts/profile_ops.py --workload W1 --model-cache /tmp/mc --threads 2
+    python scripts/profile_ops.py --workload W1 --model-cache /tmp/mc --threads 2 --timers
 
 Sets pagedinfer up exactly as `pagedinfer bench` does (untimed warm-up included), then runs the
-whole workload under ``torch.profiler`` and prints the wall time and the ops by self CPU time. Our C decode kernel runs through ctypes and so is not an op:
-its time is the wall time the table does not account for (with the interpreter's).
+whole workload once. By default under ``torch.profiler``, printing the ops by self CPU time (our C
+decode kernel runs through ctypes and so is not an op: its time is the wall time the table does not
+account for). With ``--timers``, wall-clock timers wrap the model's modules (by class, and each
+linear by its attribute name), the attention kernel calls and the sampler instead: little overhead,
+so the shares are those of a plain run; times are inclusive (a module's includes its children's).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from pagedinfer import attention, cpu_kernel, engine
 from pagedinfer.bench import MODELS, WORKLOADS, PagedinferRunner, build_model, default_args, make_job
+from pagedinfer.packed_linear import PackedLinear
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+    def install(self, model: nn.Module) -> None:
+        """Every module's forward (linears by attribute name, others by class), kernels, sampler."""
+        for path, module in model.named_modules():
+            if isinstance(module, (nn.Linear, PackedLinear)):
+                name = f"linear {path.rsplit('.', 1)[-1]}"
+            elif path and not isinstance(module, nn.ModuleList):
+                name = type(module).__name__
+            else:
+                continue
+            module.forward = self.wrap(name, module.forward)
+        model.forward = self.wrap("model forward (all)", model.forward)
+        cpu_kernel.paged_decode = self.wrap("C decode kernel", cpu_kernel.paged_decode)
+        cpu_kernel.store_kv = self.wrap("C K/V write", cpu_kernel.store_kv)
+        attention.TorchPlan.attend = self.wrap("attention (K/V write + attend)", attention.TorchPlan.attend)
+        engine.sample = self.wrap("sampler", engine.sample)
+
+    def table(self, wall: float) -> str:
+        rows = [f"{'component (inclusive)':34s} {'s':>8s} {'share':>6s} {'calls':>7s} {'us/call':>9s}"]
+        for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
+            calls = self.calls[name]
+            rows.append(f"{name:34s} {s:8.2f} {s / wall:6.1%} {calls:7d} {s / calls * 1e6:9.1f}")
+        return "\n".join(rows)
 
 
 def main() -> None:
@@ -27,12 +78,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-cache", type=Path, help="directory where the random models are saved once")
     ap.add_argument("--rows", type=int, default=25, help="ops to print")
+    ap.add_argument("--timers", action="store_true", help="component timers instead of torch.profiler")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
     model_dir, _ = build_model(w.model, args.model_cache or Path(tempfile.mkdtemp()))
     job = make_job(w, default_args(threads=args.threads), model_dir, MODELS[w.model]["vocab_size"])
     runner = PagedinferRunner(job)  # the benchmark's own setup, untimed warm-up included
+    if args.timers:
+        timers = Timers()
+        timers.install(runner.llm.engine.loaded.model)
+        start = time.perf_counter()
+        runner.run()
+        wall = time.perf_counter() - start
+        print(f"{args.workload}: {wall:.2f} s wall with timers, {args.threads} threads")
+        print(timers.table(wall))
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         runner.run()
