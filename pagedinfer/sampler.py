@@ -51,7 +51,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
         probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
         cdf = probs.cumsum_(dim=-1)  # [Rs, V]
         # drawn from each sample's host generator, so a seed gives the same numbers on every device
-        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled]).to(dev)  # [Rs]
+        gens = [seqs[i].generator for i in sampled]
+        uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)  # [Rs]
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tokens[rows] = picked.clamp_(max=cdf.shape[1] - 1)
     chosen: list[float | None] = [None] * len(seqs)

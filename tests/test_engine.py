@@ -144,6 +144,41 @@ def test_logprobs(llama):
     assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None  # as in vLLM
 
 
+def test_sampler_and_attention_plan_make_tensors_beside_their_inputs(tiny_model, monkeypatch):
+    """CI has no GPU, so a tensor made without ``device=`` (on the host, beside CUDA logits or a CUDA
+    pool) would only fail on one: here every such tensor lands on "meta" and fails the step instead."""
+    from pagedinfer import attention, engine
+
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, device=DEVICE, dtype="float32")
+    prompts = [ids(6, 1), ids(9, 2)]
+    every_feature = SamplingParams(
+        n=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2, presence_penalty=0.5,
+        frequency_penalty=0.3, min_tokens=3, logprobs=2, seed=7, max_tokens=6,
+    )  # fmt: skip
+    params = [every_feature, SamplingParams(temperature=0, max_tokens=6, logprobs=1)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+
+    def on_meta(fn):
+        def wrapped(*args, **kwargs):
+            with torch.device("meta"):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(engine, "sample", on_meta(engine.sample))
+    monkeypatch.setattr(
+        attention.TorchPlan, "build", classmethod(on_meta(attention.TorchPlan.build.__func__))
+    )
+    monkeypatch.setattr(attention.TorchPlan, "attend", on_meta(attention.TorchPlan.attend))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in expected
+    ]
+    assert [[c.logprobs for c in o.outputs] for o in got] == [
+        [c.logprobs for c in o.outputs] for o in expected
+    ]
+
+
 def test_stop_token_ids_and_max_tokens(llama):
     base = llama.generate(ids(10, 11), SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
     tokens = base.outputs[0].token_ids
