@@ -111,7 +111,7 @@ QUICK: dict[str, dict] = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_throughput",
-        description="pagedinfer vs transformers generate / generate_batch on the same prompts and model.",
+        description="pagedinfer vs transformers generate / generate_batch on the same prompts and model, on the CPU in float32.",
     )
     p.add_argument("--workloads", default="W0,W1,W2", help="comma list of W0, W1, W2 (default: all)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
