@@ -10,6 +10,8 @@ from models import save_model, save_text_model  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 DEVICE = os.environ.get("PAGEDINFER_TEST_DEVICE", "cpu")
+# engine settings of the tests that compare with transformers in float32 (on CUDA dtype auto is float16)
+ENGINE = {"device": DEVICE, "dtype": "float32"}
 
 
 @pytest.fixture(scope="session")

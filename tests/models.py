@@ -33,7 +33,7 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
-    # head size 64: a shape the CUDA kernels serve (the others' 16 and 32 take the torch path there)
+    # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(
         **COMMON, **{**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
     ),

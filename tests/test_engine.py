@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import ENGINE
 from models import hf_greedy
 
 from pagedinfer import LLM, SamplingParams
@@ -14,7 +14,7 @@ from pagedinfer.sequence import Request
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, device=DEVICE, dtype="float32")
+    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, **ENGINE)
 
 
 def ids(n, seed=0):
@@ -50,9 +50,7 @@ def test_two_samples_through_the_engine(llama):
 
 def test_b_and_c_admitted_together(tiny_model):
     """Seed 000: with 6 blocks of 4 slots, B (6 K/V, growing) and C (6-token prompt) run side by side."""
-    llm = LLM(
-        str(tiny_model("llama")), block_size=4, num_blocks=6, max_model_len=20, device=DEVICE, dtype="float32"
-    )
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=6, max_model_len=20, **ENGINE)
     engine = llm.engine
     b = engine.add_request(ids(6, 1), SamplingParams(temperature=0, max_tokens=6))
     engine.step()  # B's prompt: 6 K/V in 2 blocks
@@ -149,7 +147,7 @@ def test_sampler_and_attention_plan_make_tensors_beside_their_inputs(tiny_model,
     pool) would only fail on one: here every such tensor lands on "meta" and fails the step instead."""
     from pagedinfer import attention, engine
 
-    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, device=DEVICE, dtype="float32")
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, **ENGINE)
     prompts = [ids(6, 1), ids(9, 2)]
     every_feature = SamplingParams(
         n=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2, presence_penalty=0.5,
@@ -208,7 +206,7 @@ def test_repetition_penalty_changes_greedy_choice(llama):
 
 
 def test_too_long_and_too_big_requests_fail_alone(tiny_model):
-    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=10, device=DEVICE, dtype="float32")
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=10, **ENGINE)
     outs = llm.generate(
         [ids(300), ids(30), ids(5)],
         [
@@ -227,7 +225,7 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
 
 
 def test_text_prompts_stop_strings_and_eos(text_model):
-    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE, dtype="float32")
+    llm = LLM(str(text_model), block_size=4, num_blocks=100, **ENGINE)
     tok = llm.tokenizer
     base = llm.generate(
         "hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -257,7 +255,7 @@ def test_text_prompts_stop_strings_and_eos(text_model):
 
 
 def test_eos_stops_unless_ignored_and_min_tokens(text_model):
-    llm = LLM(str(text_model), block_size=4, num_blocks=100, device=DEVICE, dtype="float32")
+    llm = LLM(str(text_model), block_size=4, num_blocks=100, **ENGINE)
     base = llm.generate("안녕", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     tokens = base[0].outputs[0].token_ids
     cut = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])
@@ -276,7 +274,7 @@ def test_eos_stops_unless_ignored_and_min_tokens(text_model):
 
 
 def test_prompts_need_a_tokenizer_or_ids(tiny_model):
-    llm = LLM(str(tiny_model("llama")), num_blocks=8, device=DEVICE, dtype="float32")
+    llm = LLM(str(tiny_model("llama")), num_blocks=8, **ENGINE)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids"):

@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, ENGINE
 from models import hf_greedy
 
 from pagedinfer import LLM, SamplingParams
@@ -23,7 +23,7 @@ def prompts():
 @pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
 def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks):
     path = tiny_model(family)
-    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, device=DEVICE, dtype="float32")
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -45,7 +45,7 @@ def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, nu
     decode = cpu_kernel.paged_decode
     monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(1) or decode(*a))
     path = tiny_model("llama_d64")
-    llm = LLM(str(path), block_size=16, num_blocks=num_blocks, device=DEVICE, dtype="float32")
+    llm = LLM(str(path), block_size=16, num_blocks=num_blocks, **ENGINE)
     assert llm.engine.runner.use_cuda_kernels == (DEVICE == "cuda")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -58,9 +58,7 @@ def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, nu
 def test_chunked_prefill_matches_transformers(tiny_model, prompts):
     """A token budget of 7 splits every long prompt into chunks that attend to their cached prefix."""
     path = tiny_model("mistral")
-    llm = LLM(
-        str(path), block_size=4, num_blocks=256, max_num_batched_tokens=7, device=DEVICE, dtype="float32"
-    )
+    llm = LLM(str(path), block_size=4, num_blocks=256, max_num_batched_tokens=7, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -75,7 +73,7 @@ def test_greedy_matches_transformers_with_every_linear_packed(tiny_model, prompt
 
     monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
     path = tiny_model(family)
-    llm = LLM(str(path), block_size=4, num_blocks=256, device=DEVICE, dtype="float32")
+    llm = LLM(str(path), block_size=4, num_blocks=256, **ENGINE)
     if DEVICE == "cpu":
         assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.loaded.model.modules())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
