@@ -33,17 +33,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> Sam
     params = [s.request.params for s in seqs]
     dev = logits.device
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    raw = (
-        logits[torch.tensor(want, device=dev)] if want else None
-    )  # [Rw, V] reported logprobs are the model's own
+    # [Rw, V] reported logprobs are the model's own, before penalties and temperature
+    raw = logits[torch.tensor(want, device=dev)] if want else None
     if any(p.penalized or p.min_tokens for p in params):
         _apply_penalties(logits, seqs)
         _suppress_early_stop(logits, seqs, eos_ids)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     all_sampled = len(sampled) == len(seqs)  # then no argmax and no row gather are needed
-    tokens = (
-        torch.empty(len(seqs), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
-    )  # [R]
+    # [R]: the greedy rows' argmax; sampled rows are filled in below
+    tokens = torch.empty(len(seqs), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
     if sampled:
         rows = torch.tensor(sampled, device=dev)
         temps = torch.tensor([params[i].temperature for i in sampled], device=dev).unsqueeze(1)  # [Rs, 1]

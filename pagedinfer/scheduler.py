@@ -120,8 +120,7 @@ class Scheduler:
                 if victim is req:
                     return False
                 continue
-            if copies:
-                out.copies += copies
+            out.copies += copies
             return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
