@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.engine import LLMEngine
-from pagedinfer.model_loader import load_model
+from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.engine.stats import EngineStats
+from pagedinfer.model.loader import load_model
 from pagedinfer.outputs import RequestOutput
 from pagedinfer.sampling_params import SamplingParams
-from pagedinfer.stats import EngineStats
 
 Prompt = str | dict
 

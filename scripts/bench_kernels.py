@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedinfer import cuda_kernels
-from pagedinfer.attention_metadata import AttentionMetadata
+from pagedinfer.attention import cuda_kernels
+from pagedinfer.attention.metadata import AttentionMetadata
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD, BLOCK = 64, 4096, 32, 8, 128, 16
 DTYPE = torch.float16

@@ -9,7 +9,7 @@ A thin wrapper around `pagedinfer.bench` (see its docstring and ``docs/bench.md`
 
 import sys
 
-from pagedinfer.bench import main
+from pagedinfer.bench.throughput import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,9 +26,18 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from pagedinfer import attention, cpu_kernel, engine
-from pagedinfer.bench import MODELS, WORKLOADS, PagedinferRunner, build_model, default_args, make_job
-from pagedinfer.packed_linear import PackedLinear
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention import interface as attention
+from pagedinfer.bench.throughput import (
+    MODELS,
+    WORKLOADS,
+    PagedinferRunner,
+    build_model,
+    default_args,
+    make_job,
+)
+from pagedinfer.engine import llm_engine as engine
+from pagedinfer.model.packed_linear import PackedLinear
 
 
 class Timers:

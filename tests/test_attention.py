@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedinfer import cpu_kernel
-from pagedinfer.attention import TorchPlan, use_cpu_kernel
-from pagedinfer.attention_metadata import AttentionMetadata
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention.interface import TorchPlan, use_cpu_kernel
+from pagedinfer.attention.metadata import AttentionMetadata
 
 
 def reference(q, keys, values, qpos, scale, window, softcap, sinks):

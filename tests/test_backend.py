@@ -10,7 +10,8 @@ import torch
 import transformers as tf
 from models import COMMON, hf_greedy
 
-from pagedinfer import LLM, SamplingParams, cuda_cpu, cuda_kernels
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.attention import cuda_cpu, cuda_kernels
 
 
 @pytest.fixture(scope="module")

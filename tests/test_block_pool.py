@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedinfer.block_pool import BlockPool, OutOfBlocks
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks
 
 
 def test_b_and_c_fit_together_in_24_slots():

@@ -7,7 +7,7 @@ import json
 from cli_helpers import tiny_model, write_jsonl
 from typer.testing import CliRunner
 
-from pagedinfer.cli import app
+from pagedinfer.cli.app import app
 
 
 def invoke(*args):

@@ -7,7 +7,7 @@ import json
 import pytest
 from cli_helpers import write_jsonl
 
-from pagedinfer.jsonl_input import (
+from pagedinfer.cli.jsonl_input import (
     InputFileError,
     LineError,
     LineRequest,
@@ -15,7 +15,7 @@ from pagedinfer.jsonl_input import (
     parse_lines,
     read_input,
 )
-from pagedinfer.jsonl_output import (
+from pagedinfer.cli.jsonl_output import (
     JsonlSink,
     OrderedWriter,
     default_output_path,
@@ -241,7 +241,7 @@ def test_record_key_matches_line_key():
 
 
 def test_chart_resamples_to_the_width_keeping_peaks():
-    from pagedinfer.report import bar_chart, resample
+    from pagedinfer.cli.report import bar_chart, resample
 
     assert resample([1, 9, 2, 3, 4, 5], 3) == [9, 3, 5]  # max per column
     assert resample([1, 2], 4) == [1, 1, 2, 2]  # short runs are stretched

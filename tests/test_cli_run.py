@@ -14,7 +14,7 @@ from cli_helpers import read_jsonl, tiny_model, tiny_model_no_tokenizer, write_j
 from rich.console import Console
 from typer.testing import CliRunner
 
-from pagedinfer.cli import app
+from pagedinfer.cli.app import app
 
 DOCS = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -248,7 +248,7 @@ class _InterruptAfter:
     """Patch LLMEngine.step to send a real SIGINT (Ctrl-C) to this process after some steps."""
 
     def __init__(self, monkeypatch, steps: int) -> None:
-        from pagedinfer.engine import LLMEngine
+        from pagedinfer.engine.llm_engine import LLMEngine
 
         original = LLMEngine.step
         self.calls = 0
@@ -463,7 +463,7 @@ def test_model_without_tokenizer_takes_token_ids_only(tmp_path):
 
 
 def test_progress_bar_on_a_terminal_and_silent_when_quiet(model, tmp_path):
-    from pagedinfer.batch import RunOptions, execute
+    from pagedinfer.cli.run import RunOptions, execute
 
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "max_tokens": 3, "n": 2}])
     for quiet in (False, True):

@@ -8,8 +8,8 @@ from conftest import ENGINE
 from models import hf_greedy
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model_loader import ModelLoadError
-from pagedinfer.sequence import Request
+from pagedinfer.core.sequence import Request
+from pagedinfer.model.loader import ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,8 @@ def test_logprobs(llama):
 def test_sampler_and_attention_plan_make_tensors_beside_their_inputs(tiny_model, monkeypatch):
     """CI has no GPU, so a tensor made without ``device=`` (on the host, beside CUDA logits or a CUDA
     pool) would only fail on one: here every such tensor lands on "meta" and fails the step instead."""
-    from pagedinfer import attention, engine
+    from pagedinfer.attention import interface as attention
+    from pagedinfer.engine import llm_engine as engine
 
     llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, **ENGINE)
     prompts = [ids(6, 1), ids(9, 2)]
@@ -320,7 +321,7 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
 def test_detokenizer_never_emits_half_a_character(text_model):
     from transformers import AutoTokenizer
 
-    from pagedinfer.detokenizer import IncrementalDetokenizer
+    from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 
     tok = AutoTokenizer.from_pretrained(text_model)
     text = "안녕하세요 반갑습니다 😀🎉 done"

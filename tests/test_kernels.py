@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from pagedinfer import cuda_cpu, cuda_kernels
-from pagedinfer.attention_metadata import AttentionMetadata
+from pagedinfer.attention import cuda_cpu, cuda_kernels
+from pagedinfer.attention.metadata import AttentionMetadata
 
 ON_CUDA = os.environ.get("PAGEDINFER_TEST_CUDA") == "1"
 COMBOS = [(torch.float16, 128, 16), (torch.bfloat16, 64, 8), (torch.float32, 80, 32)]  # dtype, head, block

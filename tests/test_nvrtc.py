@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedinfer import cuda_kernels
+from pagedinfer.attention import cuda_kernels
 
 ARCHS = ["sm_80", "sm_90"]
 

@@ -5,8 +5,8 @@ import torch
 import transformers as tf
 from torch import nn
 
-from pagedinfer import packed_linear
-from pagedinfer.model_loader import load_model
+from pagedinfer.model import packed_linear
+from pagedinfer.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (nothing is packed)"

@@ -39,7 +39,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks):
 @pytest.mark.parametrize("num_blocks", [64, 6], ids=["roomy-pool", "preempting-pool"])
 def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, num_blocks, monkeypatch):
     """Head size 64 and blocks of 16: decode goes through the C kernel on the CPU, CuPy's on CUDA."""
-    from pagedinfer import cpu_kernel
+    from pagedinfer.attention import cpu_kernel
 
     calls = []
     decode = cpu_kernel.paged_decode
@@ -69,7 +69,7 @@ def test_chunked_prefill_matches_transformers(tiny_model, prompts):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])  # gpt2: Conv1D layers + a tied Linear head
 def test_greedy_matches_transformers_with_every_linear_packed(tiny_model, prompts, family, monkeypatch):
     """The tiny models' weights are below the packing threshold; force oneDNN packing on all of them."""
-    from pagedinfer import packed_linear
+    from pagedinfer.model import packed_linear
 
     monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
     path = tiny_model(family)

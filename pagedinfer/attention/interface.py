@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pagedinfer import cpu_kernel
-from pagedinfer.attention_metadata import AttentionMetadata
-from pagedinfer.kv_cache import KVCache, LayerShape
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention.kv_cache import KVCache, LayerShape
+from pagedinfer.attention.metadata import AttentionMetadata
 
 ATTN_NAME = "pagedinfer"
 
@@ -58,7 +58,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     meta = ctx.meta
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])  # [T, Hq, Dv]
     if ctx.use_cuda_kernels:
-        from pagedinfer import cuda_kernels
+        from pagedinfer.attention import cuda_kernels
 
         cuda_kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from pagedinfer import attention, packed_linear
-from pagedinfer.kv_cache import LayerShape
+from pagedinfer.attention import interface as attention
+from pagedinfer.attention.kv_cache import LayerShape
+from pagedinfer.model import packed_linear
 
-DEMO_MODEL = Path(__file__).parent / "demo_model"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
 # Families that bypass the attention interface, crash without a mask, or keep state outside K/V.
 UNSUPPORTED = {

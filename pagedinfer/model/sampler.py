@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedinfer.core.sequence import Sequence
 from pagedinfer.outputs import Logprob
-from pagedinfer.sequence import Sequence
 
 
 @dataclass

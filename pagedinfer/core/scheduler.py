@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedinfer.block_pool import BlockPool, OutOfBlocks
-from pagedinfer.sequence import Request, RequestState, Sequence
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks
+from pagedinfer.core.sequence import Request, RequestState, Sequence
 
 
 @dataclass

@@ -170,7 +170,7 @@ def source_state() -> dict:
     """The git commit of the pagedinfer checkout and whether its working tree has changes (if a checkout)."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True

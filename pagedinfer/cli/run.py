@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from pagedinfer.jsonl_input import InputFileError, LineError, LineRequest, parse_lines, read_input
-from pagedinfer.jsonl_output import (
+from pagedinfer.cli.jsonl_input import InputFileError, LineError, LineRequest, parse_lines, read_input
+from pagedinfer.cli.jsonl_output import (
     JsonlSink,
     OrderedWriter,
     OutputError,
@@ -117,7 +117,7 @@ def _execute(opts: RunOptions, out: Console, err: Console) -> int:
     resolved: dict[int, object] = {}  # position in todo -> Resolved
     if any(isinstance(item, LineRequest) for item in todo):
         llm = _load(opts, err)
-        from pagedinfer.resolve import resolve
+        from pagedinfer.cli.resolve import resolve
 
         for pos, item in enumerate(todo):
             if isinstance(item, LineRequest):
@@ -198,7 +198,7 @@ def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
     from pagedinfer.llm import LLM
-    from pagedinfer.model_loader import ModelLoadError
+    from pagedinfer.model.loader import ModelLoadError
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -220,8 +220,8 @@ def _load(opts: RunOptions, err: Console):
 def _generate(
     opts, llm, todo, resolved, writer: OrderedWriter, outcome: Outcome, out: Console, err: Console
 ) -> None:
-    from pagedinfer.progress import RunProgress
-    from pagedinfer.records import TokenText, error_record, success_record
+    from pagedinfer.cli.progress import RunProgress
+    from pagedinfer.cli.records import TokenText, error_record, success_record
 
     for pos, item in enumerate(todo):
         if isinstance(item, LineError):
@@ -298,7 +298,7 @@ class _CtrlC:
 
 
 def _finish(opts: RunOptions, llm, outcome: Outcome, out_path: Path | None, out: Console) -> None:
-    from pagedinfer import report
+    from pagedinfer.cli import report
 
     stats = llm.stats if llm is not None else None
     if stats is not None and (opts.report if opts.report is not None else not opts.quiet):
@@ -310,7 +310,7 @@ def _finish(opts: RunOptions, llm, outcome: Outcome, out_path: Path | None, out:
         doc = report.report_dict(stats, _run_summary(opts, outcome, out_path))
         opts.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     if opts.trace is not None and llm is not None:
-        from pagedinfer.blocks_view import save_trace
+        from pagedinfer.cli.blocks_view import save_trace
 
         save_trace(opts.trace, llm.engine)
     _summary(outcome, out_path, stats, out)

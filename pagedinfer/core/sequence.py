@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedinfer.detokenizer import IncrementalDetokenizer
+from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
 

@@ -237,7 +237,7 @@ def run(
     Bad lines get an error record naming the line and the reason; the other lines still run.
     Exit code: 0 all lines succeeded, 1 some failed, 2 unusable invocation, 130 interrupted.
     """
-    from pagedinfer.batch import RunOptions, execute
+    from pagedinfer.cli.run import RunOptions, execute
 
     if num_blocks is not None and kv_memory is not None:
         _usage_error("give --num-blocks or --kv-memory, not both")
@@ -313,7 +313,7 @@ def blocks(
     block table (L0 -> Pk), and every prefill, fork, copy-on-write and block returning to the pool.
     Without a trace file it runs a tiny offline example: a 6-token prompt, 2 samples, block size 4.
     """
-    from pagedinfer import blocks_view
+    from pagedinfer.cli import blocks_view
 
     console = Console(highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
@@ -326,7 +326,7 @@ def blocks(
     else:
         from transformers.utils import logging as hf_logging
 
-        from pagedinfer.model_loader import ModelLoadError
+        from pagedinfer.model.loader import ModelLoadError
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
@@ -352,7 +352,7 @@ def bench(ctx: typer.Context) -> None:
     All arguments go to the benchmark (`pagedinfer bench --help` lists them): --workloads W0,W1,W2,
     --systems, --threads, --quick, --repeats, --json FILE, ...
     """
-    from pagedinfer.bench import main as bench_main
+    from pagedinfer.bench.throughput import main as bench_main
 
     raise typer.Exit(bench_main(list(ctx.args)))
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedinfer.attention_metadata import AttentionMetadata
+from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.attention.sources import KERNELS_DIR
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 DTYPE_NAMES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 HEAD_SIZES = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pagedinfer.stats import EngineStats
+from pagedinfer.engine.stats import EngineStats
 
 BARS = " ▁▂▃▄▅▆▇█"
 CHART_ROWS = 4

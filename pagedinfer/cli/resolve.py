@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedinfer.jsonl_input import LineError, LineRequest
+from pagedinfer.cli.jsonl_input import LineError, LineRequest
 
 
 @dataclass

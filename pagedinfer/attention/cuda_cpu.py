@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.cuda_kernels import KERNELS_DIR
+from pagedinfer.attention.sources import KERNELS_DIR
 
 SHIM_DIR = KERNELS_DIR / "cpu"
 CACHE_DIR = Path(os.environ.get("PAGEDINFER_CPU_CACHE", Path(tempfile.gettempdir()) / "pagedinfer_cuda_cpu"))

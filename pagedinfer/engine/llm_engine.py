@@ -6,17 +6,17 @@ import random
 
 import torch
 
-from pagedinfer.block_pool import BlockPool
+from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
-from pagedinfer.detokenizer import IncrementalDetokenizer
-from pagedinfer.kv_cache import KVCache, bytes_per_token
-from pagedinfer.model_loader import LoadedModel
-from pagedinfer.model_runner import ModelRunner
-from pagedinfer.sampler import sample
+from pagedinfer.core.block_pool import BlockPool
+from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
+from pagedinfer.core.sequence import Request, Sequence
+from pagedinfer.engine.detokenizer import IncrementalDetokenizer
+from pagedinfer.engine.stats import EngineStats
+from pagedinfer.model.loader import LoadedModel
+from pagedinfer.model.runner import ModelRunner
+from pagedinfer.model.sampler import sample
 from pagedinfer.sampling_params import SamplingParams
-from pagedinfer.scheduler import Scheduler, SchedulerOutput
-from pagedinfer.sequence import Request, Sequence
-from pagedinfer.stats import EngineStats
 
 
 class LLMEngine:
@@ -43,7 +43,7 @@ class LLMEngine:
         """CUDA kernels when asked (or, by default, on a CUDA device with CuPy); else the torch path."""
         if requested is False or (requested is None and self.loaded.device.type != "cuda"):
             return False
-        from pagedinfer import cuda_kernels
+        from pagedinfer.attention import cuda_kernels
 
         dims = {(s.head_dim, s.head_dim_v) for s in self.loaded.layer_shapes.values()}
         reason = cuda_kernels.unsupported_reason(dims, self.loaded.dtype, self.config.block_size)

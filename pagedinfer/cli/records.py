@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import time
 
-from pagedinfer.jsonl_input import LineError, OpenAIRequest
+from pagedinfer.cli.jsonl_input import LineError, OpenAIRequest
+from pagedinfer.cli.resolve import Resolved
 from pagedinfer.outputs import CompletionOutput, RequestOutput
-from pagedinfer.resolve import Resolved
 
 
 class TokenText:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_decode.c"
+from pagedinfer.attention.sources import KERNELS_DIR
+
+SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedinfer import attention
-from pagedinfer.attention_metadata import AttentionMetadata
-from pagedinfer.kv_cache import KVCache
-from pagedinfer.scheduler import ScheduledSeq
+from pagedinfer.attention import interface as attention
+from pagedinfer.attention.kv_cache import KVCache
+from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.core.scheduler import ScheduledSeq
 
 
 class ModelRunner:
@@ -70,7 +70,7 @@ class ModelRunner:
         if not self.use_cuda_kernels:
             self.kv.copy_blocks(copies)
             return
-        from pagedinfer import cuda_kernels
+        from pagedinfer.attention import cuda_kernels
 
         groups: dict[tuple, list[int]] = {}  # one launch per group of same-shaped layers
         for layer, k in self.kv.k.items():

@@ -1,0 +1,1 @@
+"""The command line: `pagedinfer run` (JSONL in, JSONL out, the memory report), `blocks`, `bench`."""
