@@ -12,10 +12,10 @@ def test_b_and_c_fit_together_in_24_slots():
     """Seed 000: B holds 6 K/V, C brings a 6-token prompt; blocks of 4 in a 6-block pool fit both."""
     pool = BlockPool(num_blocks=6, block_size=4)
     b, c = [], []
-    pool.write(b, 0, 6)
-    pool.write(c, 0, 6)
+    pool.reserve(b, 0, 6)
+    pool.reserve(c, 0, 6)
     assert (len(b), len(c), pool.num_used, pool.num_free) == (2, 2, 4, 2)
-    pool.write(b, 6, 1)  # B's next input fits the free slot of its last block
+    pool.reserve(b, 6, 1)  # B's next input fits the free slot of its last block
     assert pool.num_filled_slots == 13 and pool.num_used * 4 - pool.num_filled_slots == 3
 
 
@@ -31,13 +31,13 @@ def test_growth_7_8_9():
     """Seed 000: 7 -> 8 tokens needs no block; the 9th token takes one new block."""
     pool = BlockPool(num_blocks=6, block_size=4)
     b = []
-    pool.write(b, 0, 7)
+    pool.reserve(b, 0, 7)
     assert len(b) == 2
     assert pool.blocks_needed(b, 7, 1) == 0
-    pool.write(b, 7, 1)
+    pool.reserve(b, 7, 1)
     assert len(b) == 2
     assert pool.blocks_needed(b, 8, 1) == 1
-    pool.write(b, 8, 1)
+    pool.reserve(b, 8, 1)
     assert len(b) == 3 and pool.num_used == 3
 
 
@@ -45,14 +45,14 @@ def test_two_samples_copy_on_write():
     """Seed 000: a 6-token prompt, 2 samples: 2 blocks, then 3; only the first writer copies."""
     pool = BlockPool(num_blocks=6, block_size=4)
     prompt = []
-    pool.write(prompt, 0, 6)
+    pool.reserve(prompt, 0, 6)
     s1, s2 = pool.fork(prompt), pool.fork(prompt)
     pool.free(prompt)
     assert pool.num_used == 2 and pool.ref_counts[s1[0]] == 2 and pool.ref_counts[s1[1]] == 2
     shared_last = s1[1]
-    assert pool.write(s1, 6, 1) == [(shared_last, s1[1])]  # a0: P1 copied to a new block
+    assert pool.reserve(s1, 6, 1) == [(shared_last, s1[1])]  # a0: P1 copied to a new block
     assert s1[1] != shared_last and pool.ref_counts[shared_last] == 1
-    assert pool.write(s2, 6, 1) == []  # b0: P1 is now s2's alone, written in place
+    assert pool.reserve(s2, 6, 1) == []  # b0: P1 is now s2's alone, written in place
     assert s2[1] == shared_last and s1[0] == s2[0] and pool.ref_counts[s1[0]] == 2
     assert pool.num_used == 3 and pool.num_cow_copies == 1
     pool.free(s1)
@@ -63,19 +63,19 @@ def test_two_samples_copy_on_write():
 def test_full_shared_block_is_never_copied():
     pool = BlockPool(num_blocks=8, block_size=4)
     prompt = []
-    pool.write(prompt, 0, 8)  # two full blocks
+    pool.reserve(prompt, 0, 8)  # two full blocks
     s1, s2 = pool.fork(prompt), pool.fork(prompt)
     pool.free(prompt)
-    assert pool.write(s1, 8, 1) == [] and pool.write(s2, 8, 1) == []
+    assert pool.reserve(s1, 8, 1) == [] and pool.reserve(s2, 8, 1) == []
     assert s1[:2] == s2[:2] and s1[2] != s2[2] and pool.num_used == 4
 
 
 def test_out_of_blocks_changes_nothing():
     pool = BlockPool(num_blocks=2, block_size=4)
     t = []
-    pool.write(t, 0, 8)
+    pool.reserve(t, 0, 8)
     with pytest.raises(OutOfBlocks):
-        pool.write(t, 8, 1)
+        pool.reserve(t, 8, 1)
     assert len(t) == 2 and pool.num_free == 0
 
 
@@ -91,7 +91,7 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, n):
         table = []
         try:
-            self.pool.write(table, 0, n)
+            self.pool.reserve(table, 0, n)
         except OutOfBlocks:
             assert table == []
             return
@@ -103,7 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
         table, length = self.seqs[i % len(self.seqs)]
         before = list(table)
         try:
-            copies = self.pool.write(table, length[0], n)
+            copies = self.pool.reserve(table, length[0], n)
         except OutOfBlocks:
             assert table == before
             return

@@ -1,4 +1,4 @@
-"""The engine loop: add requests, then step (schedule -> forward -> sample -> finish) until done."""
+"""The engine loop: add requests, then step (schedule -> execute -> sample -> update) until done."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import random
 
 import torch
 
+from pagedinfer.attention.interface import select_cuda_kernels
 from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
-from pagedinfer.core.sequence import Request, Sequence
+from pagedinfer.core.scheduler import SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
+from pagedinfer.core.sequence import Request, SampleState
+from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import sample
+from pagedinfer.model.sampler import SampleResult, SampleRow, sample
 from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.seeding import sample_seed
 
 
 class LLMEngine:
@@ -27,31 +30,29 @@ class LLMEngine:
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         per_block = bytes_per_token(loaded.layer_shapes, loaded.dtype) * config.block_size
-        num_blocks, self.pool_source = config.pool_blocks(per_block, loaded.device, self.max_model_len)
+        self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
+        num_blocks = self.pool_size.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVCache(loaded.layer_shapes, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.scheduler = Scheduler(
-            self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            loaded.eos_token_ids,
         )
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, self._backend(use_cuda_kernels))
+        self.runner = ModelRunner(
+            loaded.model,
+            self.kv,
+            loaded.device,
+            select_cuda_kernels(
+                use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size
+            ),
+        )
         self._seeds = random.Random(config.seed)
         self._next_id = 0
         self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
         self.reset_stats()
-
-    def _backend(self, requested: bool | None) -> bool:
-        """CUDA kernels when asked (or, by default, on a CUDA device with CuPy); else the torch path."""
-        if requested is False or (requested is None and self.loaded.device.type != "cuda"):
-            return False
-        from pagedinfer.attention import cuda_kernels
-
-        dims = {(s.head_dim, s.head_dim_v) for s in self.loaded.layer_shapes.values()}
-        reason = cuda_kernels.unsupported_reason(dims, self.loaded.dtype, self.config.block_size)
-        if requested is None:
-            return reason is None and cuda_kernels.is_available()
-        if reason:
-            raise ValueError(f"use_cuda_kernels=True but {reason}")
-        return True
 
     def reset_stats(self) -> None:
         self.stats = EngineStats(
@@ -59,11 +60,12 @@ class LLMEngine:
             block_size=self.pool.block_size,
             bytes_per_token=self.kv.bytes_per_token,
             bytes_per_block=self.kv.bytes_per_block,
-            pool_source=self.pool_source,
+            pool_size=self.pool_size,
             max_model_len=self.max_model_len,
+            counters=SchedulerCounters(),
         )
+        self.scheduler.counters = self.stats.counters
         self._cow_base = self.pool.num_cow_copies
-        self._preempt_base = self.scheduler.num_preemptions
 
     def enable_trace(self) -> None:
         self.trace = []
@@ -107,8 +109,9 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             max_tokens=self._max_tokens(ids, params),
-            base_seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
         )
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
+        req.sample_state = self._sample_state(req, base_seed)
         req.error = self.request_error(ids, params)
         self.stats.requests += 1
         if req.error:
@@ -125,66 +128,17 @@ class LLMEngine:
 
     def request_error(self, token_ids: list[int], params: SamplingParams) -> str | None:
         """Why a prompt of these tokens can never run on this model and pool (None if it can)."""
-        return self.scheduler.check(len(token_ids), params.n, self._max_tokens(token_ids, params))
+        return self.scheduler.rejection_reason(len(token_ids), params.n, self._max_tokens(token_ids, params))
 
-    def abort_all(self) -> None:
-        """Drop every unfinished request and return its blocks to the pool."""
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.scheduler.finish_request(req)
-        self.scheduler.waiting.clear()
+    def _sample_state(self, req: Request, base_seed: int) -> SampleState:
+        """Sample ``i``'s random source and detokenizer, made when the scheduler creates the sample."""
+        tok, p = self.loaded.tokenizer, req.params
 
-    @property
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
-
-    # -- one step ---------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one batch; return the requests that finished in it."""
-        plan = self.scheduler.schedule()
-        self._record(plan)
-        finished: list[Request] = []
-        if plan.seqs:
-            logits = self.runner.execute(plan.seqs, plan.copies)  # [R, V]
-            rows, seqs = self._advance(plan)
-            if seqs:
-                if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
-                    logits = logits[torch.tensor(rows, device=logits.device)]  # [len(seqs), V]
-                self._append(sample(logits, seqs, self.loaded.eos_token_ids), seqs, finished)
-        if self.trace is not None:
-            self._snapshot(plan)
-        return finished
-
-    def _advance(self, plan: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
-        """Mark this step's tokens computed; fork finished prompts. Returns logit row per sampling seq."""
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        row = 0
-        for s in plan.seqs:
-            seq, req = s.seq, s.seq.request
-            seq.num_computed += s.num_tokens
-            if seq.index < 0:
-                self.stats.prompt_tokens_computed += s.num_tokens
-                if seq.num_pending == 0:
-                    fresh = not req.samples
-                    if fresh:
-                        req.samples = [self._new_sample(req, i) for i in range(req.params.n)]
-                    self.scheduler.fork(req)
-                    if fresh:
-                        rows += [row] * len(req.samples)
-                        seqs += req.samples
-            else:
-                self.stats.output_tokens_recomputed += s.num_tokens - (1 if s.sample else 0)
-                if s.sample:
-                    rows.append(row)
-                    seqs.append(seq)
-            row += s.sample
-        return rows, seqs
-
-    def _new_sample(self, req: Request, index: int) -> Sequence:
-        p = req.params
-        tok = self.loaded.tokenizer
-        detok = None
-        if tok is not None:
+        def make(index: int) -> tuple[torch.Generator, IncrementalDetokenizer | None]:
+            gen = torch.Generator()
+            gen.manual_seed(sample_seed(base_seed, index, req.prompt_token_ids))
+            if tok is None:
+                return gen, None
             detok = IncrementalDetokenizer(
                 tok.backend_tokenizer,
                 req.prompt_token_ids,
@@ -192,38 +146,58 @@ class LLMEngine:
                 p.stop,
                 p.include_stop_str_in_output,
             )
-        return Sequence(
-            request=req,
-            index=index,
-            token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=req.num_prompt_tokens,
-            generator=req.sample_generator(index),
-            detok=detok,
-            logprobs=[] if p.logprobs is not None else None,
-        )
+            return gen, detok
 
-    def _append(self, result, seqs: list[Sequence], finished: list[Request]) -> None:
-        eos = self.loaded.eos_token_ids
-        for seq, token, logprob, top in zip(seqs, result.token_ids, result.logprobs, result.top, strict=True):
-            req, p = seq.request, seq.request.params
-            seq.token_ids.append(token)
-            if seq.logprobs is not None:
-                seq.cumulative_logprob += logprob
-                seq.logprobs.append(top)
-            self.stats.generated_tokens += 1
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif token in eos and not p.ignore_eos:
-                seq.finish_reason = "stop"
-            elif seq.detok is not None and (stop := seq.detok.step(token)) is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif seq.num_output_tokens >= req.max_tokens:
-                seq.finish_reason = "length"
-            if seq.finished:
-                self.scheduler.finish_seq(seq)
-                if req.finished:
-                    self.scheduler.finish_request(req)
-                    finished.append(req)
+        return make
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and return its blocks to the pool."""
+        self.scheduler.abort_all()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; return the requests that finished in it (failed ones included)."""
+        plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
+        self._record(plan)
+        sampled = None
+        if plan.batch:
+            logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
+            sampled = self._sample(logits, plan.targets)
+        finished = self.scheduler.update(plan, sampled)  # tokens computed, forks, appends, stops, frees
+        if self.trace is not None:
+            self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
+            self.pool.events.clear()
+        return finished
+
+    def _sample(self, logits: torch.Tensor, targets: list[SampleTarget]) -> SampleResult:
+        """One token per target; a request whose rows cannot be sampled fails alone."""
+        rows = [t.row for t in targets]
+        if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [len(targets), V]
+        inputs = [
+            SampleRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
+            for s in (t.seq for t in targets)
+        ]
+        try:
+            return sample(logits, inputs, self.loaded.eos_token_ids)
+        except Exception:  # find the rows that fail alone; the others are drawn again one by one
+            result = SampleResult([], [], [])
+            for i, row in enumerate(inputs):
+                try:
+                    one = sample(logits[i : i + 1].clone(), [row], self.loaded.eos_token_ids)
+                except Exception as exc:
+                    self.scheduler.fail(
+                        targets[i].seq.request, f"sampling failed: {type(exc).__name__}: {exc}"
+                    )
+                    one = SampleResult([-1], [None], [None])  # skipped by update: the request is finished
+                result.token_ids += one.token_ids
+                result.logprobs += one.logprobs
+                result.top += one.top
+            return result
 
     # -- statistics -------------------------------------------------------------------------
     def _record(self, plan: SchedulerOutput) -> None:
@@ -236,23 +210,3 @@ class LLMEngine:
             tokens=plan.num_tokens,
         )
         self.stats.cow_copies = self.pool.num_cow_copies - self._cow_base
-        self.stats.preemptions = self.scheduler.num_preemptions - self._preempt_base
-
-    def _snapshot(self, plan: SchedulerOutput) -> None:
-        """One step of the trace: scheduled work, pool events, every block's count, every table."""
-        tables = {s.name: list(s.block_table) for r in self.scheduler.running for s in r.live_seqs()}
-        self.trace.append(
-            {
-                "step": len(self.trace),
-                "scheduled": [
-                    {"seq": s.seq.name, "start": s.start, "tokens": s.num_tokens} for s in plan.seqs
-                ],
-                "copies": [list(c) for c in plan.copies],
-                "preempted": [r.request_id for r in plan.preempted],
-                "events": [e.__dict__ for e in self.pool.events],
-                "ref_counts": {b: c for b, c in enumerate(self.pool.ref_counts) if c},
-                "filled": {b: f for b, f in enumerate(self.pool.filled) if self.pool.ref_counts[b]},
-                "tables": tables,
-            }
-        )
-        self.pool.events.clear()
