@@ -89,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.counters = SchedulerCounters()
+        self._failed: list[Request] = []  # failed since the last update(), which reports them
 
     # -- requests -------------------------------------------------------------------------
     def rejection_reason(self, n_prompt: int, n: int, max_tokens: int) -> str | None:
@@ -125,11 +126,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def fail(self, req: Request, reason: str) -> None:
-        """End ``req`` alone with ``reason`` (its blocks freed); the other requests go on."""
+        """End ``req`` alone with ``reason`` (its blocks freed); the other requests go on.
+
+        The next ``update`` returns it among the finished requests.
+        """
         req.error = reason
         self._finish(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        self._failed.append(req)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""
@@ -259,14 +264,14 @@ class Scheduler:
                 self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
             except Exception as exc:  # e.g. the tokenizer cannot decode: this request alone fails
                 self.fail(req, f"generation failed: {type(exc).__name__}: {exc}")
-                finished.append(req)
                 continue
             if seq.finished:
                 self.pool.free(seq.block_table)
                 if req.finished:
                     self._finish(req)
                     finished.append(req)
-        return finished
+        failed, self._failed = self._failed, []
+        return failed + finished
 
     def _fork(self, req: Request) -> None:
         """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""
