@@ -129,22 +129,16 @@ def _check_lengths(system: str, label: str, result: RunResult, job: Job) -> None
         raise RuntimeError(f"{system} on {label}: output lengths differ from max_tokens (ignore_eos)")
 
 
-def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, gemm: GemmRate) -> dict:
-    """Every chosen system on ``w`` in ``dtype``; the figures of each and the ratios to pagedinfer."""
-    label = f"{w.name} {dtype}"
-    job = make_job(w, opts, model, dtype)
-    systems = [s for s in w.systems if opts.systems is None or s in opts.systems]
-    prompt_tokens = sum(map(len, job.prompts))
-    generated = w.n * sum(job.max_tokens)
-    out: dict = {
+def _header(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, job: Job) -> dict:
+    return {
         "spec": asdict(w),
         "description": w.describe(),
         "shrink": opts.shrink.describe(),
         "dtype": dtype,
         "model": w.model,
         "parameters": model.parameters,
-        "prompt_tokens": prompt_tokens,
-        "expected_output_tokens": generated,
+        "prompt_tokens": sum(map(len, job.prompts)),
+        "expected_output_tokens": job.n * sum(job.max_tokens),
         "settings": {
             "block_size": job.block_size,
             "num_blocks": job.num_blocks,
@@ -155,8 +149,35 @@ def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel,
         "failed": {},
         "systems": {},
     }
+
+
+def _figures(runs: list[RunResult], head: dict, gemm: GemmRate) -> dict:
+    """A system's figures from its fastest run: throughput, and compute efficiency against ``gemm``."""
+    best = min(runs, key=lambda r: r.wall_s)
+    generated = head["expected_output_tokens"]
+    tokens = head["prompt_tokens"] + generated
+    flops = tokens * 2 * head["parameters"]
+    return {
+        **best.details,
+        "wall_s": best.wall_s,
+        "cpu_s": best.cpu_s,
+        "wall_s_all": [r.wall_s for r in runs],
+        "peak_kv_bytes": best.peak_kv_bytes,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / best.wall_s,
+        "total_tokens_per_s": tokens / best.wall_s,
+        "efficiency": flops / best.wall_s / gemm.flops,
+        "efficiency_cpu": flops / best.cpu_s / gemm.flops_per_cpu_s,
+    }
+
+
+def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, gemm: GemmRate) -> dict:
+    """Every chosen system on ``w`` in ``dtype``; the figures of each and the ratios to pagedinfer."""
+    label = f"{w.name} {dtype}"
+    job = make_job(w, opts, model, dtype)
+    out = _header(w, dtype, opts, model, job)
+    systems = [s for s in w.systems if opts.systems is None or s in opts.systems]
     hosts = {s: _Host(opts.in_process) for s in systems}
-    outputs: dict[str, RunResult] = {}
     runs: dict[str, list[RunResult]] = {}
     setups: dict[str, dict] = {}
     try:
@@ -167,45 +188,25 @@ def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel,
             except SystemUnavailable as e:
                 print(f"[{label}] {system} cannot run: {e}", flush=True)
                 out["failed"][system] = str(e)
-        live = [s for s in systems if s in setups]
         out["loadavg_before"] = os.getloadavg()
         for rep in range(opts.repeats):  # interleaved, so that load changes hit every system alike
-            for system in live:
+            for system in setups:
                 res = hosts[system].call(time_system, system)
                 _check_lengths(system, label, res, job)
-                outputs.setdefault(system, res)
                 runs.setdefault(system, []).append(res)
                 print(
                     f"[{label}] {system} run {rep + 1}: {res.wall_s:.2f} s wall, {res.cpu_s:.2f} s CPU",
                     flush=True,
                 )
         out["loadavg_after"] = os.getloadavg()
-        for system in live:
-            best = min(runs[system], key=lambda r: r.wall_s)
-            figures = {
-                **setups[system],
-                **hosts[system].call(finish_system, system),
-                **best.details,
-                "wall_s": best.wall_s,
-                "cpu_s": best.cpu_s,
-                "wall_s_all": [r.wall_s for r in runs[system]],
-                "peak_kv_bytes": best.peak_kv_bytes,
-                "output_tokens": generated,
-                "output_tokens_per_s": generated / best.wall_s,
-                "total_tokens_per_s": (prompt_tokens + generated) / best.wall_s,
-                "efficiency": (prompt_tokens + generated) * 2 * model.parameters / best.wall_s / gemm.flops,
-                "efficiency_cpu": (prompt_tokens + generated)
-                * 2
-                * model.parameters
-                / best.cpu_s
-                / gemm.flops_per_cpu_s,
-            }
-            out["systems"][system] = figures
+        for system in setups:
+            info = hosts[system].call(finish_system, system)
+            out["systems"][system] = {**setups[system], **info, **_figures(runs[system], out, gemm)}
     finally:
         for host in hosts.values():
             host.close()
-    compare = w.temperature == 0 or w.beam_search
-    out["ratios"] = report.ratios(out["systems"], outputs if compare else None)
+    compare = w.temperature == 0 or w.beam_search  # the first run's tokens of each system
+    out["ratios"] = report.ratios(out["systems"], {s: r[0] for s, r in runs.items()} if compare else None)
     return out
 
 
