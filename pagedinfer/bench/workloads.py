@@ -109,9 +109,6 @@ class Shrink:
     prompt_len: int | None = None  # cut each drawn part (a prompt; W3's shared prefix) to N tokens
     max_tokens: int | None = None  # cap every prompt's max_tokens
 
-    def __bool__(self) -> bool:
-        return any(v is not None for v in (self.prompts, self.prompt_len, self.max_tokens))
-
     def describe(self) -> str:
         parts = [
             f"first {self.prompts} prompts" if self.prompts else "",
