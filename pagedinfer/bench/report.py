@@ -146,15 +146,18 @@ def format_workload(name: str, res: dict, machine: dict) -> str:
 
 
 def format_dtype_ratios(name: str, per_dtype: dict[str, dict]) -> str:
-    """One workload run in several dtypes: each system's output tok/s in each dtype over the first's."""
+    """One workload run in several dtypes: each system's output tok/s in each dtype over the first's,
+    per wall second and per CPU second (the steadier figure on a shared machine)."""
     (first, base), *rest = per_dtype.items()
     lines = []
     for dtype, res in rest:
-        parts = [
-            f"{system} {base['systems'][system]['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}x"
-            for system, r in res["systems"].items()
-            if system in base["systems"]
-        ]
+        parts = []
+        for system, r in res["systems"].items():
+            if system in base["systems"]:
+                b = base["systems"][system]
+                parts.append(
+                    f"{system} {r['wall_s'] / b['wall_s']:.2f}x (CPU {r['cpu_s'] / b['cpu_s']:.2f}x)"
+                )
         lines.append(
             f"- {name} output tok/s, {first} / {dtype}: {', '.join(parts) or 'no system ran in both'}"
         )
