@@ -1,15 +1,12 @@
 #!/usr/bin/env python
-"""Throughput benchmark: pagedinfer vs transformers ``generate`` and ``generate_batch``.
+"""Kept for old command lines: the benchmark is ``pagedinfer bench`` (pagedinfer/bench/, docs/bench.md).
 
-A thin wrapper around `pagedinfer.bench` (see its docstring and ``docs/bench.md``)::
-
-    python scripts/bench_throughput.py --quick
-    python scripts/bench_throughput.py --workloads W0,W1 --json bench.json
+python scripts/bench_throughput.py --quick      # the same as: pagedinfer bench --quick
 """
 
 import sys
 
-from pagedinfer.bench.throughput import main
+from pagedinfer.cli.app import app
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app(["bench", *sys.argv[1:]], prog_name="pagedinfer")

@@ -28,14 +28,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
-from pagedinfer.bench.throughput import (
-    MODELS,
-    WORKLOADS,
-    PagedinferRunner,
-    build_model,
-    default_args,
-    make_job,
-)
+from pagedinfer.bench.models import build_model
+from pagedinfer.bench.pagedinfer_system import PagedinferSystem
+from pagedinfer.bench.runner import BenchOptions, job_for, make_job
+from pagedinfer.bench.workloads import WORKLOADS
 from pagedinfer.engine import llm_engine as engine
 from pagedinfer.model.packed_linear import PackedLinear
 
@@ -88,12 +84,17 @@ def main() -> None:
     ap.add_argument("--model-cache", type=Path, help="directory where the random models are saved once")
     ap.add_argument("--rows", type=int, default=25, help="ops to print")
     ap.add_argument("--timers", action="store_true", help="component timers instead of torch.profiler")
+    ap.add_argument(
+        "--dtype", default=None, help="float32, bfloat16 or float16 (default: the workload's first)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
-    model_dir, _ = build_model(w.model, args.model_cache or Path(tempfile.mkdtemp()))
-    job = make_job(w, default_args(threads=args.threads), model_dir, MODELS[w.model]["vocab_size"])
-    runner = PagedinferRunner(job)  # the benchmark's own setup, untimed warm-up included
+    model = build_model(w.model, args.model_cache or Path(tempfile.mkdtemp()))
+    job = make_job(w, BenchOptions(threads=args.threads), model, args.dtype or w.dtypes[0])
+    runner = PagedinferSystem(
+        job_for("pagedinfer", job, w)
+    )  # the benchmark's setup, untimed warm-up included
     if args.timers:
         timers = Timers()
         timers.install(runner.llm.engine.loaded.model)

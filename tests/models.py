@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+from pagedinfer.model.random_models import save_random_model
+
 COMMON = dict(vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
 DECODER = dict(
     hidden_size=64,
@@ -67,14 +69,8 @@ CONFIGS = {
 def save_model(family: str, root: Path, seed: int = 0) -> Path:
     """Build ``family`` with fixed random weights and save it (config, safetensors) under ``root``."""
     path = root / family
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    config = CONFIGS[family]()
-    model = tf.AutoModelForCausalLM.from_config(config)
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
-    model.save_pretrained(path)
+    if not (path / "config.json").exists():
+        save_random_model(CONFIGS[family](), path, seed)
     return path
 
 
@@ -129,11 +125,8 @@ def save_text_model(root: Path, seed: int = 0) -> Path:
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
     fast.save_pretrained(path)
-    torch.manual_seed(seed)
     config = tf.LlamaConfig(
         **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **DECODER
     )
-    model = tf.LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.save_pretrained(path)
+    save_random_model(config, path, seed)
     return path

@@ -342,19 +342,140 @@ def blocks(
     blocks_view.render(doc, console, max_steps)
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
-    add_help_option=False,
-)
-def bench(ctx: typer.Context) -> None:
-    """Throughput benchmark: pagedinfer vs transformers generate and generate_batch, same prompts.
+@app.command()
+def bench(
+    workloads: Annotated[
+        str,
+        typer.Option(
+            "--workloads",
+            "-w",
+            help="Comma list: W0 overhead-bound, W1 parallel sampling, W2 mixed lengths, W3 shared prefix, "
+            "W4 beam search, W5 Llama-3.2-1B shape (bfloat16 and float32).",
+        ),
+    ] = "W0,W1,W2",
+    systems: Annotated[
+        str | None,
+        typer.Option(
+            "--systems",
+            help="Comma list of pagedinfer, pagedinfer_no_prefix_cache, hf_generate, hf_generate_batch "
+            "(default: every system each workload names).",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Comma list of float32, bfloat16, float16: run each workload in each, every system in "
+            "that dtype (default: float32; W5 bfloat16,float32).",
+            show_default=False,
+        ),
+    ] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Scaled-down workloads: a smoke test.")] = False,
+    prompts: Annotated[
+        int | None,
+        typer.Option("--prompts", help="Keep only each workload's first N prompts.", show_default=False),
+    ] = None,
+    max_prompt_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-prompt-len",
+            help="Cut each prompt (W3: the shared prefix and each question) to its first N tokens.",
+            show_default=False,
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", help="Cap every prompt's new tokens at N.", show_default=False),
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "--threads", help="Torch threads in every process (default: all cores).", show_default=False
+        ),
+    ] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (both paged systems).")] = 16,
+    num_blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--num-blocks",
+            help="KV pool blocks for both paged systems (default: every sample at full length without "
+            "sharing, so neither preempts).",
+            show_default=False,
+        ),
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option("--max-num-batched-tokens", help="Token budget per step (both paged systems).")
+    ] = 2048,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Sequences per step.")] = 256,
+    hf_batch_size: Annotated[
+        int | None,
+        typer.Option("--hf-batch-size", help="Prompts per hf_generate batch (override).", show_default=False),
+    ] = None,
+    hf_cb_max_requests: Annotated[
+        int | None,
+        typer.Option(
+            "--hf-cb-max-requests",
+            help="max_requests_per_batch of hf_generate_batch (default: --max-num-seqs).",
+            show_default=False,
+        ),
+    ] = None,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Timed runs per system, taking turns; the fastest is kept.")
+    ] = 1,
+    gemm_size: Annotated[
+        int, typer.Option("--gemm-size", help="Square matmul size of the GEMM rates.")
+    ] = 2048,
+    model_cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-cache", help="Save the random models here once and reuse them.", show_default=False
+        ),
+    ] = None,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Run the systems in this process (profilers; RSS is shared).")
+    ] = False,
+    json_file: Annotated[
+        Path | None,
+        typer.Option("--json", help="Also write the results as JSON to FILE.", show_default=False),
+    ] = None,
+) -> None:
+    """Throughput: pagedinfer vs transformers generate and generate_batch, same prompts and model.
 
-    All arguments go to the benchmark (`pagedinfer bench --help` lists them): --workloads W0,W1,W2,
-    --systems, --threads, --quick, --repeats, --json FILE, ...
+    Prints one table per workload and dtype (method: docs/bench.md).
     """
-    from pagedinfer.bench.throughput import main as bench_main
+    import os
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    from pagedinfer.bench.runner import BenchOptions, run_bench
+    from pagedinfer.bench.workloads import Shrink
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+    opts = BenchOptions(
+        workloads=names(workloads) or (),
+        systems=names(systems),
+        dtypes=names(dtype),
+        quick=quick,
+        shrink=Shrink(prompts, max_prompt_len, max_tokens),
+        threads=threads or os.cpu_count() or 1,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        hf_batch_size=hf_batch_size,
+        hf_cb_max_requests=hf_cb_max_requests,
+        repeats=repeats,
+        gemm_size=gemm_size,
+        model_cache=model_cache,
+        in_process=in_process,
+        json=json_file,
+    )
+    try:
+        opts.check()
+    except ValueError as e:
+        _usage_error(str(e))
+    run_bench(opts)
 
 
 def _usage_error(message: str, err: Console | None = None) -> None:

@@ -84,10 +84,10 @@ def builtin_trace(
 
 
 def _tiny_llama(directory: Path) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
+    from pagedinfer.model.random_models import save_random_model
+
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=16,
@@ -100,7 +100,7 @@ def _tiny_llama(directory: Path) -> str:
         bos_token_id=0,
         eos_token_id=1,
     )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    save_random_model(config, directory)
     return str(directory)
 
 

@@ -1,0 +1,256 @@
+"""Runs the benchmark: the GEMM rates, then each workload in each dtype, each system in its own process.
+
+Each system runs in a fresh ``spawn`` subprocess (so that its peak RSS, ``VmHWM``, is its own), loads
+the model from disk, makes one small untimed warm-up call, and then times the whole workload in one
+call. With ``repeats`` > 1 the systems take turns (a change in machine load hits each alike) and each
+keeps its fastest run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import platform
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from pagedinfer.bench import report
+from pagedinfer.bench.job import Beam, Job, RunResult, SystemUnavailable
+from pagedinfer.bench.machine import GemmRate, cpu_flags, cpu_model, measure_gemm, source_state
+from pagedinfer.bench.models import BuiltModel, build_model
+from pagedinfer.bench.systems import SYSTEMS, finish_system, quiet_transformers, setup_system, time_system
+from pagedinfer.bench.workloads import WORKLOADS, Shrink, Workload, default_num_blocks, make_prompts, quick
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run and how (the ``pagedinfer bench`` options; None: the workload's own choice)."""
+
+    workloads: tuple[str, ...] = ("W0", "W1", "W2")
+    systems: tuple[str, ...] | None = None  # None: every system the workload names
+    dtypes: tuple[str, ...] | None = None  # None: the workload's (float32; W5 bfloat16 and float32)
+    quick: bool = False
+    shrink: Shrink = field(default_factory=Shrink)
+    threads: int = os.cpu_count() or 1
+    block_size: int = 16
+    num_blocks: int | None = None  # None: every sample at full length without sharing
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    hf_batch_size: int | None = None
+    hf_cb_max_requests: int | None = None
+    repeats: int = 1
+    gemm_size: int = 2048
+    model_cache: Path | None = None
+    in_process: bool = False
+    json: Path | None = None
+
+    def check(self) -> None:
+        """Raise ValueError (one line) for a name or a number the benchmark cannot use."""
+        for kind, names, known in (
+            ("workload", self.workloads, WORKLOADS),
+            ("system", self.systems or (), SYSTEMS),
+            ("dtype", self.dtypes or (), DTYPES),
+        ):
+            for name in names:
+                if name not in known:
+                    raise ValueError(f"unknown {kind} {name!r}: choose from {', '.join(known)}")
+        if not self.workloads:
+            raise ValueError("no workload given")
+        for name, value in (
+            ("--threads", self.threads),
+            ("--repeats", self.repeats),
+            ("--gemm-size", self.gemm_size),
+            ("--block-size", self.block_size),
+            ("--prompts", self.shrink.prompts),
+            ("--max-prompt-len", self.shrink.prompt_len),
+            ("--max-tokens", self.shrink.max_tokens),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def make_job(w: Workload, opts: BenchOptions, model: BuiltModel, dtype: str) -> Job:
+    """Everything a system's subprocess needs to run ``w`` in ``dtype``."""
+    prompts, max_tokens = make_prompts(w, model.vocab_size, opts.shrink)
+    num_blocks = opts.num_blocks or default_num_blocks(prompts, max_tokens, w.n, opts.block_size)
+    return Job(
+        model_dir=str(model.path),
+        dtype=dtype,
+        prompts=tuple(tuple(p) for p in prompts),
+        max_tokens=tuple(max_tokens),
+        n=w.n,
+        temperature=w.temperature,
+        seed=w.seed,
+        beam=Beam(w.n) if w.beam_search else None,
+        threads=opts.threads,
+        block_size=opts.block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        hf_batch_size=opts.hf_batch_size or w.hf_batch_size,
+        hf_cb_max_requests=opts.hf_cb_max_requests,
+    )
+
+
+def job_for(system: str, job: Job, w: Workload) -> Job:
+    """The job as ``system`` runs it: prefix caching stated explicitly where the workload is about it."""
+    if system == "pagedinfer_no_prefix_cache":
+        return replace(job, prefix_caching=False)
+    if system == "pagedinfer" and w.shared_prefix:
+        return replace(job, prefix_caching=True)
+    return job
+
+
+class _Host:
+    """Runs one system's calls in a fresh spawned process (or in this one, with ``in_process``)."""
+
+    def __init__(self, in_process: bool) -> None:
+        self.pool = None
+        if not in_process:
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+
+    def call(self, fn, *args):
+        return fn(*args) if self.pool is None else self.pool.submit(fn, *args).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _check_lengths(system: str, label: str, result: RunResult, job: Job) -> None:
+    expected = [[m] * job.n for m in job.max_tokens]
+    if [[len(t) for t in s] for s in result.outputs] != expected:
+        raise RuntimeError(f"{system} on {label}: output lengths differ from max_tokens (ignore_eos)")
+
+
+def _header(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, job: Job) -> dict:
+    return {
+        "spec": asdict(w),
+        "description": w.describe(),
+        "shrink": opts.shrink.describe(),
+        "dtype": dtype,
+        "model": w.model,
+        "parameters": model.parameters,
+        "prompt_tokens": sum(map(len, job.prompts)),
+        "expected_output_tokens": job.n * sum(job.max_tokens),
+        "settings": {
+            "block_size": job.block_size,
+            "num_blocks": job.num_blocks,
+            "max_num_seqs": job.max_num_seqs,
+            "max_num_batched_tokens": job.max_num_batched_tokens,
+        },
+        "not_applicable": [s for s in (opts.systems or ()) if s not in w.systems],
+        "failed": {},
+        "systems": {},
+    }
+
+
+def _figures(runs: list[RunResult], head: dict, gemm: GemmRate) -> dict:
+    """A system's figures from its fastest run: throughput, and compute efficiency against ``gemm``."""
+    best = min(runs, key=lambda r: r.wall_s)
+    generated = head["expected_output_tokens"]
+    tokens = head["prompt_tokens"] + generated
+    flops = tokens * 2 * head["parameters"]
+    return {
+        **best.details,
+        "wall_s": best.wall_s,
+        "cpu_s": best.cpu_s,
+        "wall_s_all": [r.wall_s for r in runs],
+        "peak_kv_bytes": best.peak_kv_bytes,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / best.wall_s,
+        "total_tokens_per_s": tokens / best.wall_s,
+        "efficiency": flops / best.wall_s / gemm.flops,
+        "efficiency_cpu": flops / best.cpu_s / gemm.flops_per_cpu_s,
+    }
+
+
+def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, gemm: GemmRate) -> dict:
+    """Every chosen system on ``w`` in ``dtype``; the figures of each and the ratios to pagedinfer."""
+    label = f"{w.name} {dtype}"
+    job = make_job(w, opts, model, dtype)
+    out = _header(w, dtype, opts, model, job)
+    systems = [s for s in w.systems if opts.systems is None or s in opts.systems]
+    hosts = {s: _Host(opts.in_process) for s in systems}
+    runs: dict[str, list[RunResult]] = {}
+    setups: dict[str, dict] = {}
+    try:
+        for system in systems:
+            print(f"[{label}] loading {system} ...", flush=True)
+            try:
+                setups[system] = hosts[system].call(setup_system, system, job_for(system, job, w))
+            except SystemUnavailable as e:
+                print(f"[{label}] {system} cannot run: {e}", flush=True)
+                out["failed"][system] = str(e)
+        out["loadavg_before"] = os.getloadavg()
+        for rep in range(opts.repeats):  # interleaved, so that load changes hit every system alike
+            for system in setups:
+                res = hosts[system].call(time_system, system)
+                _check_lengths(system, label, res, job)
+                runs.setdefault(system, []).append(res)
+                print(
+                    f"[{label}] {system} run {rep + 1}: {res.wall_s:.2f} s wall, {res.cpu_s:.2f} s CPU",
+                    flush=True,
+                )
+        out["loadavg_after"] = os.getloadavg()
+        for system in setups:
+            info = hosts[system].call(finish_system, system)
+            out["systems"][system] = {**setups[system], **info, **_figures(runs[system], out, gemm)}
+    finally:
+        for host in hosts.values():
+            host.close()
+    compare = w.temperature == 0 or w.beam_search  # the first run's tokens of each system
+    out["ratios"] = report.ratios(out["systems"], {s: r[0] for s, r in runs.items()} if compare else None)
+    return out
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Run the benchmark described by ``opts``; print each table as it completes; return the results."""
+    import torch
+    import transformers
+
+    opts.check()
+    torch.set_num_threads(opts.threads)
+    quiet_transformers()
+    chosen = {name: quick(WORKLOADS[name]) if opts.quick else WORKLOADS[name] for name in opts.workloads}
+    dtypes_of = {name: opts.dtypes or w.dtypes for name, w in chosen.items()}
+    gemm_dtypes = dict.fromkeys(["float32", "bfloat16", *(d for ds in dtypes_of.values() for d in ds)])
+    gemm = {d: measure_gemm(opts.gemm_size, d) for d in gemm_dtypes}
+    machine = {
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gemm": {d: asdict(g) for d, g in gemm.items()},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    result = {
+        "machine": machine,
+        "pagedinfer_source": source_state(),
+        "quick": opts.quick,
+        "shrink": opts.shrink.describe(),
+        "workloads": {},
+    }
+    print(report.format_machine(machine), flush=True)
+    with tempfile.TemporaryDirectory(prefix="pagedinfer-bench-") as tmp:
+        root = opts.model_cache or Path(tmp)
+        for name, w in chosen.items():
+            model = build_model(w.model, root)
+            per_dtype = result["workloads"].setdefault(name, {})
+            for dtype in dtypes_of[name]:
+                res = run_workload(w, dtype, opts, model, gemm[dtype])
+                per_dtype[dtype] = res
+                print(report.format_workload(name, res, machine), flush=True)
+            if len(per_dtype) > 1:
+                print(report.format_dtype_ratios(name, per_dtype), flush=True)
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=2))
+    return result

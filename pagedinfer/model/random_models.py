@@ -1,0 +1,29 @@
+"""Random-weight models built from a config and saved with ``save_pretrained``.
+
+One builder for every offline model of the project: the tests' tiny models, the benchmark's
+model shapes and the example of ``pagedinfer blocks``. Saving and loading from disk (rather than
+handing over the module) keeps the real loading code on the path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+def save_random_model(
+    config: PretrainedConfig, path: Path, seed: int = 0, dtype: torch.dtype | None = None
+) -> int:
+    """Build ``config``'s model with weights drawn from ``seed`` (in ``dtype``, default float32),
+    save it (config, safetensors, generation config) under ``path``; return its parameter count.
+
+    The generation config takes the config's BOS/EOS ids, so a model built with ``eos_token_id=None``
+    never stops early in transformers' ``generate`` either."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
