@@ -124,6 +124,7 @@ class LineRequest:
     prompt: str | list[dict] | list[int]
     params: SamplingParams
     openai: OpenAIRequest | None = None
+    named: bool = False  # a plain line that gave its own id
 
 
 @dataclass
@@ -245,7 +246,7 @@ class LineParser:
             self.first_line.setdefault(item.key, number)
             return item
         keys = [item.key]
-        if item.openai is None and is_int(item.id) and item.id == number:
+        if item.named and is_int(item.id) and item.id == number:
             keys.append(f"id:{json.dumps(item.id)}")  # an explicit id N on line N: both names
         for key in keys:
             first = self.first_line.get(key)
@@ -332,7 +333,7 @@ def _parse_plain(number: int, obj: dict, defaults: dict, base_seed: int) -> Item
         params = _sampling(defaults, overrides, base_seed, key)
     except _Bad as e:
         return LineError(number, key, ident, str(e), None, False, echo)
-    return LineRequest(number, key, ident, kind, prompt, params)
+    return LineRequest(number, key, ident, kind, prompt, params, named="id" in obj)
 
 
 def _plain_prompt(obj: dict) -> tuple[str, object]:
