@@ -367,6 +367,15 @@ class _Run:
 
             save_trace(opts.trace, llm.engine)
         _summary(outcome, self.out_path, stats, self.out, self.on_disk_words())
+        if outcome.write_error is not None:
+            left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+            self.err.print(
+                f"[bold red]error:[/] {escape(outcome.write_error)}; {self.on_disk_words()}"
+                + (f", {left} not run" if left else "")
+                + "; make room and run again with --resume",
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def _failure(item: LineRequest, reason: str) -> LineError:
@@ -496,14 +505,6 @@ def _summary(outcome: Outcome, out_path: Path | None, stats, console: Console, o
             soft_wrap=True,
         )
     left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
-    if outcome.write_error is not None:
-        console.print(
-            f"[bold red]error:[/] {escape(outcome.write_error)}; {on_disk}"
-            + (f", {left} not run" if left else "")
-            + "; make room and run again with --resume",
-            highlight=False,
-            soft_wrap=True,
-        )
     if outcome.signal is not None:
         console.print(
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "
