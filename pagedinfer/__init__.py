@@ -1,8 +1,33 @@
-"""pagedinfer: offline batch LLM inference on a paged KV cache with copy-on-write parallel sampling."""
+"""pagedinfer: offline batch LLM inference on a paged KV cache with copy-on-write parallel sampling.
 
-from pagedinfer.llm import LLM
-from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedinfer.sampling_params import SamplingParams
+The public names are imported on first use, so ``python -m pagedinfer`` can guard its own start
+(a Ctrl-C while torch loads exits 130 with one line, not a traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+_HOME = {
+    "LLM": "pagedinfer.llm",
+    "SamplingParams": "pagedinfer.sampling_params",
+    "RequestOutput": "pagedinfer.outputs",
+    "CompletionOutput": "pagedinfer.outputs",
+    "Logprob": "pagedinfer.outputs",
+}
+
+if TYPE_CHECKING:
+    from pagedinfer.llm import LLM
+    from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedinfer.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pagedinfer' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``python -m pagedinfer`` runs the command line, as the ``pagedinfer`` script does."""
 
-from pagedinfer.cli.app import app
+from pagedinfer.cli import main
 
-app(prog_name="pagedinfer")
+main()

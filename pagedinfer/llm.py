@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -68,62 +69,120 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order."""
-        results: list[RequestOutput | None] = [None] * (
-            1 if isinstance(prompts, (str, dict)) else len(prompts)
-        )
+        """One `RequestOutput` per prompt, in input order.
+
+        A prompt that cannot run (too long, invalid for the model, a tokenizer error) gets its
+        ``error`` set; the others complete.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        results: list[RequestOutput | None] = [None] * len(prompts)
         for index, output in self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm):
             results[index] = output
         return results  # type: ignore[return-value]
 
     def generate_iter(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Iterable[Prompt],
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
         use_tqdm: bool = False,
-        request_ids: Sequence[str] | None = None,
+        request_ids: Iterable[str] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
-        """Yield ``(input index, output)`` as each request finishes (failed ones first).
+        """Yield ``(input index, output)`` as each request finishes.
 
-        ``on_step`` is called after every engine step (live progress: ``engine.pool.num_used``...).
+        ``prompts`` (and per-prompt ``sampling_params`` / ``request_ids``) may be any iterables, even
+        generators: they are read lazily (see `stream`). ``on_step`` is called after every engine
+        step (live progress: ``engine.pool.num_used``...).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
+            sampling_params = itertools.repeat(sampling_params)
+        elif (
+            hasattr(sampling_params, "__len__")
+            and hasattr(prompts, "__len__")
+            and len(sampling_params) != len(prompts)
+        ):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        ids = itertools.repeat(None) if request_ids is None else request_ids
+        requests = _zip_requests(prompts, sampling_params, ids)
+        total = len(prompts) if hasattr(prompts, "__len__") else None
+        bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
+
+        def progress(engine: LLMEngine) -> None:
+            bar.set_postfix_str(f"KV {engine.pool.num_used}/{engine.pool.num_blocks} blocks", refresh=False)
+            if on_step is not None:
+                on_step(engine)
+
+        try:
+            for index, output in self.stream(requests, on_step=progress if use_tqdm else on_step):
+                bar.update(1)
+                yield index, output
+        finally:
+            bar.close()
+
+    def stream(
+        self,
+        requests: Iterable[tuple[Prompt, SamplingParams, str | None]],
+        on_step: Callable[[LLMEngine], None] | None = None,
+        before_step: Callable[[], None] | None = None,
+        max_pending: int | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Run ``(prompt, params, request id)`` triples, read lazily; yield ``(index, output)`` as each finishes.
+
+        At most ``max_pending`` unfinished requests are in the engine at once (default: twice
+        ``max_num_seqs``, enough to keep every batch full, as the scheduler admits first come first
+        served), so memory does not grow with the number of requests; a request is released once
+        yielded. One that cannot run (too long, invalid for the model, a tokenizer error) is yielded
+        at once with ``error`` set; the others go on. ``before_step`` runs before every engine step
+        (the CLI makes the lines it wrote durable there), ``on_step`` after it.
+        """
         engine = self.engine
+        limit = max_pending if max_pending is not None else 2 * engine.config.max_num_seqs
+        if limit < 1:
+            raise ValueError("max_pending must be >= 1")
+        feed = iter(requests)
         engine.reset_stats()
         start = time.perf_counter()
-        requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            rid = request_ids[i] if request_ids is not None else None
-            requests.append(engine.add_request(prompt, params, request_id=rid, order=i))
-        bar = tqdm(
-            total=sum(r.params.n for r in requests), desc="completions", unit="seq", disable=not use_tqdm
-        )
+        pending, index = 0, 0
         try:
-            for req in requests:
-                if req.error:
-                    bar.update(req.params.n)
-                    yield req.order, req.to_output()
-            while engine.has_unfinished:
+            while True:
+                while pending < limit and (item := next(feed, None)) is not None:
+                    prompt, params, rid = item
+                    req = engine.add_request(prompt, params, request_id=rid, order=index)
+                    index += 1
+                    if req.error:
+                        yield req.order, req.to_output()
+                    else:
+                        pending += 1
+                if not engine.has_unfinished:
+                    break
+                if before_step is not None:
+                    before_step()
                 done = engine.step()
                 engine.stats.wall_time_s = time.perf_counter() - start
                 if on_step is not None:
                     on_step(engine)
-                if use_tqdm:
-                    bar.set_postfix_str(
-                        f"KV {engine.pool.num_used}/{engine.pool.num_blocks} blocks", refresh=False
-                    )
+                pending -= len(done)
                 for req in done:
-                    bar.update(req.params.n)
                     yield req.order, req.to_output()
         finally:
-            bar.close()
             engine.stats.wall_time_s = time.perf_counter() - start
             engine.abort_all()  # a caller that stops early (Ctrl-C) leaves no blocks behind
+
+
+def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable) -> Iterator[tuple]:
+    """(prompt, params, id) triples; an error if ``params`` or ``ids`` run out before ``prompts``."""
+    params, ids = iter(params), iter(ids)
+    for count, prompt in enumerate(prompts):
+        p, rid = next(params, _END), next(ids, _END)
+        if p is _END or rid is _END:
+            what = "sampling_params" if p is _END else "request_ids"
+            raise ValueError(f"more prompts than {what} (only {count})")
+        yield prompt, p, rid
+
+
+_END = object()

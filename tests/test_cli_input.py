@@ -11,24 +11,25 @@ from pagedinfer.cli.jsonl_input import (
     InputFileError,
     LineError,
     LineRequest,
-    derive_seed,
-    parse_lines,
-    read_input,
+    line_key,
+    parse_file,
+    scan_input,
 )
 from pagedinfer.cli.jsonl_output import (
-    JsonlSink,
-    OrderedWriter,
+    OutputError,
+    OutputFile,
+    OutputWriteError,
+    StdoutOutput,
     default_output_path,
-    read_done,
     record_key,
-    reorder,
 )
+from pagedinfer.seeding import line_seed
 
 DEFAULTS = {"n": 1, "max_tokens": 16, "temperature": 1.0, "stop": []}
 
 
 def parse(tmp_path, lines, defaults=DEFAULTS):
-    return parse_lines(read_input(write_jsonl(tmp_path / "in.jsonl", lines)), defaults, base_seed=0)
+    return list(parse_file(scan_input(write_jsonl(tmp_path / "in.jsonl", lines)), defaults, base_seed=0))
 
 
 def test_every_input_form(tmp_path):
@@ -79,12 +80,12 @@ def test_every_input_form(tmp_path):
         None,
     )
     assert d.openai.custom_id == "c1" and not d.openai.chat and d.openai.logprobs_style == "completions"
-    assert (d.params.max_tokens, d.params.logprobs, d.params.top_p, d.key) == (4, 2, 0.5, "custom_id:c1")
+    assert (d.params.max_tokens, d.params.logprobs, d.params.top_p, d.key) == (4, 2, 0.5, 'custom_id:"c1"')
     assert e.openai.chat and e.openai.logprobs_style == "chat"
     assert (e.params.max_tokens, e.params.logprobs, e.params.n) == (7, 3, 2)
     assert (f.kind, f.prompt) == ("token_ids", [4, 5])
     # a line without a seed gets one derived from --seed and its identity only
-    assert a.params.seed == derive_seed(0, "id:a") and b.params.seed == derive_seed(0, "id:2")
+    assert a.params.seed == line_seed(0, 'id:"a"') and b.params.seed == line_seed(0, "line:2")
 
 
 BAD_LINES = [
@@ -176,7 +177,7 @@ def test_unusable_input_files(tmp_path, content, message):
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(InputFileError, match=message):
-        read_input(path)
+        scan_input(path)
 
 
 def test_default_output_path(tmp_path):
@@ -184,60 +185,101 @@ def test_default_output_path(tmp_path):
     assert default_output_path(tmp_path / "p.txt") == tmp_path / "p.txt.out.jsonl"
 
 
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def write(self, record):
-        self.records.append(record)
-
-
-def test_ordered_writer_writes_each_line_once_every_earlier_line_is_done():
-    sink = ListSink()
-    writer = OrderedWriter(sink, 4)
-    writer.put(2, {"id": 2})
-    writer.put(1, {"id": 1})
-    assert sink.records == []  # held until line 0 is done
-    writer.put(0, {"id": 0})
-    assert [r["id"] for r in sink.records] == [0, 1, 2]  # written at once, in input order
-    assert not writer.done
-    writer.put(3, {"id": 3})
-    assert writer.done and [r["id"] for r in sink.records] == [0, 1, 2, 3]
+def test_stdout_output_prints_each_line_once_every_earlier_line_is_done(capsys):
+    out = StdoutOutput()
+    out.write({"id": 2}, 2)
+    out.write({"id": 1}, 1)
+    assert capsys.readouterr().out == ""  # held until line 0 is done
+    out.write({"id": 0}, 0)
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == [0, 1, 2]
+    out.write({"id": 4}, 4)
+    out.flush_held()  # interrupted: finished work is printed rather than lost
+    assert capsys.readouterr().out == '{"id": 4}\n' and out.written == 4
 
 
-def test_flush_held_keeps_finished_work():
-    sink = ListSink()
-    writer = OrderedWriter(sink, 3)
-    writer.put(2, {"id": 2})
-    assert writer.flush_held() == 1 and sink.records == [{"id": 2}]
-
-
-def test_sink_appends_full_lines_and_resume_truncates_a_torn_last_line(tmp_path):
+def test_output_file_writes_full_lines_and_resume_drops_unreadable_ones(tmp_path):
     path = tmp_path / "out.jsonl"
-    sink = JsonlSink(path, truncate=True)
-    sink.write({"id": 1, "text": "é"})
-    sink.write({"custom_id": "c", "id": "batch_req_x"})
-    sink.close()
+    out = OutputFile(path)
+    out.start(truncate=True)
+    out.write({"id": 1, "line": 1, "text": "é"})
+    out.write({"custom_id": "c", "id": "batch_req_x"})
+    out.sync()
+    out.close()
     good = path.read_bytes()
     path.write_bytes(good + b'{"id": 3, "outp')  # a crash mid-write
-    assert read_done(path) == ["id:1", "custom_id:c"]
+    out = OutputFile(path)
+    assert out.load_done() == ({"line:1", 'custom_id:"c"'}, 1)
+    out.close()
     assert path.read_bytes() == good  # the torn line is gone, earlier lines untouched
-    path.write_bytes(good + b"not json\n" + b'{"id": 4}')  # a complete last record without its newline
-    assert read_done(path) == ["id:1", "custom_id:c", "id:4"]
-    assert path.read_bytes().endswith(b'{"id": 4}\n')
+    lines = good.splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"\x00\x00garbage\n" + lines[1] + b"not json\n" + b'{"id": 4}')
+    out = OutputFile(path)
+    assert out.load_done() == ({"line:1", 'custom_id:"c"', "id:4"}, 2)  # two unreadable middle lines
+    out.close()
+    assert path.read_bytes() == good + b'{"id": 4}\n'
+
+
+def test_output_file_is_locked_for_the_run(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": 1}\n')
+    first = OutputFile(path)
+    with pytest.raises(OutputError, match="locked by another pagedinfer run"):
+        OutputFile(path)
+    assert path.read_text() == '{"id": 1}\n'  # the second open truncated nothing
+    first.reorder(lambda key: 0)
+    with pytest.raises(OutputError, match="locked"):  # still locked after the file was replaced
+        OutputFile(path)
+    first.close()
+    OutputFile(path).close()
 
 
 def test_reorder_restores_input_order(tmp_path):
     path = tmp_path / "out.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in [{"id": 2}, {"id": 3}, {"id": 1}]))
-    assert reorder(path, {"id:1": 0, "id:2": 1, "id:3": 2})
-    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == [1, 2, 3]
-    assert not reorder(path, {"id:1": 0, "id:2": 1, "id:3": 2})  # already in order: untouched
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"id": 2}, {"id": 3}, {"id": "x"}, {"id": 1}]))
+    ranks = {"id:1": 0, "id:2": 1, "id:3": 2}
+    out = OutputFile(path)
+    assert out.reorder(ranks.get)
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == [1, 2, 3, "x"]  # unknown: last
+    assert not out.reorder(ranks.get)  # already in order: untouched
+    out.close()
+    assert not (tmp_path / "out.jsonl.tmp").exists()
 
 
-def test_record_key_matches_line_key():
-    assert record_key({"id": 5, "line": 5, "error": "x"}) == "id:5"
-    assert record_key({"id": "batch_req_1", "custom_id": "c", "response": None}) == "custom_id:c"
+def test_a_failed_write_leaves_no_torn_line(tmp_path, monkeypatch):
+    import os
+
+    path = tmp_path / "out.jsonl"
+    out = OutputFile(path)
+    out.write({"id": 1})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, data[:5])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OutputWriteError, match="No space left on device"):
+        out.write({"id": 2})
+    monkeypatch.undo()
+    out.close()
+    assert path.read_text() == '{"id": 1}\n' and out.written == 1
+
+
+def test_one_key_function_for_input_lines_and_output_records():
+    assert record_key({"id": 5, "line": 5, "error": "x"}) == line_key(None, 5, 5) == "line:5"
+    assert record_key({"id": 3, "line": 1, "error": None}) == line_key(None, 3, 1) == "id:3"
+    assert record_key({"id": "3", "line": 1}) == 'id:"3"' != record_key({"id": 3, "line": 1})
+    assert record_key({"id": "batch_req_1", "custom_id": "c", "response": None}) == 'custom_id:"c"'
+    assert record_key(["not", "a", "record"]) is None
+
+
+def test_an_explicit_id_never_collides_with_a_line_number(tmp_path):
+    items = parse(
+        tmp_path, [{"id": 3, "prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}, {"id": 3, "prompt": "d"}]
+    )
+    assert [type(i).__name__ for i in items] == ["LineRequest"] * 3 + ["LineError"]
+    assert "duplicate id 3 (first used on line 1)" in items[3].reason
+    assert [i.key for i in items[:3]] == ["id:3", "line:2", "line:3"]
 
 
 def test_chart_resamples_to_the_width_keeping_peaks():

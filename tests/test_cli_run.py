@@ -275,7 +275,9 @@ def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path,
         _InterruptAfter(m, steps=5)
         result = run(model, path)
     assert result.exit_code == 130
-    assert "interrupted: 1 line not run; run again with --resume" in result.stdout
+    text = " ".join(result.stdout.split())
+    assert "interrupted by SIGINT: 5 lines on disk in" in text
+    assert "1 line not run; run again with --resume" in text
     first = read_jsonl(out)
     assert sorted(r["id"] for r in first) == ["bad", "s0", "s1", "s2", "s3"]
 
@@ -478,11 +480,10 @@ def test_progress_bar_on_a_terminal_and_silent_when_quiet(model, tmp_path):
             assert shown == "" and "KV cache memory report" not in out.file.getvalue()
         else:
             assert (
-                "completions" in shown
-                and "2/2" in shown
+                "lines" in shown
+                and "1/1" in shown
                 and "tok/s" in shown
-                and "KV " in shown
-                and "blocks" in shown
+                and re.search(r"KV [\d,]+/[\d,]+", shown)
             )
             assert "KV cache memory report" in out.file.getvalue()
         assert "pagedinfer: 1 line " in out.file.getvalue()

@@ -278,10 +278,15 @@ def test_eos_stops_unless_ignored_and_min_tokens(text_model):
 
 def test_prompts_need_a_tokenizer_or_ids(tiny_model):
     llm = LLM(str(tiny_model("llama")), num_blocks=8, **ENGINE)
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("hello", use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate({"prompt_token_ids": [1, 999]}, use_tqdm=False)
+    # each bad prompt fails alone, with its reason; the good one completes
+    text, ids, good = llm.generate(
+        ["hello", {"prompt_token_ids": [1, 999]}, {"prompt_token_ids": [1, 2]}],
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert "no tokenizer" in text.error and text.outputs == []
+    assert ids.error.startswith("prompt_token_ids must be a list of integers in [0, ")
+    assert good.error is None and len(good.outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,16 @@
-"""The command line: `pagedinfer run` (JSONL in, JSONL out, the memory report), `blocks`, `bench`."""
+"""The command line: `pagedinfer run` (JSONL in, JSONL out, the memory report), `blocks`, `bench`.
+
+`main` is the console script and `python -m pagedinfer`: it starts the Typer `app`.
+"""
+
+import sys
+
+
+def main() -> None:
+    """Start the command line; a Ctrl-C while the libraries load exits 130 with one line."""
+    try:
+        from pagedinfer.cli.app import app
+    except KeyboardInterrupt:
+        sys.stderr.write("pagedinfer: interrupted while starting; nothing was run or written\n")
+        sys.exit(130)
+    app(prog_name="pagedinfer")

@@ -1,7 +1,11 @@
 """The ``pagedinfer`` command line: ``run`` a prompts file, draw the KV ``blocks``, ``--version``.
 
-Exit codes of ``run``: 0 all lines succeeded, 1 some lines failed, 2 unusable invocation,
-130 interrupted (finished work is written; ``--resume`` completes the rest).
+Exit codes of ``run`` (docs/cli.md): 0 all lines succeeded, 1 some lines failed, 2 unusable
+invocation (or the output is locked by another run), 74 the output could not be written (disk
+full), 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP (finished lines are on disk;
+``--resume`` completes the rest).
+
+Option defaults come from `EngineConfig` and `SamplingParams`, never repeated here.
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+
+from pagedinfer.config import EngineConfig
+from pagedinfer.sampling_params import SamplingParams
+
+
+def _default(cls: type, name: str):
+    """The dataclass field default of ``cls.name``: the one place each default is written."""
+    return cls.__dataclass_fields__[name].default
+
 
 app = typer.Typer(
     name="pagedinfer",
@@ -85,28 +98,33 @@ def run(
             show_default=False,
         ),
     ] = None,
-    n: Annotated[int, typer.Option("-n", help="Samples per prompt.", rich_help_panel=SAMPLING)] = 1,
+    n: Annotated[int, typer.Option("-n", help="Samples per prompt.", rich_help_panel=SAMPLING)] = _default(
+        SamplingParams, "n"
+    ),
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Most tokens generated per sample.", rich_help_panel=SAMPLING)
-    ] = 16,
+    ] = _default(SamplingParams, "max_tokens"),
     temperature: Annotated[
-        float, typer.Option("--temperature", help="0 = greedy.", rich_help_panel=SAMPLING)
-    ] = 1.0,
+        float,
+        typer.Option(
+            "--temperature", help="0 = greedy; else at least 0.01 (docs/cli.md).", rich_help_panel=SAMPLING
+        ),
+    ] = _default(SamplingParams, "temperature"),
     top_p: Annotated[
         float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].", rich_help_panel=SAMPLING)
-    ] = 1.0,
+    ] = _default(SamplingParams, "top_p"),
     top_k: Annotated[
         int,
         typer.Option(
             "--top-k", help="Keep the k most likely tokens (0 or -1: off).", rich_help_panel=SAMPLING
         ),
-    ] = 0,
+    ] = _default(SamplingParams, "top_k"),
     min_p: Annotated[
         float,
         typer.Option(
             "--min-p", help="Drop tokens below min_p × the top probability.", rich_help_panel=SAMPLING
         ),
-    ] = 0.0,
+    ] = _default(SamplingParams, "min_p"),
     seed: Annotated[
         int,
         typer.Option(
@@ -115,7 +133,7 @@ def run(
             "line's id, so its output does not depend on the other lines (or on --resume).",
             rich_help_panel=SAMPLING,
         ),
-    ] = 0,
+    ] = _default(EngineConfig, "seed"),
     stop: Annotated[
         list[str] | None,
         typer.Option(
@@ -127,7 +145,7 @@ def run(
         typer.Option(
             "--block-size", help="Tokens per KV block (1..128, power of two).", rich_help_panel=POOL
         ),
-    ] = 16,
+    ] = _default(EngineConfig, "block_size"),
     num_blocks: Annotated[
         int | None,
         typer.Option(
@@ -149,13 +167,13 @@ def run(
     ] = None,
     max_num_seqs: Annotated[
         int, typer.Option("--max-num-seqs", help="Most sequences running at once.", rich_help_panel=POOL)
-    ] = 256,
+    ] = _default(EngineConfig, "max_num_seqs"),
     max_batched_tokens: Annotated[
         int,
         typer.Option(
             "--max-batched-tokens", help="Most tokens computed per engine step.", rich_help_panel=POOL
         ),
-    ] = 4096,
+    ] = _default(EngineConfig, "max_num_batched_tokens"),
     max_model_len: Annotated[
         int | None,
         typer.Option(
@@ -213,7 +231,8 @@ def run(
         bool,
         typer.Option(
             "--resume",
-            help="Skip lines whose id is already in the output file and append the rest.",
+            help="Skip lines whose id is already in the output file (in any order), drop unreadable "
+            "lines from it, and append the rest.",
             rich_help_panel=OUTPUT,
         ),
     ] = False,
@@ -234,10 +253,16 @@ def run(
 ) -> None:
     """Generate for every line of PROMPTS.jsonl; write one output line per input line, in input order.
 
-    Bad lines get an error record naming the line and the reason; the other lines still run.
-    Exit code: 0 all lines succeeded, 1 some failed, 2 unusable invocation, 130 interrupted.
+    Each line is written the moment it finishes (the file is put in input order at the end); bad
+    lines get an error record naming the line and the reason, and the other lines still run.
+    The output is locked for the run. Exit code: 0 all lines succeeded, 1 some failed, 2 unusable
+    invocation, 74 the output could not be written, 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP
+    (SIGTERM and SIGHUP act like Ctrl-C). See docs/cli.md.
     """
-    from pagedinfer.cli.run import RunOptions, execute
+    try:
+        from pagedinfer.cli.run import RunOptions, execute
+    except KeyboardInterrupt:
+        _interrupted_at_start()
 
     if num_blocks is not None and kv_memory is not None:
         _usage_error("give --num-blocks or --kv-memory, not both")
@@ -476,6 +501,11 @@ def bench(
     except ValueError as e:
         _usage_error(str(e))
     run_bench(opts)
+
+
+def _interrupted_at_start() -> None:
+    sys.stderr.write("pagedinfer: interrupted while starting; nothing was run or written\n")
+    raise typer.Exit(130)
 
 
 def _usage_error(message: str, err: Console | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Read a prompts JSONL file and validate every line into a request, before any model is loaded.
+"""Read a prompts JSONL file as a stream and validate each line into a request (no model needed).
 
 Each non-blank line is one of
 
@@ -8,17 +8,21 @@ Each non-blank line is one of
 
 A line that cannot be used becomes a `LineError` naming its line number and the reason; the other
 lines are unaffected. Only problems of the whole file (missing, a directory, empty, not UTF-8)
-raise `InputFileError`. Checks that need the model (tokenization, length) live in `resolve.py`.
+raise `InputFileError` (found by `scan_input`, a byte-level pass that parses no JSON). Lines are
+parsed one at a time (`parse_file`), so memory does not grow with the file: a run keeps only each
+line's key. Checks that need the model (tokenization, length, vocabulary) live in `resolve.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.sampling_params import SamplingParams, is_int, unicode_error
+from pagedinfer.seeding import line_seed
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -81,6 +85,8 @@ OPENAI_BODY_FIELDS = {
     "skip_special_tokens",
 }
 MESSAGE_FIELDS = {"role", "content", "name"}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat body's top_logprobs
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate can enter valid UTF-8 JSON
 
 _TYPE_WORDS = {
     "int": "an integer",
@@ -118,6 +124,7 @@ class LineRequest:
     prompt: str | list[dict] | list[int]
     params: SamplingParams
     openai: OpenAIRequest | None = None
+    named: bool = False  # a plain line that gave its own id
 
 
 @dataclass
@@ -144,67 +151,141 @@ class _Bad(Exception):
     """A line-level problem (internal; becomes a LineError)."""
 
 
-def read_input(path: Path) -> list[tuple[int, str]]:
-    """The non-blank lines of ``path`` as (line number, text). Raises InputFileError."""
+@dataclass
+class InputFile:
+    """What a byte-level pass over the input finds: the line count and the kind of file."""
+
+    path: Path
+    lines: int  # non-blank lines
+    openai: bool  # its first JSON-object line is an OpenAI request: unreadable lines answer in that shape
+
+
+def scan_input(path: Path) -> InputFile:
+    """Check the file as a whole (exists, a file, UTF-8, not empty) without parsing it. Raises InputFileError."""
     if not path.exists():
         raise InputFileError(f"input file {path} does not exist")
     if path.is_dir():
         raise InputFileError(f"input path {path} is a directory; give a .jsonl file")
+    count, openai = 0, None
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                text = _decode(path, number, raw)
+                if not text.strip():
+                    continue
+                count += 1
+                if openai is None and text.lstrip().startswith("{"):
+                    try:
+                        obj = json.loads(text)
+                    except json.JSONDecodeError:
+                        continue
+                    openai = _is_openai(obj)
     except OSError as e:
         raise InputFileError(f"cannot read input file {path}: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise InputFileError(
-            f"input file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line})"
-        ) from None
-    lines = [(i, s) for i, s in enumerate(text.split("\n"), start=1) if s.strip()]
-    if not lines:
+    if not count:
         raise InputFileError(f"input file {path} is empty: it needs one JSON request per line")
-    return lines
+    return InputFile(path, count, bool(openai))
 
 
-def derive_seed(base_seed: int, key: str) -> int:
-    """The sampling seed of a line that gives none: from --seed and the line's identity only."""
-    digest = hashlib.blake2b(f"{base_seed}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of ``path`` as (line number, text), read one at a time."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            text = _decode(path, number, raw)
+            if text.strip():
+                yield number, text
 
 
-def line_key(openai: bool, ident: object) -> str:
-    """How --resume recognises a line in the output: its custom_id, else its id."""
-    return f"custom_id:{ident}" if openai else f"id:{ident}"
+def _decode(path: Path, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise InputFileError(
+            f"input file {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {number})"
+        ) from None
 
 
-def parse_lines(lines: list[tuple[int, str]], defaults: dict, base_seed: int = 0) -> list[Item]:
-    """Validate every line; ``defaults`` are SamplingParams keyword arguments from the command line."""
-    parsed: list[tuple[int, object]] = []
-    for number, text in lines:
-        try:
-            parsed.append((number, json.loads(text)))
-        except json.JSONDecodeError as e:
-            parsed.append((number, _Bad(f"not valid JSON ({e.msg} at column {e.colno})")))
-    openai_file = any(isinstance(obj, dict) and _is_openai(obj) for _, obj in parsed)
-    items: list[Item] = []
-    seen: dict[str, int] = {}
-    for number, obj in parsed:
-        item = _parse_one(number, obj, defaults, base_seed, openai_file)
-        if isinstance(item, LineRequest) and item.key in seen:
-            what = "custom_id" if item.openai else "id"
-            item = LineError(
-                number,
-                item.key,
-                item.id,
-                f"duplicate {what} {item.id!r} (first used on line {seen[item.key]})",
-                item.openai,
-                item.openai is not None,
-            )
-        elif isinstance(item, LineRequest):
-            seen[item.key] = number
-        items.append(item)
-    return items
+def parse_file(source: InputFile, defaults: dict, base_seed: int = 0) -> Iterator[Item]:
+    """Every non-blank line of ``source`` validated, in file order (see `LineParser`)."""
+    parser = LineParser(defaults, base_seed, source.openai)
+    for number, text in read_lines(source.path):
+        yield parser.parse(number, text)
+
+
+def line_key(custom_id: object, ident: object, line: object) -> str:
+    """How --resume recognises a line: its custom_id, else its id; the one function for input and output.
+
+    A line without an ``id`` is named by its line number (``line:N``), so an explicit ``"id": 3``
+    elsewhere never collides with it; an explicit id equal to its own line number means the same.
+    """
+    if custom_id is not None:
+        return f"custom_id:{json.dumps(custom_id)}"
+    if is_int(ident) and ident == line:
+        return f"line:{line}"
+    return f"id:{json.dumps(ident)}"
+
+
+class LineParser:
+    """Validates lines one at a time; remembers each key's first line (duplicates; output order)."""
+
+    def __init__(self, defaults: dict, base_seed: int, openai_file: bool) -> None:
+        self.defaults = defaults
+        self.base_seed = base_seed
+        self.openai_file = openai_file
+        self.first_line: dict[str, int] = {}  # key -> the line that first used it
+
+    def parse(self, number: int, text: str) -> Item:
+        item = _parse_one(number, _load(text), self.defaults, self.base_seed, self.openai_file)
+        if not isinstance(item, LineRequest):
+            self.first_line.setdefault(item.key, number)
+            return item
+        keys = [item.key]
+        if item.named and is_int(item.id) and item.id == number:
+            keys.append(f"id:{json.dumps(item.id)}")  # an explicit id N on line N: both names
+        for key in keys:
+            first = self.first_line.get(key)
+            if first is not None and first != number:
+                what = "custom_id" if item.openai else "id"
+                return LineError(
+                    number,
+                    item.key,
+                    item.id,
+                    f"duplicate {what} {item.id!r} (first used on line {first})",
+                    item.openai,
+                    item.openai is not None,
+                )
+        for key in keys:
+            self.first_line[key] = number
+        return item
+
+
+def _load(text: str) -> object:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _Bad(f"not valid JSON ({e.msg} at column {e.colno})")
+    if _SURROGATE_ESCAPE.search(text) and (where := _bad_string(obj, "")) is not None:
+        return _Bad(where)
+    return obj
+
+
+def _bad_string(value: object, path: str) -> str | None:
+    """The first string (key or value) in ``value`` that is not valid Unicode, as '<path> is not...'."""
+    if isinstance(value, str):
+        why = unicode_error(value)
+        return f"{path or 'the line'} {why}" if why else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if (why := unicode_error(k)) is not None:
+                return f"a field name in {path or 'the line'} {why}"
+            if (found := _bad_string(v, where)) is not None:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _bad_string(v, f"{path}[{i}]")) is not None:
+                return found
+    return None
 
 
 def _is_openai(obj: dict) -> bool:
@@ -214,12 +295,12 @@ def _is_openai(obj: dict) -> bool:
 def _parse_one(number: int, obj: object, defaults: dict, base_seed: int, openai_file: bool) -> Item:
     if isinstance(obj, _Bad):
         ident = f"line-{number}" if openai_file else number
-        return LineError(number, line_key(False, ident), ident, str(obj), None, openai_file)
+        return LineError(number, line_key(None, ident, number), ident, str(obj), None, openai_file)
     if not isinstance(obj, dict):
         ident = f"line-{number}" if openai_file else number
         return LineError(
             number,
-            line_key(False, ident),
+            line_key(None, ident, number),
             ident,
             f"a line must be a JSON object, not {_json_type(obj)}",
             None,
@@ -233,22 +314,20 @@ def _parse_one(number: int, obj: object, defaults: dict, base_seed: int, openai_
 # -- plain lines ----------------------------------------------------------------------------------
 def _parse_plain(number: int, obj: dict, defaults: dict, base_seed: int) -> Item:
     ident = obj.get("id", number)
-    if not (isinstance(ident, str) and ident) and not _is_int(ident):
-        ident = number
-        key = line_key(False, ident)
-        return LineError(number, key, ident, "id must be a non-empty string or an integer")
-    key = line_key(False, ident)
+    if not (isinstance(ident, str) and ident) and not is_int(ident):
+        return LineError(
+            number, line_key(None, number, number), number, "id must be a non-empty string or an integer"
+        )
+    key = line_key(None, ident, number)
     echo = {k: obj[k] for k in PROMPT_FIELDS if k in obj}
     try:
-        unknown = sorted(obj.keys() - PLAIN_FIELDS)
-        if unknown:
-            raise _Bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        _no_unknown(obj, PLAIN_FIELDS, "field")
         kind, prompt = _plain_prompt(obj)
         overrides = {k: _check_field(k, obj[k], SAMPLING_FIELDS[k]) for k in SAMPLING_FIELDS if k in obj}
         params = _sampling(defaults, overrides, base_seed, key)
     except _Bad as e:
         return LineError(number, key, ident, str(e), None, False, echo)
-    return LineRequest(number, key, ident, kind, prompt, params)
+    return LineRequest(number, key, ident, kind, prompt, params, named="id" in obj)
 
 
 def _plain_prompt(obj: dict) -> tuple[str, object]:
@@ -271,26 +350,22 @@ def _parse_openai(number: int, obj: dict, defaults: dict, base_seed: int) -> Ite
     if not isinstance(cid, str) or not cid:
         ident = f"line-{number}"
         return LineError(
-            number, line_key(False, ident), ident, "custom_id must be a non-empty string", None, True
+            number, line_key(None, ident, number), ident, "custom_id must be a non-empty string", None, True
         )
-    key = line_key(True, cid)
+    key = line_key(cid, None, number)
     body = obj.get("body")
     url = obj.get("url")
     info = OpenAIRequest(cid, url if url in (COMPLETIONS_URL, CHAT_URL) else COMPLETIONS_URL, None)
     echo = {k: body[k] for k in ("prompt", "messages") if isinstance(body, dict) and k in body}
     try:
-        unknown = sorted(obj.keys() - OPENAI_LINE_FIELDS)
-        if unknown:
-            raise _Bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        _no_unknown(obj, OPENAI_LINE_FIELDS, "field")
         if obj.get("method", "POST") != "POST":
             raise _Bad(f"method must be 'POST', not {obj.get('method')!r}")
         if url not in (COMPLETIONS_URL, CHAT_URL):
             raise _Bad(f"url must be {COMPLETIONS_URL!r} or {CHAT_URL!r}, not {url!r}")
         if not isinstance(body, dict):
             raise _Bad(f"body must be a JSON object, not {_json_type(body)}")
-        unknown = sorted(body.keys() - OPENAI_BODY_FIELDS)
-        if unknown:
-            raise _Bad(f"unknown body field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+        _no_unknown(body, OPENAI_BODY_FIELDS, "body field")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _Bad("body.model must be a string")
@@ -341,6 +416,8 @@ def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
     if chat:
         wanted = _check_field("body.logprobs", body.get("logprobs", False), ("bool", "null"))
         top = _check_field("body.top_logprobs", body.get("top_logprobs"), ("int", "null"))
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _Bad(f"body.top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, not {top}")
         if top is not None and not wanted:
             raise _Bad("body.top_logprobs needs body.logprobs set to true")
         if wanted:
@@ -355,10 +432,16 @@ def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
 
 
 # -- shared checks --------------------------------------------------------------------------------
+def _no_unknown(obj: dict, known: set[str], what: str, prefix: str = "") -> None:
+    unknown = sorted(obj.keys() - known)
+    if unknown:
+        raise _Bad(f"{prefix}unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+
+
 def _sampling(defaults: dict, overrides: dict, base_seed: int, key: str) -> SamplingParams:
     values = {**defaults, **overrides}  # null overrides too: max_tokens null = up to the context
     if values.get("seed") is None:
-        values["seed"] = derive_seed(base_seed, key)
+        values["seed"] = line_seed(base_seed, key)
     try:
         return SamplingParams(**values)
     except (ValueError, TypeError) as e:
@@ -372,7 +455,7 @@ def _check_prompt_text(value: object, name: str) -> str:
 
 
 def _check_token_ids(value: object, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
         raise _Bad(f"{name} must be a list of non-negative integers")
     if not value:
         raise _Bad(f"{name} is empty")
@@ -387,11 +470,7 @@ def _check_messages(value: object, name: str = "messages") -> list[dict]:
         where = f"{name}[{i}]"
         if not isinstance(msg, dict):
             raise _Bad(f"{where} must be an object, not {_json_type(msg)}")
-        unknown = sorted(msg.keys() - MESSAGE_FIELDS)
-        if unknown:
-            raise _Bad(
-                f"{where} has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-            )
+        _no_unknown(msg, MESSAGE_FIELDS, "field", f"{where} has ")
         if not isinstance(msg.get("role"), str) or not msg["role"]:
             raise _Bad(f"{where}.role must be a non-empty string")
         content = msg.get("content")
@@ -410,22 +489,18 @@ def _check_messages(value: object, name: str = "messages") -> list[dict]:
 
 def _check_field(name: str, value: object, kinds: tuple[str, ...]) -> object:
     ok = {
-        "int": _is_int(value),
-        "float": (_is_int(value) or isinstance(value, float)),
+        "int": is_int(value),
+        "float": (is_int(value) or isinstance(value, float)),
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "strs": isinstance(value, list) and all(isinstance(s, str) for s in value),
-        "ints": isinstance(value, list) and all(_is_int(t) for t in value),
+        "ints": isinstance(value, list) and all(is_int(t) for t in value),
         "null": value is None,
     }
     if not any(ok[k] for k in kinds):
         want = " or ".join(_TYPE_WORDS[k] for k in kinds)
         raise _Bad(f"{name} must be {want}, not {_json_type(value)}")
     return value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _json_type(value: object) -> str:

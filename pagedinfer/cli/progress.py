@@ -1,4 +1,4 @@
-"""The live progress bar of ``pagedinfer run``: completions, tokens/s, ETA and KV pool usage."""
+"""The live progress bar of ``pagedinfer run``: lines done, tokens/s, ETA and KV pool usage."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RunProgress:
-    """A bar over completions (samples); updated after every engine step. Inert when disabled."""
+    """A bar over the input's lines (written or already done); updated after every engine step.
+
+    The figures come first and the bar takes what width is left, so an 80-column terminal never
+    cuts the count. Inert when disabled.
+    """
 
     def __init__(self, console: Console, total: int, enabled: bool) -> None:
         self.enabled = enabled and total > 0
@@ -17,15 +21,16 @@ class RunProgress:
         self._progress: Progress | None = None
         if self.enabled:
             self._progress = Progress(
-                TextColumn("[bold]completions"),
-                BarColumn(),
+                TextColumn("[bold]lines"),
                 MofNCompleteColumn(),
-                TextColumn("[cyan]{task.fields[tps]:>9} tok/s"),
+                TextColumn("[cyan]{task.fields[tps]} tok/s"),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
                 TextColumn("[magenta]KV {task.fields[kv]}"),
+                BarColumn(bar_width=None),
                 console=console,
                 transient=False,
+                expand=True,
             )
             self._task = self._progress.add_task("run", total=total, tps="-", kv="-")
 
@@ -43,9 +48,10 @@ class RunProgress:
             return
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         tps = engine.stats.generated_tokens / elapsed
-        kv = f"{engine.pool.num_used:,}/{engine.pool.num_blocks:,} blocks"
+        kv = f"{engine.pool.num_used:,}/{engine.pool.num_blocks:,}"
         self._progress.update(self._task, tps=f"{tps:,.1f}", kv=kv)
 
-    def advance(self, completions: int) -> None:
+    def advance(self) -> None:
+        """One more line written (or found done by --resume)."""
         if self._progress is not None:
-            self._progress.advance(self._task, completions)
+            self._progress.advance(self._task, 1)

@@ -59,6 +59,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def success_record(res: Resolved, out: RequestOutput, token_text: TokenText, model: str) -> dict:
+    """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed)."""
     usage = _usage(res, out)
     if res.item.openai is not None:
         k = res.item.params.logprobs or 0
@@ -106,11 +107,23 @@ def error_record(err: LineError) -> dict:
             "response": None,
             "error": {"code": "invalid_request", "message": err.message},
         }
-    return {"id": err.id, "line": err.line, **err.echo, "error": err.message}
+    echo = {k: bounded(v) for k, v in err.echo.items()}
+    return {"id": err.id, "line": err.line, **echo, "error": err.message}
 
 
-def is_error_record(record: dict) -> bool:
-    return record.get("error") is not None
+ECHO_CHARS = 1000  # an error record echoes at most this much of a prompt string
+ECHO_ITEMS = 100  # ... and of a list (token ids, messages)
+
+
+def bounded(value: object) -> object:
+    """``value`` cut to a bounded size, so a huge bad line never makes a huge error record."""
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return f"{value[:ECHO_CHARS]}… ({len(value) - ECHO_CHARS:,} more characters)"
+    if isinstance(value, list):
+        return [bounded(v) for v in value[:ECHO_ITEMS]] + (["…"] if len(value) > ECHO_ITEMS else [])
+    if isinstance(value, dict):
+        return {k: bounded(v) for k, v in list(value.items())[:ECHO_ITEMS]}
+    return value
 
 
 # -- plain --------------------------------------------------------------------------------------------
@@ -180,7 +193,7 @@ def _openai_success(
         "id": f"{'chatcmpl' if info.chat else 'cmpl'}-{rid}",
         "object": "chat.completion" if info.chat else "text_completion",
         "created": int(time.time()),
-        "model": model,
+        "model": info.model or model,
         "choices": choices,
         "usage": usage,
     }

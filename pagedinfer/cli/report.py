@@ -1,7 +1,8 @@
 """The memory-usage report: where every KV byte went during a run, drawn with rich, and as JSON.
 
-All figures come from `EngineStats` (pagedinfer/stats.py); `derived` adds the few byte and ratio
-figures the report shows on top of ``stats.to_dict()``. The JSON keys are documented in docs/cli.md.
+All figures come from `EngineStats` (pagedinfer/engine/stats.py); `derived` adds the few byte and
+ratio figures the report shows on top of ``stats.to_dict()``. The JSON keys are documented in the
+README's ``--report-json FILE`` section (tests/test_cli_run.py checks that each one is there).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The checks that need the loaded model: tokenize each validated line and make sure it can ever run.
+"""The checks that need the loaded model: tokenize a validated line and make sure it can ever run.
 
 A chat line is rendered with the tokenizer's chat template (generation prompt added) and tokenized
 without adding special tokens again (the template already holds them). A line whose prompt is too
-long for the model's context, or whose worst case needs more KV blocks than the pool has, becomes a
-`LineError` here, before anything is generated.
+long for the model's context (a huge text is refused before tokenizing), whose sampling values
+exceed the model (``logprobs`` above the vocabulary), or whose worst case needs more KV blocks than
+the pool has, becomes a `LineError` here, before anything is generated for it. Any exception while
+tokenizing one line fails that line alone.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ def resolve(item: LineRequest, engine) -> Resolved | LineError:
     """Tokenize ``item`` with ``engine``'s tokenizer and check it fits the model and the pool."""
     try:
         text, ids = _tokenize(item, engine)
-        reason = _never_runs(item, ids, engine)
+        reason = engine.params_error(item.params) or engine.request_error(ids, item.params)
     except ValueError as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text, ids = None, []
+    except Exception as e:  # noqa: BLE001 - a tokenizer failing on one line must not end the run
+        reason = f"tokenizing failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         text, ids = None, []
     if reason:
         echo = {"prompt": item.prompt} if item.kind == "prompt" else {}
@@ -54,10 +59,6 @@ def _tokenize(item: LineRequest, engine) -> tuple[str | None, list[int]]:
         raise ValueError(
             f"the chat template rejected the messages: {str(e).splitlines()[0] if str(e) else e!r}"
         ) from None
+    engine.check_text_length(text)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return engine.tokenize({"prompt_token_ids": ids, "prompt": text})
-
-
-def _never_runs(item: LineRequest, ids: list[int], engine) -> str | None:
-    """The engine's own admission check, run ahead of time."""
-    return engine.request_error(ids, item.params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -18,7 +19,7 @@ from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import SampleResult, SampleRow, sample
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.sampling_params import SamplingParams, is_int, unicode_error
 from pagedinfer.seeding import sample_seed
 
 
@@ -72,24 +73,60 @@ class LLMEngine:
         self.pool.events = []
 
     # -- requests ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.model.get_input_embeddings().num_embeddings
+
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """A prompt string, or ``{"prompt_token_ids": [...]}`` -> (text, token ids)."""
+        """A prompt string, or ``{"prompt_token_ids": [...]}`` -> (text, token ids). Raises ValueError."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                vocab = self.loaded.model.get_input_embeddings().num_embeddings
-                if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                vocab = self.vocab_size
+                if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
                     raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-                return prompt.get("prompt"), list(ids)
+                text = prompt.get("prompt")
+                if text is not None and (not isinstance(text, str) or unicode_error(text)):
+                    raise ValueError("the prompt text must be a valid Unicode string")
+                return text, list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt must be a string or a dict, not {type(prompt).__name__}")
+        if (why := unicode_error(prompt)) is not None:
+            raise ValueError(f"the prompt {why}")
         if self.loaded.tokenizer is None:
             raise ValueError(f"model {self.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
+        self.check_text_length(prompt)
         return prompt, self.loaded.tokenizer(prompt)["input_ids"]
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text too long for the context whatever its tokens."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text):,} characters: more than the model's context of "
+                f"{self.max_model_len} tokens can hold (checked before tokenizing)"
+            )
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit the context: no token spans more characters than the
+        tokenizer's longest vocabulary entry (a generous bound, so a huge line is refused without
+        tokenizing it)."""
+        tok = self.loaded.tokenizer
+        longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
+        return self.max_model_len * max(longest, 1)
+
+    def params_error(self, params: SamplingParams) -> str | None:
+        """Why ``params`` cannot run on this model (checks `SamplingParams` cannot make alone)."""
+        vocab = self.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            return f"logprobs={params.logprobs} exceeds the model's vocabulary of {vocab} tokens"
+        if any(t >= vocab for t in params.stop_token_ids):
+            return f"stop_token_ids must be below the model's vocabulary size {vocab}"
+        return None
 
     def add_request(
         self,
@@ -98,8 +135,17 @@ class LLMEngine:
         request_id: str | None = None,
         order: int | None = None,
     ) -> Request:
-        """Queue a request; one that can never run comes back already finished with ``error`` set."""
-        text, ids = self.tokenize(prompt)
+        """Queue a request; one that can never run comes back already finished with ``error`` set.
+
+        Any exception while tokenizing fails this request alone (its ``error`` names the reason).
+        """
+        try:
+            text, ids = self.tokenize(prompt)
+            error = self.params_error(params)
+        except ValueError as e:
+            text, ids, error = None, [], str(e) or type(e).__name__
+        except Exception as e:  # noqa: BLE001 - a tokenizer bug on one prompt must not end the others
+            text, ids, error = None, [], f"tokenizing failed: {type(e).__name__}: {e}"
         order = self._next_id if order is None else order
         self._next_id += 1
         req = Request(
@@ -112,7 +158,7 @@ class LLMEngine:
         )
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         req.sample_state = self._sample_state(req, base_seed)
-        req.error = self.request_error(ids, params)
+        req.error = error or self.request_error(ids, params)
         self.stats.requests += 1
         if req.error:
             self.stats.failed_requests += 1
