@@ -32,28 +32,35 @@ THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); e
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def compile_library(source: Path) -> Path | None:
+    """Build ``source`` into a shared library once, cached by source, flags and CPU; None without a
+    compiler (or with ``PAGEDINFER_CPU_KERNEL=0``)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
-    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0" or compiler is None or not SOURCE.exists():
+    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0" or compiler is None or not source.exists():
         return None
-    code = SOURCE.read_bytes()
+    code = source.read_bytes()
     cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
-        lib = cache / f"cpu_paged_decode-{key}.so"
+        lib = cache / f"{source.stem}-{key}.so"
         if lib.exists():
-            break
+            return lib
         cache.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(tmp), "-lm"], capture_output=True)
         if result.returncode == 0:
             os.replace(tmp, lib)
-            break
-    else:
+            return lib
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = compile_library(SOURCE)
+    if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
     fn = dll.paged_decode_f32_ranges
