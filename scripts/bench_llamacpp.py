@@ -16,7 +16,7 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
   b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
-       [--impls pagedinfer,transformers] [--threads 2] [--json FILE]
+       [--impls pagedinfer,transformers] [--threads 2] [--json FILE] [--max-new N]
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--impls", default="pagedinfer,transformers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
+    )
     args = ap.parse_args()
     cache = args.cache.resolve()
     driver = build(cache)
@@ -195,6 +198,8 @@ def main() -> None:
 
     all_ws = workloads(AutoConfig.from_pretrained(model_dir).vocab_size)
     ws = [all_ws[name] for name in args.workloads.split(",")]
+    if args.max_new:
+        ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
     results: dict[str, dict[str, dict]] = {}
     for impl in args.impls.split(","):
         results[f"pagedinfer {impl}"] = run_pagedinfer(model_dir, impl, ws, args.threads)
