@@ -4,9 +4,9 @@ transformers' modules run about 25 torch ops per layer plus their Python around 
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
 output, fused gate-up, down; concatenated once at load, packed for oneDNN by the loader like any
 ``nn.Linear``), three elementwise chains (`fused_ops`: residual add + RMSNorm twice, per-head norm +
-RoPE in place) and SiLU x up, and the attention call, which is the same paged attention function
-transformers' layers call (`attention.interface.paged_attention`, same KV pool, kernels and step
-context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. transformers
+RoPE in place) and SiLU x up, and the attention call, which is the same paged attention transformers'
+layers reach (`attention.interface.attend`, behind `paged_attention`: same KV pool, kernels and
+step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. transformers
 stays the reference (the parity tests compare the two) and the path for every other family.
 """
 
@@ -99,18 +99,15 @@ class DecoderLayer(nn.Module):
         x = fused_ops.add_rms_norm(residual, h, self.input_norm, self.eps, fast)  # [T, H]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, self.q_norm, self.k_norm, self.eps, fast)
-        q = qkv[:, : hq * d].view(t, hq, d)  # [T, Hq, D] views into qkv
-        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)  # [T, Hkv, D]
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)  # [T, Hkv, D]
-        out, _ = attention.paged_attention(
-            self,
-            q.transpose(0, 1).unsqueeze(0),  # the interface's [1, Hq, T, D]
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            None,
-            scaling=self.scaling,
-            sliding_window=self.window,
-        )  # [1, T, Hq, D]
+        heads = qkv.view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]: q, k, v are views into it
+        out = attention.attend(
+            self.layer_idx,
+            heads[:, :hq],
+            heads[:, hq : hq + hkv],
+            heads[:, hq + hkv :],
+            self.scaling,
+            self.window,
+        )  # [T, Hq, D]
         x = fused_ops.add_rms_norm(residual, self.o_proj(out.view(t, hq * d)), self.post_norm, self.eps, fast)
         return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x), fast))  # [T, H]
 
