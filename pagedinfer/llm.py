@@ -25,6 +25,8 @@ class LLM:
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
     ``kv_cache_memory`` bytes (``'512MiB'`` works too), or a default (2 GiB on the CPU, 85% of free
     GPU memory), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+    ``model_impl``: ``auto`` (pagedinfer's own Llama-family modeling on the CPU, else transformers'),
+    ``pagedinfer`` or ``transformers``.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class LLM:
         max_model_len: int | None = None,
         device: str = "auto",
         dtype: str = "auto",
+        model_impl: str = "auto",
         seed: int = EngineConfig.seed,
         use_cuda_kernels: bool | None = None,
     ) -> None:
@@ -51,7 +54,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
         )
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 
     @property

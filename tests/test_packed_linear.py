@@ -36,7 +36,9 @@ def test_only_float32_cpu_models_are_packed():
     assert not packed_linear.can_pack(nn.ReLU())  # no parameters at all
 
 
-def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatch):
+# linears per layer: transformers' q k v o gate up down; ours fused qkv, o, fused gate_up, down
+@pytest.mark.parametrize(("impl", "per_layer"), [("transformers", 7), ("pagedinfer", 4)])
+def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatch, impl, per_layer):
     torch.manual_seed(1)
     config = tf.LlamaConfig(
         vocab_size=256,  # every weight at least MIN_WEIGHTS, so every linear is packed
@@ -51,12 +53,12 @@ def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatc
     )
     tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
     reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    loaded = load_model(tmp_path, device="cpu").model
+    loaded = load_model(tmp_path, device="cpu", model_impl=impl).model
     linears = [m for m in loaded.modules() if isinstance(m, nn.Linear)]
     packed = [m for m in loaded.modules() if isinstance(m, packed_linear.PackedLinear)]
-    assert linears == [] and len(packed) == 2 * 7 + 1  # q k v o gate up down per layer, lm_head
+    assert linears == [] and len(packed) == 2 * per_layer + 1  # and lm_head
     # the embedding the lookup reads was not released with the unpacked weights
-    torch.testing.assert_close(loaded.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    torch.testing.assert_close(loaded.get_input_embeddings().weight, reference.model.embed_tokens.weight)
     ids = torch.tensor([[5, 9, 2, 77]])
     head = loaded.lm_head(reference.model(ids).last_hidden_state)
     torch.testing.assert_close(
@@ -64,7 +66,7 @@ def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatc
     )
 
     monkeypatch.setenv("PAGEDINFER_PACK_WEIGHTS", "0")
-    plain = load_model(tmp_path, device="cpu").model
+    plain = load_model(tmp_path, device="cpu", model_impl=impl).model
     assert not any(isinstance(m, packed_linear.PackedLinear) for m in plain.modules())
 
 

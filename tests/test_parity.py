@@ -9,6 +9,14 @@ from models import hf_greedy
 from pagedinfer import LLM, SamplingParams
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "opt", "gpt_oss"]
+OWN = {"llama", "qwen2", "qwen3", "mistral"}  # families pagedinfer's own modeling (the fast path) serves
+CASES = [
+    (f, impl)
+    for f in FAMILIES
+    for impl in ("transformers", "pagedinfer")
+    if impl == "transformers" or f in OWN
+]
+IMPLS = ["transformers", "pagedinfer"]
 LENGTHS = (1, 5, 9, 16, 23, 30)  # below, at and across block boundaries; beyond mistral's window of 8
 MAX_TOKENS = 12
 
@@ -19,11 +27,12 @@ def prompts():
     return [[rng.randrange(2, 256) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "impl"), CASES)
 @pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
-def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks):
+def test_greedy_matches_transformers(tiny_model, prompts, family, impl, num_blocks):
     path = tiny_model(family)
-    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, model_impl=impl, **ENGINE)
+    assert llm.engine.loaded.impl == impl
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -36,8 +45,9 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks):
         assert llm.stats.preemptions == 0
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("num_blocks", [64, 6], ids=["roomy-pool", "preempting-pool"])
-def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, num_blocks, monkeypatch):
+def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, num_blocks, impl, monkeypatch):
     """Head size 64 and blocks of 16: decode goes through the C kernel on the CPU, CuPy's on CUDA."""
     from pagedinfer.attention import cpu_kernel
 
@@ -45,7 +55,7 @@ def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, nu
     decode = cpu_kernel.paged_decode
     monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(1) or decode(*a))
     path = tiny_model("llama_d64")
-    llm = LLM(str(path), block_size=16, num_blocks=num_blocks, **ENGINE)
+    llm = LLM(str(path), block_size=16, num_blocks=num_blocks, model_impl=impl, **ENGINE)
     assert llm.engine.runner.use_cuda_kernels == (DEVICE == "cuda")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -55,10 +65,11 @@ def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, nu
     assert bool(calls) == (DEVICE == "cpu" and cpu_kernel.available())
 
 
-def test_chunked_prefill_matches_transformers(tiny_model, prompts):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_prefill_matches_transformers(tiny_model, prompts, impl):
     """A token budget of 7 splits every long prompt into chunks that attend to their cached prefix."""
     path = tiny_model("mistral")
-    llm = LLM(str(path), block_size=4, num_blocks=256, max_num_batched_tokens=7, **ENGINE)
+    llm = LLM(str(path), block_size=4, num_blocks=256, max_num_batched_tokens=7, model_impl=impl, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -66,14 +77,17 @@ def test_chunked_prefill_matches_transformers(tiny_model, prompts):
     assert max(llm.stats.batch_tokens) <= 7
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])  # gpt2: Conv1D layers + a tied Linear head
-def test_greedy_matches_transformers_with_every_linear_packed(tiny_model, prompts, family, monkeypatch):
+@pytest.mark.parametrize(  # gpt2: Conv1D layers + a tied Linear head
+    ("family", "impl"),
+    [("llama", "transformers"), ("llama", "pagedinfer"), ("gpt2", "auto"), ("opt", "auto")],
+)
+def test_greedy_matches_transformers_with_every_linear_packed(tiny_model, prompts, family, impl, monkeypatch):
     """The tiny models' weights are below the packing threshold; force oneDNN packing on all of them."""
     from pagedinfer.model import packed_linear
 
     monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
     path = tiny_model(family)
-    llm = LLM(str(path), block_size=4, num_blocks=256, **ENGINE)
+    llm = LLM(str(path), block_size=4, num_blocks=256, model_impl=impl, **ENGINE)
     if DEVICE == "cpu":
         assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.loaded.model.modules())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -36,33 +36,50 @@ TORCH_PATH_SLOWDOWN = 18
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+class KernelUnavailable(RuntimeError):
+    """A C source could not be built here (no compiler, or the build failed); the message says why."""
+
+
+def compile_library(source: Path) -> Path | None:
+    """Build ``source`` into a shared library once, cached by source, flags and CPU.
+
+    None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
+    it cannot be built.
+    """
     if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0":
-        return None  # asked for: no message
+        return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        return _unavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-    code = SOURCE.read_bytes()
+        raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
+    code = source.read_bytes()
     cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
-        lib = cache / f"cpu_paged_decode-{key}.so"
+        lib = cache / f"{source.stem}-{key}.so"
         if lib.exists():
-            break
+            return lib
         cache.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(tmp), "-lm"], capture_output=True)
         if result.returncode == 0:
             os.replace(tmp, lib)
-            break
-    else:
-        return _unavailable(
-            f"{compiler} could not build {SOURCE.name}: {result.stderr.decode()[-300:].strip()}"
-        )
+            return lib
+    raise KernelUnavailable(
+        f"{compiler} could not build {source.name}: {result.stderr.decode()[-300:].strip()}"
+    )
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = compile_library(SOURCE)
+    except KernelUnavailable as e:
+        return _unavailable(str(e))
+    if lib is None:
+        return None
     dll = ctypes.CDLL(str(lib))
     fn = dll.paged_decode_f32_ranges
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float

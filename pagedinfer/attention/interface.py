@@ -40,20 +40,39 @@ def set_context(ctx: StepContext | None) -> None:
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' entry: ``query [1, Hq, T, D]``, ``key``/``value [1, kvh, T, D]`` -> ``[1, T, Hq, Dv]``."""
+    out = attend(
+        module.layer_idx,
+        query[0].transpose(0, 1),  # [T, Hq, D]
+        key[0].transpose(0, 1),  # [T, kvh, D]
+        value[0].transpose(0, 1),  # [T, kvh, Dv]
+        scaling,
+        int(kwargs.get("sliding_window") or 0),
+        float(kwargs.get("softcap") or 0.0),
+        kwargs.get("s_aux"),
+    )
+    return out.unsqueeze(0), None
+
+
+def attend(
+    layer: int,
+    q: torch.Tensor,  # [T, Hq, D], last dim contiguous
+    k: torch.Tensor,  # [T, kvh, D]
+    v: torch.Tensor,  # [T, kvh, Dv]
+    scaling: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Write this step's K/V of ``layer`` into the pool and attend every query token (pagedinfer's own
+    layers call this directly, without transformers' [1, H, T, D] layout)."""
     ctx = _ctx
     if ctx is None:
         raise RuntimeError("the pagedinfer attention runs only inside a pagedinfer engine step")
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)  # [T, kvh, D]
-    v = value[0].transpose(0, 1)  # [T, kvh, Dv]
     if ctx.probe is not None:
         ctx.probe[layer] = LayerShape(k.shape[1], k.shape[2], v.shape[2])
-        return query.new_zeros(1, q.shape[0], q.shape[1], v.shape[2]), None
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    window = int(kwargs.get("sliding_window") or 0)
-    softcap = float(kwargs.get("softcap") or 0.0)
-    sinks = kwargs.get("s_aux")
     k_cache, v_cache = ctx.kv.k[layer], ctx.kv.v[layer]
     meta = ctx.meta
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])  # [T, Hq, Dv]
@@ -68,7 +87,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         if plan is None:
             plan = ctx._plans[use_kernel] = TorchPlan.build(meta, use_kernel)
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
-    return out.unsqueeze(0), None  # [1, T, Hq, Dv]
+    return out
 
 
 def select_cuda_kernels(

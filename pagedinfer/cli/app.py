@@ -44,6 +44,12 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class ModelImpl(str, Enum):
+    auto = "auto"
+    pagedinfer = "pagedinfer"
+    transformers = "transformers"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -190,6 +196,15 @@ def run(
         DType,
         typer.Option("--dtype", help="Weight and KV dtype (auto: float32 on the CPU).", rich_help_panel=POOL),
     ] = DType.auto,
+    model_impl: Annotated[
+        ModelImpl,
+        typer.Option(
+            "--model-impl",
+            help="Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3), transformers', or auto "
+            "(pagedinfer's where it applies, on the CPU).",
+            rich_help_panel=POOL,
+        ),
+    ] = ModelImpl.auto,
     output: Annotated[
         str | None,
         typer.Option(
@@ -289,6 +304,7 @@ def run(
             "max_model_len": max_model_len,
             "device": device.value,
             "dtype": dtype.value,
+            "model_impl": model_impl.value,
         },
         report=report,
         report_json=report_json,

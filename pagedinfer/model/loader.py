@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
-from pagedinfer.model import packed_linear
+from pagedinfer.model import llama, packed_linear
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -30,6 +30,7 @@ UNSUPPORTED = {
     "llama4_text": "uses chunked attention that lives only in its mask",
 }
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
+MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
 
 
 class ModelLoadError(ValueError):
@@ -46,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     name: str
+    impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -103,7 +105,10 @@ def context_length(config) -> int:
 
 
 def load_model(
-    name_or_path: str | os.PathLike | None, device: str = "auto", dtype: str = "auto"
+    name_or_path: str | os.PathLike | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    model_impl: str = "auto",
 ) -> LoadedModel:
     """Load model, tokenizer and geometry; every failure is a ModelLoadError with a one-line reason."""
     name = str(name_or_path or DEMO_MODEL)
@@ -119,10 +124,14 @@ def load_model(
     check_family(config)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
+    own_files = own_implementation_files(name, config, model_impl, dev)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch_dtype, attn_implementation=attention.ATTN_NAME
-        )
+        if own_files:
+            model = llama.load(config, own_files, torch_dtype, dev)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                name, dtype=torch_dtype, attn_implementation=attention.ATTN_NAME
+            )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
@@ -145,7 +154,27 @@ def load_model(
         dtype=torch_dtype,
         device=dev,
         name=name,
+        impl="pagedinfer" if own_files else "transformers",
     )
+
+
+def own_implementation_files(name: str, config, impl: str, device: torch.device) -> list[Path]:
+    """The safetensors files our own implementation loads, or [] when transformers' modeling runs.
+
+    ``auto`` takes ours for the families it covers, on the CPU (where it is measured and faster);
+    ``pagedinfer`` insists (any device) and says why it cannot; ``transformers`` never takes it.
+    """
+    if impl not in MODEL_IMPLS:
+        raise ModelLoadError(f"unknown model implementation {impl!r}: use auto, pagedinfer or transformers")
+    if impl == "transformers" or (impl == "auto" and device.type != "cpu"):
+        return []
+    reason = llama.unsupported_reason(config)
+    files = [] if reason else llama.checkpoint_files(name)
+    if impl == "pagedinfer" and not files:
+        raise ModelLoadError(
+            f"model implementation 'pagedinfer' cannot serve {name!r}: {reason or 'it has no safetensors weights'}"
+        )
+    return files
 
 
 @torch.inference_mode()

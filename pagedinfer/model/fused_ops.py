@@ -1,0 +1,118 @@
+"""The elementwise chains of a Llama-family layer: one C call each on CPU float32, torch ops elsewhere.
+
+The C loops (kernels/cpu_llama_ops.c, built like the decode kernel) replace 3-8 small torch ops per
+chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. Without a compiler, off
+the CPU or in another dtype, the same chains run as torch ops (same results up to rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
+from pagedinfer.attention.sources import KERNELS_DIR
+
+SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = compile_library(SOURCE)
+    except KernelUnavailable:  # the decode kernel's message already said it; these chains run as torch ops
+        return None
+    if lib is None:
+        return None
+    dll = ctypes.CDLL(str(lib))
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    dll.add_rms_norm_f32.argtypes = [ptr] * 4 + [i32, i32, f32]
+    dll.qk_norm_rope_f32.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, f32]
+    dll.silu_mul_f32.argtypes = [ptr, ptr, i32, i32]
+    for fn in (dll.add_rms_norm_f32, dll.qk_norm_rope_f32, dll.silu_mul_f32):
+        fn.restype = None
+    return dll
+
+
+def use_c(t: torch.Tensor) -> bool:
+    """The C chains serve float32 tensors in host memory (when the library built)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and _library() is not None
+
+
+def add_rms_norm(
+    residual: torch.Tensor,  # [T, H], updated in place: residual += x
+    x: torch.Tensor | None,  # [T, H] contiguous, or None (only normalise)
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    fast: bool,
+) -> torch.Tensor:  # [T, H]: RMSNorm(residual) * weight
+    """Residual add and RMSNorm in one pass (HF: ``residual + x``, then ``weight * (h * rsqrt(...))``)."""
+    if fast:
+        out = torch.empty_like(residual)
+        _library().add_rms_norm_f32(
+            residual.data_ptr(),
+            None if x is None else x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            residual.shape[0],
+            residual.shape[1],
+            eps,
+        )
+        return out
+    if x is not None:
+        residual.add_(x)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def qk_norm_rope_(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], rows contiguous: q heads, k heads, v heads
+    q_heads: int,
+    k_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # [T, D / 2] contiguous
+    sin: torch.Tensor,  # [T, D / 2] contiguous
+    q_norm: torch.Tensor | None,  # [D] per-head RMSNorm weight (Qwen3), or None
+    k_norm: torch.Tensor | None,  # [D]
+    eps: float,
+    fast: bool,
+) -> None:
+    """In place: the q and k heads of ``qkv`` get their per-head norm (if any), then rotate-half RoPE."""
+    if fast:
+        _library().qk_norm_rope_f32(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            q_heads,
+            k_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps,
+        )
+        return
+    t = qkv.shape[0]
+    qk = qkv[:, : (q_heads + k_heads) * head_dim].view(t, q_heads + k_heads, head_dim)  # [T, Hq + Hkv, D]
+    if q_norm is not None:
+        qk[:, :q_heads] = F.rms_norm(qk[:, :q_heads], (head_dim,), q_norm, eps)
+        qk[:, q_heads:] = F.rms_norm(qk[:, q_heads:], (head_dim,), k_norm, eps)
+    half = head_dim // 2
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]
+    x1, x2 = qk[..., :half], qk[..., half:]  # [T, Hq + Hkv, D / 2] views
+    first = x1 * c - x2 * s
+    x2.mul_(c).addcmul_(x1, s)
+    x1.copy_(first)
+
+
+def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``silu(gate) * up`` of a fused gate-up GEMM output."""
+    inter = gate_up.shape[1] // 2
+    if fast:
+        out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
+        _library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

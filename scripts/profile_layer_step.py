@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Ops and time of one decode step, per layer, for each model implementation (transformers, pagedinfer).
+
+    python scripts/profile_layer_step.py MODEL_DIR --batch 1,16 --threads 2
+
+Runs ``batch`` prompts of ``--context`` random tokens, decodes ``--steps`` tokens each, and times
+every decode step (``ModelRunner.execute``: metadata, forward, logits), the GEMMs inside it
+(every ``nn.Linear`` / ``PackedLinear`` call, lm_head included) and, in one extra step under a
+``TorchDispatchMode``, the aten ops it dispatches. Non-GEMM = step - GEMMs: the time the fused
+layers are there to cut. Prints medians; ratios are only meaningful within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model.packed_linear import PackedLinear
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(model: str, impl: str, batch: int, context: int, steps: int) -> dict:
+    llm = LLM(model, device="cpu", dtype="float32", model_impl=impl)
+    runner = llm.engine.runner
+    execute = runner.execute
+    gemm = [0.0]
+    rec: dict[str, list] = {"step": [], "gemm": []}
+    counted: list[Counter] = []
+
+    def timed_linear(forward):
+        def wrapper(self, x):
+            t = time.perf_counter()
+            out = forward(self, x)
+            gemm[0] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    def timed_execute(items, copies):
+        decode = all(s.num_tokens == 1 for s in items)
+        if decode and len(rec["step"]) == steps // 2 and not counted:  # one step in the middle, counted
+            with OpCounter() as c:
+                out = execute(items, copies)
+            counted.append(c.ops)
+            return out
+        gemm[0] = 0.0
+        t = time.perf_counter()
+        out = execute(items, copies)
+        if decode:
+            rec["step"].append(time.perf_counter() - t)
+            rec["gemm"].append(gemm[0])
+        return out
+
+    saved = nn.Linear.forward, PackedLinear.forward
+    nn.Linear.forward, PackedLinear.forward = timed_linear(saved[0]), timed_linear(saved[1])
+    runner.execute = timed_execute
+    try:
+        rng = random.Random(0)
+        vocab = llm.engine.loaded.model.get_input_embeddings().num_embeddings
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(context)]} for _ in range(batch)]
+        llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False
+        )
+    finally:
+        nn.Linear.forward, PackedLinear.forward = saved
+    layers = llm.engine.loaded.model.config.num_hidden_layers
+    step, g = statistics.median(rec["step"]), statistics.median(rec["gemm"])
+    ops = counted[0]
+    return {
+        "impl": impl,
+        "batch": batch,
+        "step_ms": step * 1e3,
+        "gemm_ms": g * 1e3,
+        "non_gemm_ms": (step - g) * 1e3,
+        "non_gemm_share": (step - g) / step,
+        "ops_per_step": sum(ops.values()),
+        "ops_per_layer": sum(ops.values()) / layers,
+        "layer_step_ms": step * 1e3 / layers,
+        "top_ops": ops.most_common(8),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--impls", default="transformers,pagedinfer")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        "| impl | batch | step ms | GEMM ms | non-GEMM ms | non-GEMM share | aten ops/step | ops/layer | ms/layer-step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    tops = []
+    for b in map(int, args.batch.split(",")):
+        for impl in args.impls.split(","):
+            r = measure(args.model, impl, b, args.context, args.steps)
+            print(
+                f"| {impl} | {b} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['non_gemm_ms']:.2f} | "
+                f"{r['non_gemm_share']:.0%} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",
+                flush=True,
+            )
+            tops.append((impl, b, r["top_ops"]))
+    for impl, b, top in tops:
+        print(f"{impl} batch {b}: " + ", ".join(f"{name} {n}" for name, n in top))
+
+
+if __name__ == "__main__":
+    main()
