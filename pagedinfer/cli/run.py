@@ -52,6 +52,8 @@ class RunOptions:
     resume: bool = False
     strict: bool = False
     quiet: bool = False
+    data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
 
 
 @dataclass
@@ -115,7 +117,12 @@ def _execute(opts: RunOptions, out: Console, err: Console) -> int:
 
     llm = None
     resolved: dict[int, object] = {}  # position in todo -> Resolved
-    if any(isinstance(item, LineRequest) for item in todo):
+    if opts.data_parallel and any(isinstance(item, LineRequest) for item in todo):
+        llm = _start_replicas(opts, err)  # data-parallel: the replicas resolve each line themselves
+        resolved = {pos: item for pos, item in enumerate(todo) if isinstance(item, LineRequest)}
+        for pos, failure in llm.check(list(resolved.items())) if opts.strict else []:
+            todo[pos] = failure
+    elif any(isinstance(item, LineRequest) for item in todo):
         llm = _load(opts, err)
         from pagedinfer.cli.resolve import resolve
 
@@ -126,9 +133,11 @@ def _execute(opts: RunOptions, out: Console, err: Console) -> int:
                     todo[pos] = res
                 else:
                     resolved[pos] = res
-        bad = [item for item in todo if isinstance(item, LineError)]
-        if opts.strict and bad:
-            return _strict_stop(bad, err, before="generating")
+    bad = [item for item in todo if isinstance(item, LineError)]
+    if llm is not None and opts.strict and bad:
+        if opts.data_parallel:
+            llm.close()
+        return _strict_stop(bad, err, before="generating")
 
     sink = JsonlSink(out_path, truncate=not opts.resume)
     try:
@@ -136,6 +145,8 @@ def _execute(opts: RunOptions, out: Console, err: Console) -> int:
         _generate(opts, llm, todo, resolved, writer, outcome, out if opts.output != "-" else err, err)
     finally:
         sink.close()
+        if opts.data_parallel and llm is not None:
+            llm.close()  # reads the replicas' figures, ends them, stops the Ray this run started
     if opts.resume and out_path is not None and not outcome.interrupted:
         outcome.reordered = reorder(out_path, order)
     _finish(opts, llm, outcome, out_path, out if opts.output != "-" else err)
@@ -229,6 +240,8 @@ def _generate(
             writer.put(pos, error_record(item))
     if llm is None or not resolved:
         return
+    if opts.data_parallel:  # pagedinfer/ray: the replicas resolve, run and build the records
+        return _generate_data_parallel(opts, llm, resolved, writer, outcome, err)
     positions = sorted(resolved)
     jobs = [resolved[p] for p in positions]
     token_text = TokenText(llm.tokenizer)
@@ -275,6 +288,64 @@ def _generate(
             outcome.interrupted = True
 
 
+def _start_replicas(opts: RunOptions, err: Console):
+    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``)."""
+    from pagedinfer.ray.driver import DataParallelEngines, RayUnavailable, ReplicaSpec
+
+    if opts.trace is not None:
+        raise UsageError("--trace records one engine; it cannot be used with --data-parallel")
+    spec = ReplicaSpec(
+        opts.model,
+        opts.engine,
+        opts.seed,
+        opts.data_parallel,
+        opts.ray_address,
+        opts.model or "pagedinfer-demo",
+    )
+    status = (
+        err.status(f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray")
+        if err.is_terminal and not opts.quiet
+        else None
+    )
+    with status or contextlib.nullcontext():
+        try:
+            return DataParallelEngines(spec)
+        except RayUnavailable as e:
+            raise UsageError(str(e)) from None
+
+
+def _generate_data_parallel(
+    opts, engines, rows: dict, writer: OrderedWriter, outcome: Outcome, err: Console
+) -> None:
+    """``_generate`` for ``--data-parallel``: write each line's record or error as a replica returns it."""
+    from pagedinfer.cli.progress import RunProgress
+    from pagedinfer.cli.records import error_record
+
+    total = sum(item.params.n for item in rows.values())
+    stop = _CtrlC()
+    with RunProgress(err, total, err.is_terminal and not opts.quiet) as progress, stop:
+
+        def on_progress(samples: int) -> None:  # after every replica reply
+            progress.advance(samples)
+            progress.on_step(engines.progress)
+            if stop.requested:
+                raise Interrupted
+
+        stream = engines.run(sorted(rows.items()), on_progress)
+        try:
+            for pos, result in stream:
+                if isinstance(result, LineError):
+                    outcome.failed.append(result)
+                    writer.put(pos, error_record(result))
+                else:
+                    outcome.ok += 1
+                    writer.put(pos, result)
+        except (Interrupted, KeyboardInterrupt):
+            stream.close()
+            writer.flush_held()
+            outcome.interrupted = True
+
+
 class _CtrlC:
     """First Ctrl-C: stop after the current engine step. Second: stop at once."""
 
@@ -304,10 +375,14 @@ def _finish(opts: RunOptions, llm, outcome: Outcome, out_path: Path | None, out:
     if stats is not None and (opts.report if opts.report is not None else not opts.quiet):
         source = _source_label(opts)
         report.render(stats, out, source)
+        if opts.data_parallel:
+            llm.render_replicas(out)
     if opts.report_json is not None:
         import json
 
         doc = report.report_dict(stats, _run_summary(opts, outcome, out_path))
+        if opts.data_parallel and llm is not None:
+            doc["data_parallel"] = llm.report_dict()
         opts.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     if opts.trace is not None and llm is not None:
         from pagedinfer.cli.blocks_view import save_trace
