@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -87,8 +88,6 @@ class DataParallelEngines:
     """N replicas on a local or joined Ray cluster; `run` yields each row's result as it finishes."""
 
     def __init__(self, spec: ReplicaSpec, command: str = "pagedinfer run --data-parallel") -> None:
-        import time
-
         self.ray = ray = import_ray(command)
         self.spec = spec
         self._started_ray = False
@@ -155,15 +154,13 @@ class DataParallelEngines:
         ``on_progress(samples)`` is called after every replica reply with the samples it finished (it
         may raise to stop the run; closing the generator drops the replicas' unfinished work).
         """
-        import time
-
         ray = self.ray
         window = self.spec.window or 2 * self.spec.engine.get("max_num_seqs", 256)
         source = iter(rows)
         retry: deque[Row] = deque()
         attempts: dict[int, int] = {}
         held: list[dict[int, LineRequest]] = [{} for _ in self.actors]  # rows each replica holds
-        pending: dict = {}  # pump ref -> replica index
+        pending: dict = {}  # ref -> (replica index, "pump" or "probe")
         start = time.perf_counter()
 
         def take(k: int) -> list[Row]:
@@ -178,7 +175,7 @@ class DataParallelEngines:
             new = take(window - len(held[i]))
             held[i].update(new)
             if held[i]:
-                pending[self.actors[i].pump.remote(new, PUMP_S)] = i
+                pending[self.actors[i].pump.remote(new, PUMP_S)] = (i, "pump")
 
         try:
             for _ in range(window):  # the first rows go round-robin, so a short job still uses every replica
@@ -186,26 +183,33 @@ class DataParallelEngines:
                     rows_i.update(take(1))
             for i, rows_i in enumerate(held):
                 if rows_i:
-                    pending[self.actors[i].pump.remote(list(rows_i.items()), PUMP_S)] = i
+                    pending[self.actors[i].pump.remote(list(rows_i.items()), PUMP_S)] = (i, "pump")
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
-                i = pending.pop(ref)
+                i, kind = pending.pop(ref)
+                done: list = []
                 try:
                     reply = ray.get(ref)
-                except ray.exceptions.RayActorError:  # died mid-pump: Ray restarts it; its rows run again
-                    done = self._requeue(held[i], retry, attempts)
-                    held[i] = {}
-                    self.progress.live.pop(i, None)
+                except ray.exceptions.RayActorError:  # died (or is restarting): Ray restarts it
+                    if kind == "pump":
+                        done = self._requeue(held[i], retry, attempts)
+                        held[i] = {}
+                        self.progress.live.pop(i, None)
+                    else:
+                        time.sleep(PUMP_S)  # still restarting: ask again shortly
+                    pending[self.actors[i].info.remote()] = (i, "probe")  # back when this answers
+                    continue
+                if kind == "probe":  # a restarted replica is up: it holds nothing yet
+                    self._restarted(i, reply["instance"])
                 else:
                     done = reply.done
                     self.progress.live[i] = reply.live
-                    if reply.instance != self.infos[i]["instance"]:  # restarted since its last reply
-                        self.restarts[i] += 1
-                        self.infos[i]["instance"] = reply.instance
+                    self._restarted(i, reply.instance)
                     finished = {pos for pos, _, _ in done}
-                    kept = set(reply.running)
-                    lost = {p: r for p, r in held[i].items() if p not in finished and p not in kept}
-                    if lost:  # rows the previous instance held died with it
+                    lost = {
+                        p: r for p, r in held[i].items() if p not in finished and p not in set(reply.running)
+                    }
+                    if lost:  # a restart between two pumps: the rows the old process held are gone
                         done = done + self._requeue(lost, retry, attempts)
                         for p in lost:
                             del held[i][p]
@@ -214,14 +218,20 @@ class DataParallelEngines:
                     yield pos, result
                 if on_progress is not None:
                     on_progress(sum(samples for _, _, samples in done))
+                busy = {j for j, _ in pending.values()}
                 for j in range(len(self.actors)):
-                    if j not in pending.values():
+                    if j not in busy:
                         submit(j)
         finally:
             for ref in pending:
                 with contextlib.suppress(Exception):  # best effort: close() ends the actors anyway
                     ray.cancel(ref)
             self.wall_time_s += time.perf_counter() - start
+
+    def _restarted(self, i: int, instance: str) -> None:
+        if instance != self.infos[i]["instance"]:
+            self.restarts[i] += 1
+            self.infos[i]["instance"] = instance
 
     def _requeue(self, rows: dict[int, LineRequest], retry: deque[Row], attempts: dict[int, int]) -> list:
         """A replica died holding ``rows``: queue them first; the ones that keep killing replicas fail."""
@@ -244,13 +254,24 @@ class DataParallelEngines:
 
         if self._stats is not None or not self.actors:
             return
-        stats = self.ray.get([a.stats.remote() for a in self.actors])
-        infos = self.ray.get([a.info.remote() for a in self.actors])  # after restarts: the live process
-        for i, info in enumerate(infos):
-            self.restarts[i] += info["instance"] != self.infos[i]["instance"]
-        self.infos = infos
+        stats = [self._when_up(a.stats) for a in self.actors]
+        for i, a in enumerate(self.actors):  # after restarts: the live process
+            info = self._when_up(a.info)
+            self._restarted(i, info["instance"])
+            self.infos[i] = info
         self._stats = merge(stats, self.wall_time_s)
         self.replicas = replica_rows(stats, self.infos, self.restarts)
+
+    def _when_up(self, method, wait_s: float = 120.0):
+        """``method.remote()``'s result, waiting while Ray restarts the replica."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.ray.get(method.remote())
+            except self.ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     @property
     def stats(self):

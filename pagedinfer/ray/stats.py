@@ -59,6 +59,7 @@ def replica_rows(replicas: list[EngineStats], infos: list[dict], restarts: list[
             {
                 "replica": i,
                 "host": info["host"],
+                "node": info["node"],
                 "pid": info["pid"],
                 "device": info["device"],
                 "threads": info["threads"],
