@@ -261,7 +261,7 @@ def run(
     if num_blocks is not None and kv_memory is not None:
         _usage_error("give --num-blocks or --kv-memory, not both")
     if data_parallel < 0:
-        _usage_error(f"--data-parallel must be at least 1, not {data_parallel}")
+        _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
     if ray_address is not None and not data_parallel:
         _usage_error("--ray-address needs --data-parallel N")
     opts = RunOptions(
