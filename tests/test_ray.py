@@ -219,3 +219,10 @@ def test_without_ray_one_line_error_naming_the_command(model, job, monkeypatch):
         result.output.strip()
         == "error: pagedinfer run --data-parallel needs Ray: pip install 'pagedinfer[ray]'"
     )
+
+
+def test_replica_error_becomes_one_line_without_the_class_path():
+    from pagedinfer.ray.driver import _first_line
+
+    text = "ActorDiedError: ...\nTraceback:\n  ...\npagedinfer.model.loader.ModelLoadError: model directory /x does not exist"
+    assert _first_line(RuntimeError(text)) == "model directory /x does not exist"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -107,24 +108,31 @@ class DataParallelEngines:
                 raise RayUnavailable(f"cannot start {where}: {str(e).splitlines()[0]}") from None
             self._started_ray = True
         self.startup_s = time.perf_counter() - self._t0
-        options, threads = self._resources()
-        actor = ray.remote(EngineReplica).options(
-            max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
-        )
-        args = (spec.model, spec.engine, spec.seed, threads, spec.model_name)
-        self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
-        try:
-            self.infos = ray.get([a.info.remote() for a in self.actors])
-        except ray.exceptions.RayActorError as e:
-            self.close()
-            raise RayUnavailable(f"a replica failed to load the model: {_first_line(e)}") from None
-        self.ready_s = time.perf_counter() - self._t0
+        self.actors: list = []
         self.restarts = [0] * spec.replicas
         self.rerun_rows = 0
         self.progress = _Progress()
         self.wall_time_s = 0.0
         self._stats = None
         self.replicas: list[dict] = []
+        try:
+            options, threads = self._resources()
+            actor = ray.remote(EngineReplica).options(
+                max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
+            )
+            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name)
+            self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
+            self.infos = ray.get([a.info.remote() for a in self.actors])
+        except ray.exceptions.RayActorError as e:
+            for a in self.actors:  # no figures to read from replicas that never started
+                ray.kill(a)
+            self.actors = []
+            self.close()
+            raise RayUnavailable(f"a replica failed to load the model: {_first_line(e)}") from None
+        except RayUnavailable:
+            self.close()
+            raise
+        self.ready_s = time.perf_counter() - self._t0
 
     def _resources(self) -> tuple[dict, int]:
         """Actor options and torch threads: one GPU each on GPU clusters, else the CPUs split evenly."""
@@ -298,12 +306,11 @@ class DataParallelEngines:
     def close(self) -> None:
         """Fetch the figures, end the actors, and stop Ray if this run started it."""
         try:
-            if getattr(self, "actors", None):
-                self._collect()
+            self._collect()
         except self.ray.exceptions.RayError:
             pass
         finally:
-            for a in getattr(self, "actors", []):
+            for a in self.actors:
                 self.ray.kill(a)
             self.actors = []
             if self._started_ray:
@@ -312,5 +319,7 @@ class DataParallelEngines:
 
 
 def _first_line(e: BaseException) -> str:
+    """The replica's own error from a Ray actor error: its last line, without the exception's class path."""
     text = str(e).strip()
-    return text.splitlines()[-1] if text else type(e).__name__
+    line = text.splitlines()[-1] if text else type(e).__name__
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", line)
