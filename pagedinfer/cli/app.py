@@ -82,6 +82,7 @@ def main(
 SAMPLING = "Sampling (defaults; per-line fields override)"
 POOL = "KV cache and scheduling"
 OUTPUT = "Output and reporting"
+SCALE = "Data parallel on Ray (pip install 'pagedinfer[ray]')"
 
 
 @app.command()
@@ -265,6 +266,24 @@ def run(
             "--quiet", "-q", help="No progress bar or report; only the final summary.", rich_help_panel=OUTPUT
         ),
     ] = False,
+    data_parallel: Annotated[
+        int,
+        typer.Option(
+            "--data-parallel",
+            help="Run N engine replicas as Ray actors (one GPU each, or the CPUs split evenly); same output.",
+            show_default=False,
+            rich_help_panel=SCALE,
+        ),
+    ] = 0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="Join this Ray cluster (host:port, or 'auto') instead of starting a local Ray for the run.",
+            show_default=False,
+            rich_help_panel=SCALE,
+        ),
+    ] = None,
 ) -> None:
     """Generate for every line of PROMPTS.jsonl; write one output line per input line, in input order.
 
@@ -281,6 +300,10 @@ def run(
 
     if num_blocks is not None and kv_memory is not None:
         _usage_error("give --num-blocks or --kv-memory, not both")
+    if data_parallel < 0:
+        _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
+    if ray_address is not None and not data_parallel:
+        _usage_error("--ray-address needs --data-parallel N")
     opts = RunOptions(
         prompts=prompts,
         output=output,
@@ -312,6 +335,8 @@ def run(
         resume=resume,
         strict=strict,
         quiet=quiet,
+        data_parallel=data_parallel,
+        ray_address=ray_address,
     )
     out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, highlight=False, soft_wrap=True)

@@ -75,6 +75,8 @@ class RunOptions:
     resume: bool = False
     strict: bool = False
     quiet: bool = False
+    data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
+    ray_address: str | None = None  # join this Ray cluster (default: a local Ray for the run)
 
 
 @dataclass
@@ -205,13 +207,21 @@ class _Run:
             isinstance(i, LineRequest) and i.key not in done
             for i in parse_file(source, opts.sampling, opts.seed)
         )
-        if runnable:
+        if runnable and opts.data_parallel:
+            self.llm = _start_replicas(opts, self.err)  # the replicas resolve each line themselves
+            if opts.strict and (code := self._strict_check_replicas(source, done)) is not None:
+                return code
+        elif runnable:
             self.llm = _load(opts, self.err)
             if opts.strict and (code := self._strict_resolve(source, done)) is not None:
                 return code
         if isinstance(self.output, OutputFile):
             self.output.start(truncate=not opts.resume)
-        self._generate(source, done)
+        try:
+            self._generate(source, done)
+        finally:
+            if opts.data_parallel and self.llm is not None:
+                self.llm.close()  # reads the replicas' figures, ends them, stops the Ray this run started
         if outcome.signal is None and outcome.write_error is None and isinstance(self.output, OutputFile):
             try:
                 self.output.reorder(self._rank)
@@ -257,6 +267,19 @@ class _Run:
                 if isinstance(res, LineError):
                     bad.append(res)
         return _strict_stop(bad, self.err, before="generating") if bad else None
+
+    def _strict_check_replicas(self, source: InputFile, done: set[str]) -> int | None:
+        """--strict with --data-parallel: the replicas check every line before any runs."""
+        rows = [
+            (pos, item)
+            for pos, item in enumerate(parse_file(source, self.opts.sampling, self.opts.seed))
+            if isinstance(item, LineRequest) and item.key not in done
+        ]
+        bad = [failure for _, failure in self.llm.check(rows)]
+        if bad:
+            self.llm.close()
+            return _strict_stop(bad, self.err, before="generating")
+        return None
 
     def _rank(self, key: str | None) -> int | None:
         return self._first_line.get(key) if key is not None else None
@@ -305,6 +328,9 @@ class _Run:
                     for _ in jobs():
                         raise AssertionError("a runnable line without a model")
                     return
+                if opts.data_parallel:  # pagedinfer/ray: the replicas resolve, run and build the records
+                    self._generate_data_parallel(parser, source, done, progress, fail)
+                    return
                 token_text = TokenText(llm.tokenizer)
                 model_name = opts.model or "pagedinfer-demo"
                 if opts.trace is not None:
@@ -349,6 +375,38 @@ class _Run:
             except OutputWriteError as e:
                 outcome.write_error = outcome.write_error or str(e)
 
+    def _generate_data_parallel(self, parser, source: InputFile, done: set[str], progress, fail) -> None:
+        """``_generate`` for ``--data-parallel``: each line's record or error as a replica returns it."""
+        engines, outcome = self.llm, self.outcome
+
+        def rows():
+            for position, (number, text) in enumerate(read_lines(source.path)):
+                item = parser.parse(number, text)
+                if item.key in done:
+                    outcome.skipped += 1
+                    progress.advance()
+                elif isinstance(item, LineError):
+                    fail(item, position)
+                else:
+                    yield position, item
+
+        def on_progress(samples: int) -> None:  # after every replica reply
+            progress.on_step(engines.progress)
+            if self.signals.requested is not None:
+                raise Interrupted
+
+        stream = engines.run(rows(), on_progress)
+        try:
+            for position, result in stream:
+                if isinstance(result, LineError):
+                    fail(result, position)
+                else:
+                    outcome.ok += 1
+                    self.output.write(result, position)
+                    progress.advance()
+        finally:
+            stream.close()
+
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
         from pagedinfer.cli import report
@@ -357,10 +415,14 @@ class _Run:
         stats = llm.stats if llm is not None else None
         if stats is not None and (opts.report if opts.report is not None else not opts.quiet):
             report.render(stats, self.out)
+            if opts.data_parallel:
+                llm.render_replicas(self.out)
         if opts.report_json is not None:
             import json
 
             doc = report.report_dict(stats, _run_summary(opts, outcome, self.out_path))
+            if opts.data_parallel and llm is not None:
+                doc["data_parallel"] = llm.report_dict()
             opts.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         if opts.trace is not None and llm is not None:
             from pagedinfer.cli.blocks_view import save_trace
@@ -453,6 +515,32 @@ def _load(opts: RunOptions, err: Console):
             raise UsageError(f"{e}{hint}") from None
         except ValueError as e:
             raise UsageError(_option_words(str(e).splitlines()[0])) from None
+
+
+def _start_replicas(opts: RunOptions, err: Console):
+    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``)."""
+    from pagedinfer.ray.driver import DataParallelEngines, RayUnavailable, ReplicaSpec
+
+    if opts.trace is not None:
+        raise UsageError("--trace records one engine; it cannot be used with --data-parallel")
+    spec = ReplicaSpec(
+        opts.model,
+        opts.engine,
+        opts.seed,
+        opts.data_parallel,
+        opts.ray_address,
+        opts.model or "pagedinfer-demo",
+    )
+    status = (
+        err.status(f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray")
+        if err.is_terminal and not opts.quiet
+        else None
+    )
+    with status or contextlib.nullcontext():
+        try:
+            return DataParallelEngines(spec)
+        except RayUnavailable as e:
+            raise UsageError(str(e)) from None
 
 
 def _run_summary(opts: RunOptions, outcome: Outcome, out_path: Path | None) -> dict:

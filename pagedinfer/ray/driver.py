@@ -1,0 +1,325 @@
+"""The data-parallel feed of ``pagedinfer run --data-parallel N``: N `EngineReplica` actors on Ray.
+
+The driver keeps every row's position; replicas only see rows and send back finished records, so
+the CLI writes, orders, resumes and reports exactly as it does in one process. Each replica holds
+up to ``window`` rows (its running batch plus a queue), topped up on every `pump` reply, so its
+continuous batching never drains between batches. A replica that dies (kill -9, a lost node) is
+restarted by Ray; the rows it held go back to the front of the queue and run again, on any replica,
+with the same seeds, so the output does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from pagedinfer.cli.jsonl_input import LineError, LineRequest
+from pagedinfer.ray.actor import EngineReplica, Live, Row
+
+PUMP_S = 0.25  # engine time per pump call: short enough for a live progress bar and quick top-ups
+MAX_ATTEMPTS = 3  # a row held by a replica that died this many times gets an error record
+
+
+class RayUnavailable(Exception):
+    """Ray is missing or cannot start/join; the message is one line."""
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica loads, and how many there are."""
+
+    model: str | None
+    engine: dict  # LLM keyword arguments
+    seed: int = 0
+    replicas: int = 2
+    address: str | None = None  # None: start a local Ray for this run and stop it after
+    model_name: str = "pagedinfer-demo"
+    window: int | None = None  # rows held per replica (default: 2 × max_num_seqs)
+
+
+def import_ray(command: str):
+    """Ray, or a one-line error naming the command that needed it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable(f"{command} needs Ray: pip install 'pagedinfer[ray]'") from None
+    return ray
+
+
+def cpu_share(cpus: float, replicas: int) -> float:
+    """CPUs per replica: whole CPUs when there are enough, else an equal fraction (threads: at least 1)."""
+    share = cpus / replicas
+    return float(int(share)) if share >= 1 else share
+
+
+@dataclass
+class _Progress:
+    """Sums of the replicas' latest `Live` figures, in the shape `cli.progress.RunProgress.on_step` reads."""
+
+    live: dict[int, Live] = field(default_factory=dict)
+
+    @property
+    def stats(self) -> _Progress:
+        return self
+
+    @property
+    def pool(self) -> _Progress:
+        return self
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(v.generated_tokens for v in self.live.values())
+
+    @property
+    def num_used(self) -> int:
+        return sum(v.blocks_used for v in self.live.values())
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(v.num_blocks for v in self.live.values())
+
+
+class DataParallelEngines:
+    """N replicas on a local or joined Ray cluster; `run` yields each row's result as it finishes."""
+
+    def __init__(self, spec: ReplicaSpec, command: str = "pagedinfer run --data-parallel") -> None:
+        self.ray = ray = import_ray(command)
+        self.spec = spec
+        self._started_ray = False
+        self._t0 = time.perf_counter()
+        if not ray.is_initialized():
+            kwargs: dict = {
+                "include_dashboard": False,
+                "logging_level": logging.WARNING,
+                "log_to_driver": False,
+            }
+            if spec.address is None:
+                kwargs["num_cpus"] = os.cpu_count() or 1
+            try:
+                ray.init(address=spec.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                where = f"the Ray cluster at {spec.address}" if spec.address else "a local Ray"
+                raise RayUnavailable(f"cannot start {where}: {str(e).splitlines()[0]}") from None
+            self._started_ray = True
+        self.startup_s = time.perf_counter() - self._t0
+        self.actors: list = []
+        self.restarts = [0] * spec.replicas
+        self.rerun_rows = 0
+        self.progress = _Progress()
+        self.wall_time_s = 0.0
+        self._stats = None
+        self.replicas: list[dict] = []
+        try:
+            options, threads = self._resources()
+            actor = ray.remote(EngineReplica).options(
+                max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
+            )
+            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name)
+            self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
+            self.infos = ray.get([a.info.remote() for a in self.actors])
+        except ray.exceptions.RayActorError as e:
+            for a in self.actors:  # no figures to read from replicas that never started
+                ray.kill(a)
+            self.actors = []
+            self.close()
+            raise RayUnavailable(f"a replica failed to load the model: {_first_line(e)}") from None
+        except RayUnavailable:
+            self.close()
+            raise
+        self.ready_s = time.perf_counter() - self._t0
+
+    def _resources(self) -> tuple[dict, int]:
+        """Actor options and torch threads: one GPU each on GPU clusters, else the CPUs split evenly."""
+        resources = self.ray.cluster_resources()
+        n = self.spec.replicas
+        gpus = int(resources.get("GPU", 0))
+        device = self.spec.engine.get("device", "auto")
+        if gpus and device != "cpu":
+            if gpus < n:
+                raise RayUnavailable(f"--data-parallel {n} needs {n} GPUs; the Ray cluster has {gpus}")
+            return {"num_gpus": 1, "num_cpus": 1}, 0
+        share = cpu_share(resources.get("CPU", 1.0), n)
+        return {"num_cpus": share}, max(1, int(share))
+
+    # -- the feed --------------------------------------------------------------------------------
+    def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
+        """Rows no replica could ever run (too long for the model or the pool); for ``--strict``."""
+        chunks = [rows[i :: len(self.actors)] for i in range(len(self.actors))]
+        found = self.ray.get([a.check.remote(c) for a, c in zip(self.actors, chunks, strict=True) if c])
+        return sorted(x for part in found for x in part)
+
+    def run(
+        self, rows: Iterable[Row], on_progress: Callable[[int], None] | None = None
+    ) -> Iterator[tuple[int, dict | LineError]]:
+        """Yield ``(position, record or LineError)`` per row, as rows finish; pulls ``rows`` lazily.
+
+        ``on_progress(samples)`` is called after every replica reply with the samples it finished (it
+        may raise to stop the run; closing the generator drops the replicas' unfinished work).
+        """
+        ray = self.ray
+        window = self.spec.window or 2 * self.spec.engine.get("max_num_seqs", 256)
+        source = iter(rows)
+        retry: deque[Row] = deque()
+        attempts: dict[int, int] = {}
+        held: list[dict[int, LineRequest]] = [{} for _ in self.actors]  # rows each replica holds
+        pending: dict = {}  # ref -> (replica index, "pump" or "probe")
+        start = time.perf_counter()
+
+        def take(k: int) -> list[Row]:
+            out = []
+            while len(out) < k and retry:
+                out.append(retry.popleft())
+            while len(out) < k and (row := next(source, None)) is not None:
+                out.append(row)
+            return out
+
+        def submit(i: int) -> None:
+            new = take(window - len(held[i]))
+            held[i].update(new)
+            if held[i]:
+                pending[self.actors[i].pump.remote(new, PUMP_S)] = (i, "pump")
+
+        try:
+            for _ in range(window):  # the first rows go round-robin, so a short job still uses every replica
+                for rows_i in held:
+                    rows_i.update(take(1))
+            for i, rows_i in enumerate(held):
+                if rows_i:
+                    pending[self.actors[i].pump.remote(list(rows_i.items()), PUMP_S)] = (i, "pump")
+            while pending:
+                (ref,), _ = ray.wait(list(pending), num_returns=1)
+                i, kind = pending.pop(ref)
+                done: list = []
+                try:
+                    reply = ray.get(ref)
+                except ray.exceptions.RayActorError:  # died (or is restarting): Ray restarts it
+                    if kind == "pump":
+                        done = self._requeue(held[i], retry, attempts)
+                        held[i] = {}
+                        self.progress.live.pop(i, None)
+                    else:
+                        time.sleep(PUMP_S)  # still restarting: ask again shortly
+                    pending[self.actors[i].info.remote()] = (i, "probe")  # back when this answers
+                    continue
+                if kind == "probe":  # a restarted replica is up: it holds nothing yet
+                    self._restarted(i, reply["instance"])
+                else:
+                    done = reply.done
+                    self.progress.live[i] = reply.live
+                    self._restarted(i, reply.instance)
+                    finished = {pos for pos, _, _ in done}
+                    lost = {
+                        p: r for p, r in held[i].items() if p not in finished and p not in set(reply.running)
+                    }
+                    if lost:  # a restart between two pumps: the rows the old process held are gone
+                        done = done + self._requeue(lost, retry, attempts)
+                        for p in lost:
+                            del held[i][p]
+                for pos, result, _ in done:
+                    held[i].pop(pos, None)
+                    yield pos, result
+                if on_progress is not None:
+                    on_progress(sum(samples for _, _, samples in done))
+                busy = {j for j, _ in pending.values()}
+                for j in range(len(self.actors)):
+                    if j not in busy:
+                        submit(j)
+        finally:
+            for ref in pending:
+                with contextlib.suppress(Exception):  # best effort: close() ends the actors anyway
+                    ray.cancel(ref)
+            self.wall_time_s += time.perf_counter() - start
+
+    def _restarted(self, i: int, instance: str) -> None:
+        if instance != self.infos[i]["instance"]:
+            self.restarts[i] += 1
+            self.infos[i]["instance"] = instance
+
+    def _requeue(self, rows: dict[int, LineRequest], retry: deque[Row], attempts: dict[int, int]) -> list:
+        """A replica died holding ``rows``: queue them first; the ones that keep killing replicas fail."""
+        again, failed = [], []
+        for pos, item in sorted(rows.items()):
+            attempts[pos] = attempts.get(pos, 0) + 1
+            if attempts[pos] >= MAX_ATTEMPTS:
+                reason = f"the replica running this line died {attempts[pos]} times"
+                error = LineError(item.line, item.key, item.id, reason, item.openai, item.openai is not None)
+                failed.append((pos, error, item.params.n))
+            else:
+                again.append((pos, item))
+        self.rerun_rows += len(again)
+        retry.extendleft(reversed(again))
+        return failed
+
+    # -- the report ------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        from pagedinfer.ray.stats import merge, replica_rows
+
+        if self._stats is not None or not self.actors:
+            return
+        stats = [self._when_up(a.stats) for a in self.actors]
+        for i, a in enumerate(self.actors):  # after restarts: the live process
+            info = self._when_up(a.info)
+            self._restarted(i, info["instance"])
+            self.infos[i] = info
+        self._stats = merge(stats, self.wall_time_s)
+        self.replicas = replica_rows(stats, self.infos, self.restarts)
+
+    def _when_up(self, method, wait_s: float = 120.0):
+        """``method.remote()``'s result, waiting while Ray restarts the replica."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.ray.get(method.remote())
+            except self.ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    @property
+    def stats(self):
+        """The merged `EngineStats` of all replicas (pools and totals summed)."""
+        self._collect()
+        return self._stats  # None when the replicas were lost before their figures were read
+
+    def render_replicas(self, console) -> None:
+        from pagedinfer.ray.stats import render_replicas
+
+        self._collect()
+        render_replicas(self.replicas, console)
+
+    def report_dict(self) -> dict:
+        """``--report-json``'s ``data_parallel`` section."""
+        self._collect()
+        return {
+            "replicas": self.replicas,
+            "ray_startup_s": round(self.startup_s, 3),
+            "replicas_ready_s": round(self.ready_s, 3),
+            "rows_rerun_after_restarts": self.rerun_rows,
+        }
+
+    def close(self) -> None:
+        """Fetch the figures, end the actors, and stop Ray if this run started it."""
+        try:
+            self._collect()
+        except self.ray.exceptions.RayError:
+            pass
+        finally:
+            for a in self.actors:
+                self.ray.kill(a)
+            self.actors = []
+            if self._started_ray:
+                self.ray.shutdown()
+                self._started_ray = False
+
+
+def _first_line(e: BaseException) -> str:
+    """The replica's own error from a Ray actor error: its last line, without the exception's class path."""
+    text = str(e).strip()
+    line = text.splitlines()[-1] if text else type(e).__name__
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", line)

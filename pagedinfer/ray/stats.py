@@ -1,0 +1,115 @@
+"""One memory report for N replicas: their `EngineStats` merged, plus a per-replica table.
+
+Replicas step concurrently and independently, so the merged per-step series add the replicas'
+i-th steps together (aligned by step number, not by wall clock): the merged peak is the most KV
+in use at once across all pools, to within the replicas' drift. Pool sizes and totals add up;
+the wall time is the driver's.
+"""
+
+from __future__ import annotations
+
+from itertools import zip_longest
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from pagedinfer.engine.stats import EngineStats
+
+SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens")
+TOTALS = (
+    "cow_copies",
+    "preemptions",
+    "requests",
+    "failed_requests",
+    "samples",
+    "prompt_tokens",
+    "prompt_tokens_requested",
+    "prompt_tokens_computed",
+    "output_tokens_recomputed",
+    "generated_tokens",
+)
+
+
+def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
+    """The replicas as one engine: pools and totals summed, step series summed step by step."""
+    first = replicas[0]
+    merged = EngineStats(
+        num_blocks=sum(s.num_blocks for s in replicas),
+        block_size=first.block_size,
+        bytes_per_token=first.bytes_per_token,
+        bytes_per_block=first.bytes_per_block,
+        pool_source=f"{len(replicas)} replicas × {first.pool_source}",
+        max_model_len=first.max_model_len,
+        wall_time_s=wall_time_s,
+    )
+    for name in SERIES:
+        columns = zip_longest(*(getattr(s, name) for s in replicas), fillvalue=0)
+        setattr(merged, name, [sum(col) for col in columns])
+    for name in TOTALS:
+        setattr(merged, name, sum(getattr(s, name) for s in replicas))
+    return merged
+
+
+def replica_rows(replicas: list[EngineStats], infos: list[dict], restarts: list[int]) -> list[dict]:
+    """Per-replica figures for the table and ``--report-json``'s ``replicas`` list."""
+    rows = []
+    for i, (s, info, again) in enumerate(zip(replicas, infos, restarts, strict=True)):
+        rows.append(
+            {
+                "replica": i,
+                "host": info["host"],
+                "node": info["node"],
+                "pid": info["pid"],
+                "device": info["device"],
+                "threads": info["threads"],
+                "restarts": again,
+                "num_blocks": s.num_blocks,
+                "kv_bytes_total": s.kv_bytes_total,
+                "requests": s.requests,
+                "samples": s.samples,
+                "steps": s.steps,
+                "peak_blocks_used": s.peak_blocks_used,
+                "peak_kv_bytes": s.peak_blocks_used * s.bytes_per_block,
+                "generated_tokens": s.generated_tokens,
+                "busy_s": round(s.wall_time_s, 3),
+                "generated_tokens_per_s": round(s.generated_tokens / s.wall_time_s, 3)
+                if s.wall_time_s
+                else 0.0,
+            }
+        )
+    return rows
+
+
+def render_replicas(rows: list[dict], console: Console) -> None:
+    """The per-replica table printed under the (merged) memory report."""
+    from pagedinfer.cli.report import human_bytes
+
+    table = Table(title="replicas", box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 1))
+    for name in (
+        "#",
+        "host:pid",
+        "device",
+        "requests",
+        "steps",
+        "peak blocks",
+        "tokens",
+        "tok/s",
+        "busy s",
+        "restarts",
+    ):
+        table.add_column(name, justify="left" if name in ("host:pid", "device") else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            str(r["replica"]),
+            f"{r['host']}:{r['pid']}",
+            r["device"],
+            f"{r['requests']:,}",
+            f"{r['steps']:,}",
+            f"{r['peak_blocks_used']:,} ({human_bytes(r['peak_kv_bytes'])})",
+            f"{r['generated_tokens']:,}",
+            f"{r['generated_tokens_per_s']:,.1f}",
+            f"{r['busy_s']:.2f}",
+            str(r["restarts"]),
+        )
+    console.print(table)
