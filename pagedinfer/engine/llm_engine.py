@@ -61,6 +61,8 @@ class LLMEngine:
             bytes_per_block=self.kv.bytes_per_block,
             pool_source=self.pool_source,
             max_model_len=self.max_model_len,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype_reason=self.loaded.dtype_reason,
         )
         self._cow_base = self.pool.num_cow_copies
         self._preempt_base = self.scheduler.num_preemptions
