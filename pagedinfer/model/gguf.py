@@ -8,6 +8,7 @@ extra). Dequantizing takes a while (about 30 s for a 135M-parameter Q4 file on t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -42,7 +43,7 @@ def convert(
     """Dequantize ``gguf_path`` into a model directory (config, safetensors, tokenizer, generation
     config) that loads in seconds. ``save_pretrained`` refuses a GGUF-loaded model ("quantized with
     gguf and is not serializable"), so the model is re-created from its config and given the state
-    dict. Written to a temporary folder and renamed: a half-written directory is never left behind."""
+    dict. The GGUF's tokenizer and chat template are saved beside it (when the file has one). Written to a temporary folder and renamed: a half-written directory is never left behind."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, kwargs = source(Path(gguf_path))
@@ -58,7 +59,8 @@ def convert(
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(folder, **kwargs).save_pretrained(tmp)
+    with contextlib.suppress(ValueError):  # a GGUF without tokenizer metadata: token-id prompts only
+        AutoTokenizer.from_pretrained(folder, **kwargs).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
