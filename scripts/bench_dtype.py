@@ -1,8 +1,8 @@
 """bfloat16 vs float32 on the CPU: GEMM rates, then pagedinfer and transformers ``generate`` in both dtypes.
 
-A stand-in for benchmark W5 (issue 14) until ``pagedinfer bench`` grows a dtype option: a random-weight
+A stand-in for benchmarks W5 and W1 in bfloat16 (issue 14) until ``pagedinfer bench`` grows a dtype option: a random-weight
 Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads of 64, intermediate 8192, vocab 128256, tied),
-stored in bfloat16, run by both systems in each dtype on the same prompts, in one process, one after another.
+(or, with ``--model smollm135m``, W1's SmolLM2-135M-shaped one), stored in bfloat16, run by both systems in each dtype on the same prompts, in one process, one after another.
 W5 proper is 32 prompts of 128-512 tokens, n=2, 128 new tokens; ``--prompts/--prompt-len/--max-tokens``
 scale it down for slow machines (the output says what ran).
 
@@ -42,6 +42,17 @@ LLAMA_1B = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
+SMOLLM_135M = dict(  # W1's model (SmolLM2-135M's shape)
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+MODELS = {"llama1b": LLAMA_1B, "smollm135m": SMOLLM_135M}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUESTIONS = [
     "What is the capital of France?",
@@ -86,15 +97,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def build_model(root: Path) -> Path:
+def build_model(root: Path, name: str) -> Path:
+    """The random-weight model ``name``, built and stored in bfloat16 (half the memory of float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = root / "llama-3.2-1b-shaped-bf16"
+    path = root / f"{name}-bf16"
     if (path / "config.json").exists():
         return path
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_1B, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)  # stored in 16 bits
+    config = LlamaConfig(**MODELS[name], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        LlamaForCausalLM(config).save_pretrained(path)
+    finally:
+        torch.set_default_dtype(torch.float32)
     return path
 
 
@@ -146,19 +162,17 @@ def run_generate(path: Path, dtype: str, prompts: list[list[int]], n: int, max_t
 
 def throughput(args) -> dict:
     result: dict = {"machine": machine(), "gemm_gflops": {}}
-    for shape in ((2048, 2048, 2048), (64, 2048, 8192), (64, 2048, 128256)):
+    for shape in ((1024, 1024, 1024), (64, 2048, 8192), (64, 576, 49152)):
         for name, dtype in DTYPES.items():
             result["gemm_gflops"][f"{'x'.join(map(str, shape))} {name}"] = round(gemm_rate(*shape, dtype), 1)
     print(json.dumps(result, indent=1), flush=True)
-    path = build_model(Path(args.root))
+    path = build_model(Path(args.root), args.model)
+    vocab = MODELS[args.model]["vocab_size"]
     lo, hi = args.prompt_len
     rng = random.Random(1005)
-    prompts = [
-        [rng.randrange(1, LLAMA_1B["vocab_size"]) for _ in range(rng.randint(lo, hi))]
-        for _ in range(args.prompts)
-    ]
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.prompts)]
     result["workload"] = (
-        f"{args.prompts} prompts of {lo}-{hi} random tokens, n={args.n}, {args.max_tokens} new tokens, "
+        f"{args.model}: {args.prompts} prompts of {lo}-{hi} random tokens, n={args.n}, {args.max_tokens} new tokens, "
         "temperature 0.8, ignore_eos (W5 proper: 32 prompts of 128-512, n=2, 128 new tokens)"
     )
     result["runs"] = {}
@@ -206,6 +220,9 @@ def agreement(model_dir: str, max_tokens: int = 128) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", choices=sorted(MODELS), default="llama1b", help="llama1b: W5's; smollm135m: W1's"
+    )
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=lambda s: tuple(map(int, s.split(","))), default=(128, 512))
     p.add_argument("--n", type=int, default=2)
