@@ -38,7 +38,17 @@ static inline void store8_bf16(uint16_t *p, v8 v) {
   memcpy(p, &h, sizeof h);
 }
 
-#ifdef __FLT16_MAX__  // _Float16: F16C's vcvtph2ps / vcvtps2ph on x86, native on ARM
+#ifdef __FLT16_MAX__  // _Float16 (GCC >= 12, Clang): float16 K/V
+#ifdef __F16C__  // x86: one vcvtph2ps / vcvtps2ph per 8 values (GCC 12 converts lane by lane otherwise)
+#include <immintrin.h>
+static inline v8 load8_f16(const _Float16 *p) {
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline void store8_f16(_Float16 *p, v8 v) {
+  _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+}
+#else
 typedef _Float16 v8h __attribute__((vector_size(16)));
 static inline v8 load8_f16(const _Float16 *p) {
   v8h h;
@@ -50,6 +60,7 @@ static inline void store8_f16(_Float16 *p, v8 v) {
   const v8h h = __builtin_convertvector(v, v8h);
   memcpy(p, &h, sizeof h);
 }
+#endif
 #endif
 
 static inline float hsum8(v8 v) {
