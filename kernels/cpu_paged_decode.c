@@ -1,10 +1,12 @@
-// Paged decode attention for the CPU (float32): one query token per sequence, K/V read in place
+// Paged decode attention for the CPU (float32, bfloat16, float16 K/V; float32 arithmetic): one query token per sequence, K/V read in place
 // through the block table, never gathered into a contiguous copy. All query heads of a KV head are
 // served from one read of each K/V row (grouped-query attention). Online softmax, block by block.
 // Compiled at first use with the system C compiler and called through ctypes. Sequence ranges run
 // in parallel on OpenMP threads: linked by soname to the libgomp torch has already loaded, they are
 // torch's own workers, so no second pool competes with them for the cores. Head sizes must be
 // multiples of 8: rows are processed as 8-float vectors (vector extensions of GCC >= 12 or Clang).
+// The element-typed functions live in cpu_paged_decode_body.h, instantiated at the end of this file:
+// paged_decode_{f32,bf16,f16}_ranges (f16 where the compiler has _Float16).
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -12,12 +14,54 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
 
 static inline v8 load8(const float *p) {
   v8 v;
   memcpy(&v, p, sizeof v);
   return v;
 }
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+// bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even.
+static inline v8 load8_bf16(const uint16_t *p) {
+  v8u16 h;
+  memcpy(&h, p, sizeof h);
+  return (v8)(__builtin_convertvector(h, v8u) << 16);
+}
+
+static inline void store8_bf16(uint16_t *p, v8 v) {
+  const v8u b = (v8u)v;
+  const v8u16 h = __builtin_convertvector((b + 0x7fffu + ((b >> 16) & 1u)) >> 16, v8u16);
+  memcpy(p, &h, sizeof h);
+}
+
+#ifdef __FLT16_MAX__  // _Float16 (GCC >= 12, Clang): float16 K/V
+#ifdef __F16C__  // x86: one vcvtph2ps / vcvtps2ph per 8 values (GCC 12 converts lane by lane otherwise)
+#include <immintrin.h>
+static inline v8 load8_f16(const _Float16 *p) {
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline void store8_f16(_Float16 *p, v8 v) {
+  _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+}
+#else
+typedef _Float16 v8h __attribute__((vector_size(16)));
+static inline v8 load8_f16(const _Float16 *p) {
+  v8h h;
+  memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, v8);
+}
+
+static inline void store8_f16(_Float16 *p, v8 v) {
+  const v8h h = __builtin_convertvector(v, v8h);
+  memcpy(p, &h, sizeof h);
+}
+#endif
+#endif
 
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -43,20 +87,6 @@ static inline v8 exp8_nonpos(v8 x) {
   return (v8)((v8i)(p * scale) & ~under);
 }
 
-// q . k for one key row: four independent accumulators hide the FMA latency.
-static inline float dot8(const v8 *q, const float *k, int chunks) {
-  v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-  int c = 0;
-  for (; c + 4 <= chunks; c += 4) {
-    s0 += q[c] * load8(k + 8 * c);
-    s1 += q[c + 1] * load8(k + 8 * c + 8);
-    s2 += q[c + 2] * load8(k + 8 * c + 16);
-    s3 += q[c + 3] * load8(k + 8 * c + 24);
-  }
-  for (; c < chunks; ++c) s0 += q[c] * load8(k + 8 * c);
-  return hsum8((s0 + s1) + (s2 + s3));
-}
-
 // Lane j of the result is the sum of the 8 lanes of a[j]: 8 dot products finished at once.
 static inline v8 sum_lanes8(const v8 *a) {
 #define PAIRS(x, y, i0, i1, i2, i3, i4, i5, i6, i7) \
@@ -70,154 +100,6 @@ static inline v8 sum_lanes8(const v8 *a) {
            PAIRS(p[2 * j], p[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return PAIRS(r[0], r[1], 0, 1, 2, 3, 8, 9, 10, 11) + PAIRS(r[0], r[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #undef PAIRS
-}
-
-// Loads one float of every 64-byte line of p[0, n), in address order. The passes below read a
-// block's rows head by head (strided); streamed in first, the block is read from memory at close to
-// the machine's sequential rate and those passes hit the cache (W2-shaped calls 15-25% faster).
-static inline void touch_lines(const float *p, size_t n) {
-  v8 sum = {0};
-  for (size_t o = 0; o + 8 <= n; o += 16) sum += load8(p + o);
-  volatile float sink = sum[0] + sum[7];  // keeps the loads
-  (void)sink;
-}
-
-// One block of n K/V rows for nm sequences at once (their query heads and softmax states are
-// contiguous: state j * num_heads + i is query head i of the j-th sequence). State by state, so
-// its query and its output stay in registers; the block's rows stay in L1 between states.
-static void attend_rows(int nm, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
-                        v8 *acc, float *m, float *l, float *logits, const float *k, const float *v,
-                        int n, size_t k_row, size_t v_row, int head_dim, int head_dim_v,
-                        float softcap) {
-  touch_lines(k, (size_t)n * k_row);
-  touch_lines(v, (size_t)n * v_row);
-  for (int s = 0; s < nm * num_heads; ++s) {
-    const int h = s % num_heads / g;  // query head s % num_heads reads KV head h
-    const float *kh = k + (size_t)h * head_dim, *vh = v + (size_t)h * head_dim_v;
-    const v8 *qv = qs + s * kc;
-    float *li = logits + s * lstride, block_max = -INFINITY;
-    int t = 0;
-    for (; t + 8 <= n; t += 8) {  // 8 rows at a time: 8 independent FMA chains
-      v8 d[8] = {{0}};
-      for (int c = 0; c < kc; ++c) {
-        const v8 qc = qv[c];
-        for (int r = 0; r < 8; ++r) d[r] += qc * load8(kh + (t + r) * k_row + 8 * c);
-      }
-      const v8 sums = sum_lanes8(d);
-      memcpy(li + t, &sums, sizeof sums);
-    }
-    for (; t < n; ++t) li[t] = dot8(qv, kh + t * k_row, kc);
-    if (softcap > 0.f)
-      for (t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
-    for (t = 0; t < n; ++t) block_max = li[t] > block_max ? li[t] : block_max;
-    v8 *a = acc + s * vc;
-    if (block_max > m[s]) {  // rescale what was accumulated under the old maximum
-      const float corr = expf(m[s] - block_max);
-      l[s] *= corr;
-      for (int c = 0; c < vc; ++c) a[c] *= corr;
-      m[s] = block_max;
-    }
-    const int n8 = (n + 7) & ~7;
-    for (t = n; t < n8; ++t) li[t] = -INFINITY;  // padding lanes: probability 0
-    v8 sum8 = {0};
-    for (t = 0; t < n8; t += 8) {
-      const v8 p = exp8_nonpos(load8(li + t) - m[s]);
-      memcpy(li + t, &p, sizeof p);
-      sum8 += p;
-    }
-    l[s] += hsum8(sum8);
-    for (int c0 = 0; c0 < vc; c0 += 8) {  // output chunks 8 at a time, in registers over the rows
-      const int w = vc - c0 < 8 ? vc - c0 : 8;
-      v8 o[8];
-      for (int c = 0; c < 8; ++c) o[c] = c < w ? a[c0 + c] : (v8){0};
-      for (t = 0; t < n; ++t) {
-        const float p = li[t], *vt = vh + t * v_row + 8 * c0;
-        if (w == 8)
-          for (int c = 0; c < 8; ++c) o[c] += p * load8(vt + 8 * c);
-        else
-          for (int c = 0; c < w; ++c) o[c] += p * load8(vt + 8 * c);
-      }
-      for (int c = 0; c < w; ++c) a[c0 + c] = o[c];
-    }
-  }
-}
-
-static void paged_decode_f32(float *out, const float *q, const float *k_cache, const float *v_cache,
-                             const int32_t *block_tables, const int32_t *ctx_lens,
-                             const int64_t *rows, int s_begin, int s_end, int max_blocks,
-                             int block_size, int num_heads, int num_kv_heads, int head_dim,
-                             int head_dim_v, int64_t q_token_stride, int64_t q_head_stride,
-                             float scale, int window, float softcap, const float *sinks) {
-  // All heads of a sequence advance together, block by block, so each K/V row (all KV heads,
-  // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences
-  // whose tables start with the same physical blocks (samples of one prompt) are served together
-  // over those blocks: the arithmetic per sequence is the same as alone, the shared rows are read
-  // once.
-  const int kc = head_dim / 8, vc = head_dim_v / 8, lstride = block_size + 8;
-  const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
-  const size_t member_bytes = (size_t)num_heads * ((kc + vc) * sizeof(v8) + lstride * 4 + 8);
-  int gmax = (int)((256u << 10) / member_bytes);  // stack budget 256 KB, at least one member
-  gmax = gmax < 1 ? 1 : gmax > 16 ? 16 : gmax;
-  // on the stack, sized to this call (cpu_kernel.supports() bounds heads, head and block size so
-  // one member stays under 1 MB): thread-local arrays would cost a TLS lookup per use here
-  v8 qs[gmax * num_heads * kc], acc[gmax * num_heads * vc];
-  float logits[gmax * num_heads * lstride] __attribute__((aligned(32)));
-  float m[gmax * num_heads], l[gmax * num_heads];
-  for (int s0 = s_begin; s0 < s_end;) {
-    const int32_t *lead = block_tables + (size_t)s0 * max_blocks;
-    int s1 = s0 + 1, min_len = ctx_lens[s0];
-    while (window <= 0 && s1 < s_end && s1 - s0 < gmax && ctx_lens[s1] >= block_size &&
-           min_len >= block_size && block_tables[(size_t)s1 * max_blocks] == lead[0]) {
-      min_len = ctx_lens[s1] < min_len ? ctx_lens[s1] : min_len;
-      ++s1;
-    }
-    int shared = s1 - s0 > 1 ? min_len / block_size : 0;  // full blocks every member reads whole
-    for (int j = s0 + 1; j < s1; ++j) {
-      const int32_t *table = block_tables + (size_t)j * max_blocks;
-      int b = 0;
-      while (b < shared && table[b] == lead[b]) ++b;
-      shared = b;
-    }
-    for (int j = 0; j < s1 - s0; ++j)
-      for (int i = 0; i < num_heads; ++i) {
-        const int st = j * num_heads + i;
-        const float *src = q + rows[s0 + j] * q_token_stride + (int64_t)i * q_head_stride;
-        for (int c = 0; c < kc; ++c) qs[st * kc + c] = load8(src + 8 * c) * scale;
-        for (int c = 0; c < vc; ++c) acc[st * vc + c] = (v8){0};
-        m[st] = -INFINITY;
-        l[st] = 0.f;
-      }
-    for (int b = 0; b < shared; ++b) {
-      const size_t base = (size_t)lead[b] * block_size;
-      attend_rows(s1 - s0, num_heads, num_heads / num_kv_heads, kc, vc, lstride, qs, acc, m, l,
-                  logits, k_cache + base * k_row, v_cache + base * v_row, block_size, k_row, v_row,
-                  head_dim, head_dim_v, softcap);
-    }
-    for (int j = 0; j < s1 - s0; ++j) {  // each member's own blocks, after the shared ones
-      const int s = s0 + j, len = ctx_lens[s], st = j * num_heads;
-      const int first = (window > 0 && len > window) ? len - window : shared * block_size;
-      const int32_t *table = block_tables + (size_t)s * max_blocks;
-      for (int b = first / block_size; b * block_size < len; ++b) {
-        const int t0 = b * block_size > first ? b * block_size : first;
-        const int t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
-        const size_t base = (size_t)table[b] * block_size + t0 % block_size;
-        attend_rows(1, num_heads, num_heads / num_kv_heads, kc, vc, lstride, qs + st * kc,
-                    acc + st * vc, m + st, l + st, logits, k_cache + base * k_row,
-                    v_cache + base * v_row, t1 - t0, k_row, v_row, head_dim, head_dim_v, softcap);
-      }
-      for (int i = 0; i < num_heads; ++i) {
-        float denom = l[st + i];
-        if (sinks) denom += expf(sinks[i] - m[st + i]);
-        float *dst = out + (rows[s] * num_heads + i) * (int64_t)head_dim_v;
-        const v8 inv = (v8){0} + 1.f / denom;
-        for (int c = 0; c < vc; ++c) {
-          const v8 r = acc[(st + i) * vc + c] * inv;
-          memcpy(dst + 8 * c, &r, sizeof r);
-        }
-      }
-    }
-    s0 = s1;
-  }
 }
 
 // Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped). The
@@ -238,17 +120,33 @@ void store_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v
   }
 }
 
-// paged_decode_f32 over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread.
-void paged_decode_f32_ranges(const int32_t *bounds, int parts, float *out, const float *q,
-                             const float *k_cache, const float *v_cache,
-                             const int32_t *block_tables, const int32_t *ctx_lens,
-                             const int64_t *rows, int max_blocks, int block_size, int num_heads,
-                             int num_kv_heads, int head_dim, int head_dim_v,
-                             int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
-                             float softcap, const float *sinks) {
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int p = 0; p < parts; ++p)
-    paged_decode_f32(out, q, k_cache, v_cache, block_tables, ctx_lens, rows, bounds[p],
-                     bounds[p + 1], max_blocks, block_size, num_heads, num_kv_heads, head_dim,
-                     head_dim_v, q_token_stride, q_head_stride, scale, window, softcap, sinks);
-}
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+#define ELEM float
+#define LOAD8 load8
+#define STORE8 store8
+#define FN(name) CAT(name, f32)
+#include "cpu_paged_decode_body.h"
+#undef ELEM
+#undef LOAD8
+#undef STORE8
+#undef FN
+
+#define ELEM uint16_t
+#define LOAD8 load8_bf16
+#define STORE8 store8_bf16
+#define FN(name) CAT(name, bf16)
+#include "cpu_paged_decode_body.h"
+#undef ELEM
+#undef LOAD8
+#undef STORE8
+#undef FN
+
+#ifdef __FLT16_MAX__
+#define ELEM _Float16
+#define LOAD8 load8_f16
+#define STORE8 store8_f16
+#define FN(name) CAT(name, f16)
+#include "cpu_paged_decode_body.h"
+#endif

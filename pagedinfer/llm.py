@@ -21,7 +21,8 @@ Prompt = str | dict
 class LLM:
     """Load a model and its KV pool once; generate for any number of prompt batches.
 
-    ``model``: a local Hugging Face model directory or a hub id (default: the embedded demo model).
+    ``model``: a local Hugging Face model directory, a hub id or a ``.gguf`` file (default: the embedded
+    demo model).
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
     ``kv_cache_memory`` bytes (``'512MiB'`` works too), or a default (2 GiB on the CPU, 85% of free
     GPU memory), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.

@@ -101,13 +101,13 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
     lib = cpu_kernel._library()
-    real = lib.paged_decode_f32_ranges
+    real = lib.paged_decode_ranges_f32
 
     def spy(bounds, parts, *args):
         splits.append(list(bounds[: parts + 1]))
         real(bounds, parts, *args)
 
-    fake = type("L", (), {"paged_decode_f32_ranges": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
+    fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
     monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
 
     outs = []
@@ -252,12 +252,17 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
         cpu_kernel._library.cache_clear()
 
 
-def test_cpu_kernel_only_for_float32_pools_in_host_memory():
-    """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel."""
+def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
+    """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel;
+    float32, bfloat16 and float16 pools do, with queries of their own dtype."""
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     q, k, v = torch.empty(3, 8, 64), torch.empty(3, 2, 64), torch.empty(3, 2, 64)
     assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64))
     assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, device="meta"))
-    assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=torch.bfloat16))
+    assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=torch.bfloat16))  # float32 queries
+    for dtype in (torch.bfloat16, torch.float16):
+        half = q.to(dtype), k.to(dtype), v.to(dtype)
+        assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(dtype)
+    assert not use_cpu_kernel(q.double(), k, v, torch.empty(4, 16, 2, 64, dtype=torch.float64))
     assert not use_cpu_kernel(q[..., :60], k[..., :60], v, torch.empty(4, 16, 2, 60))  # head size 60: not 8k

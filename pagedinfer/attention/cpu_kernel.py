@@ -1,5 +1,8 @@
 """The CPU decode-attention kernel (kernels/cpu_paged_decode.c): compiled once, run on all cores.
 
+One instantiation per K/V dtype (float32, bfloat16, float16; float32 arithmetic in all three): a
+16-bit pool is read at half the bytes of a float32 one, which is what decode attention is bound by.
+
 Decode is where the torch path would gather every sequence's whole history into a padded copy in
 every layer of every step; this kernel reads K/V in place through the block table instead. It is
 built with the system C compiler on first use (about a second) and cached by source and CPU; if no
@@ -28,6 +31,8 @@ import torch
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
+BODY = KERNELS_DIR / "cpu_paged_decode_body.h"  # the element-typed half, included once per dtype
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # kernel names' suffixes
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
 # decode attention without the kernel, per call on W1's shape (64 sequences of 250 tokens, 9/3 heads of
@@ -40,8 +45,9 @@ class KernelUnavailable(RuntimeError):
     """A C source could not be built here (no compiler, or the build failed); the message says why."""
 
 
-def compile_library(source: Path) -> Path | None:
-    """Build ``source`` into a shared library once, cached by source, flags and CPU.
+def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | None:
+    """Build ``source`` into a shared library once, cached by source (and the ``includes`` it
+    reads), flags and CPU.
 
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
     it cannot be built.
@@ -51,7 +57,7 @@ def compile_library(source: Path) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-    code = source.read_bytes()
+    code = b"".join(path.read_bytes() for path in (source, *includes))
     cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
@@ -75,16 +81,18 @@ def compile_library(source: Path) -> Path | None:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(SOURCE)
+        lib = compile_library(SOURCE, (BODY,))
     except KernelUnavailable as e:
         return _unavailable(str(e))
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
-    fn = dll.paged_decode_f32_ranges
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
-    fn.restype = None
+    for suffix in SUFFIX.values():  # f16 only where the compiler has _Float16
+        fn = getattr(dll, f"paged_decode_ranges_{suffix}", None)
+        if fn is not None:
+            fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
+            fn.restype = None
     dll.store_kv_f32.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
     dll.store_kv_f32.restype = None
     return dll
@@ -99,8 +107,10 @@ def _unavailable(why: str) -> None:
     return None
 
 
-def available() -> bool:
-    return _library() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """The kernel built, with an instantiation for K/V of ``dtype``."""
+    lib = _library()
+    return lib is not None and dtype in SUFFIX and hasattr(lib, f"paged_decode_ranges_{SUFFIX[dtype]}")
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, block_size: int) -> bool:
@@ -156,10 +166,10 @@ def split(ctx_lens: list[int], madds_per_key: int) -> ctypes.Array:
 
 
 def paged_decode(
-    out: torch.Tensor,  # [T, Hq, Dv] float32, contiguous
-    q: torch.Tensor,  # [T, Hq, D] float32, last dim contiguous
-    k_cache: torch.Tensor,  # [NB, bs, kvh, D] float32
-    v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] float32
+    out: torch.Tensor,  # [T, Hq, Dv] the pool's dtype, contiguous
+    q: torch.Tensor,  # [T, Hq, D] the pool's dtype, last dim contiguous
+    k_cache: torch.Tensor,  # [NB, bs, kvh, D] float32, bfloat16 or float16
+    v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] same dtype
     block_tables: torch.Tensor,  # [S, max_blocks] int32, contiguous
     ctx_lens: torch.Tensor,  # [S] int32
     rows: torch.Tensor,  # [S] int64: packed-row index of each sequence's query token
@@ -172,8 +182,12 @@ def paged_decode(
     """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
     _, max_blocks = block_tables.shape
     _, block_size, kvh, head_dim = k_cache.shape
+    if not out.dtype == q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(
+            f"out, q and the K/V pool must share one dtype, got {out.dtype}, {q.dtype}, {k_cache.dtype}"
+        )
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    _library().paged_decode_f32_ranges(
+    getattr(_library(), f"paged_decode_ranges_{SUFFIX[k_cache.dtype]}")(
         bounds,
         len(bounds) - 1,
         out.data_ptr(),

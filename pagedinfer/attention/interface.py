@@ -112,11 +112,12 @@ def select_cuda_kernels(
 
 
 def use_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Decode rows go through the C kernel: a float32 pool in host memory, shapes within its limits."""
+    """Decode rows go through the C kernel: a pool in host memory of a dtype it has an instantiation
+    for (float32, bfloat16, float16), queries of the same dtype, shapes within its limits."""
     return (
         k_cache.device.type == "cpu"
-        and k_cache.dtype == torch.float32
-        and cpu_kernel.available()
+        and q.dtype == k_cache.dtype
+        and cpu_kernel.available(k_cache.dtype)
         and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
     )
 

@@ -121,6 +121,8 @@ def render(stats: EngineStats, console: Console) -> None:
         "",
         f"[dim]sized by[/] {describe_source(stats.pool_size)} · [dim]max_model_len[/] {stats.max_model_len:,}",
     )
+    # dtype line (issue 14): the run's dtype and why --dtype auto chose it
+    pool.add_row("dtype", f"[bold]{stats.dtype}[/] [dim]({stats.dtype_reason})[/]")
     parts.append(pool)
     if not stats.steps:
         pool.add_row("Usage", "[dim]no engine steps ran[/]")

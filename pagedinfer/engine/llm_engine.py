@@ -64,6 +64,8 @@ class LLMEngine:
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
             counters=SchedulerCounters(),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype_reason=self.loaded.dtype_reason,
         )
         self.scheduler.counters = self.stats.counters
         self._cow_base = self.pool.num_cow_copies

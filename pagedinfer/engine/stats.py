@@ -21,6 +21,8 @@ class EngineStats:
     bytes_per_block: int
     pool_size: PoolSize  # how the size was chosen
     max_model_len: int
+    dtype: str = ""  # weights and K/V, e.g. "float32"
+    dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     # per step
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
@@ -145,6 +147,7 @@ class EngineStats:
                 "source": str(self.pool_size),
                 "max_model_len": self.max_model_len,
             },
+            "model": {"dtype": self.dtype, "dtype_reason": self.dtype_reason},
             "usage": {
                 "steps": self.steps,
                 "peak_blocks_used": self.peak_blocks_used,

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
-from pagedinfer.model import llama, packed_linear
+from pagedinfer.model import gguf, llama, packed_linear
+from pagedinfer.model.dtype import DTypeError, choose_dtype
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -47,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     name: str
+    dtype_reason: str = ""  # why this dtype: "--dtype bfloat16", or what --dtype auto found
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
 
 
@@ -58,24 +59,6 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise ModelLoadError(f"unknown device {device!r}: use auto, cpu or cuda")
     return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    names.update(
-        {"fp32": torch.float32, "fp16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16}
-    )
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32  # CPU half precision is slow and loses greedy parity
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        stored = names.get(str(stored).replace("torch.", ""), torch.float16)
-        return torch.float16 if stored == torch.float32 else stored
-    if dtype not in names:
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
-    return names[dtype]
 
 
 def check_family(config) -> None:
@@ -110,27 +93,27 @@ def load_model(
     dtype: str = "auto",
     model_impl: str = "auto",
 ) -> LoadedModel:
-    """Load model, tokenizer and geometry; every failure is a ModelLoadError with a one-line reason."""
+    """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
+    every failure is a ModelLoadError with a one-line reason."""
     name = str(name_or_path or DEMO_MODEL)
-    path = Path(name)
-    if name.startswith((".", "/", "~")) and not path.expanduser().exists():
-        raise ModelLoadError(f"model directory {name} does not exist")
-    if path.exists() and not path.is_dir():
-        raise ModelLoadError(f"model path {name} is a file; give a model directory or a hub id")
+    folder, kwargs = _source(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(folder, **kwargs)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
         raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
     check_family(config)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, config, dev)
-    own_files = own_implementation_files(name, config, model_impl, dev)
+    try:
+        choice = choose_dtype(dtype, config, dev)
+    except DTypeError as e:
+        raise ModelLoadError(str(e)) from None
+    own_files = own_implementation_files(name, config, model_impl, dev) if not kwargs else []
     try:
         if own_files:
-            model = llama.load(config, own_files, torch_dtype, dev)
+            model = llama.load(config, own_files, choice.dtype, dev)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                name, dtype=torch_dtype, attn_implementation=attention.ATTN_NAME
+                folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs
             )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
@@ -147,13 +130,14 @@ def load_model(
         )
     return LoadedModel(
         model=model,
-        tokenizer=_load_tokenizer(name),
+        tokenizer=_load_tokenizer(folder, kwargs),
         layer_shapes=shapes,
         max_model_len=context_length(config),
-        eos_token_ids=_eos_ids(name, config),
-        dtype=torch_dtype,
+        eos_token_ids=_eos_ids(config, model),
+        dtype=choice.dtype,
         device=dev,
         name=name,
+        dtype_reason=choice.reason,
         impl="pagedinfer" if own_files else "transformers",
     )
 
@@ -177,6 +161,23 @@ def own_implementation_files(name: str, config, impl: str, device: torch.device)
     return files
 
 
+def _source(name: str) -> tuple[str, dict]:
+    """``from_pretrained``'s folder or hub id, and ``gguf_file`` for a GGUF file; bad paths refused."""
+    path = Path(name).expanduser()
+    if gguf.is_gguf(name):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {name} does not exist")
+        problem = gguf.missing_extra()
+        if problem:
+            raise ModelLoadError(problem)
+        return gguf.source(path)
+    if name.startswith((".", "/", "~")) and not path.exists():
+        raise ModelLoadError(f"model directory {name} does not exist")
+    if path.exists() and not path.is_dir():
+        raise ModelLoadError(f"model path {name} is a file; give a model directory, a .gguf file or a hub id")
+    return name, {}
+
+
 @torch.inference_mode()
 def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, LayerShape]:
     """Run one token through the model to learn each attention layer's K/V shape (works for any family)."""
@@ -190,20 +191,18 @@ def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, Laye
     return shapes
 
 
-def _load_tokenizer(name: str):
+def _load_tokenizer(folder: str, kwargs: dict):
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
         return None
     return tok if getattr(tok, "is_fast", False) else None
 
 
-def _eos_ids(name: str, config) -> set[int]:
+def _eos_ids(config, model) -> set[int]:
+    """EOS ids of the config and of the generation config (generation_config.json, or the GGUF's)."""
     ids: set[int] = set()
-    sources = [getattr(config, "eos_token_id", None)]
-    with contextlib.suppress(Exception):  # no generation_config.json
-        sources.append(GenerationConfig.from_pretrained(name).eos_token_id)
-    for value in sources:
+    for value in (getattr(config, "eos_token_id", None), model.generation_config.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):

@@ -1,0 +1,161 @@
+"""The C decode kernel's bfloat16 and float16 instantiations against a float64 torch reference.
+
+Same shapes and cases as the float32 kernel tests in test_attention.py. The reference attends the
+same 16-bit K/V and queries, widened exactly; the kernel accumulates in float32 and rounds only its
+output to the pool's dtype, so the tolerance is that rounding: half a unit in the last place of
+values of magnitude up to ~2 (bfloat16: 8 significant bits, atol = rtol = 1.6e-2; float16: 11 bits,
+atol = rtol = 2e-3).
+"""
+
+import pytest
+import torch
+from test_attention import make_batch, reference
+
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention.interface import TorchPlan
+
+DTYPES = [torch.bfloat16, torch.float16]
+TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def half_batch(dtype, *args, **kwargs):
+    """test_attention.make_batch with q, K/V and the pool in ``dtype``."""
+    q, k, v, kc, vc, meta = make_batch(*args, **kwargs)
+    return (*(t.to(dtype) for t in (q, k, v, kc, vc)), meta)
+
+
+def check_sequences(out, q, kc, vc, meta, scale, window=0, softcap=0.0, sinks=None):
+    """Each sequence's output rows against the float64 reference over its context, read via its table."""
+    bs, kvh, d = meta.block_size, kc.shape[2], kc.shape[3]
+    starts = meta.query_start_loc.tolist()
+    tol = TOLERANCE[out.dtype]
+    for s, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
+        pos = torch.arange(length)
+        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        want = reference(
+            q[starts[s] : starts[s] + n],
+            keys,
+            values,
+            torch.arange(length - n, length),
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
+        torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request):
+    if not cpu_kernel.available(request.param):
+        pytest.fail(f"the CPU kernel has no {request.param} instantiation (is a C compiler installed?)")
+    return request.param
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize(
+    "window,softcap,with_sinks", [(0, 0.0, False), (5, 0.0, False), (0, 3.0, False), (0, 0.0, True)]
+)
+def test_half_kernel_matches_reference(dtype, group, window, softcap, with_sinks, monkeypatch):
+    """Decode rows (the kernel) mixed with prefill/extend chunks (torch, in the same dtype)."""
+    calls = []
+    decode = cpu_kernel.paged_decode
+    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
+    bs, kvh, d = 4, 2, 16
+    hq = kvh * group
+    q, k, v, kc, vc, meta = half_batch(dtype, [1, 1, 5, 1, 1, 3], [3, 4, 5, 9, 17, 12], bs, kvh, hq, d)
+    sinks = torch.randn(hq) if with_sinks else None
+    out = torch.empty(q.shape[0], hq, d, dtype=dtype)
+    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks)
+    assert calls == [dtype]
+    check_sequences(out, q, kc, vc, meta, 0.3, window, softcap, sinks)
+
+
+def test_threaded_half_kernel_matches_reference(dtype):
+    torch.set_num_threads(2)
+    lens = [40 + 37 * i for i in range(16)]
+    q, k, v, kc, vc, meta = half_batch(dtype, [1] * 16, lens, bs=16, kvh=2, hq=8, d=64, seed=3)
+    out = torch.empty(16, 8, 64, dtype=dtype)
+    plan = TorchPlan.build(meta, True)
+    plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)
+    assert len(next(iter(plan.ranges.values()))) == 3  # two threads' ranges
+    check_sequences(out, q, kc, vc, meta, 0.125)
+
+
+def test_half_kernel_underflowing_probabilities(dtype):
+    q, k, v, kc, vc, meta = half_batch(dtype, [1, 1, 1], [7, 16, 33], bs=8, kvh=2, hq=4, d=16, seed=5)
+    out = torch.empty(3, 4, 16, dtype=dtype)
+    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
+    check_sequences(out, q, kc, vc, meta, 60.0)
+
+
+def test_half_kernel_serves_samples_sharing_prompt_blocks_together(dtype, monkeypatch):
+    """20 samples sharing 3 prompt blocks: attended together, each equals itself run alone, bit for bit."""
+    bs, kvh, hq, d = 4, 2, 6, 16
+    gen = torch.Generator().manual_seed(7)
+    tables = [[0, 1, 2, 3 + 2 * i, 4 + 2 * i] for i in range(20)]
+    lens = [13 + i % 6 for i in range(20)]
+    bt, ctx = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)  # [20, 5], [20]
+    kc = torch.randn(50, bs, kvh, d, generator=gen).to(dtype)  # [NB, bs, kvh, D]
+    vc = torch.randn(50, bs, kvh, d, generator=gen).to(dtype)
+    q = torch.randn(20, hq, d, generator=gen).to(dtype)  # [S, Hq, D]
+    rows = torch.arange(20)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    together = torch.empty(20, hq, d, dtype=dtype)
+    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, cpu_kernel.split(lens, 1), 0.25, 0, 0.0, None)
+    for i in range(20):
+        alone = torch.empty(20, hq, d, dtype=dtype)
+        args = (bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], cpu_kernel.split([lens[i]], 1))
+        cpu_kernel.paged_decode(alone, q, kc, vc, *args, 0.25, 0, 0.0, None)
+        assert torch.equal(together[i], alone[i]), f"sequence {i}"
+        pos = torch.arange(lens[i])
+        slots = bt[i, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        want = reference(q[i : i + 1], keys, values, torch.tensor([lens[i] - 1]), 0.25, 0, 0.0, None)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(together[i : i + 1].double(), want, atol=tol, rtol=tol)
+
+
+def test_bfloat16_output_rounds_to_nearest_even():
+    """Two keys of equal logit (q = 0): the output is (v1 + v2) / 2, exact in float32, narrowed by the
+    kernel's rounding: equal to torch's round-to-nearest-even cast, ties included."""
+    if not cpu_kernel.available(torch.bfloat16):
+        pytest.fail("the CPU kernel has no bfloat16 instantiation")
+    d, gen = 512, torch.Generator().manual_seed(0)
+    vc = torch.randn(1, 2, 1, d, generator=gen).to(torch.bfloat16)  # [NB=1, bs=2, kvh=1, D]: v1, v2
+    kc = torch.randn(1, 2, 1, d, generator=gen).to(torch.bfloat16)
+    q = torch.zeros(1, 1, d, dtype=torch.bfloat16)  # [T, Hq, D]
+    out = torch.empty(1, 1, d, dtype=torch.bfloat16)
+    table, lens, rows = (
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.zeros(1).long(),
+    )
+    cpu_kernel.paged_decode(out, q, kc, vc, table, lens, rows, cpu_kernel.split([2], 1), 1.0, 0, 0.0, None)
+    mean = (vc[0, 0, 0].float() + vc[0, 1, 0].float()) / 2  # [D] exact
+    assert int((mean.view(torch.int32) & 0xFFFF == 0x8000).sum()) > 0, (
+        "no tie among the rows: change the seed"
+    )
+    assert torch.equal(out.view(d), mean.to(torch.bfloat16))
+
+
+def test_mismatched_dtypes_are_refused():
+    if not cpu_kernel.available(torch.bfloat16):
+        pytest.fail("the CPU kernel has no bfloat16 instantiation")
+    kc = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cpu_kernel.paged_decode(
+            torch.empty(1, 1, 8),
+            torch.empty(1, 1, 8),
+            kc,
+            kc,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            torch.zeros(1).long(),
+            cpu_kernel.split([1], 1),
+            1.0,
+            0,
+            0.0,
+            None,
+        )

@@ -1,0 +1,162 @@
+"""GGUF files (``--model file.gguf``, ``LLM(model="file.gguf")``) and the dtype ``--dtype auto`` picks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_models import save_qwen2_gguf
+from models import hf_greedy, save_model
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import dtype as dtype_choice
+from pagedinfer.model import gguf
+from pagedinfer.model.loader import ModelLoadError
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def qwen2_gguf(model_root) -> tuple[Path, Path]:
+    """(the tiny Qwen2 model directory, the same weights as a float32 GGUF file)."""
+    model_dir = save_model("qwen2", model_root)
+    path = model_root / "gguf" / "tiny-qwen2.gguf"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        save_qwen2_gguf(model_dir, path)
+    return model_dir, path
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_llm_loads_a_gguf_file(qwen2_gguf):
+    model_dir, path = qwen2_gguf
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.engine.loaded.model.config.model_type == "qwen2"
+    assert greedy(llm) == [hf_greedy(model_dir, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_gguf_is_dequantized_to_the_runs_dtype(qwen2_gguf):
+    llm = LLM(str(qwen2_gguf[1]), device="cpu", dtype="bfloat16")
+    loaded = llm.engine.loaded
+    assert loaded.dtype == torch.bfloat16 and loaded.dtype_reason == "--dtype bfloat16"
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert llm.engine.kv.k[0].dtype == torch.bfloat16
+    assert len(greedy(llm)[0]) == MAX_TOKENS
+
+
+def test_convert_writes_a_plain_model_directory(qwen2_gguf, tmp_path):
+    model_dir, path = qwen2_gguf
+    out = gguf.convert(path, tmp_path / "converted")
+    assert not list(tmp_path.glob("*.tmp"))
+    want = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_missing_gguf_extra_is_one_clear_line(qwen2_gguf, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(qwen2_gguf[1]), device="cpu")
+    assert str(err.value) == "loading a GGUF file needs gguf: pip install 'pagedinfer[gguf]'"
+
+
+def test_cli_refuses_a_missing_gguf_file_in_one_line(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    cmd = [sys.executable, "-m", "pagedinfer", "run", str(prompts), "--model", str(tmp_path / "none.gguf")]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: GGUF file {tmp_path / 'none.gguf'} does not exist"
+
+
+def test_cli_runs_a_gguf_file(qwen2_gguf, tmp_path):
+    model_dir, path = qwen2_gguf
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            f'{{"prompt_token_ids": {p}, "max_tokens": {MAX_TOKENS}, "temperature": 0, "ignore_eos": true}}\n'
+            for p in PROMPTS
+        )
+    )
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "pagedinfer", "run", str(prompts), "--model", str(path), "-o", str(out)]
+    result = subprocess.run(
+        cmd + ["--device", "cpu", "--dtype", "float32", "--quiet"], cwd=REPO, capture_output=True
+    )
+    assert result.returncode == 0, result.stderr
+    got = [json.loads(line)["outputs"][0]["token_ids"] for line in out.read_text().splitlines()]
+    assert got == [hf_greedy(model_dir, p, MAX_TOKENS) for p in PROMPTS]
+
+
+# -- --dtype auto --------------------------------------------------------------------------------
+
+
+def config(stored: torch.dtype | None) -> LlamaConfig:
+    cfg = LlamaConfig(hidden_size=64)
+    cfg.dtype = stored
+    return cfg
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("stored", [None, torch.float32])
+def test_auto_keeps_float32_for_a_float32_checkpoint_on_any_cpu(stored, monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(dtype_choice, "gemm_speedup", lambda width: 3.0)
+    choice = dtype_choice.choose_dtype("auto", config(stored), CPU)
+    assert choice.dtype == torch.float32 and "not stored in 16 bits" in choice.reason
+
+
+def test_auto_keeps_float32_without_native_bfloat16_instructions(monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(dtype_choice, "gemm_speedup", lambda width: pytest.fail("measured without AMX"))
+    choice = dtype_choice.choose_dtype("auto", config(torch.bfloat16), CPU)
+    assert choice.dtype == torch.float32 and "no amx_bf16/avx512_bf16" in choice.reason
+
+
+@pytest.mark.parametrize("speedup,want", [(1.1, torch.float32), (2.5, torch.bfloat16)])
+def test_auto_picks_bfloat16_only_when_measured_faster(speedup, want, monkeypatch):
+    widths = []
+    monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: ["amx_bf16", "avx512_bf16"])
+    monkeypatch.setattr(dtype_choice, "gemm_speedup", lambda width: widths.append(width) or speedup)
+    choice = dtype_choice.choose_dtype("auto", config(torch.float16), CPU)
+    assert choice.dtype == want and widths == [64]  # measured at the model's hidden size
+    assert f"{speedup:.2f}x" in choice.reason
+
+
+def test_auto_on_this_machine_matches_its_cpu_flags(text_model):
+    """The demo-sized checkpoints are float32: auto is float32 here, and the run says why."""
+    llm = LLM(str(text_model), device="cpu", num_blocks=8)
+    llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats.to_dict()["model"] == {
+        "dtype": "float32",
+        "dtype_reason": "auto: float32 on the CPU (the model is not stored in 16 bits)",
+    }
+
+
+def test_gemm_speedup_measures_both_dtypes():
+    assert dtype_choice.gemm_speedup(64, repeats=1) > 0
+
+
+def test_unknown_dtype_is_one_clear_line(text_model):
+    with pytest.raises(
+        ModelLoadError, match="unknown dtype 'float8': use auto, float32, float16 or bfloat16"
+    ):
+        LLM(str(text_model), device="cpu", dtype="float8")
