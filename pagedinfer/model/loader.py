@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
@@ -111,6 +111,7 @@ def load_model(
     try:
         if own_files:
             model = llama.load(config, own_files, choice.dtype, dev)
+            model.generation_config = _generation_config(folder, config)  # what transformers' models carry
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs
@@ -197,6 +198,14 @@ def _load_tokenizer(folder: str, kwargs: dict):
     except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
         return None
     return tok if getattr(tok, "is_fast", False) else None
+
+
+def _generation_config(folder: str, config) -> GenerationConfig:
+    """The checkpoint's generation_config.json, else one derived from the model config."""
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 - no generation_config.json
+        return GenerationConfig.from_model_config(config)
 
 
 def _eos_ids(config, model) -> set[int]:
