@@ -23,7 +23,7 @@ from cli_helpers import CORPUS, read_jsonl, tiny_model, write_jsonl  # noqa: E40
 from typer.testing import CliRunner  # noqa: E402
 
 from pagedinfer.cli.app import app  # noqa: E402
-from pagedinfer.cli.jsonl_input import LineError, LineRequest, parse_lines, read_input  # noqa: E402
+from pagedinfer.cli.jsonl_input import LineError, LineRequest, parse_file, scan_input  # noqa: E402
 from pagedinfer.cli.records import error_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
     from pagedinfer.ray.driver import DataParallelEngines, ReplicaSpec
 
     path, reference = job
-    items = parse_lines(read_input(path), DEFAULTS, 0)
+    items = list(parse_file(scan_input(path), DEFAULTS, 0))
     rows = [(pos, item) for pos, item in enumerate(items) if isinstance(item, LineRequest)]
     engines = DataParallelEngines(ReplicaSpec(model, ENGINE, 0, 2, None, model, window=3))
     got: dict[int, dict | LineError] = {}
