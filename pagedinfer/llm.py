@@ -24,6 +24,8 @@ class LLM:
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
     ``kv_cache_memory`` bytes (``'512MiB'`` works too), or a default (2 GiB on the CPU, 85% of free
     GPU memory), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+    ``enable_prefix_caching``: prompts that start with the same full blocks of tokens reuse their
+    K/V across requests (and across ``generate`` calls) instead of computing them again.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class LLM:
         dtype: str = "auto",
         seed: int = 0,
         use_cuda_kernels: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -49,6 +52,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
         loaded = load_model(model, device=device, dtype=dtype)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)

@@ -165,6 +165,14 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = None,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="Reuse the K/V of prompt blocks that earlier requests computed (same leading tokens).",
+            rich_help_panel=POOL,
+        ),
+    ] = True,
     device: Annotated[
         Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
     ] = Device.auto,
@@ -262,6 +270,7 @@ def run(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_batched_tokens,
             "max_model_len": max_model_len,
+            "enable_prefix_caching": prefix_caching,
             "device": device.value,
             "dtype": dtype.value,
         },

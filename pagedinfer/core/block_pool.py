@@ -220,6 +220,18 @@ class BlockPool:
                 blocks.append(block)
         return blocks
 
+    def admission_blocks(self, hits: list[int], num_tokens: int) -> int:
+        """Free blocks a new sequence of ``num_tokens`` takes when ``hits`` are its cached prefix.
+
+        Counts the blocks still to allocate, the hit blocks that leave the evictable set, and the
+        copy of a shared last block when the whole prompt is cached (its last token is rewritten).
+        """
+        new = self.blocks_for_tokens(num_tokens) - len(hits)
+        revived = sum(self.ref_counts[b] == 0 for b in hits)
+        if hits and len(hits) * self.block_size >= num_tokens and self.ref_counts[hits[-1]] > 0:
+            new += 1
+        return new + revived
+
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
         """Take a reference to every block of the longest cached full-block prefix of ``token_ids``.
 

@@ -2,7 +2,7 @@
 
 Each step serves running requests first (decode tokens, prompt chunks, recomputation), then admits
 waiting requests in arrival order while the token budget, the sequence limit and the free blocks
-allow. When a running sequence needs a block and none is free, the most recently admitted request
+allow; an admitted prompt starts from its longest cached prefix (prefix caching). When a running sequence needs a block and none is free, the most recently admitted request
 is preempted as a whole (its blocks freed, recomputed later), never failed.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedinfer.core.block_pool import BlockPool, OutOfBlocks
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
 
 
@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_prompt_tokens_readmitted = 0  # prompt tokens of requests admitted again after preemption
 
     def check(self, n_prompt: int, n: int, max_tokens: int) -> str | None:
         """Why a request of ``n_prompt`` tokens and ``n`` samples can never run here, or None."""
@@ -124,25 +125,56 @@ class Scheduler:
             return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order while they fit; each starts from its cached prefix.
+
+        A request whose next uncached prompt block is being computed right now by a request still
+        in prefill waits for it (it will hit the cache instead of computing the same tokens);
+        the requests behind it may go first. Its wait is bounded by that prefill.
+        """
         if not self.waiting:
             return
+        pool, caching = self.pool, self.pool.enable_prefix_caching
         num_seqs = sum(r.num_future_seqs() for r in self.running)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        in_prefill = self._hashes_in_prefill() if caching else set()
+        for req in list(self.waiting):
+            if budget <= 0:
+                break
             if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
                 break
-            if self.pool.blocks_for_tokens(req.num_prompt_tokens) > self.pool.num_free:
+            hashes = self._prompt_hashes(req) if caching else []
+            hits = pool.cached_prefix(hashes)
+            if len(hits) < len(hashes) and hashes[len(hits)] in in_prefill:
+                continue
+            if pool.admission_blocks(hits, req.num_prompt_tokens) > pool.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.state = RequestState.RUNNING
             self.running.append(req)
             num_seqs += req.num_future_seqs()
+            if req.num_preemptions:
+                self.num_prompt_tokens_readmitted += req.num_prompt_tokens
             seq = Sequence(req, -1, list(req.prompt_token_ids), req.num_prompt_tokens)
             req.prompt_seq = seq
+            seq.block_table = pool.match_prefix(seq.token_ids, hashes)
+            seq.num_computed = min(len(seq.block_table) * pool.block_size, req.num_prompt_tokens - 1)
             n = min(seq.num_pending, budget)
-            out.copies += self.pool.write(seq.block_table, 0, n)
-            out.seqs.append(ScheduledSeq(seq, 0, n, self._samples(seq, n)))
+            out.copies += pool.write(seq.block_table, seq.num_computed, n)
+            out.seqs.append(ScheduledSeq(seq, seq.num_computed, n, self._samples(seq, n)))
             budget -= n
+            in_prefill.update(hashes)
+
+    def _prompt_hashes(self, req: Request) -> list[bytes]:
+        if req.prompt_hashes is None:
+            req.prompt_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
+        return req.prompt_hashes
+
+    def _hashes_in_prefill(self) -> set[bytes]:
+        """Full prompt blocks that running requests are computing (or have computed) now."""
+        return {h for r in self.running if r.prompt_seq is not None for h in self._prompt_hashes(r)}
+
+    def register(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly full, computed blocks to the prefix cache (after each step)."""
+        self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
 
     def preempt(self, req: Request) -> None:
         """Free every block of ``req`` and queue it first; its tokens are recomputed on return."""

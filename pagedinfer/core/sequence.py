@@ -90,6 +90,7 @@ class Request:
     error: str | None = None
     base_seed: int = 0
     num_preemptions: int = 0
+    prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
 
     @property
     def num_prompt_tokens(self) -> int:

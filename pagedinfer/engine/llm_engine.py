@@ -28,7 +28,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         per_block = bytes_per_token(loaded.layer_shapes, loaded.dtype) * config.block_size
         num_blocks, self.pool_source = config.pool_blocks(per_block, loaded.device, self.max_model_len)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCache(loaded.layer_shapes, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -61,9 +61,18 @@ class LLMEngine:
             bytes_per_block=self.kv.bytes_per_block,
             pool_source=self.pool_source,
             max_model_len=self.max_model_len,
+            prefix_caching=self.pool.enable_prefix_caching,
         )
-        self._cow_base = self.pool.num_cow_copies
-        self._preempt_base = self.scheduler.num_preemptions
+        pool, sched = self.pool, self.scheduler
+        self._bases = (
+            pool.num_cow_copies,
+            sched.num_preemptions,
+            pool.prefix_queries,
+            pool.prefix_hits,
+            pool.blocks_reused,
+            pool.evictions,
+            sched.num_prompt_tokens_readmitted,
+        )
 
     def enable_trace(self) -> None:
         self.trace = []
@@ -162,6 +171,7 @@ class LLMEngine:
         for s in plan.seqs:
             seq, req = s.seq, s.seq.request
             seq.num_computed += s.num_tokens
+            self.scheduler.register(seq)
             if seq.index < 0:
                 self.stats.prompt_tokens_computed += s.num_tokens
                 if seq.num_pending == 0:
@@ -234,9 +244,31 @@ class LLMEngine:
             logical=sum(len(s.block_table) for r in running for s in r.live_seqs()),
             seqs=sum(r.num_future_seqs() for r in running),
             tokens=plan.num_tokens,
+            cached=self.pool.num_cached,
         )
-        self.stats.cow_copies = self.pool.num_cow_copies - self._cow_base
-        self.stats.preemptions = self.scheduler.num_preemptions - self._preempt_base
+        self._count_totals()
+
+    def _count_totals(self) -> None:
+        """This run's share of the pool's and scheduler's running counters."""
+        pool, sched, st = self.pool, self.scheduler, self.stats
+        now = (
+            pool.num_cow_copies,
+            sched.num_preemptions,
+            pool.prefix_queries,
+            pool.prefix_hits,
+            pool.blocks_reused,
+            pool.evictions,
+            sched.num_prompt_tokens_readmitted,
+        )
+        (
+            st.cow_copies,
+            st.preemptions,
+            st.prefix_cache_queries,
+            st.prefix_cache_hits,
+            st.prefix_cache_blocks_reused,
+            st.prefix_cache_evictions,
+            st.prompt_tokens_readmitted,
+        ) = (a - b for a, b in zip(now, self._bases, strict=True))
 
     def _snapshot(self, plan: SchedulerOutput) -> None:
         """One step of the trace: scheduled work, pool events, every block's count, every table."""
