@@ -11,8 +11,8 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import load_model
-from pagedinfer.outputs import RequestOutput
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.outputs import BeamSearchOutput, RequestOutput
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict
 
@@ -80,15 +80,33 @@ class LLM:
             results[index] = output
         return results  # type: ignore[return-value]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams | Sequence[BeamSearchParams],
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """``beam_width`` beams per prompt, best first, inside the engine: the beams of a prompt share
+        their blocks (a surviving beam's children fork its block table, a pruned beam frees its
+        blocks at once). Equals transformers ``generate(num_beams=beam_width, do_sample=False,
+        num_return_sequences=beam_width, length_penalty=..., early_stopping=...)``.
+        """
+        return self.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type, return-value]
+
     def generate_iter(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams
+        | BeamSearchParams
+        | Sequence[SamplingParams | BeamSearchParams]
+        | None = None,
         use_tqdm: bool = False,
         request_ids: Sequence[str] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield ``(input index, output)`` as each request finishes (failed ones first).
+
+        A prompt given `BeamSearchParams` yields a `BeamSearchOutput`, the others a `RequestOutput`.
 
         ``on_step`` is called after every engine step (live progress: ``engine.pool.num_used``...).
         """
@@ -96,7 +114,7 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
@@ -114,7 +132,7 @@ class LLM:
             for req in requests:
                 if req.error:
                     bar.update(req.params.n)
-                    yield req.order, req.to_output()
+                    yield req.order, engine.output(req)
             while engine.has_unfinished:
                 done = engine.step()
                 engine.stats.wall_time_s = time.perf_counter() - start
@@ -126,7 +144,7 @@ class LLM:
                     )
                 for req in done:
                     bar.update(req.params.n)
-                    yield req.order, req.to_output()
+                    yield req.order, engine.output(req)
         finally:
             bar.close()
             engine.stats.wall_time_s = time.perf_counter() - start

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedinfer.core.beam import Candidate
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
 
@@ -91,6 +92,8 @@ class Scheduler:
             for seq in req.live_seqs():
                 if budget == 0:
                     break
+                if seq.num_pending == 0:
+                    continue  # a beam waiting for its siblings' logits
                 n = min(seq.num_pending, budget)
                 if not self._write(seq, n, req, out):
                     del out.seqs[mark[0] :], out.copies[mark[1] :]
@@ -182,6 +185,7 @@ class Scheduler:
             if seq is not None:
                 self.pool.free(seq.block_table)
                 seq.num_computed = 0
+                seq.beam_logits = None
         req.prompt_seq = None
         req.state = RequestState.WAITING
         req.num_preemptions += 1
@@ -199,6 +203,43 @@ class Scheduler:
                 seq.num_computed = parent.num_computed
         self.pool.free(parent.block_table)
         req.prompt_seq = None
+
+    def advance_beams(self, req: Request, running: list[Candidate]) -> None:
+        """Replace ``req``'s live beams by the candidates that run on (best first).
+
+        A beam's first child takes the beam over; each further child forks its block table (the
+        blocks are shared, the partly filled last one is copied when first written); a beam with
+        no child is pruned and its blocks are freed at once.
+        """
+        parents = req.samples
+        taken = [False] * len(parents)
+        beams, extend = [], []
+        for c in running:
+            parent = parents[c.beam]
+            if taken[c.beam]:
+                child = Sequence(
+                    req,
+                    0,
+                    [*parent.token_ids, c.token],
+                    req.num_prompt_tokens,
+                    block_table=self.pool.fork(parent.block_table),
+                    num_computed=parent.num_computed,
+                )
+            else:
+                taken[c.beam] = True
+                child = parent
+                extend.append((parent, c.token))
+            child.cumulative_logprob = c.cumulative_logprob
+            child.beam_logits = None
+            beams.append(child)
+        for parent, token in extend:  # after the forks, which copy the parents' tokens
+            parent.token_ids.append(token)
+        for parent, kept in zip(parents, taken, strict=True):
+            if not kept:
+                self.pool.free(parent.block_table)
+        for i, beam in enumerate(beams):
+            beam.index = i
+        req.samples = beams
 
     def finish_seq(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)

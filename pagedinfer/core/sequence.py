@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedinfer.core.beam import BeamSearch
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    beam_logits: object = None  # a beam's next-token logits, parked until every live beam has its own
 
     @property
     def num_pending(self) -> int:
@@ -91,6 +93,7 @@ class Request:
     base_seed: int = 0
     num_preemptions: int = 0
     prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
+    beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,6 +113,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.error is not None or self.beam.done
         return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
 
     def sample_generator(self, index: int) -> torch.Generator:

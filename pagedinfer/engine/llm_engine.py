@@ -8,6 +8,7 @@ import torch
 
 from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
+from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, Sequence
@@ -15,8 +16,9 @@ from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import sample
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.model.sampler import beam_candidates, sample
+from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLMEngine:
@@ -101,14 +103,29 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | dict,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
         order: int | None = None,
     ) -> Request:
-        """Queue a request; one that can never run comes back already finished with ``error`` set."""
+        """Queue a request; one that can never run comes back already finished with ``error`` set.
+
+        With `BeamSearchParams` the request runs ``beam_width`` beams (greedy, no stop strings).
+        """
         text, ids = self.tokenize(prompt)
         order = self._next_id if order is None else order
         self._next_id += 1
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam, params = (
+                params,
+                SamplingParams(
+                    n=params.beam_width,
+                    temperature=0,
+                    max_tokens=params.max_tokens,
+                    ignore_eos=params.ignore_eos,
+                    stop_token_ids=params.stop_token_ids,
+                ),
+            )
         req = Request(
             request_id=str(order if request_id is None else request_id),
             order=order,
@@ -119,6 +136,11 @@ class LLMEngine:
             base_seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
         )
         req.error = self.request_error(ids, params)
+        if beam is not None:
+            stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
+            req.beam = BeamSearch(
+                beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
+            )
         self.stats.requests += 1
         if req.error:
             self.stats.failed_requests += 1
@@ -155,6 +177,9 @@ class LLMEngine:
         if plan.seqs:
             logits = self.runner.execute(plan.seqs, plan.copies)  # [R, V]
             rows, seqs = self._advance(plan)
+            beams = [i for i, s in enumerate(seqs) if s.request.beam is not None]
+            if beams:
+                rows, seqs = self._park_beams(logits, rows, seqs, beams, finished)
             if seqs:
                 if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
                     logits = logits[torch.tensor(rows, device=logits.device)]  # [len(seqs), V]
@@ -176,8 +201,9 @@ class LLMEngine:
                 self.stats.prompt_tokens_computed += s.num_tokens
                 if seq.num_pending == 0:
                     fresh = not req.samples
-                    if fresh:
-                        req.samples = [self._new_sample(req, i) for i in range(req.params.n)]
+                    if fresh:  # a beam search starts from one beam
+                        n = 1 if req.beam is not None else req.params.n
+                        req.samples = [self._new_sample(req, i) for i in range(n)]
                     self.scheduler.fork(req)
                     if fresh:
                         rows += [row] * len(req.samples)
@@ -189,6 +215,58 @@ class LLMEngine:
                     seqs.append(seq)
             row += s.sample
         return rows, seqs
+
+    def _park_beams(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], beams: list[int], finished: list
+    ) -> tuple[list[int], list[Sequence]]:
+        """Park each beam's logits row; step every beam search whose live beams all have theirs.
+
+        Returns the rows and sequences left for the sampler.
+        """
+        ready = {}
+        for i in beams:
+            seq = seqs[i]
+            seq.beam_logits = logits[rows[i]]  # [V]
+            ready[id(seq.request)] = seq.request
+        for req in ready.values():
+            if all(b.beam_logits is not None for b in req.samples):
+                self._beam_step(req, finished)
+        keep = [i for i, s in enumerate(seqs) if s.request.beam is None]
+        return [rows[i] for i in keep], [seqs[i] for i in keep]
+
+    def _beam_step(self, req: Request, finished: list[Request]) -> None:
+        state, beams = req.beam, req.samples
+        stacked = torch.stack([b.beam_logits for b in beams])  # [B, V]
+        found = beam_candidates(stacked, [b.cumulative_logprob for b in beams], state.num_candidates)
+        running = state.step([Candidate(*c) for c in found], [b.output_ids for b in beams])
+        self.stats.generated_tokens += len(beams)
+        if state.done:
+            self.scheduler.finish_request(req)
+            finished.append(req)
+        else:
+            self.scheduler.advance_beams(req, running)
+
+    def output(self, req: Request) -> RequestOutput | BeamSearchOutput:
+        """What the caller gets for a finished (or failed) request."""
+        if req.beam is None:
+            return req.to_output()
+        tok = self.loaded.tokenizer
+        return BeamSearchOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            sequences=[
+                BeamSearchSequence(
+                    token_ids=h.token_ids,
+                    text=tok.decode(h.token_ids, skip_special_tokens=True) if tok is not None else "",
+                    cumulative_logprob=h.cumulative_logprob,
+                    score=h.score,
+                    finish_reason=h.finish_reason,
+                )
+                for h in req.beam.finished
+            ],
+            error=req.error,
+        )
 
     def _new_sample(self, req: Request, index: int) -> Sequence:
         p = req.params
