@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -22,6 +23,25 @@ def parse_size(text: str | int) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 512MiB, 2GB or a byte count")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """How many KV blocks the pool has, and what decided it (shown in the memory report)."""
+
+    num_blocks: int
+    origin: Literal["num_blocks", "kv_cache_memory", "default_cpu", "default_gpu"]
+    kv_cache_memory: int | None = None  # the byte budget, when it decided
+
+    def __str__(self) -> str:
+        """The ``pool.source`` value of ``--report-json`` (documented)."""
+        if self.origin == "num_blocks":
+            return f"num_blocks={self.num_blocks}"
+        if self.origin == "kv_cache_memory":
+            return f"kv_cache_memory={self.kv_cache_memory} bytes"
+        if self.origin == "default_gpu":
+            return f"default: {GPU_MEMORY_FRACTION:.0%} of free GPU memory, capped at max_num_seqs x max_model_len"
+        return "default: 2 GiB on the CPU, capped at max_num_seqs x max_model_len"
 
 
 @dataclass
@@ -47,23 +67,20 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
-    def pool_blocks(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> tuple[int, str]:
-        """Number of blocks and a line saying where that number came from."""
+    def pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
+        """Number of blocks of the pool, and what decided it."""
         if self.num_blocks is not None:
-            return self.num_blocks, f"num_blocks={self.num_blocks}"
+            return PoolSize(self.num_blocks, "num_blocks")
         if self.kv_cache_memory is not None:
             blocks = self.kv_cache_memory // bytes_per_block
             if blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory={self.kv_cache_memory} bytes is smaller than one block ({bytes_per_block} bytes)"
                 )
-            return blocks, f"kv_cache_memory={self.kv_cache_memory} bytes"
+            return PoolSize(blocks, "kv_cache_memory", self.kv_cache_memory)
         useful = -(-max_model_len // self.block_size) * self.max_num_seqs  # more can never be used
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * GPU_MEMORY_FRACTION)  # weights are loaded; the rest is for activations
-            return max(1, min(useful, budget // bytes_per_block)), (
-                f"default: {GPU_MEMORY_FRACTION:.0%} of free GPU memory, capped at max_num_seqs x max_model_len"
-            )
-        blocks = max(1, min(useful, CPU_DEFAULT_KV_BYTES // bytes_per_block))
-        return blocks, "default: 2 GiB on the CPU, capped at max_num_seqs x max_model_len"
+            return PoolSize(max(1, min(useful, budget // bytes_per_block)), "default_gpu")
+        return PoolSize(max(1, min(useful, CPU_DEFAULT_KV_BYTES // bytes_per_block)), "default_cpu")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pagedinfer.attention import cpu_kernel
-from pagedinfer.attention.interface import TorchPlan, use_cpu_kernel
+from pagedinfer.attention.interface import use_cpu_kernel
 from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.attention.torch_backend import TorchPlan
 
 
 def reference(q, keys, values, qpos, scale, window, softcap, sinks):

@@ -12,10 +12,10 @@ def test_b_and_c_fit_together_in_24_slots():
     """Seed 000: B holds 6 K/V, C brings a 6-token prompt; blocks of 4 in a 6-block pool fit both."""
     pool = BlockPool(num_blocks=6, block_size=4)
     b, c = [], []
-    pool.write(b, 0, 6)
-    pool.write(c, 0, 6)
+    pool.reserve(b, 0, 6)
+    pool.reserve(c, 0, 6)
     assert (len(b), len(c), pool.num_used, pool.num_free) == (2, 2, 4, 2)
-    pool.write(b, 6, 1)  # B's next input fits the free slot of its last block
+    pool.reserve(b, 6, 1)  # B's next input fits the free slot of its last block
     assert pool.num_filled_slots == 13 and pool.num_used * 4 - pool.num_filled_slots == 3
 
 
@@ -31,13 +31,13 @@ def test_growth_7_8_9():
     """Seed 000: 7 -> 8 tokens needs no block; the 9th token takes one new block."""
     pool = BlockPool(num_blocks=6, block_size=4)
     b = []
-    pool.write(b, 0, 7)
+    pool.reserve(b, 0, 7)
     assert len(b) == 2
     assert pool.blocks_needed(b, 7, 1) == 0
-    pool.write(b, 7, 1)
+    pool.reserve(b, 7, 1)
     assert len(b) == 2
     assert pool.blocks_needed(b, 8, 1) == 1
-    pool.write(b, 8, 1)
+    pool.reserve(b, 8, 1)
     assert len(b) == 3 and pool.num_used == 3
 
 
@@ -45,14 +45,14 @@ def test_two_samples_copy_on_write():
     """Seed 000: a 6-token prompt, 2 samples: 2 blocks, then 3; only the first writer copies."""
     pool = BlockPool(num_blocks=6, block_size=4)
     prompt = []
-    pool.write(prompt, 0, 6)
+    pool.reserve(prompt, 0, 6)
     s1, s2 = pool.fork(prompt), pool.fork(prompt)
     pool.free(prompt)
     assert pool.num_used == 2 and pool.ref_counts[s1[0]] == 2 and pool.ref_counts[s1[1]] == 2
     shared_last = s1[1]
-    assert pool.write(s1, 6, 1) == [(shared_last, s1[1])]  # a0: P1 copied to a new block
+    assert pool.reserve(s1, 6, 1) == [(shared_last, s1[1])]  # a0: P1 copied to a new block
     assert s1[1] != shared_last and pool.ref_counts[shared_last] == 1
-    assert pool.write(s2, 6, 1) == []  # b0: P1 is now s2's alone, written in place
+    assert pool.reserve(s2, 6, 1) == []  # b0: P1 is now s2's alone, written in place
     assert s2[1] == shared_last and s1[0] == s2[0] and pool.ref_counts[s1[0]] == 2
     assert pool.num_used == 3 and pool.num_cow_copies == 1
     pool.free(s1)
@@ -63,19 +63,19 @@ def test_two_samples_copy_on_write():
 def test_full_shared_block_is_never_copied():
     pool = BlockPool(num_blocks=8, block_size=4)
     prompt = []
-    pool.write(prompt, 0, 8)  # two full blocks
+    pool.reserve(prompt, 0, 8)  # two full blocks
     s1, s2 = pool.fork(prompt), pool.fork(prompt)
     pool.free(prompt)
-    assert pool.write(s1, 8, 1) == [] and pool.write(s2, 8, 1) == []
+    assert pool.reserve(s1, 8, 1) == [] and pool.reserve(s2, 8, 1) == []
     assert s1[:2] == s2[:2] and s1[2] != s2[2] and pool.num_used == 4
 
 
 def test_out_of_blocks_changes_nothing():
     pool = BlockPool(num_blocks=2, block_size=4)
     t = []
-    pool.write(t, 0, 8)
+    pool.reserve(t, 0, 8)
     with pytest.raises(OutOfBlocks):
-        pool.write(t, 8, 1)
+        pool.reserve(t, 8, 1)
     assert len(t) == 2 and pool.num_free == 0
 
 
@@ -83,7 +83,7 @@ def _filled_pool(tokens: list[int], num_blocks: int = 8) -> tuple[BlockPool, lis
     """A pool where one sequence computed ``tokens`` and registered its full blocks."""
     pool = BlockPool(num_blocks=num_blocks, block_size=4)
     table: list[int] = []
-    pool.write(table, 0, len(tokens))
+    pool.reserve(table, 0, len(tokens))
     pool.register_full_blocks(table, tokens, len(tokens))
     return pool, table
 
@@ -118,7 +118,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     assert again == table and pool.prefix_hits == 7  # the last token is computed for its logits
     # the last block is shared with the first sequence: writing its last slot copies it first
     src = again[1]
-    assert pool.write(again, 7, 1) == [(src, again[1])] and again[1] != src
+    assert pool.reserve(again, 7, 1) == [(src, again[1])] and again[1] != src
     pool.register_full_blocks(again, tokens, 8)
     assert pool.cached[pool.hashes[src]] == src  # the copy is a duplicate; the original serves hits
     pool.free(table)
@@ -130,9 +130,9 @@ def test_never_cached_blocks_go_first_then_least_recently_used():
     pool, first = _filled_pool(list(range(8)), num_blocks=4)  # blocks 0, 1 cached after free
     pool.free(first)
     other: list[int] = []
-    pool.write(other, 0, 8)  # takes the two never-cached blocks 2, 3
+    pool.reserve(other, 0, 8)  # takes the two never-cached blocks 2, 3
     assert sorted(other) == [2, 3] and pool.evictions == 0 and pool.num_cached == 2
-    pool.write(other, 8, 1)  # the pool must evict: block 1 (the chain's tail) was freed first
+    pool.reserve(other, 8, 1)  # the pool must evict: block 1 (the chain's tail) was freed first
     assert other[2] == 1 and pool.evictions == 1 and pool.hashes[1] is None
     assert pool.match_prefix(list(range(8))) == [0]  # the head is still cached
 
@@ -141,14 +141,14 @@ def test_eviction_forgets_the_hash():
     pool, table = _filled_pool([5] * 4, num_blocks=1)
     pool.free(table)
     other: list[int] = []
-    pool.write(other, 0, 3)
+    pool.reserve(other, 0, 3)
     assert other == [0] and pool.cached == {} and pool.match_prefix([5] * 4) == []
 
 
 def test_caching_off_frees_at_once():
     pool = BlockPool(num_blocks=4, block_size=4, enable_prefix_caching=False)
     table: list[int] = []
-    pool.write(table, 0, 8)
+    pool.reserve(table, 0, 8)
     pool.register_full_blocks(table, list(range(8)), 8)
     assert pool.hashes == [None] * 4 and pool.cached == {}
     pool.free(table)
@@ -182,7 +182,7 @@ class PoolMachine(RuleBasedStateMachine):
         refs, lru, free_before = list(pool.ref_counts), list(pool.evictable), len(pool.free_ids)
         evictions = pool.evictions
         try:
-            copies = pool.write(table, start, len(tokens) - start)
+            copies = pool.reserve(table, start, len(tokens) - start)
         except OutOfBlocks:
             assert table == before and pool.evictions == evictions
             return False

@@ -8,8 +8,8 @@ from conftest import ENGINE
 from models import hf_greedy
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.core.sequence import Request
 from pagedinfer.model.loader import ModelLoadError
+from pagedinfer.seeding import sample_seed
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_seeded_sampling_is_reproducible_alone_and_amid_others(llama):
 
 def test_same_seed_gives_different_prompts_different_noise():
     def noise(prompt, index, seed=7):
-        req = Request("r", 0, None, prompt, SamplingParams(seed=seed), 4, base_seed=seed)
-        return torch.empty(16).exponential_(generator=req.sample_generator(index))
+        gen = torch.Generator().manual_seed(sample_seed(seed, index, prompt))
+        return torch.empty(16).exponential_(generator=gen)
 
     assert torch.equal(noise([1, 2, 3], 0), noise([1, 2, 3], 0))
     assert not torch.equal(noise([1, 2, 3], 0), noise([1, 2, 4], 0))
@@ -263,7 +263,9 @@ def test_eos_stops_unless_ignored_and_min_tokens(text_model):
     base = llm.generate("안녕", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     tokens = base[0].outputs[0].token_ids
     cut = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])
-    llm.engine.loaded.eos_token_ids = {tokens[cut]}  # the model's EOS is now a token it emits at `cut`
+    eos = llm.engine.loaded.eos_token_ids  # the one set the sampler and the scheduler read
+    eos.clear()
+    eos.add(tokens[cut])  # the model's EOS is now a token it emits at `cut`
     out = llm.generate("안녕", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: cut + 1] and out.finish_reason == "stop"
     held = llm.generate(
@@ -343,3 +345,43 @@ def test_detokenizer_never_emits_half_a_character(text_model):
         if (hit := stopper.step(t)) is not None:
             break
     assert hit == "반갑" and stopper.text == "안녕하세요 "
+
+
+def test_a_request_whose_detokenizer_raises_fails_alone(text_model, monkeypatch):
+    from pagedinfer.engine.detokenizer import IncrementalDetokenizer
+
+    llm = LLM(str(text_model), block_size=4, num_blocks=100, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    expected = llm.generate(["안녕", "hello"], params, use_tqdm=False)
+    real_step = IncrementalDetokenizer.step
+
+    def step(self, token_id):
+        if self._stop == ["never-seen"]:  # only the request that asked for this stop string breaks
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken tokenizer")
+        return real_step(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step", step)
+    broken = SamplingParams(temperature=0, max_tokens=6, stop=["never-seen"])
+    outs = llm.generate(["안녕", "hello", "안녕"], [params, broken, params], use_tqdm=False)
+    assert outs[1].error.startswith("generation failed: UnicodeDecodeError")
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_a_request_whose_sampling_raises_fails_alone(llama, monkeypatch):
+    from pagedinfer.engine import llm_engine
+    from pagedinfer.model.sampler import sample as real_sample
+
+    def sample(logits, rows, eos_ids):
+        if any(r.params.top_k == 7 for r in rows):
+            raise RuntimeError("selected index k out of range")
+        return real_sample(logits, rows, eos_ids)
+
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    expected = llama.generate([ids(5, 1), ids(9, 2)], greedy, use_tqdm=False)
+    monkeypatch.setattr(llm_engine, "sample", sample)
+    bad = SamplingParams(temperature=1.0, top_k=7, max_tokens=5)
+    outs = llama.generate([ids(5, 1), ids(7, 3), ids(9, 2)], [greedy, bad, greedy], use_tqdm=False)
+    assert outs[1].error == "sampling failed: RuntimeError: selected index k out of range"
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [e.outputs[0].token_ids for e in expected]
+    assert llama.engine.pool.num_free == llama.engine.pool.num_blocks

@@ -19,6 +19,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -29,14 +30,19 @@ from pagedinfer.attention.sources import KERNELS_DIR
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
+# decode attention without the kernel, per call on W1's shape (64 sequences of 250 tokens, 9/3 heads of
+# 64; AMD EPYC, 2 threads): scripts/bench_decode_fallback.py measured 40 ms against 733 ms (a loaded machine)
+TORCH_PATH_SLOWDOWN = 18
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0":
+        return None  # asked for: no message
     compiler = shutil.which(os.environ.get("CC", "cc"))
-    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0" or compiler is None or not SOURCE.exists():
-        return None
+    if compiler is None:
+        return _unavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
     code = SOURCE.read_bytes()
     cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
@@ -54,7 +60,9 @@ def _library() -> ctypes.CDLL | None:
             os.replace(tmp, lib)
             break
     else:
-        return None
+        return _unavailable(
+            f"{compiler} could not build {SOURCE.name}: {result.stderr.decode()[-300:].strip()}"
+        )
     dll = ctypes.CDLL(str(lib))
     fn = dll.paged_decode_f32_ranges
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -63,6 +71,15 @@ def _library() -> ctypes.CDLL | None:
     dll.store_kv_f32.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
     dll.store_kv_f32.restype = None
     return dll
+
+
+def _unavailable(why: str) -> None:
+    """Say once, on stderr, that decode attention runs slower (the torch path) and why."""
+    sys.stderr.write(
+        f"pagedinfer: the CPU decode kernel is unavailable ({why}); decode attention falls back to the "
+        f"torch path, about {TORCH_PATH_SLOWDOWN}x slower per call. Install a C compiler (gcc) to fix it.\n"
+    )
+    return None
 
 
 def available() -> bool:

@@ -50,10 +50,6 @@ class KVCache:
                 num_blocks, block_size, s.num_kv_heads, s.head_dim_v, dtype=dtype, device=device
             )  # [NB, bs, kvh, Dv]
 
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_block * self.num_blocks
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole blocks src -> dst in every layer."""
         if not pairs:

@@ -241,10 +241,7 @@ def _describe_events(events: list[dict], tables: dict) -> list[Text]:
     if allocs:
         out.append(Text(f"  + allocated  {', '.join(f'P{b}' for b in allocs)}", style="green"))
     if forks:
-        try:
-            table = "[" + ", ".join(f"P{b}" for b in json.loads(forks[0].get("detail") or "[]")) + "]"
-        except (json.JSONDecodeError, TypeError):
-            table = str(forks[0].get("detail", ""))
+        table = "[" + ", ".join(f"P{b}" for b in forks[0].get("table") or []) + "]"
         out.append(
             Text(
                 f"  ⑂ fork       {len(forks)} sample{'s' if len(forks) > 1 else ''} took references to the "

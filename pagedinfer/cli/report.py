@@ -12,6 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from pagedinfer.config import PoolSize
 from pagedinfer.engine.stats import EngineStats
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -88,17 +89,13 @@ def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -
     return lines
 
 
-def describe_source(stats: EngineStats, label: str | None = None) -> str:
-    if label:
-        return label
-    src = stats.pool_source
-    if src.startswith("num_blocks="):
-        return f"--num-blocks {src.split('=', 1)[1]}"
-    if src.startswith("kv_cache_memory="):
-        return f"--kv-memory ({human_bytes(int(src.split('=', 1)[1].split()[0]))})"
-    if src.startswith("default: "):
-        return f"the default ({src[len('default: ') :].replace(' x ', ' × ')})"
-    return src
+def describe_source(size: PoolSize) -> str:
+    """What decided the pool's size, in the CLI's words."""
+    if size.origin == "num_blocks":
+        return f"--num-blocks {size.num_blocks}"
+    if size.origin == "kv_cache_memory":
+        return f"--kv-memory ({human_bytes(size.kv_cache_memory)})"
+    return f"the default ({str(size)[len('default: ') :].replace(' x ', ' × ')})"
 
 
 def _grid() -> Table:
@@ -108,7 +105,7 @@ def _grid() -> Table:
     return grid
 
 
-def render(stats: EngineStats, console: Console, source_label: str | None = None) -> None:
+def render(stats: EngineStats, console: Console) -> None:
     """Print the report panel for one run."""
     d = derived(stats)
     parts: list = []
@@ -121,7 +118,7 @@ def render(stats: EngineStats, console: Console, source_label: str | None = None
     )
     pool.add_row(
         "",
-        f"[dim]sized by[/] {describe_source(stats, source_label)} · [dim]max_model_len[/] {stats.max_model_len:,}",
+        f"[dim]sized by[/] {describe_source(stats.pool_size)} · [dim]max_model_len[/] {stats.max_model_len:,}",
     )
     parts.append(pool)
     if not stats.steps:

@@ -302,8 +302,7 @@ def _finish(opts: RunOptions, llm, outcome: Outcome, out_path: Path | None, out:
 
     stats = llm.stats if llm is not None else None
     if stats is not None and (opts.report if opts.report is not None else not opts.quiet):
-        source = _source_label(opts)
-        report.render(stats, out, source)
+        report.render(stats, out)
     if opts.report_json is not None:
         import json
 
@@ -314,14 +313,6 @@ def _finish(opts: RunOptions, llm, outcome: Outcome, out_path: Path | None, out:
 
         save_trace(opts.trace, llm.engine)
     _summary(outcome, out_path, stats, out)
-
-
-def _source_label(opts: RunOptions) -> str | None:
-    if opts.engine.get("kv_cache_memory") is not None:
-        return f"--kv-memory {opts.engine['kv_cache_memory']}"
-    if opts.engine.get("num_blocks") is not None:
-        return f"--num-blocks {opts.engine['num_blocks']}"
-    return None
 
 
 def _run_summary(opts: RunOptions, outcome: Outcome, out_path: Path | None) -> dict:

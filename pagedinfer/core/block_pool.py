@@ -28,21 +28,11 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pagedinfer.core.trace import BlockEvent, EventKind
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than a write needs; the scheduler preempts and retries."""
-
-
-@dataclass
-class BlockEvent:
-    """One pool change, recorded only when tracing (for `pagedinfer blocks`)."""
-
-    # "alloc", "free", "cow", "fork", "write"; prefix cache: "hit" (a cached block reused), "cached"
-    # (last reference dropped, the block stays cached), "evict" (a cached block reclaimed)
-    kind: str
-    block: int
-    src: int | None = None  # for "cow": the shared block that was copied
-    detail: str = ""
 
 
 def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
@@ -154,8 +144,8 @@ class BlockPool:
         self.hashes[block] = None
         self.filled[block] = 0
 
-    def write(self, table: list[int], start: int, num_tokens: int) -> list[tuple[int, int]]:
-        """Make ``table`` ready for K/V at positions [start, start + num_tokens).
+    def reserve(self, table: list[int], start: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Make ``table`` ready for K/V at positions [start, start + num_tokens): the slots, not the K/V.
 
         Allocates missing blocks and copies a shared, partly filled first block (copy-on-write).
         Returns the (src, dst) block copies the KV tensors must perform before the write.
@@ -195,7 +185,7 @@ class BlockPool:
         """A child table pointing at the same physical blocks (every count rises by one)."""
         for block in table:
             self.ref_counts[block] += 1
-        self._trace("fork", table[-1] if table else -1, detail=str(list(table)))
+        self._trace("fork", table[-1] if table else -1, table=list(table))
         return list(table)
 
     def free(self, table: list[int]) -> None:
@@ -281,6 +271,8 @@ class BlockPool:
         block, offset = divmod(position, self.block_size)
         return table[block] * self.block_size + offset
 
-    def _trace(self, kind: str, block: int, src: int | None = None, detail: str = "") -> None:
+    def _trace(
+        self, kind: EventKind, block: int, src: int | None = None, table: list[int] | None = None
+    ) -> None:
         if self.events is not None:
-            self.events.append(BlockEvent(kind, block, src, detail))
+            self.events.append(BlockEvent(kind, block, src, table))

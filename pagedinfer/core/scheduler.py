@@ -1,55 +1,101 @@
-"""Continuous batching: which sequences run this step, how many tokens each, and who is preempted.
+"""Continuous batching, and every state change of a step: ``schedule()`` before the forward pass,
+``update()`` after it (vLLM v1's ``schedule`` / ``update_from_output``).
 
 Each step serves running requests first (decode tokens, prompt chunks, recomputation), then admits
 waiting requests in arrival order while the token budget, the sequence limit and the free blocks
 allow; an admitted prompt starts from its longest cached prefix (prefix caching). When a running sequence needs a block and none is free, the most recently admitted request
 is preempted as a whole (its blocks freed, recomputed later), never failed.
+
+The plan names, for every sequence that receives a token this step, the logits row it samples
+from; the engine only runs the model and the sampler in between. ``update`` then marks tokens
+computed, forks finished prompts into their samples, appends the sampled tokens, detects stops and
+frees what finished. No other module writes a sequence's state.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedinfer.core.beam import Candidate
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
+from pagedinfer.outputs import Logprob
 
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of the step: its tokens ``token_ids[start : start + num_tokens]``."""
+
     seq: Sequence
     start: int  # first position computed this step (= tokens already in the pool)
     num_tokens: int
-    sample: bool  # the chunk ends the sequence's pending tokens and a next token is drawn
+    sample: bool  # the chunk ends the sequence's pending tokens: its last position's logits are kept
+
+
+@dataclass
+class SampleTarget:
+    """A sequence that receives a token this step, and the logits row it is drawn from."""
+
+    seq: Sequence
+    row: int  # the n samples of a prompt completing this step share the prompt's row
 
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
+    batch: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Request] = field(default_factory=list)
+    targets: list[SampleTarget] = field(default_factory=list)
+    beam_targets: list[SampleTarget] = field(default_factory=list)  # live beams, all of a request together
+    num_rows: int = 0  # logits rows the runner returns: one per scheduled seq with ``sample``
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return sum(s.num_tokens for s in self.batch)
+
+
+class Sampled(Protocol):
+    """The sampler's result, one entry per target of the plan."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class SchedulerCounters:
+    """Token and event counts since the last reset (the engine's statistics read them)."""
+
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recompute included)
+    output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
 
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
-        self.num_preemptions = 0
-        self.num_prompt_tokens_readmitted = 0  # prompt tokens of requests admitted again after preemption
+        self.counters = SchedulerCounters()
 
-    def check(self, n_prompt: int, n: int, max_tokens: int) -> str | None:
-        """Why a request of ``n_prompt`` tokens and ``n`` samples can never run here, or None."""
+    # -- requests -------------------------------------------------------------------------
+    def rejection_reason(self, n_prompt: int, n: int, max_tokens: int, beam: bool = False) -> str | None:
+        """Why a request of ``n_prompt`` tokens and ``n`` samples (or beams) can never run here, or None."""
         if n_prompt == 0:
             return "the prompt is empty"
         if n_prompt >= self.max_model_len:
@@ -59,6 +105,8 @@ class Scheduler:
             )
         if n > self.max_num_seqs:
             return f"n={n} samples exceed max_num_seqs={self.max_num_seqs}"
+        if beam and n > self.max_num_batched_tokens:
+            return f"beam_width={n} exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
         worst = self.worst_case_blocks(n_prompt, max_tokens, n)
         if worst > self.pool.num_blocks:
             return (
@@ -70,8 +118,7 @@ class Scheduler:
 
     def worst_case_blocks(self, n_prompt: int, max_tokens: int, n: int) -> int:
         """Blocks a request holds at its longest: shared full prompt blocks + each sample's own."""
-        bs = self.pool.block_size
-        shared = n_prompt // bs
+        shared = n_prompt // self.pool.block_size
         per_sample = self.pool.blocks_for_tokens(n_prompt + max_tokens - 1) - shared
         return shared + n * per_sample
 
@@ -82,44 +129,69 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def fail(self, req: Request, reason: str) -> None:
+        """End ``req`` alone with ``reason`` (its blocks freed); the other requests go on."""
+        req.error = reason
+        self._finish(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and return its blocks to the pool."""
+        for req in [*self.running, *self.waiting]:
+            self._finish(req)
+        self.waiting.clear()
+
+    # -- before the forward pass ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
-            mark = (len(out.seqs), len(out.copies))
-            for seq in req.live_seqs():
-                if budget == 0:
-                    break
-                if seq.num_pending == 0:
-                    continue  # a beam waiting for its siblings' logits
+            mark = (len(out.batch), len(out.copies), len(out.targets), len(out.beam_targets), out.num_rows)
+            seqs = req.live_seqs()
+            beams = req.beam is not None and req.prompt_seq is None
+            together = beams and sum(s.num_pending for s in seqs) <= budget
+            for seq in seqs:
                 n = min(seq.num_pending, budget)
-                if not self._write(seq, n, req, out):
-                    del out.seqs[mark[0] :], out.copies[mark[1] :]
+                if beams and not together:  # the beams' last tokens must run in one step
+                    n = min(n, seq.num_pending - 1)
+                if n <= 0:
+                    continue
+                if not self._reserve(seq, n, req, out):  # req preempted itself: drop its share
+                    del out.batch[mark[0] :], out.copies[mark[1] :], out.targets[mark[2] :]
+                    del out.beam_targets[mark[3] :]
+                    out.num_rows = mark[4]
                     break
-                out.seqs.append(ScheduledSeq(seq, seq.num_computed, n, self._samples(seq, n)))
+                self._schedule(out, seq, n)
                 budget -= n
         if not out.preempted:
             self._admit(out, budget)
         return out
 
-    def _samples(self, seq: Sequence, n: int) -> bool:
-        if seq.num_computed + n < len(seq.token_ids):
-            return False
-        return seq.index >= 0 or not seq.request.samples  # a resumed request's samples have tokens
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Add ``n`` tokens of ``seq`` to the plan, with the targets its logits row feeds."""
+        ends = seq.num_computed + n == len(seq.token_ids)
+        targets = [seq] if not seq.is_prompt else [] if seq.request.sampled_yet else seq.request.samples
+        sample = ends and bool(targets)  # a resumed request's samples recompute before they sample
+        out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample))
+        if sample:
+            dest = out.targets if seq.request.beam is None else out.beam_targets
+            dest += [SampleTarget(t, out.num_rows) for t in targets]
+            out.num_rows += 1
 
-    def _write(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
+    def _reserve(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
         """Make room for ``seq``'s next ``n`` tokens, preempting the latest admitted requests as needed.
 
         Returns False when ``req`` itself had to be preempted.
         """
         while True:
             try:
-                copies = self.pool.write(seq.block_table, seq.num_computed, n)
+                copies = self.pool.reserve(seq.block_table, seq.num_computed, n)
             except OutOfBlocks:  # the pool changed nothing
                 victim = self.running[-1]
-                self.preempt(victim)
+                self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     return False
@@ -131,8 +203,8 @@ class Scheduler:
         """Admit waiting requests in arrival order while they fit; each starts from its cached prefix.
 
         A request whose next uncached prompt block is being computed right now by a request still
-        in prefill waits for it (it will hit the cache instead of computing the same tokens);
-        the requests behind it may go first. Its wait is bounded by that prefill.
+        in prefill waits for it (it will hit the cache instead of computing the same tokens); the
+        requests behind it may go first. Its wait is bounded by that prefill.
         """
         if not self.waiting:
             return
@@ -155,14 +227,17 @@ class Scheduler:
             self.running.append(req)
             num_seqs += req.num_future_seqs()
             if req.num_preemptions:
-                self.num_prompt_tokens_readmitted += req.num_prompt_tokens
-            seq = Sequence(req, -1, list(req.prompt_token_ids), req.num_prompt_tokens)
+                self.counters.prompt_tokens_readmitted += req.num_prompt_tokens
+            if not req.samples:  # a beam search starts from one beam
+                n = 1 if req.beam is not None else req.params.n
+                req.samples = [self._new_sample(req, i) for i in range(n)]
+            seq = Sequence(req, 0, True, list(req.prompt_token_ids), req.num_prompt_tokens)
             req.prompt_seq = seq
             seq.block_table = pool.match_prefix(seq.token_ids, hashes)
             seq.num_computed = min(len(seq.block_table) * pool.block_size, req.num_prompt_tokens - 1)
             n = min(seq.num_pending, budget)
-            out.copies += pool.write(seq.block_table, seq.num_computed, n)
-            out.seqs.append(ScheduledSeq(seq, seq.num_computed, n, self._samples(seq, n)))
+            out.copies += pool.reserve(seq.block_table, seq.num_computed, n)
+            self._schedule(out, seq, n)
             budget -= n
             in_prefill.update(hashes)
 
@@ -175,36 +250,82 @@ class Scheduler:
         """Full prompt blocks that running requests are computing (or have computed) now."""
         return {h for r in self.running if r.prompt_seq is not None for h in self._prompt_hashes(r)}
 
-    def register(self, seq: Sequence) -> None:
-        """Offer ``seq``'s newly full, computed blocks to the prefix cache (after each step)."""
-        self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+    @staticmethod
+    def _new_sample(req: Request, index: int) -> Sequence:
+        generator, detok = req.sample_state(index) if req.sample_state else (None, None)
+        return Sequence(
+            request=req,
+            index=index,
+            is_prompt=False,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            generator=generator,
+            detok=detok,
+            logprobs=[] if req.params.logprobs is not None else None,
+        )
 
-    def preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> None:
         """Free every block of ``req`` and queue it first; its tokens are recomputed on return."""
         for seq in [req.prompt_seq, *req.samples]:
             if seq is not None:
                 self.pool.free(seq.block_table)
                 seq.num_computed = 0
-                seq.beam_logits = None
         req.prompt_seq = None
         req.state = RequestState.WAITING
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def fork(self, req: Request) -> None:
-        """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""
-        parent = req.prompt_seq
-        assert parent is not None and parent.num_pending == 0
-        for seq in req.samples:
-            if not seq.finished:
-                seq.block_table = self.pool.fork(parent.block_table)
-                seq.num_computed = parent.num_computed
-        self.pool.free(parent.block_table)
-        req.prompt_seq = None
+    # -- after the forward pass -----------------------------------------------------------
+    def update(
+        self,
+        plan: SchedulerOutput,
+        sampled: Sampled | None,
+        beams: dict[Request, list[Candidate]] | None = None,
+    ) -> list[Request]:
+        """Apply one step's result; return the requests that finished in it (failed ones included).
 
-    def advance_beams(self, req: Request, running: list[Candidate]) -> None:
+        ``beams``: each beam search's candidates of this step (from its live beams' logits rows).
+        """
+        finished: list[Request] = []
+        for s in plan.batch:
+            seq, req = s.seq, s.seq.request
+            if req.state is RequestState.FINISHED:
+                continue  # failed after it was scheduled
+            seq.num_computed += s.num_tokens
+            self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            if seq.is_prompt:
+                self.counters.prompt_tokens_computed += s.num_tokens
+                if seq.num_pending == 0:
+                    self._fork(req)
+            else:
+                self.counters.output_tokens_recomputed += s.num_tokens - s.sample
+        for i, target in enumerate(plan.targets):
+            seq, req = target.seq, target.seq.request
+            if req.state is RequestState.FINISHED:
+                continue
+            try:
+                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
+            except Exception as exc:  # e.g. the tokenizer cannot decode: this request alone fails
+                self.fail(req, f"generation failed: {type(exc).__name__}: {exc}")
+                finished.append(req)
+                continue
+            if seq.finished:
+                self.pool.free(seq.block_table)
+                if req.finished:
+                    self._finish(req)
+                    finished.append(req)
+        for req, candidates in (beams or {}).items():
+            if req.state is RequestState.FINISHED:
+                continue
+            self._step_beams(req, candidates)
+            if req.finished:
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def _step_beams(self, req: Request, candidates: list[Candidate]) -> None:
         """Replace ``req``'s live beams by the candidates that run on (best first).
 
         A beam's first child takes the beam over; each further child forks its block table (the
@@ -212,14 +333,19 @@ class Scheduler:
         no child is pruned and its blocks are freed at once.
         """
         parents = req.samples
+        running = req.beam.step(candidates, [b.output_ids for b in parents])
+        self.counters.generated_tokens += len(parents)
+        if not running:  # the search is over: _finish frees every beam
+            return
         taken = [False] * len(parents)
-        beams, extend = [], []
+        children, extend = [], []
         for c in running:
             parent = parents[c.beam]
             if taken[c.beam]:
                 child = Sequence(
                     req,
                     0,
+                    False,
                     [*parent.token_ids, c.token],
                     req.num_prompt_tokens,
                     block_table=self.pool.fork(parent.block_table),
@@ -230,21 +356,45 @@ class Scheduler:
                 child = parent
                 extend.append((parent, c.token))
             child.cumulative_logprob = c.cumulative_logprob
-            child.beam_logits = None
-            beams.append(child)
+            children.append(child)
         for parent, token in extend:  # after the forks, which copy the parents' tokens
             parent.token_ids.append(token)
         for parent, kept in zip(parents, taken, strict=True):
             if not kept:
                 self.pool.free(parent.block_table)
-        for i, beam in enumerate(beams):
-            beam.index = i
-        req.samples = beams
+        for i, child in enumerate(children):
+            child.index = i
+        req.samples = children
 
-    def finish_seq(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+    def _fork(self, req: Request) -> None:
+        """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""
+        parent = req.prompt_seq
+        assert parent is not None and parent.num_pending == 0
+        for seq in req.samples:
+            if not seq.finished:
+                seq.block_table = self.pool.fork(parent.block_table)
+                seq.num_computed = parent.num_computed
+        self.pool.free(parent.block_table)
+        req.prompt_seq = None
 
-    def finish_request(self, req: Request) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> None:
+        """Append one sampled token and decide whether it ends the sequence (and why)."""
+        p = seq.request.params
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.cumulative_logprob += logprob
+            seq.logprobs.append(top)
+        self.counters.generated_tokens += 1
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.detok is not None and (stop := seq.detok.step(token)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= seq.request.max_tokens:
+            seq.finish_reason = "length"
+
+    def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED
         for seq in [req.prompt_seq, *req.samples]:
             if seq is not None:

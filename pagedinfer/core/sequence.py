@@ -1,15 +1,18 @@
-"""Requests and their sequences: the prompt sequence that is prefilled once, and the n samples forked from it."""
+"""Requests and their sequences: the prompt sequence that is prefilled once, and the n samples forked from it.
+
+Only the scheduler changes a sequence's state (tokens computed, tokens appended, finished); the
+engine reads them to build outputs. No tensors here: a sample's random source and its incremental
+detokenizer are made by the engine and held as opaque objects.
+"""
 
 from __future__ import annotations
 
 import enum
-import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any, Protocol
 
 from pagedinfer.core.beam import BeamSearch
-from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
 
@@ -18,6 +21,14 @@ class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class TextStream(Protocol):
+    """A sample's incremental detokenizer: text so far, and stop-string detection per token."""
+
+    text: str
+
+    def step(self, token_id: int) -> str | None: ...
 
 
 @dataclass(eq=False)
@@ -30,18 +41,18 @@ class Sequence:
     """
 
     request: Request
-    index: int  # sample index; -1 for the prompt sequence
+    index: int  # sample index (0 for the prompt sequence, which samples none itself)
+    is_prompt: bool
     token_ids: list[int]
     num_prompt_tokens: int
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
-    generator: torch.Generator | None = None
-    detok: IncrementalDetokenizer | None = None
+    generator: Any = None  # the sampler's random source for this sample (opaque here)
+    detok: TextStream | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    beam_logits: object = None  # a beam's next-token logits, parked until every live beam has its own
 
     @property
     def num_pending(self) -> int:
@@ -62,7 +73,7 @@ class Sequence:
     @property
     def name(self) -> str:
         rid = self.request.request_id
-        return f"{rid}/prompt" if self.index < 0 else f"{rid}/{self.index}"
+        return f"{rid}/prompt" if self.is_prompt else f"{rid}/{self.index}"
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -76,6 +87,9 @@ class Sequence:
         )
 
 
+SampleState = Callable[[int], tuple[Any, "TextStream | None"]]  # sample index -> (generator, detokenizer)
+
+
 @dataclass(eq=False)
 class Request:
     """One prompt with its sampling parameters; runs as one prompt sequence, then n samples."""
@@ -86,14 +100,14 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens capped by the model's context
+    sample_state: SampleState | None = None  # made by the engine; None: greedy rows need no state
     state: RequestState = RequestState.WAITING
     prompt_seq: Sequence | None = None
-    samples: list[Sequence] = field(default_factory=list)
+    samples: list[Sequence] = field(default_factory=list)  # made at first admission
     error: str | None = None
-    base_seed: int = 0
     num_preemptions: int = 0
     prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
-    beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams
+    beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams, best first
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,28 +121,20 @@ class Request:
 
     def num_future_seqs(self) -> int:
         """Sequences this request occupies in a batch, counting samples not forked yet."""
-        if not self.samples:
-            return self.params.n
+        if not self.samples or (self.beam is not None and not self.beam.done):
+            return self.params.n  # a beam search runs up to beam_width (= n) beams
         return sum(not s.finished for s in self.samples)
+
+    @property
+    def sampled_yet(self) -> bool:
+        """Whether its samples hold generated tokens (a resumed request's prompt then samples none)."""
+        return any(s.num_output_tokens for s in self.samples)
 
     @property
     def finished(self) -> bool:
         if self.beam is not None:
             return self.error is not None or self.beam.done
         return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
-
-    def sample_generator(self, index: int) -> torch.Generator:
-        """Sample ``index``'s own generator, derived from (seed, prompt, index).
-
-        The prompt enters the derivation so one seed shared by many prompts gives each its own noise.
-        """
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(self.base_seed.to_bytes(16, "little", signed=True))
-        digest.update(index.to_bytes(8, "little"))
-        digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in self.prompt_token_ids))
-        gen = torch.Generator()
-        gen.manual_seed(int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1))
-        return gen
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

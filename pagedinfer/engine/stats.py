@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedinfer.config import PoolSize
+from pagedinfer.core.scheduler import SchedulerCounters
+
 
 @dataclass
 class EngineStats:
@@ -16,7 +19,7 @@ class EngineStats:
     block_size: int
     bytes_per_token: int
     bytes_per_block: int
-    pool_source: str  # "num_blocks", "kv_cache_memory" or "default: ..." (how the size was chosen)
+    pool_size: PoolSize  # how the size was chosen
     max_model_len: int
     prefix_caching: bool = True
     # per step
@@ -28,22 +31,20 @@ class EngineStats:
     cached_blocks: list[int] = field(default_factory=list)  # cached blocks nobody references
     # totals
     cow_copies: int = 0
-    preemptions: int = 0
     requests: int = 0
     failed_requests: int = 0
     samples: int = 0
     prompt_tokens: int = 0  # unique prompt tokens of the requests that ran
     prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every sample would cost
-    prompt_tokens_computed: int = 0  # prompt tokens actually run through the model (recompute included)
-    output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
-    prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
-    # prefix cache: prompt tokens looked up at admission, and those its blocks saved from computing
+    # prefix cache (the pool's counts during this run): prompt tokens looked up at admission, and
+    # those its blocks saved from computing
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_blocks_reused: int = 0  # blocks handed to a new sequence by a hit
     prefix_cache_evictions: int = 0  # cached blocks reclaimed for new contents
-    generated_tokens: int = 0
     wall_time_s: float = 0.0
+    # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
 
     def record_step(
         self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
@@ -54,6 +55,27 @@ class EngineStats:
         self.logical_blocks.append(logical)
         self.running_seqs.append(seqs)
         self.batch_tokens.append(tokens)
+
+    # -- the scheduler's counts ------------------------------------------------------------
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return self.counters.prompt_tokens_computed
+
+    @property
+    def output_tokens_recomputed(self) -> int:
+        return self.counters.output_tokens_recomputed
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.counters.generated_tokens
+
+    @property
+    def preemptions(self) -> int:
+        return self.counters.preemptions
+
+    @property
+    def prompt_tokens_readmitted(self) -> int:
+        return self.counters.prompt_tokens_readmitted
 
     # -- derived figures -------------------------------------------------------------------
     @property
@@ -144,7 +166,7 @@ class EngineStats:
                 "bytes_per_token": self.bytes_per_token,
                 "bytes_per_block": self.bytes_per_block,
                 "kv_bytes_total": self.kv_bytes_total,
-                "source": self.pool_source,
+                "source": str(self.pool_size),
                 "max_model_len": self.max_model_len,
             },
             "usage": {

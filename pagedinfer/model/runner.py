@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.core.scheduler import ScheduledSeq
+
+
+class _Tokens(Protocol):
+    token_ids: list[int]
+    block_table: list[int]
+
+
+class ScheduledChunk(Protocol):
+    """What the runner reads of one scheduled sequence (the scheduler's ``ScheduledSeq``)."""
+
+    seq: _Tokens
+    start: int  # first position computed this step
+    num_tokens: int
+    sample: bool  # its last position's logits are returned
 
 
 class ModelRunner:
@@ -20,7 +35,7 @@ class ModelRunner:
         self.use_cuda_kernels = use_cuda_kernels
 
     def build_metadata(
-        self, batch: list[ScheduledSeq]
+        self, batch: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and the attention metadata of one step (few tensor ops, no per-token loop)."""
         bs = self.kv.block_size
@@ -32,12 +47,9 @@ class ModelRunner:
             dtype=torch.int32,
         )  # [S, max_blocks]
         if max(query_lens) == 1:  # decode only: one token per sequence, plain lists are cheapest
-            pos = [s.start for s in batch]
-            ids = [s.seq.token_ids[p] for s, p in zip(batch, pos, strict=True)]
-            positions = torch.tensor(pos)  # [T = S]
-            slot_mapping = torch.tensor(
-                [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(batch, pos, strict=True)]
-            )  # [T]
+            ids = [s.seq.token_ids[s.start] for s in batch]
+            positions = torch.tensor([s.start for s in batch])  # [T = S]
+            seq_of_token = torch.arange(len(batch))  # [T]
             query_start_loc = torch.arange(len(batch) + 1, dtype=torch.int32)  # [S + 1]
         else:
             ids = []
@@ -50,7 +62,8 @@ class ModelRunner:
             query_start_loc[1:] = torch.cumsum(q_lens, 0)
             offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
             positions = starts[seq_of_token] + offsets  # [T]
-            slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
+        # the seeds' lookup, vectorised: position p of a sequence -> block table[p // bs], slot p % bs
+        slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=query_start_loc.to(self.device),
@@ -80,7 +93,7 @@ class ModelRunner:
             cuda_kernels.copy_blocks(ks, vs, copies)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
         self._copy_blocks(copies)  # copy-on-write before this step's writes land
         ids, positions, meta = self.build_metadata(batch)

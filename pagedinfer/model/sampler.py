@@ -13,8 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedinfer.core.sequence import Sequence
 from pagedinfer.outputs import Logprob
+from pagedinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one logits row: its settings, its random source, its tokens so far."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None only for greedy rows
+    token_ids: list[int]  # prompt + generated tokens (penalties, min_tokens)
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -25,36 +35,36 @@ class SampleResult:
 
 
 @torch.inference_mode()  # the step's logits are inference tensors, updated in place
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> SampleResult:
-    """``logits [R, V]`` float32, one row per sequence in ``seqs`` (a row may repeat for forked samples).
+def sample(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> SampleResult:
+    """``logits [R, V]`` float32, one row per entry of ``rows``.
 
     ``logits`` may be modified in place: the caller hands over the step's own tensor.
     """
-    params = [s.request.params for s in seqs]
+    params = [r.params for r in rows]
     dev = logits.device
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     # [Rw, V] reported logprobs are the model's own, before penalties and temperature
     raw = logits[torch.tensor(want, device=dev)] if want else None
     if any(p.penalized or p.min_tokens for p in params):
-        _apply_penalties(logits, seqs)
-        _suppress_early_stop(logits, seqs, eos_ids)
+        _apply_penalties(logits, rows)
+        _suppress_early_stop(logits, rows, eos_ids)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    all_sampled = len(sampled) == len(seqs)  # then no argmax and no row gather are needed
+    all_sampled = len(sampled) == len(rows)  # then no argmax and no row gather are needed
     # [R]: the greedy rows' argmax; sampled rows are filled in below
-    tokens = torch.empty(len(seqs), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
     if sampled:
-        rows = torch.tensor(sampled, device=dev)
+        picks = torch.tensor(sampled, device=dev)  # [Rs]
         temps = torch.tensor([params[i].temperature for i in sampled], device=dev).unsqueeze(1)  # [Rs, 1]
-        tempered = logits.div_(temps) if all_sampled else logits[rows] / temps  # [Rs, V]
+        tempered = logits.div_(temps) if all_sampled else logits[picks] / temps  # [Rs, V]
         probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
         cdf = probs.cumsum_(dim=-1)  # [Rs, V]
         # drawn from each sample's host generator, so a seed gives the same numbers on every device
-        gens = [seqs[i].generator for i in sampled]
+        gens = [rows[i].generator for i in sampled]
         uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)  # [Rs]
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        tokens[rows] = picked.clamp_(max=cdf.shape[1] - 1)
-    chosen: list[float | None] = [None] * len(seqs)
-    top: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        tokens[picks] = picked.clamp_(max=cdf.shape[1] - 1)
+    chosen: list[float | None] = [None] * len(rows)
+    top: list[dict[int, Logprob] | None] = [None] * len(rows)
     if want:
         k = max(params[i].logprobs for i in want)
         logprobs = raw - torch.logsumexp(raw, dim=-1, keepdim=True)  # [Rw, V]
@@ -92,30 +102,30 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return probs
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """vLLM's penalties: repetition over prompt + output, presence and frequency over the output."""
-    for i, seq in enumerate(seqs):
-        p = seq.request.params
+    for i, r in enumerate(rows):
+        p = r.params
         if not p.penalized:
             continue
         row = logits[i]
-        out_ids = torch.tensor(seq.output_ids, dtype=torch.int64, device=row.device)
+        out_ids = torch.tensor(r.token_ids[r.num_prompt_tokens :], dtype=torch.int64, device=row.device)
         counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)  # [V]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[
-                torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.int64, device=row.device)
-            ] = True
+            seen[torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.int64, device=row.device)] = (
+                True
+            )
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _suppress_early_stop(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int]) -> None:
+def _suppress_early_stop(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> None:
     """Below min_tokens, EOS and stop tokens cannot be drawn."""
-    for i, seq in enumerate(seqs):
-        p = seq.request.params
-        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
             ids = [t for t in banned if t < logits.shape[1]]
             if ids:

@@ -1,0 +1,214 @@
+"""The torch attention path (CPU, or CUDA without CuPy): K/V writes, decode and prefill reads.
+
+Decode rows go through the C kernel when the pool allows it (`cpu_kernel`), else a padded gather;
+prompt chunks through SDPA, or a matmul + softmax when the model needs softcap or sinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention.metadata import AttentionMetadata
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, out_dtype) -> torch.Tensor:
+    """Masked softmax over the last dim; ``sinks`` (per head, shaped to broadcast) add mass only."""
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(out_dtype)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    both = torch.cat([scores, sink], dim=-1)
+    return torch.softmax(both, dim=-1, dtype=torch.float32)[..., :-1].to(out_dtype)
+
+
+@dataclass
+class TorchPlan:
+    """Index tensors for the torch path, built once per step and reused by every layer.
+
+    Decode sequences (one new token) go through the C kernel, or are attended together with their
+    contexts padded to the longest. Prefill/extend chunks each take one fused
+    ``scaled_dot_product_attention`` call; models with softcapping or sinks attend all chunks at
+    once, padded to the longest chunk and context, with a batched matmul + softmax.
+    """
+
+    decode_rows: torch.Tensor  # [Sd] packed-row index of each decode token
+    decode_slots: torch.Tensor  # [Sd, Lmax] slot of each context position (padded with a valid slot)
+    decode_kpos: torch.Tensor  # [Sd, Lmax] key positions
+    decode_qpos: torch.Tensor  # [Sd, 1] query positions
+    decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block tables of the decode sequences
+    decode_lens: torch.Tensor  # [Sd] int32 context lengths of the decode sequences
+    decode_lens_host: list[int]  # the same, as a list
+    chunk_rows: torch.Tensor  # [Sc, Nmax] packed-row index of each chunk token (padded: first row)
+    chunk_valid: torch.Tensor  # [Sc, Nmax] real (not padding) chunk tokens
+    chunk_slots: torch.Tensor  # [Sc, Cmax] slot of each context position (padded with a valid slot)
+    chunk_qpos: torch.Tensor  # [Sc, Nmax, 1] query positions
+    chunk_kpos: torch.Tensor  # [Cmax] key positions
+    chunk_spans: list[tuple[int, int, int]]  # per chunk: first packed row, tokens, context length
+    use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
+    masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk mask)
+    ranges: dict = field(default_factory=dict)  # kernel work per key -> its thread ranges
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, use_kernel: bool) -> TorchPlan:
+        bs = meta.block_size
+        tables = meta.block_tables.to(torch.int64)
+        starts = meta.query_start_loc.to(torch.int64)
+        dev = meta.context_lens.device  # the model's: index tensors live beside the pool
+        q_lens = torch.tensor(meta.query_lens, device=dev)  # [S]
+        ctx_lens = meta.context_lens.to(torch.int64)  # [S]
+        decode = torch.nonzero(q_lens == 1).flatten()  # [Sd]
+        chunk = torch.nonzero(q_lens > 1).flatten()  # [Sc]
+        decode_lens = meta.context_lens[decode].contiguous()
+        qpos = ctx_lens[decode].unsqueeze(1) - 1  # [Sd, 1]
+        if len(decode) and not use_kernel:
+            slots, kpos = cls._context(tables[decode], ctx_lens[decode], bs)
+            kpos = kpos.unsqueeze(0).expand_as(slots)
+        else:  # the CPU kernel reads through the block tables itself
+            slots = kpos = torch.zeros(len(decode), 0, dtype=torch.int64, device=dev)
+        if len(chunk):
+            n = q_lens[chunk]  # [Sc]
+            offs = torch.arange(int(n.max()), device=dev)  # [Nmax]
+            chunk_valid = offs.unsqueeze(0) < n.unsqueeze(1)  # [Sc, Nmax]
+            chunk_rows = starts[chunk].unsqueeze(1) + torch.where(chunk_valid, offs, 0)  # [Sc, Nmax]
+            chunk_qpos = (ctx_lens[chunk] - n).unsqueeze(1) + offs  # [Sc, Nmax]
+            chunk_slots, chunk_kpos = cls._context(tables[chunk], ctx_lens[chunk], bs)
+            spans = list(zip(starts[chunk].tolist(), n.tolist(), ctx_lens[chunk].tolist(), strict=True))
+        else:  # a decode-only step (most steps): nothing to index
+            chunk_rows = chunk_slots = chunk_qpos = torch.zeros(0, 0, dtype=torch.int64, device=dev)
+            chunk_valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+            chunk_kpos = torch.zeros(0, dtype=torch.int64, device=dev)
+            spans = []
+        return cls(
+            starts[decode],
+            slots,
+            kpos,
+            qpos,
+            meta.block_tables[decode].contiguous(),
+            decode_lens,
+            [meta.context_lens_host[i] for i in decode.tolist()],
+            chunk_rows,
+            chunk_valid,
+            chunk_slots,
+            chunk_qpos.unsqueeze(2),
+            chunk_kpos,
+            spans,
+            use_kernel,
+        )
+
+    @staticmethod
+    def _context(tables: torch.Tensor, lens: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[S, Lmax]`` of every context position (past each length: the last valid one)."""
+        pos = torch.arange(int(lens.max()) if len(lens) else 0, device=lens.device)  # [Lmax]
+        clamped = torch.minimum(pos.unsqueeze(0), lens.unsqueeze(1) - 1)  # [S, Lmax]
+        return tables.gather(1, clamped // bs) * bs + clamped % bs, pos
+
+    def _masks(self, window: int):
+        """(decode mask, chunk mask) for ``window``, built on first need in the step: the kernel's
+        decode rows and whole prompts without a window use none."""
+        if window not in self.masks:
+            visible = self.decode_kpos <= self.decode_qpos  # [Sd, Lmax]
+            chunk = self.chunk_kpos <= self.chunk_qpos  # [Sc, Nmax, Cmax]
+            if window:
+                visible &= self.decode_qpos - self.decode_kpos < window
+                chunk &= self.chunk_qpos - self.chunk_kpos < window
+            self.masks[window] = (visible, chunk)
+        return self.masks[window]
+
+    def attend(self, out, q, k, v, k_cache, v_cache, slot_mapping, scale, window, softcap, sinks) -> None:
+        """Write this step's ``k``/``v`` at their slots, then attend every query token."""
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [NB * bs, kvh, D]
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [NB * bs, kvh, Dv]
+        if self.use_kernel and k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1:
+            cpu_kernel.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        else:
+            k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+        if len(self.decode_rows) and self.use_kernel:
+            self._decode_kernel(out, q, v, k_cache, v_cache, scale, window, softcap, sinks)
+        elif len(self.decode_rows):
+            self._decode_torch(out, q, k_flat, v_flat, scale, window, softcap, sinks)
+        if len(self.chunk_rows) and not softcap and sinks is None:
+            self._chunks_sdpa(out, q, k, v, k_flat, v_flat, scale, window)
+        elif len(self.chunk_rows):
+            self._chunks_matmul(out, q, k_flat, v_flat, scale, window, softcap, sinks)
+
+    def _decode_kernel(self, out, q, v, k_cache, v_cache, scale, window, softcap, sinks) -> None:
+        """Decode rows through the C kernel, reading K/V in place through the block tables."""
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        per_key = q.shape[1] * (q.shape[2] + v.shape[2])  # multiply-adds per key and sequence
+        if per_key not in self.ranges:
+            self.ranges[per_key] = cpu_kernel.split(self.decode_lens_host, per_key)
+        cpu_kernel.paged_decode(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            self.decode_tables,
+            self.decode_lens,
+            self.decode_rows,
+            self.ranges[per_key],
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
+
+    def _decode_torch(self, out, q, k_flat, v_flat, scale, window, softcap, sinks) -> None:
+        """Decode rows attended together, their contexts gathered and padded to the longest."""
+        kvh, hq, d = k_flat.shape[1], q.shape[1], q.shape[2]
+        sd, g = len(self.decode_rows), hq // kvh
+        qd = q[self.decode_rows].view(sd, kvh, g, d) * scale  # [Sd, kvh, g, D]
+        keys = k_flat[self.decode_slots].permute(0, 2, 3, 1)  # [Sd, kvh, D, Lmax]
+        vals = v_flat[self.decode_slots].transpose(1, 2)  # [Sd, kvh, Lmax, Dv]
+        scores = qd @ keys.to(qd.dtype)  # [Sd, kvh, g, Lmax]
+        sink = None if sinks is None else sinks.view(1, kvh, g, 1)
+        decode_mask = self._masks(window)[0]  # [Sd, Lmax]
+        probs = _softmax(scores, decode_mask[:, None, None, :], softcap, sink, vals.dtype)
+        out[self.decode_rows] = (probs @ vals).reshape(sd, hq, -1).to(out.dtype)
+
+    def _chunks_sdpa(self, out, q, k, v, k_flat, v_flat, scale, window) -> None:
+        """One fused SDPA per chunk (no [N, C] probabilities kept, no padding to the longest chunk).
+
+        A whole prompt attends its own rows of this step, causally, so SDPA skips the masked half
+        instead of computing it and masking it out.
+        """
+        for i, (start, n, c) in enumerate(self.chunk_spans):
+            qc = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            whole = c == n and k.dtype == k_flat.dtype and v.dtype == v_flat.dtype
+            if whole:
+                kc, vc = k[start : start + n], v[start : start + n]  # [n, kvh, D], [n, kvh, Dv]
+            else:
+                kc, vc = k_flat[self.chunk_slots[i, :c]], v_flat[self.chunk_slots[i, :c]]
+            causal = whole and not window
+            res = F.scaled_dot_product_attention(
+                qc,
+                kc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, D]
+                vc.transpose(0, 1).unsqueeze(0).to(qc.dtype),  # [1, kvh, c, Dv]
+                attn_mask=None if causal else self._masks(window)[1][i, :n, :c],
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+            )  # [1, Hq, n, Dv]
+            out[start : start + n] = res[0].transpose(0, 1).to(out.dtype)
+
+    def _chunks_matmul(self, out, q, k_flat, v_flat, scale, window, softcap, sinks) -> None:
+        """All chunks at once, padded to the longest chunk and context: a batched matmul + softmax
+        (for models with softcapping or sinks, which SDPA does not take)."""
+        kvh, hq, d = k_flat.shape[1], q.shape[1], q.shape[2]
+        g = hq // kvh
+        sc, nmax = self.chunk_rows.shape
+        qc = q[self.chunk_rows].view(sc, nmax, kvh, g, d).permute(0, 2, 3, 1, 4) * scale  # [Sc, kvh, g, N, D]
+        keys = k_flat[self.chunk_slots].permute(0, 2, 3, 1).unsqueeze(2)  # [Sc, kvh, 1, D, Cmax]
+        vals = v_flat[self.chunk_slots].transpose(1, 2).unsqueeze(2)  # [Sc, kvh, 1, Cmax, Dv]
+        scores = qc @ keys.to(qc.dtype)  # [Sc, kvh, g, N, Cmax]
+        sink = None if sinks is None else sinks.view(1, kvh, g, 1, 1)
+        chunk_mask = self._masks(window)[1]  # [Sc, Nmax, Cmax]
+        probs = _softmax(scores, chunk_mask[:, None, None], softcap, sink, vals.dtype)
+        res = (probs @ vals).permute(0, 3, 1, 2, 4).reshape(sc, nmax, hq, -1)  # [Sc, N, Hq, Dv]
+        out[self.chunk_rows[self.chunk_valid]] = res[self.chunk_valid].to(out.dtype)

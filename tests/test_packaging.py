@@ -1,0 +1,71 @@
+"""The kernels ship with the package: a wheel installed in a fresh environment builds and runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_carries_the_kernels_and_runs_the_c_kernel(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("pagedinfer-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(
+        env_dir, system_site_packages=True
+    )  # torch and friends from the host, pagedinfer from the wheel
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, capture_output=True
+    )
+    probe = (
+        "import pagedinfer, torch\n"
+        "from pagedinfer.attention import cpu_kernel, cuda_kernels\n"
+        "from pagedinfer.attention.sources import KERNELS_DIR\n"
+        "print(pagedinfer.__file__)\n"
+        "print(KERNELS_DIR)\n"
+        "print(cpu_kernel.available())\n"
+        "print(sorted(p.name for p in KERNELS_DIR.glob('*.cu')))\n"
+        "print((KERNELS_DIR / 'cpu' / 'cuda_shim.h').is_file())\n"
+    )
+    cache = tmp_path / "kernel-cache"  # a cold cache: the installed source is compiled here
+    env = {**os.environ, "PAGEDINFER_CACHE": str(cache), "PYTHONPATH": ""}
+    out = subprocess.run(
+        [python, "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, env=env
+    ).stdout.splitlines()
+    site = env_dir.resolve()
+    assert Path(out[0]).resolve().is_relative_to(site), out[0]  # the wheel's copy, not the checkout
+    assert Path(out[1]).resolve().is_relative_to(site), out[1]
+    assert out[2] == "True" and list(cache.glob("cpu_paged_decode-*.so"))
+    assert out[3] == "['cache_ops.cu', 'paged_attention.cu']" and out[4] == "True"
+
+
+def test_a_missing_compiler_is_said_once_with_its_cost(tmp_path):
+    env = {**os.environ, "CC": "no-such-compiler", "PAGEDINFER_CACHE": str(tmp_path)}
+    probe = (
+        "from pagedinfer.attention import cpu_kernel\nprint(cpu_kernel.available(), cpu_kernel.available())"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.stdout.strip() == "False False"
+    assert run.stderr.count("CPU decode kernel is unavailable") == 1
+    assert "no C compiler (no-such-compiler)" in run.stderr and "x slower" in run.stderr

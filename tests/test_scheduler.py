@@ -1,0 +1,239 @@
+"""The scheduler alone, no model: schedule() -> fake sampled tokens -> update(), checked after every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from pagedinfer.core.block_pool import BlockPool
+from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
+from pagedinfer.core.sequence import Request, RequestState
+from pagedinfer.sampling_params import SamplingParams
+
+STOP = 3  # tokens are drawn from range(VOCAB); requests that list STOP end when they draw it
+VOCAB = 8
+
+
+@dataclass
+class FakeSampled:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[dict | None] = field(default_factory=list)
+
+
+def token_for(req: Request, index: int, position: int) -> int:
+    """The token a sample draws at an output position: a fixed function, as a seeded sampler is."""
+    return (hash((req.request_id, index, position)) & 0xFFFF) % VOCAB
+
+
+def fake_sample(plan: SchedulerOutput) -> FakeSampled:
+    out = FakeSampled()
+    for t in plan.targets:
+        out.token_ids.append(token_for(t.seq.request, t.seq.index, t.seq.num_output_tokens))
+        out.logprobs.append(None)
+        out.top.append(None)
+    return out
+
+
+def request(
+    rid: str, prompt_len: int, n: int = 1, max_tokens: int = 4, stop: bool = False, first: int = 10
+) -> Request:
+    """Prompts ``first, first + 1, ...``: requests with the same ``first`` share a prefix (prefix cache)."""
+    params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[STOP] if stop else None)
+    prompt = list(range(first, first + prompt_len))
+    return Request(rid, int(rid.strip("r") or 0), None, prompt, params, max_tokens)
+
+
+def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+    plan = sched.schedule()
+    return plan, sched.update(plan, fake_sample(plan) if plan.batch else None)
+
+
+def run(sched: Scheduler, limit: int = 1000) -> list[SchedulerOutput]:
+    plans = []
+    while sched.has_work:
+        assert len(plans) < limit, "the scheduler made no progress"
+        plans.append(step(sched)[0])
+    return plans
+
+
+def test_token_budget_splits_a_long_prompt_into_chunks():
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64)
+    sched.add(request("r1", 12, max_tokens=2))
+    plans = run(sched)
+    assert [[(s.start, s.num_tokens, s.sample) for s in p.batch] for p in plans] == [
+        [(0, 5, False)],
+        [(5, 5, False)],
+        [(10, 2, True)],
+        [(12, 1, True)],
+    ]
+
+
+def test_admission_stops_at_max_num_seqs_counting_future_samples():
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64)
+    for rid, n in (("r1", 3), ("r2", 2), ("r3", 1)):
+        sched.add(request(rid, 4, n=n))
+    plan, _ = step(sched)
+    assert [s.seq.name for s in plan.batch] == ["r1/prompt"]  # r2's 2 samples would make 5 > 4
+    assert [r.request_id for r in sched.running] == ["r1"] and len(sched.waiting) == 2  # r3 waits behind
+
+
+def test_admission_needs_free_blocks_for_the_prompt():
+    sched = Scheduler(BlockPool(3, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched.add(request("r1", 8))  # 2 blocks
+    sched.add(request("r2", 8))  # 2 more: only 1 left
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["r1"] and len(sched.waiting) == 1
+
+
+def test_forked_samples_share_the_prompt_row_and_blocks():
+    sched = Scheduler(BlockPool(16, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    req = request("r1", 6, n=3)
+    sched.add(req)
+    plan, _ = step(sched)
+    assert plan.num_rows == 1 and [(t.seq.name, t.row) for t in plan.targets] == [
+        ("r1/0", 0),
+        ("r1/1", 0),
+        ("r1/2", 0),
+    ]
+    tables = [s.block_table for s in req.samples]
+    assert tables[0] == tables[1] == tables[2] and sched.pool.num_used == 2  # seed 000: 6 tokens, 2 blocks
+    assert all(sched.pool.ref_counts[b] == 3 for b in tables[0])
+    plan, _ = step(sched)  # each sample writes position 6 into the shared partial block
+    assert len(plan.copies) == 2  # the first two writers copy; the last writes the original in place
+    assert sched.pool.num_used == 4 and sched.pool.ref_counts[tables[0][0]] == 3
+
+
+def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
+    sched = Scheduler(BlockPool(4, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    first, second = request("r1", 4, max_tokens=3), request("r2", 4, max_tokens=3, first=50)
+    sched.add(first)
+    sched.add(second)
+    step(sched)  # both prompts: 2 blocks each, the pool is full
+    before = list(second.samples[0].token_ids)
+    plan, _ = step(sched)  # r1 needs a third block: r2, admitted last, gives its blocks back
+    assert plan.preempted == [second] and second.state is RequestState.WAITING
+    assert all(not s.block_table for s in second.samples) and second.samples[0].num_computed == 0
+    run(sched)
+    assert second.samples[0].token_ids[: len(before)] == before  # resumed with exactly what it had
+    assert second.samples[0].num_output_tokens == 3 and sched.pool.num_free == 4
+
+
+def test_a_request_that_preempts_itself_leaves_nothing_scheduled():
+    sched = Scheduler(BlockPool(2, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    lone = request("r1", 3, n=2, max_tokens=2)  # prompt: 2 blocks; the samples then need 1 each
+    sched.add(lone)
+    step(sched)
+    plan, _ = step(sched)  # the first sample copies... no block left for the second: r1 preempts itself
+    assert plan.preempted == [lone] and plan.batch == [] and plan.targets == [] and plan.copies == []
+    assert sched.pool.num_free == 2 and lone.state is RequestState.WAITING
+
+
+def test_finished_and_failed_requests_hold_no_blocks():
+    sched = Scheduler(BlockPool(16, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    ok, bad = request("r1", 5, max_tokens=2), request("r2", 5, max_tokens=2)
+    sched.add(ok)
+    sched.add(bad)
+    step(sched)
+    sched.fail(bad, "broken")
+    assert bad.error == "broken" and all(not s.block_table for s in bad.samples)
+    plans = run(sched)
+    assert ok.finished and not ok.error and sched.pool.num_free == 16
+    assert all(t.seq.request is ok for p in plans for t in p.targets)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random requests on tiny pools; the rules every step must keep, checked after each one."""
+
+    @initialize(
+        num_blocks=st.integers(4, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_seqs=st.integers(1, 6),
+        budget=st.integers(1, 12),
+    )
+    def setup(self, num_blocks, block_size, max_seqs, budget):
+        self.sched = Scheduler(BlockPool(num_blocks, block_size), max_seqs, budget, max_model_len=40)
+        self.requests: list[Request] = []
+        self.expected: dict[tuple[str, int], list[int]] = {}  # (request, sample) -> tokens handed out
+        self.steps = 0
+        self.arrival: dict[str, int] = {}
+        self.finished_at: dict[str, int] = {}
+
+    @rule(
+        prompt_len=st.integers(1, 9),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 5),
+        stop=st.booleans(),
+        first=st.sampled_from([10, 30]),
+    )
+    def add(self, prompt_len, n, max_tokens, stop, first):
+        req = request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop, first)
+        if self.sched.rejection_reason(prompt_len, n, max_tokens) is None:
+            self.sched.add(req)
+            self.requests.append(req)
+            self.arrival[req.request_id] = self.steps
+
+    @rule()
+    def step(self):
+        sched = self.sched
+        plan = sched.schedule()
+        self.steps += 1
+        assert plan.num_tokens <= sched.max_num_batched_tokens
+        assert (
+            sum(r.num_future_seqs() for r in sched.running) <= sched.max_num_seqs or len(sched.running) == 1
+        )
+        assert plan.num_rows == sum(s.sample for s in plan.batch)
+        assert all(0 <= t.row < plan.num_rows for t in plan.targets)
+        sampled = fake_sample(plan) if plan.batch else None
+        for t, token in zip(plan.targets, sampled.token_ids if sampled else [], strict=True):
+            key = (t.seq.request.request_id, t.seq.index)
+            assert t.seq.output_ids == self.expected.get(key, []), "a resumed sample lost or changed tokens"
+            self.expected.setdefault(key, []).append(token)
+        for req in sched.update(plan, sampled):
+            self.finished_at[req.request_id] = self.steps
+
+    @invariant()
+    def reference_counts_match_tables(self):
+        if not hasattr(self, "sched"):
+            return
+        counts = [0] * self.sched.pool.num_blocks
+        for req in self.sched.running:  # only live sequences may hold blocks: finished samples free theirs
+            for seq in req.live_seqs():
+                for block in seq.block_table:
+                    counts[block] += 1
+        assert counts == self.sched.pool.ref_counts
+        assert self.sched.pool.num_free == counts.count(0)
+
+    @invariant()
+    def finished_requests_hold_nothing_and_kept_their_tokens(self):
+        for req in getattr(self, "requests", []):
+            if req.state is RequestState.FINISHED:
+                assert req.prompt_seq is None and all(not s.block_table for s in req.samples)
+                for s in req.samples:
+                    assert s.output_ids == self.expected[(req.request_id, s.index)]
+                    assert s.finish_reason == (
+                        "stop" if s.output_ids[-1] in s.request.params.stop_token_ids else "length"
+                    )
+            elif req.state is RequestState.WAITING:
+                assert all(not s.block_table for s in req.samples)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        work = sum(r.num_prompt_tokens + r.params.n * r.max_tokens for r in self.requests)
+        bound = self.steps + 2 * work + 10
+        while self.sched.has_work:
+            assert self.steps < bound, "a request starves: the workload did not finish in time"
+            self.step()
+            self.reference_counts_match_tables()
+        assert all(r.state is RequestState.FINISHED and not r.error for r in self.requests)
+        for r in self.requests:  # no request waits longer than the whole workload's token count, twice over
+            assert self.finished_at[r.request_id] - self.arrival[r.request_id] <= 2 * work + 10
+        assert self.sched.pool.num_free == self.sched.pool.num_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
