@@ -101,3 +101,8 @@ class BeamSearchParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (and occupies): one per beam."""
+        return self.beam_width

@@ -117,3 +117,32 @@ def test_finished_list_keeps_the_best_and_stops_early():
     assert [(h.token_ids, h.score, h.finish_reason) for h in search.finished] == [([0], -1.0, "stop")]
     running = search.step([Candidate(1, 0, -2.2), Candidate(0, 7, -2.5)], [[5], [6]])
     assert [h.token_ids for h in search.finished] == [[0], [6, 0]] and search.done and running == []
+
+
+def test_cli_beam_width_flag_and_per_line(tmp_path):
+    from cli_helpers import read_jsonl, tiny_model, write_jsonl
+    from typer.testing import CliRunner
+
+    from pagedinfer.cli.app import app
+
+    model = str(tiny_model())
+    lines = [
+        {"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 4},  # --beam-width 2
+        {"prompt_token_ids": [9, 8, 7], "max_tokens": 3, "beam_width": 3, "length_penalty": 0.0},
+        {"prompt_token_ids": [1, 2, 3], "max_tokens": 3, "beam_width": 0, "temperature": 0},  # sampling
+        {"prompt_token_ids": [1, 2, 3], "beam_width": 2, "n": 2},
+    ]
+    path = write_jsonl(tmp_path / "beams.jsonl", lines)
+    args = ["run", str(path), "--model", model, "--device", "cpu", "--quiet", "--beam-width", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1  # the last line is bad
+    records = read_jsonl(tmp_path / "beams.out.jsonl")
+    llm = LLM(model, device="cpu", dtype="float32")
+    for record, params in zip(records, [BeamSearchParams(2, 4), BeamSearchParams(3, 3, 0.0)], strict=False):
+        want = llm.beam_search({"prompt_token_ids": record["prompt_token_ids"]}, params, use_tqdm=False)[0]
+        assert [b["token_ids"] for b in record["beams"]] == [s.token_ids for s in want.sequences]
+        assert [b["cumulative_logprob"] for b in record["beams"]] == pytest.approx(
+            [s.cumulative_logprob for s in want.sequences], abs=1e-5
+        )
+    assert len(records[2]["outputs"]) == 1 and "beams" not in records[2]
+    assert records[3]["error"] == "line 4: a beam search line takes no 'n' (beams are greedy and ranked)"

@@ -107,6 +107,15 @@ def run(
             "--min-p", help="Drop tokens below min_p × the top probability.", rich_help_panel=SAMPLING
         ),
     ] = 0.0,
+    beam_width: Annotated[
+        int,
+        typer.Option(
+            "--beam-width",
+            help="Beam search with this many beams (0: off). Output: the beams with their cumulative "
+            "log-probabilities, best first. Plain lines only; a line's beam_width overrides it.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 0,
     seed: Annotated[
         int,
         typer.Option(
@@ -261,6 +270,7 @@ def run(
             "top_k": top_k,
             "min_p": min_p,
             "stop": list(stop or []),
+            "beam_width": beam_width,
         },
         seed=seed,
         engine={

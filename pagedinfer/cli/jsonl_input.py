@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -49,8 +49,15 @@ SAMPLING_FIELDS: dict[str, tuple[str, ...]] = {
     "logprobs": ("int", "null"),
     "skip_special_tokens": ("bool",),
 }
+# Beam search (plain lines): a line with beam_width > 0 (or --beam-width) returns that many beams.
+BEAM_FIELDS: dict[str, tuple[str, ...]] = {
+    "beam_width": ("int", "null"),
+    "length_penalty": ("float",),
+    "early_stopping": ("bool", "str"),
+}
+NOT_FOR_BEAMS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "logprobs", "seed")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS}
+PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
 
 OPENAI_LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # Body fields OpenAI documents that we honour, plus vLLM's sampling extensions.
@@ -116,7 +123,7 @@ class LineRequest:
     id: object  # plain lines: the `id` field or the line number; OpenAI lines: custom_id
     kind: str  # "prompt", "messages" or "token_ids"
     prompt: str | list[dict] | list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     openai: OpenAIRequest | None = None
 
 
@@ -245,7 +252,12 @@ def _parse_plain(number: int, obj: dict, defaults: dict, base_seed: int) -> Item
             raise _Bad(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
         kind, prompt = _plain_prompt(obj)
         overrides = {k: _check_field(k, obj[k], SAMPLING_FIELDS[k]) for k in SAMPLING_FIELDS if k in obj}
-        params = _sampling(defaults, overrides, base_seed, key)
+        beam = {k: _check_field(k, obj[k], BEAM_FIELDS[k]) for k in BEAM_FIELDS if k in obj}
+        width = beam.pop("beam_width", defaults.get("beam_width"))
+        if width:
+            params = _beam_params(width, beam, defaults, overrides)
+        else:
+            params = _sampling(defaults, overrides, base_seed, key)
     except _Bad as e:
         return LineError(number, key, ident, str(e), None, False, echo)
     return LineRequest(number, key, ident, kind, prompt, params)
@@ -355,7 +367,27 @@ def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
 
 
 # -- shared checks --------------------------------------------------------------------------------
+def _beam_params(width: int, beam: dict, defaults: dict, overrides: dict) -> BeamSearchParams:
+    given = [k for k in NOT_FOR_BEAMS if k in overrides]
+    if given:
+        raise _Bad(f"a beam search line takes no {', '.join(map(repr, given))} (beams are greedy and ranked)")
+    max_tokens = overrides.get("max_tokens", defaults.get("max_tokens", 16))
+    if max_tokens is None:
+        raise _Bad("max_tokens must be an integer for beam search")
+    try:
+        return BeamSearchParams(
+            beam_width=width,
+            max_tokens=max_tokens,
+            ignore_eos=overrides.get("ignore_eos", False),
+            stop_token_ids=overrides.get("stop_token_ids"),
+            **beam,
+        )
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
 def _sampling(defaults: dict, overrides: dict, base_seed: int, key: str) -> SamplingParams:
+    defaults = {k: v for k, v in defaults.items() if k != "beam_width"}
     values = {**defaults, **overrides}  # null overrides too: max_tokens null = up to the context
     if values.get("seed") is None:
         values["seed"] = derive_seed(base_seed, key)

@@ -79,11 +79,14 @@ def execute(opts: RunOptions, out: Console, err: Console) -> int:
 
 def _execute(opts: RunOptions, out: Console, err: Console) -> int:
     from pagedinfer.config import EngineConfig
-    from pagedinfer.sampling_params import SamplingParams
+    from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
     lines = read_input(opts.prompts)
+    sampling = {k: v for k, v in opts.sampling.items() if k != "beam_width"}
     try:
-        SamplingParams(**opts.sampling)
+        SamplingParams(**sampling)
+        if opts.sampling.get("beam_width"):
+            BeamSearchParams(opts.sampling["beam_width"], sampling.get("max_tokens", 16))
     except ValueError as e:
         raise UsageError(f"invalid sampling option: {e}") from None
     config_keys = ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")

@@ -112,6 +112,7 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         order = self._next_id if order is None else order
         self._next_id += 1
+        error = self.request_error(ids, params)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam, params = (
@@ -134,7 +135,7 @@ class LLMEngine:
         )
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         req.sample_state = self._sample_state(req, base_seed)
-        req.error = self.request_error(ids, params, beam is not None)
+        req.error = error
         if beam is not None:
             stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
             req.beam = BeamSearch(
@@ -150,12 +151,13 @@ class LLMEngine:
             self.scheduler.add(req)
         return req
 
-    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
         return min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
 
-    def request_error(self, token_ids: list[int], params: SamplingParams, beam: bool = False) -> str | None:
+    def request_error(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> str | None:
         """Why a prompt of these tokens can never run on this model and pool (None if it can)."""
         max_tokens = self._max_tokens(token_ids, params)
+        beam = isinstance(params, BeamSearchParams)
         return self.scheduler.rejection_reason(len(token_ids), params.n, max_tokens, beam)
 
     def _sample_state(self, req: Request, base_seed: int) -> SampleState:
