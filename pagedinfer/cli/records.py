@@ -68,14 +68,7 @@ def success_record(
         k = res.item.params.logprobs or 0
         return _openai_success(res.item.openai, out, usage, k, token_text, model)
     item = res.item
-    record: dict = {"id": item.id, "line": item.line}
-    if item.kind == "prompt":
-        record["prompt"] = item.prompt
-    elif item.kind == "messages":
-        record["messages"] = item.prompt
-        record["prompt"] = res.text
-    else:
-        record["prompt_token_ids"] = item.prompt
+    record = _plain_head(res)
     k = item.params.logprobs or 0
     record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
     record["usage"] = usage
@@ -83,8 +76,8 @@ def success_record(
     return record
 
 
-def _beam_record(res: Resolved, out: BeamSearchOutput) -> dict:
-    """A beam search line: ``beams`` best first, each with its cumulative log-probability and score."""
+def _plain_head(res: Resolved) -> dict:
+    """A plain line's id, line number and prompt, as its input gave it."""
     item = res.item
     record: dict = {"id": item.id, "line": item.line}
     if item.kind == "prompt":
@@ -94,6 +87,12 @@ def _beam_record(res: Resolved, out: BeamSearchOutput) -> dict:
         record["prompt"] = res.text
     else:
         record["prompt_token_ids"] = item.prompt
+    return record
+
+
+def _beam_record(res: Resolved, out: BeamSearchOutput) -> dict:
+    """A beam search line: ``beams`` best first, each with its cumulative log-probability and score."""
+    record = _plain_head(res)
     record["beams"] = [
         {
             "index": i,
