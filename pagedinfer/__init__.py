@@ -10,19 +10,38 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "__version__",
+]
 _HOME = {
     "LLM": "pagedinfer.llm",
     "SamplingParams": "pagedinfer.sampling_params",
     "RequestOutput": "pagedinfer.outputs",
     "CompletionOutput": "pagedinfer.outputs",
     "Logprob": "pagedinfer.outputs",
+    "BeamSearchParams": "pagedinfer.sampling_params",
+    "BeamSearchOutput": "pagedinfer.outputs",
+    "BeamSearchSequence": "pagedinfer.outputs",
 }
 
 if TYPE_CHECKING:
     from pagedinfer.llm import LLM
-    from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
-    from pagedinfer.sampling_params import SamplingParams
+    from pagedinfer.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str):

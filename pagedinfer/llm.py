@@ -12,8 +12,8 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import load_model
-from pagedinfer.outputs import RequestOutput
-from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.outputs import BeamSearchOutput, RequestOutput
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict
 
@@ -28,6 +28,8 @@ class LLM:
     GPU memory), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
     ``model_impl``: ``auto`` (pagedinfer's own Llama-family modeling on the CPU, else transformers'),
     ``pagedinfer`` or ``transformers``.
+    ``enable_prefix_caching``: prompts that start with the same full blocks of tokens reuse their
+    K/V across requests (and across ``generate`` calls) instead of computing them again.
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class LLM:
         model_impl: str = "auto",
         seed: int = EngineConfig.seed,
         use_cuda_kernels: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -54,6 +57,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
         loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
@@ -85,10 +89,26 @@ class LLM:
             results[index] = output
         return results  # type: ignore[return-value]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams | Sequence[BeamSearchParams],
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """``beam_width`` beams per prompt, best first, inside the engine: the beams of a prompt share
+        their blocks (a surviving beam's children fork its block table, a pruned beam frees its
+        blocks at once). Equals transformers ``generate(num_beams=beam_width, do_sample=False,
+        num_return_sequences=beam_width, length_penalty=..., early_stopping=...)``.
+        """
+        return self.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type, return-value]
+
     def generate_iter(
         self,
         prompts: Prompt | Iterable[Prompt],
-        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+        sampling_params: SamplingParams
+        | BeamSearchParams
+        | Iterable[SamplingParams | BeamSearchParams]
+        | None = None,
         use_tqdm: bool = False,
         request_ids: Iterable[str] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
@@ -96,14 +116,15 @@ class LLM:
         """Yield ``(input index, output)`` as each request finishes.
 
         ``prompts`` (and per-prompt ``sampling_params`` / ``request_ids``) may be any iterables, even
-        generators: they are read lazily (see `stream`). ``on_step`` is called after every engine
+        generators: they are read lazily (see `stream`). A prompt given `BeamSearchParams` yields a
+        `BeamSearchOutput`, the others a `RequestOutput`. ``on_step`` is called after every engine
         step (live progress: ``engine.pool.num_used``...).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = itertools.repeat(sampling_params)
         elif (
             hasattr(sampling_params, "__len__")
@@ -159,7 +180,7 @@ class LLM:
                     req = engine.add_request(prompt, params, request_id=rid, order=index)
                     index += 1
                     if req.error:
-                        yield req.order, req.to_output()
+                        yield req.order, engine.output(req)
                     else:
                         pending += 1
                 if not engine.has_unfinished:
@@ -172,7 +193,7 @@ class LLM:
                     on_step(engine)
                 pending -= len(done)
                 for req in done:
-                    yield req.order, req.to_output()
+                    yield req.order, engine.output(req)
         finally:
             engine.stats.wall_time_s = time.perf_counter() - start
             engine.abort_all()  # a caller that stops early (Ctrl-C) leaves no blocks behind

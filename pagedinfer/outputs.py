@@ -31,3 +31,23 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     error: str | None = None  # set when the request could not run (e.g. prompt too long)
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list[int]  # generated tokens (the stop token included)
+    text: str
+    cumulative_logprob: float  # sum of the generated tokens' log-probabilities
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty: the beams' order
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """What `LLM.beam_search` returns per prompt: ``beam_width`` sequences, best first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+    error: str | None = None

@@ -152,3 +152,40 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings, with transformers' ``generate(num_beams=...)`` semantics.
+
+    ``length_penalty``: a finished beam's score is ``cumulative_logprob / generated_length **
+    length_penalty``. ``early_stopping``: ``True`` stops once ``beam_width`` beams finished;
+    ``False`` stops when the best running beam, scored at its current length, cannot beat the
+    worst finished one; ``"never"`` scores it at ``max_tokens`` when ``length_penalty > 0``.
+    A beam finishes at the model's EOS (unless ``ignore_eos``), at one of ``stop_token_ids``, or
+    at ``max_tokens``.
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        checks = [
+            (isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width must be an integer >= 1"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
+            (self.early_stopping in (True, False, "never"), "early_stopping must be true, false or 'never'"),
+            (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (and occupies): one per beam."""
+        return self.beam_width

@@ -1,11 +1,11 @@
-"""The block pool alone: the seeds' worked examples and a stateful random test of its invariants."""
+"""The block pool alone: the seeds' worked examples, the prefix cache, and a stateful random test of both."""
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedinfer.core.block_pool import BlockPool, OutOfBlocks
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 
 
 def test_b_and_c_fit_together_in_24_slots():
@@ -79,43 +79,155 @@ def test_out_of_blocks_changes_nothing():
     assert len(t) == 2 and pool.num_free == 0
 
 
+def _filled_pool(tokens: list[int], num_blocks: int = 8) -> tuple[BlockPool, list[int]]:
+    """A pool where one sequence computed ``tokens`` and registered its full blocks."""
+    pool = BlockPool(num_blocks=num_blocks, block_size=4)
+    table: list[int] = []
+    pool.reserve(table, 0, len(tokens))
+    pool.register_full_blocks(table, tokens, len(tokens))
+    return pool, table
+
+
+def test_hashes_chain_over_the_whole_prefix():
+    a, b = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4), block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and len(a[0]) == 32  # 256-bit digests
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, different parent: different hash
+    assert block_hashes([1, 2, 3, 4, 5, 6, 7], 4) == a[:1]  # only full blocks are named
+
+
+def test_freed_full_blocks_stay_cached_and_are_hit():
+    """Seed 004 section 9: a second prompt with the same 8-token preamble reuses its two blocks."""
+    pool, table = _filled_pool(list(range(10)))  # blocks: 2 full + 1 partial
+    full = table[:2]
+    pool.free(table)
+    assert pool.num_used == 0 and pool.num_cached == 2 and pool.num_free == 8
+    assert list(pool.evictable) == [full[1], full[0]]  # the tail first: evicted before the head
+    hit = pool.match_prefix([0, 1, 2, 3, 4, 5, 6, 7, 42])
+    assert hit == full and [pool.ref_counts[b] for b in full] == [1, 1] and pool.num_cached == 0
+    assert (pool.prefix_queries, pool.prefix_hits, pool.blocks_reused) == (9, 8, 2)
+    assert pool.num_filled_slots == 8
+    assert pool.match_prefix([0, 1, 2, 3, 9, 9, 9, 9]) == full[:1]  # diverges in block 1
+    assert pool.ref_counts[full[0]] == 2 and pool.prefix_hits == 8 + 4
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    tokens = list(range(8))
+    pool, table = _filled_pool(tokens)
+    blocks = list(table)
+    again = pool.match_prefix(tokens)
+    assert again == table and pool.prefix_hits == 7  # the last token is computed for its logits
+    # the last block is shared with the first sequence: writing its last slot copies it first
+    src = again[1]
+    assert pool.reserve(again, 7, 1) == [(src, again[1])] and again[1] != src
+    pool.register_full_blocks(again, tokens, 8)
+    assert pool.cached[pool.hashes[src]] == src  # the copy is a duplicate; the original serves hits
+    pool.free(table)
+    pool.free(again)  # the duplicate is not cached: it goes back to the free list
+    assert pool.num_cached == 2 and pool.num_used == 0 and set(pool.evictable) == set(blocks)
+
+
+def test_never_cached_blocks_go_first_then_least_recently_used():
+    pool, first = _filled_pool(list(range(8)), num_blocks=4)  # blocks 0, 1 cached after free
+    pool.free(first)
+    other: list[int] = []
+    pool.reserve(other, 0, 8)  # takes the two never-cached blocks 2, 3
+    assert sorted(other) == [2, 3] and pool.evictions == 0 and pool.num_cached == 2
+    pool.reserve(other, 8, 1)  # the pool must evict: block 1 (the chain's tail) was freed first
+    assert other[2] == 1 and pool.evictions == 1 and pool.hashes[1] is None
+    assert pool.match_prefix(list(range(8))) == [0]  # the head is still cached
+
+
+def test_eviction_forgets_the_hash():
+    pool, table = _filled_pool([5] * 4, num_blocks=1)
+    pool.free(table)
+    other: list[int] = []
+    pool.reserve(other, 0, 3)
+    assert other == [0] and pool.cached == {} and pool.match_prefix([5] * 4) == []
+
+
+def test_caching_off_frees_at_once():
+    pool = BlockPool(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    table: list[int] = []
+    pool.reserve(table, 0, 8)
+    pool.register_full_blocks(table, list(range(8)), 8)
+    assert pool.hashes == [None] * 4 and pool.cached == {}
+    pool.free(table)
+    assert pool.num_cached == 0 and len(pool.free_ids) == 4
+    assert pool.match_prefix(list(range(8))) == [] and pool.prefix_queries == 0
+
+
+BASES = [[7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 0, 7, 1], [2] * 20, list(range(20))]
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / write / free; the pool's bookkeeping must always add up."""
+    """Random allocate / append / fork / free over prompts that share prefixes.
+
+    The machine keeps its own copy of every block's slots (``shadow``: what the K/V tensors would
+    hold, copy-on-write copies included) and checks the pool's bookkeeping and cache against it.
+    """
+
+    CACHING = False
+    BS = 4
 
     def __init__(self):
         super().__init__()
-        self.pool = BlockPool(num_blocks=12, block_size=4)
-        self.seqs: list[tuple[list[int], list[int]]] = []  # (table, number of tokens with K/V)
+        self.pool = BlockPool(num_blocks=12, block_size=self.BS, enable_prefix_caching=self.CACHING)
+        self.seqs: list[tuple[list[int], list[int]]] = []  # (table, tokens with K/V)
+        self.shadow: list[list[int | None]] = [[None] * self.BS for _ in range(12)]
+        self.prefix_of: dict[bytes, list[int]] = {}  # every hash seen -> the prefix it names
 
-    @rule(n=st.integers(1, 20))
-    def allocate(self, n):
-        table = []
+    def _write(self, table: list[int], tokens: list[int], start: int) -> bool:
+        """Write tokens[start:] into ``table`` like a step would; False (nothing changed) when out of blocks."""
+        pool, before = self.pool, list(table)
+        refs, lru, free_before = list(pool.ref_counts), list(pool.evictable), len(pool.free_ids)
+        evictions = pool.evictions
         try:
-            self.pool.reserve(table, 0, n)
+            copies = pool.reserve(table, start, len(tokens) - start)
         except OutOfBlocks:
-            assert table == []
+            assert table == before and pool.evictions == evictions
+            return False
+        new = [b for b in table if b not in before]
+        assert all(refs[b] == 0 for b in new)  # never handed out while referenced
+        gone = [b for b in lru if b not in pool.evictable]
+        assert gone == lru[: len(gone)] and pool.evictions - evictions == len(gone)  # LRU first
+        assert not gone or free_before < len(new)  # never-cached blocks were taken first
+        for src, dst in copies:
+            assert before[start // self.BS] == src and table[start // self.BS] == dst
+            self.shadow[dst] = list(self.shadow[src])
+        for p in range(start, len(tokens)):
+            self.shadow[table[p // self.BS]][p % self.BS] = tokens[p]
+        pool.register_full_blocks(table, tokens, len(tokens))
+        return True
+
+    @rule(base=st.integers(0, 2), cut=st.integers(0, 20), suffix=st.lists(st.integers(0, 3), max_size=6))
+    def allocate(self, base, cut, suffix):
+        tokens = BASES[base][:cut] + suffix
+        if not tokens:
             return
-        self.seqs.append((table, [n]))
+        reused = self.pool.blocks_reused
+        table = self.pool.match_prefix(tokens)
+        assert self.pool.blocks_reused - reused == len(table)
+        for i, b in enumerate(table):  # a hit holds exactly the tokens asked for
+            assert self.shadow[b] == tokens[i * self.BS : (i + 1) * self.BS]
+        if not self._write(table, tokens, min(len(table) * self.BS, len(tokens) - 1)):
+            self.pool.free(table)
+            return
+        self.seqs.append((table, tokens))
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 100), n=st.integers(1, 9))
-    def append(self, i, n):
-        table, length = self.seqs[i % len(self.seqs)]
-        before = list(table)
-        try:
-            copies = self.pool.reserve(table, length[0], n)
-        except OutOfBlocks:
-            assert table == before
-            return
-        for src, dst in copies:
-            assert before[length[0] // 4] == src and table[length[0] // 4] == dst
-        length[0] += n
+    @rule(i=st.integers(0, 100), new=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def append(self, i, new):
+        table, tokens = self.seqs[i % len(self.seqs)]
+        start = len(tokens)
+        tokens += new
+        if not self._write(table, tokens, start):
+            del tokens[start:]
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
     def fork(self, i):
-        table, length = self.seqs[i % len(self.seqs)]
-        self.seqs.append((self.pool.fork(table), [length[0]]))
+        table, tokens = self.seqs[i % len(self.seqs)]
+        self.seqs.append((self.pool.fork(table), list(tokens)))
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
@@ -125,16 +237,37 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_tables(self):
-        refs = [0] * self.pool.num_blocks
-        for table, length in self.seqs:
-            assert len(table) == -(-length[0] // 4)  # on-demand: exactly the blocks the tokens need
+        pool, bs = self.pool, self.BS
+        refs = [0] * pool.num_blocks
+        for table, tokens in self.seqs:
+            assert len(table) == -(-len(tokens) // bs)  # on-demand: exactly the blocks the tokens need
+            for p, t in enumerate(tokens):  # every position's K/V is this sequence's own token
+                assert self.shadow[table[p // bs]][p % bs] == t
             for b in table:
                 refs[b] += 1
-        assert refs == self.pool.ref_counts
-        free = list(self.pool.free_ids)
-        assert len(free) == len(set(free))  # never freed twice
-        assert set(free) == {b for b, c in enumerate(refs) if c == 0}  # free exactly at zero
-        assert self.pool.num_filled_slots == sum(self.pool.filled)
+        assert refs == pool.ref_counts
+        free, cached = list(pool.free_ids), list(pool.evictable)
+        assert len(free) + len(cached) == len(set(free) | set(cached))  # never freed twice
+        assert set(free) | set(cached) == {b for b, c in enumerate(refs) if c == 0}  # free exactly at zero
+        assert pool.num_filled_slots == sum(f for b, f in enumerate(pool.filled) if refs[b])
+        if not self.CACHING:
+            assert not cached and pool.hashes == [None] * pool.num_blocks
+
+    @invariant()
+    def hashes_match_contents(self):
+        pool, bs = self.pool, self.BS
+        for table, tokens in self.seqs:
+            for i, digest in enumerate(block_hashes(tokens, bs)):
+                if pool.hashes[table[i]] is not None:
+                    assert pool.hashes[table[i]] == digest
+                assert self.prefix_of.setdefault(digest, tokens[: (i + 1) * bs]) == tokens[: (i + 1) * bs]
+        for digest, b in pool.cached.items():
+            assert pool.hashes[b] == digest
+        for b, digest in enumerate(pool.hashes):
+            if digest is not None:  # a cached block's slots hold exactly the tokens its hash names
+                assert pool.filled[b] == bs and self.shadow[b] == self.prefix_of[digest][-bs:]
+        assert all(pool.hashes[b] is None for b in pool.free_ids)
+        assert all(pool.cached[pool.hashes[b]] == b for b in pool.evictable)
 
     def teardown(self):
         for table, _ in self.seqs:
@@ -143,5 +276,12 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_filled_slots == 0
 
 
+class CachingPoolMachine(PoolMachine):
+    CACHING = True
+
+
+MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = MACHINE_SETTINGS
+TestCachingPoolMachine = CachingPoolMachine.TestCase
+TestCachingPoolMachine.settings = MACHINE_SETTINGS

@@ -36,7 +36,7 @@ def test_builtin_example_shows_fork_copy_on_write_and_release():
     assert "into its copy P2" in cow and "into P1 in place" in cow and "(3/8 in use)" in cow
     assert "r/0        L0→P0 L1→P2" in cow and "r/1        L0→P0 L1→P1" in cow
     # at the end every block is back in the pool
-    assert "returned to the pool" in last and "(0/8 in use)" in last
+    assert "returned to the pool" in last and "(0/8 in use, 3 cached)" in last  # full blocks stay cached
     assert "All 8 blocks are back in the pool." in text
 
 
@@ -73,3 +73,20 @@ def test_blocks_rejects_a_file_that_is_not_a_trace(tmp_path):
     assert result.exit_code == 2 and "is not a pagedinfer trace" in result.stderr
     result = invoke("blocks", tmp_path / "missing.json")
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_prefix_cache_hits_and_cached_blocks_are_drawn(tmp_path):
+    """The second request shares the first's 2 full prompt blocks: kept cached, then hit."""
+    lines = [
+        {"prompt_token_ids": [3, 4, 5, 6, 7], "max_tokens": 1},
+        {"prompt_token_ids": [3, 4, 5, 6, 9], "max_tokens": 1},
+    ]
+    path = write_jsonl(tmp_path / "p.jsonl", lines)
+    trace = tmp_path / "trace.json"
+    args = ["run", path, "--model", tiny_model(), "--block-size", "2", "--num-blocks", "8", "--quiet"]
+    assert invoke(*args, "--max-num-seqs", "1", "--trace", trace).exit_code == 0
+    text = invoke("blocks", trace).stdout
+    first, second, *_ = _steps(text.split("KV pool:", 1)[1])
+    assert "kept cached (no reference left, evictable): P1, P0" in first and "2 cached)" in first
+    assert "P0 ▒▒ ⟲" in first and "P1 ▒▒ ⟲" in first
+    assert "prefix cache hit  reused, not computed: P0, P1" in second

@@ -14,7 +14,9 @@ from pagedinfer.seeding import sample_seed
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, **ENGINE)
+    """Prefix caching off: these tests count sharing among one request's samples alone (across
+    generate calls the cache would serve the repeated prompts; see test_prefix_cache.py)."""
+    return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, enable_prefix_caching=False, **ENGINE)
 
 
 def ids(n, seed=0):
@@ -148,7 +150,8 @@ def test_sampler_and_attention_plan_make_tensors_beside_their_inputs(tiny_model,
     from pagedinfer.attention import interface as attention
     from pagedinfer.engine import llm_engine as engine
 
-    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, **ENGINE)
+    # no prefix cache: the second run must compute exactly what the first did (bit-equal logprobs)
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, enable_prefix_caching=False, **ENGINE)
     prompts = [ids(6, 1), ids(9, 2)]
     every_feature = SamplingParams(
         n=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2, presence_penalty=0.5,

@@ -38,9 +38,13 @@ def fake_sample(plan: SchedulerOutput) -> FakeSampled:
     return out
 
 
-def request(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 4, stop: bool = False) -> Request:
+def request(
+    rid: str, prompt_len: int, n: int = 1, max_tokens: int = 4, stop: bool = False, first: int = 10
+) -> Request:
+    """Prompts ``first, first + 1, ...``: requests with the same ``first`` share a prefix (prefix cache)."""
     params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[STOP] if stop else None)
-    return Request(rid, int(rid.strip("r") or 0), None, list(range(10, 10 + prompt_len)), params, max_tokens)
+    prompt = list(range(first, first + prompt_len))
+    return Request(rid, int(rid.strip("r") or 0), None, prompt, params, max_tokens)
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
@@ -105,7 +109,7 @@ def test_forked_samples_share_the_prompt_row_and_blocks():
 
 def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
     sched = Scheduler(BlockPool(4, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
-    first, second = request("r1", 4, max_tokens=3), request("r2", 4, max_tokens=3)
+    first, second = request("r1", 4, max_tokens=3), request("r2", 4, max_tokens=3, first=50)
     sched.add(first)
     sched.add(second)
     step(sched)  # both prompts: 2 blocks each, the pool is full
@@ -163,9 +167,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         n=st.integers(1, 3),
         max_tokens=st.integers(1, 5),
         stop=st.booleans(),
+        first=st.sampled_from([10, 30]),
     )
-    def add(self, prompt_len, n, max_tokens, stop):
-        req = request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop)
+    def add(self, prompt_len, n, max_tokens, stop, first):
+        req = request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop, first)
         if self.sched.rejection_reason(prompt_len, n, max_tokens) is None:
             self.sched.add(req)
             self.requests.append(req)

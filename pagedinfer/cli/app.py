@@ -132,6 +132,15 @@ def run(
             "--min-p", help="Drop tokens below min_p × the top probability.", rich_help_panel=SAMPLING
         ),
     ] = _default(SamplingParams, "min_p"),
+    beam_width: Annotated[
+        int,
+        typer.Option(
+            "--beam-width",
+            help="Beam search with this many beams (0: off). Output: the beams with their cumulative "
+            "log-probabilities, best first. Plain lines only; a line's beam_width overrides it.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 0,
     seed: Annotated[
         int,
         typer.Option(
@@ -190,6 +199,14 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = None,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="Reuse the K/V of prompt blocks that earlier requests computed (same leading tokens).",
+            rich_help_panel=POOL,
+        ),
+    ] = True,
     device: Annotated[
         Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
     ] = Device.auto,
@@ -320,6 +337,7 @@ def run(
             "top_k": top_k,
             "min_p": min_p,
             "stop": list(stop or []),
+            "beam_width": beam_width,
         },
         seed=seed,
         engine={
@@ -329,6 +347,7 @@ def run(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_batched_tokens,
             "max_model_len": max_model_len,
+            "enable_prefix_caching": prefix_caching,
             "device": device.value,
             "dtype": dtype.value,
             "model_impl": model_impl.value,

@@ -119,6 +119,8 @@ def render(doc: dict, console: Console, max_steps: int | None = None) -> None:
             " allocated, empty  ",
             ("×k", "yellow"),
             " reference count  ",
+            ("▒ ⟲", "blue"),
+            " cached, unreferenced (prefix cache)  ",
             ("L0→P3", "cyan"),
             " logical block 0 of a sequence lives in physical block 3",
         )
@@ -162,13 +164,19 @@ def _render_step(step: dict, bs: int, num_blocks: int, before: dict, console: Co
     console.print(line)
 
     line = Text("  pool       ", style="bold")
-    blocks = range(num_blocks) if num_blocks <= MAX_POOL_CELLS else sorted(refs)
+    cached = set(step.get("cached", []))
+    blocks = range(num_blocks) if num_blocks <= MAX_POOL_CELLS else sorted(refs.keys() | cached)
     for b in blocks:
-        _pool_cell(line, b, refs.get(b, 0), filled.get(b, 0), bs, b in cows)
+        if b in cached:  # unreferenced but kept: its K/V serves later prompts that start the same
+            line.append(f"P{b}", style="blue")
+            line.append(" " + "▒" * min(bs, 8) + " ⟲ ", style="blue")
+        else:
+            _pool_cell(line, b, refs.get(b, 0), filled.get(b, 0), bs, b in cows)
         line.append(" ")
     if num_blocks > MAX_POOL_CELLS:
-        line.append(f"… {num_blocks - len(refs)} free ", style="dim")
-    line.append(f"({len(refs)}/{num_blocks} in use)", style="bold")
+        line.append(f"… {num_blocks - len(refs) - len(cached)} free ", style="dim")
+    line.append(f"({len(refs)}/{num_blocks} in use", style="bold")
+    line.append(f", {len(cached)} cached)" if cached else ")", style="bold")
     console.print(line)
 
     for i, (name, table) in enumerate(sorted(tables.items())):
@@ -251,4 +259,19 @@ def _describe_events(events: list[dict], tables: dict) -> list[Text]:
         )
     if frees:
         out.append(Text(f"  - returned to the pool  {', '.join(f'P{b}' for b in frees)}", style="magenta"))
+    out += _describe_cache_events(events)
+    return out
+
+
+def _describe_cache_events(events: list[dict]) -> list[Text]:
+    """Prefix-cache events: hits (blocks a new prompt reused), blocks kept cached, evictions."""
+    out = []
+    for kind, label, style in (
+        ("hit", "  ⟲ prefix cache hit  reused, not computed:", "bold blue"),
+        ("cached", "  ⟲ kept cached (no reference left, evictable):", "blue"),
+        ("evict", "  ✗ evicted (least recently used cached block, reused for new K/V):", "red"),
+    ):
+        blocks = [e["block"] for e in events if e["kind"] == kind]
+        if blocks:
+            out.append(Text(f"{label} {', '.join(f'P{b}' for b in blocks)}", style=style))
     return out

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedinfer.sampling_params import SamplingParams, is_int, unicode_error
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 from pagedinfer.seeding import line_seed
 
 COMPLETIONS_URL = "/v1/completions"
@@ -53,8 +53,15 @@ SAMPLING_FIELDS: dict[str, tuple[str, ...]] = {
     "logprobs": ("int", "null"),
     "skip_special_tokens": ("bool",),
 }
+# Beam search (plain lines): a line with beam_width > 0 (or --beam-width) returns that many beams.
+BEAM_FIELDS: dict[str, tuple[str, ...]] = {
+    "beam_width": ("int", "null"),
+    "length_penalty": ("float",),
+    "early_stopping": ("bool", "str"),
+}
+NOT_FOR_BEAMS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "logprobs", "seed")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS}
+PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
 
 OPENAI_LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # Body fields OpenAI documents that we honour, plus vLLM's sampling extensions.
@@ -122,7 +129,7 @@ class LineRequest:
     id: object  # plain lines: the `id` field or the line number; OpenAI lines: custom_id
     kind: str  # "prompt", "messages" or "token_ids"
     prompt: str | list[dict] | list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     openai: OpenAIRequest | None = None
     named: bool = False  # a plain line that gave its own id
 
@@ -324,7 +331,12 @@ def _parse_plain(number: int, obj: dict, defaults: dict, base_seed: int) -> Item
         _no_unknown(obj, PLAIN_FIELDS, "field")
         kind, prompt = _plain_prompt(obj)
         overrides = {k: _check_field(k, obj[k], SAMPLING_FIELDS[k]) for k in SAMPLING_FIELDS if k in obj}
-        params = _sampling(defaults, overrides, base_seed, key)
+        beam = {k: _check_field(k, obj[k], BEAM_FIELDS[k]) for k in BEAM_FIELDS if k in obj}
+        width = beam.pop("beam_width", defaults.get("beam_width"))
+        if width:
+            params = _beam_params(width, beam, defaults, overrides)
+        else:
+            params = _sampling(defaults, overrides, base_seed, key)
     except _Bad as e:
         return LineError(number, key, ident, str(e), None, False, echo)
     return LineRequest(number, key, ident, kind, prompt, params, named="id" in obj)
@@ -438,7 +450,27 @@ def _no_unknown(obj: dict, known: set[str], what: str, prefix: str = "") -> None
         raise _Bad(f"{prefix}unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
 
 
+def _beam_params(width: int, beam: dict, defaults: dict, overrides: dict) -> BeamSearchParams:
+    given = [k for k in NOT_FOR_BEAMS if k in overrides]
+    if given:
+        raise _Bad(f"a beam search line takes no {', '.join(map(repr, given))} (beams are greedy and ranked)")
+    max_tokens = overrides.get("max_tokens", defaults.get("max_tokens", 16))
+    if max_tokens is None:
+        raise _Bad("max_tokens must be an integer for beam search")
+    try:
+        return BeamSearchParams(
+            beam_width=width,
+            max_tokens=max_tokens,
+            ignore_eos=overrides.get("ignore_eos", False),
+            stop_token_ids=overrides.get("stop_token_ids"),
+            **beam,
+        )
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
 def _sampling(defaults: dict, overrides: dict, base_seed: int, key: str) -> SamplingParams:
+    defaults = {k: v for k, v in defaults.items() if k != "beam_width"}
     values = {**defaults, **overrides}  # null overrides too: max_tokens null = up to the context
     if values.get("seed") is None:
         values["seed"] = line_seed(base_seed, key)

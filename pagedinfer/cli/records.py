@@ -12,7 +12,7 @@ import time
 
 from pagedinfer.cli.jsonl_input import LineError, OpenAIRequest
 from pagedinfer.cli.resolve import Resolved
-from pagedinfer.outputs import CompletionOutput, RequestOutput
+from pagedinfer.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 
 
 class TokenText:
@@ -58,12 +58,27 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def success_record(res: Resolved, out: RequestOutput, token_text: TokenText, model: str) -> dict:
+def success_record(
+    res: Resolved, out: RequestOutput | BeamSearchOutput, token_text: TokenText, model: str
+) -> dict:
     """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed)."""
+    if isinstance(out, BeamSearchOutput):
+        return _beam_record(res, out)
     usage = _usage(res, out)
     if res.item.openai is not None:
         k = res.item.params.logprobs or 0
         return _openai_success(res.item.openai, out, usage, k, token_text, model)
+    item = res.item
+    record = _plain_head(res)
+    k = item.params.logprobs or 0
+    record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
+    record["usage"] = usage
+    record["error"] = None
+    return record
+
+
+def _plain_head(res: Resolved) -> dict:
+    """A plain line's id, line number and prompt, as its input gave it."""
     item = res.item
     record: dict = {"id": item.id, "line": item.line}
     if item.kind == "prompt":
@@ -73,9 +88,29 @@ def success_record(res: Resolved, out: RequestOutput, token_text: TokenText, mod
         record["prompt"] = res.text
     else:
         record["prompt_token_ids"] = item.prompt
-    k = item.params.logprobs or 0
-    record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
-    record["usage"] = usage
+    return record
+
+
+def _beam_record(res: Resolved, out: BeamSearchOutput) -> dict:
+    """A beam search line: ``beams`` best first, each with its cumulative log-probability and score."""
+    record = _plain_head(res)
+    record["beams"] = [
+        {
+            "index": i,
+            "text": s.text,
+            "token_ids": s.token_ids,
+            "cumulative_logprob": s.cumulative_logprob,
+            "score": s.score,
+            "finish_reason": s.finish_reason,
+        }
+        for i, s in enumerate(out.sequences)
+    ]
+    completion = sum(len(s.token_ids) for s in out.sequences)
+    record["usage"] = {
+        "prompt_tokens": len(res.token_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(res.token_ids) + completion,
+    }
     record["error"] = None
     return record
 

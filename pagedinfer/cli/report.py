@@ -198,9 +198,37 @@ def render(stats: EngineStats, console: Console) -> None:
         f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s",
     )
     parts.append(rest)
+    parts.append(_prefix_cache_block(stats))
     console.print(
         Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
     )
+
+
+def _prefix_cache_block(stats: EngineStats) -> Table:
+    """Prefix caching across requests: hit rate, reuse, evictions, and where the prompt tokens went."""
+    grid = _grid()
+    if not stats.prefix_caching:
+        grid.add_row("Prefix cache", "[dim]off (--no-prefix-caching)[/]")
+        return grid
+    grid.add_row(
+        "Prefix cache",
+        f"hit rate [bold]{_pct(stats.prefix_cache_hit_rate)}[/] ({stats.prefix_cache_hits:,} of "
+        f"{stats.prefix_cache_queries:,} prompt tokens looked up) · [bold]{stats.prefix_cache_blocks_reused:,}[/] "
+        f"blocks reused · {stats.prefix_cache_evictions:,} evicted · up to "
+        f"{max(stats.cached_blocks, default=0):,} unreferenced blocks kept cached",
+    )
+    readmitted = (
+        f" + {stats.prompt_tokens_readmitted:,} readmitted after preemption"
+        if stats.prompt_tokens_readmitted
+        else ""
+    )
+    grid.add_row(
+        "",
+        f"prompt tokens {stats.prompt_tokens_requested:,} requested{readmitted} = [bold]"
+        f"{stats.prompt_tokens_computed:,}[/] computed + {stats.prompt_tokens_saved_by_sharing:,} saved by sharing "
+        f"among samples + [bold]{stats.prefix_cache_hits:,}[/] saved by the prefix cache",
+    )
+    return grid
 
 
 def _chart(stats: EngineStats, console: Console) -> Text:

@@ -238,10 +238,13 @@ class _Run:
 
     def _check_options(self) -> None:
         from pagedinfer.config import EngineConfig
-        from pagedinfer.sampling_params import SamplingParams
+        from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
+        sampling = {k: v for k, v in self.opts.sampling.items() if k != "beam_width"}
         try:
-            SamplingParams(**self.opts.sampling)
+            SamplingParams(**sampling)
+            if self.opts.sampling.get("beam_width"):
+                BeamSearchParams(self.opts.sampling["beam_width"], sampling.get("max_tokens", 16))
         except ValueError as e:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine

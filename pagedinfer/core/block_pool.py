@@ -1,4 +1,4 @@
-"""The fixed pool of physical KV blocks: free list, reference counts, and per-sequence block tables.
+"""The fixed pool of physical KV blocks: free list, reference counts, block tables, prefix cache.
 
 A block table is a plain ``list[int]`` of physical block ids, one per logical block (L0, L1, ...).
 Token position ``p`` lives in physical block ``table[p // block_size]`` at slot ``p % block_size``.
@@ -6,13 +6,26 @@ Blocks are handed out on demand (only when the last block is full), shared by ``
 counts rise), and copied only when a sequence must *write* into a block that others still
 reference (copy-on-write); a full shared block is never written again, so it stays shared.
 
-All allocation and release goes through ``_take`` / ``_release``, so hash-based reuse of full
-prompt blocks across requests can later be added there (a hash -> block map consulted before
-taking a free block, and freed hashed blocks parked in an evictable LRU instead of the free list).
+Prefix caching (seed 004 section 9, across requests): every FULL, computed block is named by a
+chained hash of its parent's hash and its own token ids, so equal hashes mean equal token
+prefixes and therefore equal K/V. ``match_prefix`` hands a new sequence the blocks of its longest
+cached prefix (counts rise, nothing is computed again). A hashed block whose count falls to zero
+is not freed: it stays cached and evictable, least recently used first, and is only reclaimed
+when no never-cached free block is left. A cached block is therefore never handed out while
+referenced, and a full block is never written, so its hash always matches its tokens.
+
+The hash is a 256-bit BLAKE2b digest of (parent digest, token ids): an accidental collision among
+even 2**64 distinct blocks has a probability near 2**-128, and crafting one means breaking BLAKE2b,
+so stored token ids are not kept or compared.
+
+All allocation and release goes through ``_take`` / ``_release``.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedinfer.core.trace import BlockEvent, EventKind
@@ -22,15 +35,38 @@ class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than a write needs; the scheduler preempts and retries."""
 
 
+def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """Chained digests of the full blocks of ``token_ids``: block i's covers tokens [0, (i+1) * block_size)."""
+    out = []
+    for i in range(len(token_ids) // block_size):
+        parent = _chain(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def _chain(parent: bytes, tokens: list[int]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=32)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
 @dataclass
 class BlockPool:
     num_blocks: int
     block_size: int
+    enable_prefix_caching: bool = True
     ref_counts: list[int] = field(init=False)
     filled: list[int] = field(init=False)  # slots of each block holding K/V (fragmentation stats)
-    free_ids: list[int] = field(init=False)  # a stack: the most recently freed block is reused first
-    num_filled_slots: int = field(init=False, default=0)
+    free_ids: list[int] = field(init=False)  # never-cached free blocks, a stack: last freed, first reused
+    hashes: list[bytes | None] = field(init=False)  # chained hash of each full computed block, else None
+    cached: dict[bytes, int] = field(init=False)  # hash -> the block that serves hits for it
+    evictable: OrderedDict[int, None] = field(init=False)  # cached, unreferenced; least recently used first
+    num_filled_slots: int = field(init=False, default=0)  # filled slots of referenced blocks
     num_cow_copies: int = field(init=False, default=0)
+    prefix_queries: int = field(init=False, default=0)  # prompt tokens looked up in the cache
+    prefix_hits: int = field(init=False, default=0)  # of those, tokens whose computation the cache saved
+    blocks_reused: int = field(init=False, default=0)  # blocks handed out by a hit
+    evictions: int = field(init=False, default=0)  # cached blocks reclaimed for other contents
     events: list[BlockEvent] | None = field(init=False, default=None)  # set to [] to trace
 
     def __post_init__(self) -> None:
@@ -39,15 +75,25 @@ class BlockPool:
         self.ref_counts = [0] * self.num_blocks
         self.filled = [0] * self.num_blocks
         self.free_ids = list(range(self.num_blocks - 1, -1, -1))  # P0 is handed out first
+        self.hashes = [None] * self.num_blocks
+        self.cached = {}
+        self.evictable = OrderedDict()
 
     # -- counts ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        """Blocks a write can take: never-cached free ones plus evictable cached ones."""
+        return len(self.free_ids) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_ids)
+        """Blocks some sequence references."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks nobody references (free to evict, kept for future hits)."""
+        return len(self.evictable)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -61,9 +107,15 @@ class BlockPool:
 
     # -- allocation -----------------------------------------------------------------------
     def _take(self) -> int:
-        if not self.free_ids:
+        if self.free_ids:
+            block = self.free_ids.pop()  # LIFO keeps the touched memory (RSS) near the peak in use
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)  # the least recently used cached block
+            self._uncache(block)
+            self.evictions += 1
+            self._trace("evict", block)
+        else:
             raise OutOfBlocks("no free KV block")
-        block = self.free_ids.pop()  # LIFO keeps the touched memory (RSS) near the peak in use
         self.ref_counts[block] = 1
         self._trace("alloc", block)
         return block
@@ -75,9 +127,22 @@ class BlockPool:
         self.ref_counts[block] = count - 1
         if count == 1:
             self.num_filled_slots -= self.filled[block]
-            self.filled[block] = 0
-            self.free_ids.append(block)
-            self._trace("free", block)
+            digest = self.hashes[block]
+            # a duplicate whose original was evicted takes over the hash
+            if digest is not None and self.cached.setdefault(digest, block) == block:
+                self.evictable[block] = None  # kept with its K/V, most recently used last
+                self._trace("cached", block)
+            else:
+                self._uncache(block)
+                self.free_ids.append(block)
+                self._trace("free", block)
+
+    def _uncache(self, block: int) -> None:
+        digest = self.hashes[block]
+        if digest is not None and self.cached.get(digest) == block:
+            del self.cached[digest]
+        self.hashes[block] = None
+        self.filled[block] = 0
 
     def reserve(self, table: list[int], start: int, num_tokens: int) -> list[tuple[int, int]]:
         """Make ``table`` ready for K/V at positions [start, start + num_tokens): the slots, not the K/V.
@@ -89,8 +154,8 @@ class BlockPool:
         if num_tokens <= 0:
             return []
         needed = self.blocks_needed(table, start, num_tokens)
-        if needed > len(self.free_ids):
-            raise OutOfBlocks(f"need {needed} blocks, {len(self.free_ids)} free")
+        if needed > self.num_free:
+            raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
         bs = self.block_size
         copies = []
         first = start // bs
@@ -124,10 +189,82 @@ class BlockPool:
         return list(table)
 
     def free(self, table: list[int]) -> None:
-        """Drop a sequence's references; blocks nobody references return to the free list."""
+        """Drop a sequence's references; blocks nobody references return to the free list or the cache.
+
+        Released last block first, so a cached chain's tail is evicted before its head (which more
+        prompts share).
+        """
         for block in reversed(table):
             self._release(block)
         table.clear()
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence with these block hashes (no change)."""
+        blocks = []
+        if self.enable_prefix_caching:
+            for digest in hashes:
+                block = self.cached.get(digest)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def admission_blocks(self, hits: list[int], num_tokens: int) -> int:
+        """Free blocks a new sequence of ``num_tokens`` takes when ``hits`` are its cached prefix.
+
+        Counts the blocks still to allocate, the hit blocks that leave the evictable set, and the
+        copy of a shared last block when the whole prompt is cached (its last token is rewritten).
+        """
+        new = self.blocks_for_tokens(num_tokens) - len(hits)
+        revived = sum(self.ref_counts[b] == 0 for b in hits)
+        if hits and len(hits) * self.block_size >= num_tokens and self.ref_counts[hits[-1]] > 0:
+            new += 1
+        return new + revived
+
+    def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
+        """Take a reference to every block of the longest cached full-block prefix of ``token_ids``.
+
+        Returns the block table to start from; the caller computes the remaining tokens. The last
+        token is always computed (its logits are sampled), so a fully cached prompt saves all but
+        one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)``
+        when the caller has them already.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size)
+        blocks = self.cached_prefix(hashes)
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+                self.num_filled_slots += self.filled[block]
+            self.ref_counts[block] += 1
+            self._trace("hit", block)
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += min(len(blocks) * self.block_size, len(token_ids) - 1)
+        self.blocks_reused += len(blocks)
+        return blocks
+
+    def register_full_blocks(self, table: list[int], token_ids: list[int], num_computed: int) -> None:
+        """Hash the blocks of ``table`` that are full and computed (positions < ``num_computed``).
+
+        Called after each step; blocks hashed before are skipped. A block whose contents are cached
+        already in another block keeps its hash (for the chain) but stays out of the map.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(table))
+        first = full
+        while first > 0 and self.hashes[table[first - 1]] is None:
+            first -= 1
+        parent = self.hashes[table[first - 1]] if first else b""
+        for logical in range(first, full):
+            block = table[logical]
+            parent = _chain(parent, token_ids[logical * bs : (logical + 1) * bs])
+            self.hashes[block] = parent
+            self.cached.setdefault(parent, block)
 
     def slot(self, table: list[int], position: int) -> int:
         """Flat slot index (block * block_size + offset) of a token position: the seeds' lookup."""

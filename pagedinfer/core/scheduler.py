@@ -3,7 +3,7 @@
 
 Each step serves running requests first (decode tokens, prompt chunks, recomputation), then admits
 waiting requests in arrival order while the token budget, the sequence limit and the free blocks
-allow. When a running sequence needs a block and none is free, the most recently admitted request
+allow; an admitted prompt starts from its longest cached prefix (prefix caching). When a running sequence needs a block and none is free, the most recently admitted request
 is preempted as a whole (its blocks freed, recomputed later), never failed.
 
 The plan names, for every sequence that receives a token this step, the logits row it samples
@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedinfer.core.block_pool import BlockPool, OutOfBlocks
+from pagedinfer.core.beam import Candidate
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
 from pagedinfer.outputs import Logprob
 
@@ -47,6 +48,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Request] = field(default_factory=list)
     targets: list[SampleTarget] = field(default_factory=list)
+    beam_targets: list[SampleTarget] = field(default_factory=list)  # live beams, all of a request together
     num_rows: int = 0  # logits rows the runner returns: one per scheduled seq with ``sample``
 
     @property
@@ -70,6 +72,7 @@ class SchedulerCounters:
     output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
     generated_tokens: int = 0
     preemptions: int = 0
+    prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
 
 
 class Scheduler:
@@ -92,8 +95,8 @@ class Scheduler:
         self._failed: list[Request] = []  # failed since the last update(), which reports them
 
     # -- requests -------------------------------------------------------------------------
-    def rejection_reason(self, n_prompt: int, n: int, max_tokens: int) -> str | None:
-        """Why a request of ``n_prompt`` tokens and ``n`` samples can never run here, or None."""
+    def rejection_reason(self, n_prompt: int, n: int, max_tokens: int, beam: bool = False) -> str | None:
+        """Why a request of ``n_prompt`` tokens and ``n`` samples (or beams) can never run here, or None."""
         if n_prompt == 0:
             return "the prompt is empty"
         if n_prompt >= self.max_model_len:
@@ -103,6 +106,8 @@ class Scheduler:
             )
         if n > self.max_num_seqs:
             return f"n={n} samples exceed max_num_seqs={self.max_num_seqs}"
+        if beam and n > self.max_num_batched_tokens:
+            return f"beam_width={n} exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
         worst = self.worst_case_blocks(n_prompt, max_tokens, n)
         if worst > self.pool.num_blocks:
             return (
@@ -149,14 +154,20 @@ class Scheduler:
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
-            mark = (len(out.batch), len(out.copies), len(out.targets), out.num_rows)
-            for seq in req.live_seqs():
-                if budget == 0:
-                    break
+            mark = (len(out.batch), len(out.copies), len(out.targets), len(out.beam_targets), out.num_rows)
+            seqs = req.live_seqs()
+            beams = req.beam is not None and req.prompt_seq is None
+            together = beams and sum(s.num_pending for s in seqs) <= budget
+            for seq in seqs:
                 n = min(seq.num_pending, budget)
+                if beams and not together:  # the beams' last tokens must run in one step
+                    n = min(n, seq.num_pending - 1)
+                if n <= 0:
+                    continue
                 if not self._reserve(seq, n, req, out):  # req preempted itself: drop its share
                     del out.batch[mark[0] :], out.copies[mark[1] :], out.targets[mark[2] :]
-                    out.num_rows = mark[3]
+                    del out.beam_targets[mark[3] :]
+                    out.num_rows = mark[4]
                     break
                 self._schedule(out, seq, n)
                 budget -= n
@@ -171,7 +182,8 @@ class Scheduler:
         sample = ends and bool(targets)  # a resumed request's samples recompute before they sample
         out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample))
         if sample:
-            out.targets += [SampleTarget(t, out.num_rows) for t in targets]
+            dest = out.targets if seq.request.beam is None else out.beam_targets
+            dest += [SampleTarget(t, out.num_rows) for t in targets]
             out.num_rows += 1
 
     def _reserve(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
@@ -193,27 +205,55 @@ class Scheduler:
             return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order while they fit; each starts from its cached prefix.
+
+        A request whose next uncached prompt block is being computed right now by a request still
+        in prefill waits for it (it will hit the cache instead of computing the same tokens); the
+        requests behind it may go first. Its wait is bounded by that prefill.
+        """
         if not self.waiting:
             return
+        pool, caching = self.pool, self.pool.enable_prefix_caching
         num_seqs = sum(r.num_future_seqs() for r in self.running)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        in_prefill = self._hashes_in_prefill() if caching else set()
+        for req in list(self.waiting):
+            if budget <= 0:
+                break
             if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
                 break
-            if self.pool.blocks_for_tokens(req.num_prompt_tokens) > self.pool.num_free:
+            hashes = self._prompt_hashes(req) if caching else []
+            hits = pool.cached_prefix(hashes)
+            if len(hits) < len(hashes) and hashes[len(hits)] in in_prefill:
+                continue
+            if pool.admission_blocks(hits, req.num_prompt_tokens) > pool.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.state = RequestState.RUNNING
             self.running.append(req)
             num_seqs += req.num_future_seqs()
-            if not req.samples:
-                req.samples = [self._new_sample(req, i) for i in range(req.params.n)]
+            if req.num_preemptions:
+                self.counters.prompt_tokens_readmitted += req.num_prompt_tokens
+            if not req.samples:  # a beam search starts from one beam
+                n = 1 if req.beam is not None else req.params.n
+                req.samples = [self._new_sample(req, i) for i in range(n)]
             seq = Sequence(req, 0, True, list(req.prompt_token_ids), req.num_prompt_tokens)
             req.prompt_seq = seq
+            seq.block_table = pool.match_prefix(seq.token_ids, hashes)
+            seq.num_computed = min(len(seq.block_table) * pool.block_size, req.num_prompt_tokens - 1)
             n = min(seq.num_pending, budget)
-            out.copies += self.pool.reserve(seq.block_table, 0, n)
+            out.copies += pool.reserve(seq.block_table, seq.num_computed, n)
             self._schedule(out, seq, n)
             budget -= n
+            in_prefill.update(hashes)
+
+    def _prompt_hashes(self, req: Request) -> list[bytes]:
+        if req.prompt_hashes is None:
+            req.prompt_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
+        return req.prompt_hashes
+
+    def _hashes_in_prefill(self) -> set[bytes]:
+        """Full prompt blocks that running requests are computing (or have computed) now."""
+        return {h for r in self.running if r.prompt_seq is not None for h in self._prompt_hashes(r)}
 
     @staticmethod
     def _new_sample(req: Request, index: int) -> Sequence:
@@ -237,19 +277,29 @@ class Scheduler:
                 seq.num_computed = 0
         req.prompt_seq = None
         req.state = RequestState.WAITING
+        req.num_preemptions += 1
         self.counters.preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
 
     # -- after the forward pass -----------------------------------------------------------
-    def update(self, plan: SchedulerOutput, sampled: Sampled | None) -> list[Request]:
-        """Apply one step's result; return the requests that finished in it (failed ones included)."""
+    def update(
+        self,
+        plan: SchedulerOutput,
+        sampled: Sampled | None,
+        beams: dict[Request, list[Candidate]] | None = None,
+    ) -> list[Request]:
+        """Apply one step's result; return the requests that finished in it (failed ones included).
+
+        ``beams``: each beam search's candidates of this step (from its live beams' logits rows).
+        """
         finished: list[Request] = []
         for s in plan.batch:
             seq, req = s.seq, s.seq.request
             if req.state is RequestState.FINISHED:
                 continue  # failed after it was scheduled
             seq.num_computed += s.num_tokens
+            self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
             if seq.is_prompt:
                 self.counters.prompt_tokens_computed += s.num_tokens
                 if seq.num_pending == 0:
@@ -270,8 +320,56 @@ class Scheduler:
                 if req.finished:
                     self._finish(req)
                     finished.append(req)
+        for req, candidates in (beams or {}).items():
+            if req.state is RequestState.FINISHED:
+                continue
+            self._step_beams(req, candidates)
+            if req.finished:
+                self._finish(req)
+                finished.append(req)
         failed, self._failed = self._failed, []
         return failed + finished
+
+    def _step_beams(self, req: Request, candidates: list[Candidate]) -> None:
+        """Replace ``req``'s live beams by the candidates that run on (best first).
+
+        A beam's first child takes the beam over; each further child forks its block table (the
+        blocks are shared, the partly filled last one is copied when first written); a beam with
+        no child is pruned and its blocks are freed at once.
+        """
+        parents = req.samples
+        running = req.beam.step(candidates, [b.output_ids for b in parents])
+        self.counters.generated_tokens += len(parents)
+        if not running:  # the search is over: _finish frees every beam
+            return
+        taken = [False] * len(parents)
+        children, extend = [], []
+        for c in running:
+            parent = parents[c.beam]
+            if taken[c.beam]:
+                child = Sequence(
+                    req,
+                    0,
+                    False,
+                    [*parent.token_ids, c.token],
+                    req.num_prompt_tokens,
+                    block_table=self.pool.fork(parent.block_table),
+                    num_computed=parent.num_computed,
+                )
+            else:
+                taken[c.beam] = True
+                child = parent
+                extend.append((parent, c.token))
+            child.cumulative_logprob = c.cumulative_logprob
+            children.append(child)
+        for parent, token in extend:  # after the forks, which copy the parents' tokens
+            parent.token_ids.append(token)
+        for parent, kept in zip(parents, taken, strict=True):
+            if not kept:
+                self.pool.free(parent.block_table)
+        for i, child in enumerate(children):
+            child.index = i
+        req.samples = children
 
     def _fork(self, req: Request) -> None:
         """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagedinfer.core.beam import BeamSearch
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
 
@@ -104,6 +105,9 @@ class Request:
     prompt_seq: Sequence | None = None
     samples: list[Sequence] = field(default_factory=list)  # made at first admission
     error: str | None = None
+    num_preemptions: int = 0
+    prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
+    beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams, best first
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,8 +121,8 @@ class Request:
 
     def num_future_seqs(self) -> int:
         """Sequences this request occupies in a batch, counting samples not forked yet."""
-        if not self.samples:
-            return self.params.n
+        if not self.samples or (self.beam is not None and not self.beam.done):
+            return self.params.n  # a beam search runs up to beam_width (= n) beams
         return sum(not s.finished for s in self.samples)
 
     @property
@@ -128,6 +132,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.error is not None or self.beam.done
         return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
 
     def to_output(self) -> RequestOutput:

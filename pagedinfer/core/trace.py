@@ -3,7 +3,8 @@
 The schema lives here only: the engine appends `snapshot(...)` dicts, the CLI saves them as JSON and
 draws them. A snapshot's keys: ``step``, ``scheduled`` (seq, start, tokens), ``copies`` ([src, dst]),
 ``preempted`` (request ids), ``events`` (`BlockEvent` fields), ``ref_counts`` and ``filled`` (per
-block in use), ``tables`` (seq name -> physical blocks).
+block in use), ``cached`` (cached blocks nobody references, least recently used first), ``tables``
+(seq name -> physical blocks).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ if TYPE_CHECKING:
     from pagedinfer.core.scheduler import SchedulerOutput
     from pagedinfer.core.sequence import Request
 
-EventKind = Literal["alloc", "free", "cow", "fork"]
+# prefix cache: "hit" (a cached block handed to a new prompt), "cached" (its last reference dropped,
+# the block stays cached and evictable), "evict" (a cached block reclaimed for new contents)
+EventKind = Literal["alloc", "free", "cow", "fork", "hit", "cached", "evict"]
 
 
 @dataclass
@@ -39,5 +42,6 @@ def snapshot(step: int, plan: SchedulerOutput, pool: BlockPool, running: list[Re
         "events": [asdict(e) for e in pool.events or []],
         "ref_counts": {b: c for b, c in enumerate(pool.ref_counts) if c},
         "filled": {b: f for b, f in enumerate(pool.filled) if pool.ref_counts[b]},
+        "cached": list(pool.evictable),
         "tables": {s.name: list(s.block_table) for r in running for s in r.live_seqs()},
     }

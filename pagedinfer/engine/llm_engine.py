@@ -10,6 +10,7 @@ import torch
 from pagedinfer.attention.interface import select_cuda_kernels
 from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
+from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
 from pagedinfer.core.sequence import Request, SampleState
@@ -18,8 +19,9 @@ from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import SampleResult, SampleRow, sample
-from pagedinfer.sampling_params import SamplingParams, is_int, unicode_error
+from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, sample
+from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 from pagedinfer.seeding import sample_seed
 
 
@@ -33,7 +35,7 @@ class LLMEngine:
         per_block = bytes_per_token(loaded.layer_shapes, loaded.dtype) * config.block_size
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
         num_blocks = self.pool_size.num_blocks
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCache(loaded.layer_shapes, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.scheduler = Scheduler(
             self.pool,
@@ -63,12 +65,17 @@ class LLMEngine:
             bytes_per_block=self.kv.bytes_per_block,
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
+            prefix_caching=self.pool.enable_prefix_caching,
             counters=SchedulerCounters(),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             dtype_reason=self.loaded.dtype_reason,
         )
         self.scheduler.counters = self.stats.counters
-        self._cow_base = self.pool.num_cow_copies
+        self._pool_base = self._pool_counts()
+
+    def _pool_counts(self) -> tuple[int, ...]:
+        p = self.pool
+        return p.num_cow_copies, p.prefix_queries, p.prefix_hits, p.blocks_reused, p.evictions
 
     def enable_trace(self) -> None:
         self.trace = []
@@ -124,8 +131,9 @@ class LLMEngine:
     def params_error(self, params: SamplingParams) -> str | None:
         """Why ``params`` cannot run on this model (checks `SamplingParams` cannot make alone)."""
         vocab = self.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            return f"logprobs={params.logprobs} exceeds the model's vocabulary of {vocab} tokens"
+        logprobs = getattr(params, "logprobs", None)  # BeamSearchParams have none
+        if logprobs is not None and logprobs > vocab:
+            return f"logprobs={logprobs} exceeds the model's vocabulary of {vocab} tokens"
         if any(t >= vocab for t in params.stop_token_ids):
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
         return None
@@ -133,12 +141,13 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | dict,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
         order: int | None = None,
     ) -> Request:
         """Queue a request; one that can never run comes back already finished with ``error`` set.
 
+        With `BeamSearchParams` the request runs ``beam_width`` beams (greedy, no stop strings).
         Any exception while tokenizing fails this request alone (its ``error`` names the reason).
         """
         try:
@@ -150,6 +159,19 @@ class LLMEngine:
             text, ids, error = None, [], f"tokenizing failed: {type(e).__name__}: {e}"
         order = self._next_id if order is None else order
         self._next_id += 1
+        error = error or self.request_error(ids, params)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam, params = (
+                params,
+                SamplingParams(
+                    n=params.beam_width,
+                    temperature=0,
+                    max_tokens=params.max_tokens,
+                    ignore_eos=params.ignore_eos,
+                    stop_token_ids=params.stop_token_ids,
+                ),
+            )
         req = Request(
             request_id=str(order if request_id is None else request_id),
             order=order,
@@ -160,7 +182,12 @@ class LLMEngine:
         )
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         req.sample_state = self._sample_state(req, base_seed)
-        req.error = error or self.request_error(ids, params)
+        req.error = error
+        if beam is not None:
+            stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
+            req.beam = BeamSearch(
+                beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
+            )
         self.stats.requests += 1
         if req.error:
             self.stats.failed_requests += 1
@@ -171,12 +198,14 @@ class LLMEngine:
             self.scheduler.add(req)
         return req
 
-    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
         return min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
 
-    def request_error(self, token_ids: list[int], params: SamplingParams) -> str | None:
+    def request_error(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> str | None:
         """Why a prompt of these tokens can never run on this model and pool (None if it can)."""
-        return self.scheduler.rejection_reason(len(token_ids), params.n, self._max_tokens(token_ids, params))
+        max_tokens = self._max_tokens(token_ids, params)
+        beam = isinstance(params, BeamSearchParams)
+        return self.scheduler.rejection_reason(len(token_ids), params.n, max_tokens, beam)
 
     def _sample_state(self, req: Request, base_seed: int) -> SampleState:
         """Sample ``i``'s random source and detokenizer, made when the scheduler creates the sample."""
@@ -211,11 +240,14 @@ class LLMEngine:
         """Run one batch; return the requests that finished in it (failed ones included)."""
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
         self._record(plan)
-        sampled = None
+        sampled, beams = None, None
         if plan.batch:
             logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
-            sampled = self._sample(logits, plan.targets)
-        finished = self.scheduler.update(plan, sampled)  # tokens computed, forks, appends, stops, frees
+            if plan.targets:
+                sampled = self._sample(logits, plan.targets)
+            if plan.beam_targets:
+                beams = self._beam_candidates(logits, plan.beam_targets)
+        finished = self.scheduler.update(plan, sampled, beams)  # computed, forks, appends, stops, frees
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()
@@ -247,6 +279,44 @@ class LLMEngine:
                 result.top += one.top
             return result
 
+    @staticmethod
+    def _beam_candidates(logits: torch.Tensor, targets: list[SampleTarget]) -> dict[Request, list[Candidate]]:
+        """Each beam search's best continuations over all its live beams (their rows are in ``targets``)."""
+        rows: dict[Request, list[SampleTarget]] = {}
+        for t in targets:
+            rows.setdefault(t.seq.request, []).append(t)
+        out = {}
+        for req, beam_rows in rows.items():
+            found = beam_candidates(
+                logits[torch.tensor([t.row for t in beam_rows], device=logits.device)],  # [beams, V]
+                [t.seq.cumulative_logprob for t in beam_rows],
+                req.beam.num_candidates,
+            )
+            out[req] = [Candidate(*c) for c in found]
+        return out
+
+    def output(self, req: Request) -> RequestOutput | BeamSearchOutput:
+        """What the caller gets for a finished (or failed) request."""
+        if req.beam is None:
+            return req.to_output()
+        tok = self.loaded.tokenizer
+        return BeamSearchOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            sequences=[
+                BeamSearchSequence(
+                    token_ids=h.token_ids,
+                    text=tok.decode(h.token_ids, skip_special_tokens=True) if tok is not None else "",
+                    cumulative_logprob=h.cumulative_logprob,
+                    score=h.score,
+                    finish_reason=h.finish_reason,
+                )
+                for h in req.beam.finished
+            ],
+            error=req.error,
+        )
+
     # -- statistics -------------------------------------------------------------------------
     def _record(self, plan: SchedulerOutput) -> None:
         running = self.scheduler.running
@@ -256,5 +326,13 @@ class LLMEngine:
             logical=sum(len(s.block_table) for r in running for s in r.live_seqs()),
             seqs=sum(r.num_future_seqs() for r in running),
             tokens=plan.num_tokens,
+            cached=self.pool.num_cached,
         )
-        self.stats.cow_copies = self.pool.num_cow_copies - self._cow_base
+        st = self.stats
+        (
+            st.cow_copies,
+            st.prefix_cache_queries,
+            st.prefix_cache_hits,
+            st.prefix_cache_blocks_reused,
+            st.prefix_cache_evictions,
+        ) = (now - base for now, base in zip(self._pool_counts(), self._pool_base, strict=True))

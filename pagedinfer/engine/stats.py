@@ -23,12 +23,14 @@ class EngineStats:
     max_model_len: int
     dtype: str = ""  # weights and K/V, e.g. "float32"
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
+    prefix_caching: bool = True
     # per step
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
     logical_blocks: list[int] = field(default_factory=list)
     running_seqs: list[int] = field(default_factory=list)
     batch_tokens: list[int] = field(default_factory=list)
+    cached_blocks: list[int] = field(default_factory=list)  # cached blocks nobody references
     # totals
     cow_copies: int = 0
     requests: int = 0
@@ -36,11 +38,20 @@ class EngineStats:
     samples: int = 0
     prompt_tokens: int = 0  # unique prompt tokens of the requests that ran
     prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every sample would cost
+    # prefix cache (the pool's counts during this run): prompt tokens looked up at admission, and
+    # those its blocks saved from computing
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_blocks_reused: int = 0  # blocks handed to a new sequence by a hit
+    prefix_cache_evictions: int = 0  # cached blocks reclaimed for new contents
     wall_time_s: float = 0.0
     # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
 
-    def record_step(self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int) -> None:
+    def record_step(
+        self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
+    ) -> None:
+        self.cached_blocks.append(cached)
         self.blocks_used.append(blocks_used)
         self.slots_filled.append(slots_filled)
         self.logical_blocks.append(logical)
@@ -63,6 +74,10 @@ class EngineStats:
     @property
     def preemptions(self) -> int:
         return self.counters.preemptions
+
+    @property
+    def prompt_tokens_readmitted(self) -> int:
+        return self.counters.prompt_tokens_readmitted
 
     # -- derived figures -------------------------------------------------------------------
     @property
@@ -134,6 +149,15 @@ class EngineStats:
         """Peak over steps of logical blocks (table entries) minus physical blocks in use."""
         return max((lo - ph for lo, ph in zip(self.logical_blocks, self.blocks_used, strict=True)), default=0)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def prompt_tokens_saved_by_sharing(self) -> int:
+        """Prompt tokens the n samples (or beams) of a request did not compute again."""
+        return self.prompt_tokens_requested - self.prompt_tokens
+
     def to_dict(self) -> dict:
         """The report's figures under stable keys (documented in the README)."""
         mb = self.mean_blocks_used
@@ -171,7 +195,20 @@ class EngineStats:
                 "prompt_tokens": self.prompt_tokens,
                 "prompt_tokens_requested": self.prompt_tokens_requested,
                 "prompt_tokens_computed": self.prompt_tokens_computed,
+                "prompt_tokens_saved_by_sharing": self.prompt_tokens_saved_by_sharing,
+                "prompt_tokens_saved_by_prefix_cache": self.prefix_cache_hits,
+                "prompt_tokens_readmitted": self.prompt_tokens_readmitted,
                 "output_tokens_recomputed": self.output_tokens_recomputed,
+            },
+            "prefix_cache": {
+                "enabled": self.prefix_caching,
+                "queries": self.prefix_cache_queries,
+                "hits": self.prefix_cache_hits,
+                "hit_rate": round(self.prefix_cache_hit_rate, 6),
+                "blocks_reused": self.prefix_cache_blocks_reused,
+                "evictions": self.prefix_cache_evictions,
+                "peak_cached_blocks": max(self.cached_blocks, default=0),
+                "cached_blocks_per_step": self.cached_blocks,
             },
             "scheduling": {
                 "requests": self.requests,

@@ -130,3 +130,16 @@ def _suppress_early_stop(logits: torch.Tensor, rows: list[SampleRow], eos_ids: s
             ids = [t for t in banned if t < logits.shape[1]]
             if ids:
                 logits[i, ids] = float("-inf")
+
+
+@torch.inference_mode()
+def beam_candidates(logits: torch.Tensor, cumulative: list[float], k: int) -> list[tuple[int, int, float]]:
+    """The ``k`` best (beam, token, cumulative log-probability) continuations of ``logits [B, V]``.
+
+    Computed in float32 like transformers' beam search, so the same candidates win.
+    """
+    vocab = logits.shape[1]
+    scores = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    scores += torch.tensor(cumulative, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    values, flat = scores.flatten().topk(min(k, scores.numel()))  # [k]
+    return [(i // vocab, i % vocab, v) for i, v in zip(flat.tolist(), values.tolist(), strict=True)]
