@@ -71,6 +71,10 @@ class LLM:
         """Memory and scheduling statistics of the last ``generate`` call."""
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt blocks of earlier calls (a benchmark's warm-up, say)."""
+        self.engine.pool.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

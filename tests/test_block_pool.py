@@ -285,3 +285,21 @@ TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = MACHINE_SETTINGS
 TestCachingPoolMachine = CachingPoolMachine.TestCase
 TestCachingPoolMachine.settings = MACHINE_SETTINGS
+
+
+def test_reset_prefix_cache_frees_cached_blocks_and_keeps_those_in_use():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    kept, dropped = [], []
+    pool.reserve(kept, 0, 4)
+    pool.reserve(dropped, 0, 4)
+    pool.register_full_blocks(kept, list(range(4)), 4)
+    pool.register_full_blocks(dropped, list(range(10, 14)), 4)
+    pool.free(dropped)
+    assert pool.num_cached == 1 and len(pool.free_ids) == 4
+    pool.reset_prefix_cache()
+    assert (
+        pool.num_cached == 0
+        and len(pool.free_ids) == 5
+        and pool.cached_prefix(block_hashes(list(range(10, 14)), 4)) == []
+    )
+    assert pool.cached_prefix(block_hashes(list(range(4)), 4)) == kept  # the block in use is still a hit

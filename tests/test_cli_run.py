@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from pagedinfer.cli.app import app
 
-DOCS = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "report.md"
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,8 @@ class PagedinferSystem:
         return [[list(c.token_ids) for c in o.outputs] for o in outs], None
 
     def run(self) -> RunResult:
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()  # no hits from the warm-up or an earlier repeat
         tokens, scores = self._call(self.prompts, list(self.job.max_tokens))
         stats = self.llm.stats
         figures = {k: getattr(stats, k) for k in STAT_FIELDS if hasattr(stats, k)}

@@ -2,7 +2,7 @@
 
 All figures come from `EngineStats` (pagedinfer/engine/stats.py); `derived` adds the few byte and
 ratio figures the report shows on top of ``stats.to_dict()``. The JSON keys are documented in the
-README's ``--report-json FILE`` section (tests/test_cli_run.py checks that each one is there).
+``docs/report.md`` (``--report-json FILE``) (tests/test_cli_run.py checks that each one is there).
 """
 
 from __future__ import annotations

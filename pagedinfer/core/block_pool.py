@@ -137,6 +137,13 @@ class BlockPool:
                 self.free_ids.append(block)
                 self._trace("free", block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached, unreferenced block (they become free); blocks in use keep their hashes."""
+        while self.evictable:
+            block, _ = self.evictable.popitem()
+            self._uncache(block)
+            self.free_ids.append(block)
+
     def _uncache(self, block: int) -> None:
         digest = self.hashes[block]
         if digest is not None and self.cached.get(digest) == block:

@@ -159,7 +159,7 @@ class EngineStats:
         return self.prompt_tokens_requested - self.prompt_tokens
 
     def to_dict(self) -> dict:
-        """The report's figures under stable keys (documented in the README)."""
+        """The report's figures under stable keys (documented in docs/report.md)."""
         mb = self.mean_blocks_used
         return {
             "pool": {
