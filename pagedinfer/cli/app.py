@@ -319,8 +319,6 @@ def run(
     except KeyboardInterrupt:
         _interrupted_at_start()
 
-    if num_blocks is not None and kv_memory is not None:
-        _usage_error("give --num-blocks or --kv-memory, not both")
     if data_parallel < 0:
         _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
     if ray_address is not None and not data_parallel:

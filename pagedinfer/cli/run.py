@@ -497,6 +497,11 @@ def _option_words(message: str) -> str:
     return message
 
 
+def _status(opts: RunOptions, err: Console, what: str):
+    """A spinner with ``what`` on a terminal (not with --quiet); else nothing."""
+    return err.status(what) if err.is_terminal and not opts.quiet else contextlib.nullcontext()
+
+
 def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
@@ -505,12 +510,7 @@ def _load(opts: RunOptions, err: Console):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    status = (
-        err.status(f"loading {opts.model or 'the demo model'}")
-        if err.is_terminal and not opts.quiet
-        else None
-    )
-    with status or contextlib.nullcontext():
+    with _status(opts, err, f"loading {opts.model or 'the demo model'}"):
         try:
             return LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
@@ -534,12 +534,9 @@ def _start_replicas(opts: RunOptions, err: Console):
         opts.ray_address,
         opts.model or "pagedinfer-demo",
     )
-    status = (
-        err.status(f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray")
-        if err.is_terminal and not opts.quiet
-        else None
-    )
-    with status or contextlib.nullcontext():
+    with _status(
+        opts, err, f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray"
+    ):
         try:
             return DataParallelEngines(spec)
         except RayUnavailable as e:

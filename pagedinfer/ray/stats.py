@@ -8,26 +8,28 @@ the wall time is the driver's.
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from itertools import zip_longest
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pagedinfer.core.scheduler import SchedulerCounters
 from pagedinfer.engine.stats import EngineStats
 
-SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens")
+SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens", "cached_blocks")
 TOTALS = (
     "cow_copies",
-    "preemptions",
     "requests",
     "failed_requests",
     "samples",
     "prompt_tokens",
     "prompt_tokens_requested",
-    "prompt_tokens_computed",
-    "output_tokens_recomputed",
-    "generated_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_blocks_reused",
+    "prefix_cache_evictions",
 )
 
 
@@ -39,9 +41,15 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         block_size=first.block_size,
         bytes_per_token=first.bytes_per_token,
         bytes_per_block=first.bytes_per_block,
-        pool_source=f"{len(replicas)} replicas × {first.pool_source}",
+        pool_size=replace(first.pool_size, num_blocks=sum(s.num_blocks for s in replicas)),
         max_model_len=first.max_model_len,
+        dtype=first.dtype,
+        dtype_reason=first.dtype_reason,
+        prefix_caching=first.prefix_caching,
         wall_time_s=wall_time_s,
+        counters=SchedulerCounters(
+            **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}
+        ),
     )
     for name in SERIES:
         columns = zip_longest(*(getattr(s, name) for s in replicas), fillvalue=0)
