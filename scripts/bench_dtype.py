@@ -29,30 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagedinfer
 
 from pagedinfer import LLM, SamplingParams  # noqa: E402
+from pagedinfer.bench.models import LLAMA_COMMON  # noqa: E402
+from pagedinfer.bench.models import MODELS as BENCH_MODELS  # noqa: E402
 from pagedinfer.model.dtype import cpu_bf16_flags  # noqa: E402
 
-LLAMA_1B = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-SMOLLM_135M = dict(  # W1's model (SmolLM2-135M's shape)
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
-MODELS = {"llama1b": LLAMA_1B, "smollm135m": SMOLLM_135M}
+# the bench's W5 and W1 model shapes (LlamaConfig fields), not a copy of them
+MODELS = {name: BENCH_MODELS[name][0] for name in ("llama1b", "smollm135m")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUESTIONS = [
     "What is the capital of France?",
@@ -105,7 +87,7 @@ def build_model(root: Path, name: str) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(0)
-    config = LlamaConfig(**MODELS[name], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(**MODELS[name], **LLAMA_COMMON)
     torch.set_default_dtype(torch.bfloat16)
     try:
         LlamaForCausalLM(config).save_pretrained(path)
