@@ -44,6 +44,9 @@ class PoolSize:
         return "default: 2 GiB on the CPU, capped at max_num_seqs x max_model_len"
 
 
+SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -54,6 +57,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks across requests
+    schedule_policy: str = "lpm"  # admission order: "lpm" longest cached prefix first, or "fcfs"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -66,6 +70,10 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"
+            )
 
     def pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
         """Number of blocks of the pool, and what decided it."""

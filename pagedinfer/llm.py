@@ -30,6 +30,9 @@ class LLM:
     ``pagedinfer`` or ``transformers``.
     ``enable_prefix_caching``: prompts that start with the same full blocks of tokens reuse their
     K/V across requests (and across ``generate`` calls) instead of computing them again.
+    ``schedule_policy``: which waiting request is admitted first: ``lpm`` (the one with the longest
+    cached prefix, so that requests sharing a prefix run while it is cached; arrival order among
+    equals, none overtaken more than ``max_num_seqs`` times) or ``fcfs`` (arrival order).
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class LLM:
         seed: int = EngineConfig.seed,
         use_cuda_kernels: bool | None = None,
         enable_prefix_caching: bool = True,
+        schedule_policy: str = EngineConfig.schedule_policy,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -58,6 +62,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            schedule_policy=schedule_policy,
         )
         loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)

@@ -88,3 +88,24 @@ def test_cache_outlives_the_generate_call_and_is_off_when_asked(tiny_model):
     d = off.stats.to_dict()
     assert d["prefix_cache"]["enabled"] is False and d["prefix_cache"]["queries"] == 0
     assert off.stats.prompt_tokens_computed == sum(lengths) and off.engine.pool.num_cached == 0
+
+
+def test_lpm_admission_keeps_interleaved_families_cached_under_a_small_pool(tiny_model):
+    """Four prompt families arriving round-robin, a pool that keeps about one family's prefix: first
+    come first served evicts each prefix before its family's next request; lpm admits the requests
+    whose prefix is cached first. Same greedy tokens, fewer prompt tokens computed."""
+    families = [shared_prefix_prompts(6 * BS, 6, seed=10 + f)[1] for f in range(4)]
+    prompts = [families[f][i] for i in range(6) for f in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    got = {}
+    for policy in ("fcfs", "lpm"):
+        got[policy], llm = run(
+            tiny_model("llama"), prompts, params, num_blocks=24, max_num_seqs=2, schedule_policy=policy
+        )
+        got[f"{policy} stats"] = llm.stats
+    fcfs, lpm = got["fcfs stats"], got["lpm stats"]
+    assert got["lpm"] == got["fcfs"]
+    assert lpm.schedule_policy == "lpm" and fcfs.schedule_policy == "fcfs"
+    assert lpm.prefix_cache_hit_rate > fcfs.prefix_cache_hit_rate + 0.2
+    assert lpm.prompt_tokens_computed < fcfs.prompt_tokens_computed
+    assert lpm.prefix_cache_evictions < fcfs.prefix_cache_evictions

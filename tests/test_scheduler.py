@@ -145,6 +145,41 @@ def test_finished_and_failed_requests_hold_no_blocks():
     assert all(t.seq.request is ok for p in plans for t in p.targets)
 
 
+def finish_first(sched: Scheduler) -> list[Request]:
+    """Steps until some request finishes; returns what finished."""
+    while True:
+        done = step(sched)[1]
+        if done:
+            return done
+
+
+def test_lpm_admits_the_request_with_the_cached_prefix_first():
+    for policy, expected in (("fcfs", "r2"), ("lpm", "r3")):
+        sched = Scheduler(BlockPool(64, 4), 1, 100, max_model_len=64, schedule_policy=policy)
+        sched.add(request("r1", 12, max_tokens=1))  # prefix family 10: its 3 blocks stay cached
+        sched.add(request("r2", 12, max_tokens=1, first=40))  # another family, arrived first
+        sched.add(request("r3", 13, max_tokens=1))  # family 10 again: 3 blocks cached
+        assert [r.request_id for r in finish_first(sched)] == ["r1"]
+        plan, _ = step(sched)
+        assert [s.seq.request.request_id for s in plan.batch] == [expected]
+        if policy == "lpm":  # it starts after the cached 12 tokens
+            assert plan.batch[0].start == 12 and sched.pool.prefix_hits == 12
+            assert sched.waiting[0].num_overtaken == 1  # r2 was passed over once
+
+
+def test_lpm_lets_no_request_be_overtaken_more_than_max_num_seqs_times():
+    max_seqs = 2
+    sched = Scheduler(BlockPool(64, 4), max_seqs, 100, max_model_len=64, schedule_policy="lpm")
+    sched.add(request("r0", 8, n=max_seqs, max_tokens=1))  # family 10, alone in the first step
+    sched.add(request("r1", 8, max_tokens=1, first=40))  # a lone family, never cached while it waits
+    for i in range(2, 12):
+        sched.add(request(f"r{i}", 8, max_tokens=1))  # family 10: cached once r0 ran
+    order = [r.request_id for plan in run(sched) for r in {s.seq.request: 0 for s in plan.batch}]
+    overtaken_by = order.index("r1") - 1  # r0 arrived before it
+    assert overtaken_by == max_seqs, order  # the bound, and no more
+    assert sorted(order, key=lambda rid: int(rid[1:])) == [f"r{i}" for i in range(12)]  # all ran
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random requests on tiny pools; the rules every step must keep, checked after each one."""
 
@@ -153,9 +188,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         max_seqs=st.integers(1, 6),
         budget=st.integers(1, 12),
+        policy=st.sampled_from(["fcfs", "lpm"]),
     )
-    def setup(self, num_blocks, block_size, max_seqs, budget):
-        self.sched = Scheduler(BlockPool(num_blocks, block_size), max_seqs, budget, max_model_len=40)
+    def setup(self, num_blocks, block_size, max_seqs, budget, policy):
+        pool = BlockPool(num_blocks, block_size)
+        self.sched = Scheduler(pool, max_seqs, budget, max_model_len=40, schedule_policy=policy)
         self.requests: list[Request] = []
         self.expected: dict[tuple[str, int], list[int]] = {}  # (request, sample) -> tokens handed out
         self.steps = 0

@@ -50,6 +50,11 @@ class ModelImpl(str, Enum):
     transformers = "transformers"
 
 
+class SchedulePolicy(str, Enum):
+    lpm = "lpm"
+    fcfs = "fcfs"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -207,6 +212,15 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = True,
+    schedule_policy: Annotated[
+        SchedulePolicy,
+        typer.Option(
+            "--schedule-policy",
+            help="Which waiting line is admitted first: lpm = the longest cached prompt prefix "
+            "(lines sharing a prefix run while it is cached), fcfs = input order.",
+            rich_help_panel=POOL,
+        ),
+    ] = SchedulePolicy.lpm,
     device: Annotated[
         Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
     ] = Device.auto,
@@ -346,6 +360,7 @@ def run(
             "max_num_batched_tokens": max_batched_tokens,
             "max_model_len": max_model_len,
             "enable_prefix_caching": prefix_caching,
+            "schedule_policy": schedule_policy.value,
             "device": device.value,
             "dtype": dtype.value,
             "model_impl": model_impl.value,

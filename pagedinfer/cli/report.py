@@ -215,7 +215,8 @@ def _prefix_cache_block(stats: EngineStats) -> Table:
         f"hit rate [bold]{_pct(stats.prefix_cache_hit_rate)}[/] ({stats.prefix_cache_hits:,} of "
         f"{stats.prefix_cache_queries:,} prompt tokens looked up) · [bold]{stats.prefix_cache_blocks_reused:,}[/] "
         f"blocks reused · {stats.prefix_cache_evictions:,} evicted · up to "
-        f"{max(stats.cached_blocks, default=0):,} unreferenced blocks kept cached",
+        f"{max(stats.cached_blocks, default=0):,} unreferenced blocks kept cached · admission "
+        f"{stats.schedule_policy}",
     )
     readmitted = (
         f" + {stats.prompt_tokens_readmitted:,} readmitted after preemption"

@@ -2,9 +2,11 @@
 ``update()`` after it (vLLM v1's ``schedule`` / ``update_from_output``).
 
 Each step serves running requests first (decode tokens, prompt chunks, recomputation), then admits
-waiting requests in arrival order while the token budget, the sequence limit and the free blocks
-allow; an admitted prompt starts from its longest cached prefix (prefix caching). When a running sequence needs a block and none is free, the most recently admitted request
-is preempted as a whole (its blocks freed, recomputed later), never failed.
+waiting requests while the token budget, the sequence limit and the free blocks allow: in arrival
+order (``fcfs``), or longest cached prefix first (``lpm``, arrival order among equals, and no request
+overtaken by more than ``max_num_seqs`` later ones). An admitted prompt starts from its longest
+cached prefix (prefix caching). When a running sequence needs a block and none is free, the most
+recently admitted request is preempted as a whole (its blocks freed, recomputed later), never failed.
 
 The plan names, for every sequence that receives a token this step, the logits row it samples
 from; the engine only runs the model and the sampler in between. ``update`` then marks tokens
@@ -14,9 +16,10 @@ frees what finished. No other module writes a sequence's state.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pagedinfer.core.beam import Candidate
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
@@ -83,8 +86,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        schedule_policy: Literal["fcfs", "lpm"] = "fcfs",
     ) -> None:
         self.pool = pool
+        self.schedule_policy = schedule_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -205,7 +210,7 @@ class Scheduler:
             return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in arrival order while they fit; each starts from its cached prefix.
+        """Admit waiting requests in policy order while they fit; each starts from its cached prefix.
 
         A request whose next uncached prompt block is being computed right now by a request still
         in prefill waits for it (it will hit the cache instead of computing the same tokens); the
@@ -215,8 +220,12 @@ class Scheduler:
             return
         pool, caching = self.pool, self.pool.enable_prefix_caching
         num_seqs = sum(r.num_future_seqs() for r in self.running)
+        if budget <= 0 or num_seqs >= self.max_num_seqs:
+            return
         in_prefill = self._hashes_in_prefill() if caching else set()
-        for req in list(self.waiting):
+        order = self._admission_order()
+        admitted: list[int] = []  # positions in ``waiting`` of the requests admitted now
+        for pos, req in order:
             if budget <= 0:
                 break
             if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
@@ -228,6 +237,7 @@ class Scheduler:
             if pool.admission_blocks(hits, req.num_prompt_tokens) > pool.num_free:
                 break
             self.waiting.remove(req)
+            admitted.append(pos)
             req.state = RequestState.RUNNING
             self.running.append(req)
             num_seqs += req.num_future_seqs()
@@ -245,6 +255,30 @@ class Scheduler:
             self._schedule(out, seq, n)
             budget -= n
             in_prefill.update(hashes)
+        if self.schedule_policy == "lpm" and admitted:
+            admitted.sort()
+            for pos, req in order:
+                if req.state is RequestState.WAITING:  # passed over by every later arrival admitted now
+                    req.num_overtaken += len(admitted) - bisect_right(admitted, pos)
+
+    def _admission_order(self) -> list[tuple[int, Request]]:
+        """Waiting requests with their queue positions, in the order admission considers them.
+
+        ``lpm`` (longest prefix match, SGLang's name): most cached prompt blocks first, queue order
+        among equals, so that requests sharing a cached prefix run while it is still cached instead
+        of after it was evicted. A request overtaken ``max_num_seqs`` times goes first: none starves.
+        """
+        waiting = list(enumerate(self.waiting))
+        if self.schedule_policy == "fcfs" or not self.pool.enable_prefix_caching or len(waiting) < 2:
+            return waiting
+
+        def key(item: tuple[int, Request]) -> tuple[bool, int, int]:
+            pos, req = item
+            if req.num_overtaken >= self.max_num_seqs:
+                return (False, 0, pos)
+            return (True, -len(self.pool.cached_prefix(self._prompt_hashes(req))), pos)
+
+        return sorted(waiting, key=key)
 
     def _prompt_hashes(self, req: Request) -> list[bytes]:
         if req.prompt_hashes is None:

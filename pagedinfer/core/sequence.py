@@ -106,6 +106,7 @@ class Request:
     samples: list[Sequence] = field(default_factory=list)  # made at first admission
     error: str | None = None
     num_preemptions: int = 0
+    num_overtaken: int = 0  # later arrivals admitted before it (the ``lpm`` policy's starvation bound)
     prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
     beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams, best first
 

@@ -43,6 +43,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             loaded.eos_token_ids,
+            config.schedule_policy,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -66,6 +67,7 @@ class LLMEngine:
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
             prefix_caching=self.pool.enable_prefix_caching,
+            schedule_policy=self.scheduler.schedule_policy,
             counters=SchedulerCounters(),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             dtype_reason=self.loaded.dtype_reason,

@@ -24,6 +24,7 @@ class EngineStats:
     dtype: str = ""  # weights and K/V, e.g. "float32"
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     prefix_caching: bool = True
+    schedule_policy: str = "lpm"  # the scheduler's admission order
     # per step
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
@@ -211,6 +212,7 @@ class EngineStats:
                 "cached_blocks_per_step": self.cached_blocks,
             },
             "scheduling": {
+                "policy": self.schedule_policy,
                 "requests": self.requests,
                 "failed_requests": self.failed_requests,
                 "samples": self.samples,

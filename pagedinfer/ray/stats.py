@@ -46,6 +46,7 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         dtype=first.dtype,
         dtype_reason=first.dtype_reason,
         prefix_caching=first.prefix_caching,
+        schedule_policy=first.schedule_policy,
         wall_time_s=wall_time_s,
         counters=SchedulerCounters(
             **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}
