@@ -109,3 +109,21 @@ def test_lpm_admission_keeps_interleaved_families_cached_under_a_small_pool(tiny
     assert lpm.prefix_cache_hit_rate > fcfs.prefix_cache_hit_rate + 0.2
     assert lpm.prompt_tokens_computed < fcfs.prompt_tokens_computed
     assert lpm.prefix_cache_evictions < fcfs.prefix_cache_evictions
+
+
+def test_a_resumed_sample_continues_from_its_cached_generated_blocks(tiny_model):
+    """test_scheduler's preemption case through the model: the second request is preempted after
+    generating 2 tokens into a full block; on its return it takes that block from the cache instead
+    of recomputing it, and its greedy tokens are those of a run without preemption."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [50, 51, 52, 53]}]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 8)]
+    path = tiny_model("llama")
+    got = {}
+    for caching, blocks in ((True, 7), (False, 7), (False, 100)):
+        llm = LLM(str(path), block_size=2, num_blocks=blocks, enable_prefix_caching=caching, **ENGINE)
+        got[caching, blocks] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        s = llm.stats
+        assert s.preemptions == (blocks == 7)
+        if blocks == 7:
+            assert (s.output_tokens_restored, s.output_tokens_recomputed) == ((2, 0) if caching else (0, 2))
+    assert got[True, 7] == got[False, 7] == got[False, 100]

@@ -122,6 +122,27 @@ def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
     assert second.samples[0].num_output_tokens == 3 and sched.pool.num_free == 4
 
 
+def test_a_resumed_sample_restores_its_cached_generated_blocks():
+    """r2 is preempted with 6 positions computed (3 full blocks: 4 prompt tokens, 2 generated); on its
+    return the prompt recomputes only its last token and the sample starts at position 6."""
+    for caching, resumed in ((True, [(3, 1), (6, 1)]), (False, [(0, 4), (4, 3)])):
+        sched = Scheduler(
+            BlockPool(7, 2, caching), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64
+        )
+        r1, r2 = request("r1", 4, max_tokens=4), request("r2", 4, max_tokens=8, first=50)
+        sched.add(r1)
+        sched.add(r2)
+        plans = run(sched)
+        assert plans[3].preempted == [r2]
+        assert [(s.seq.name, s.start, s.num_tokens) for p in plans[4:6] for s in p.batch] == [
+            ("r2/prompt", *resumed[0]),
+            ("r2/0", *resumed[1]),
+        ]
+        assert sched.counters.output_tokens_restored == (2 if caching else 0)
+        assert sched.counters.output_tokens_recomputed == (0 if caching else 2)
+        assert sched.pool.prefix_queries == (8 + 4 if caching else 0)  # prompts only, not the restored tokens
+
+
 def test_a_request_that_preempts_itself_leaves_nothing_scheduled():
     sched = Scheduler(BlockPool(2, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
     lone = request("r1", 3, n=2, max_tokens=2)  # prompt: 2 blocks; the samples then need 1 each

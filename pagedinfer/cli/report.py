@@ -184,7 +184,12 @@ def render(stats: EngineStats, console: Console) -> None:
         "Scheduling",
         f"{stats.samples:,} samples of {stats.requests - stats.failed_requests:,} requests · "
         f"[bold]{stats.preemptions:,}[/] preemptions"
-        + (f" ({stats.output_tokens_recomputed:,} generated tokens recomputed)" if stats.preemptions else ""),
+        + (
+            f" ({stats.output_tokens_recomputed:,} generated tokens recomputed, "
+            f"{stats.output_tokens_restored:,} found in the prefix cache)"
+            if stats.preemptions
+            else ""
+        ),
     )
     rest.add_row(
         "",

@@ -229,13 +229,16 @@ class BlockPool:
             new += 1
         return new + revived
 
-    def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
+    def match_prefix(
+        self, token_ids: list[int], hashes: list[bytes] | None = None, prompt: bool = True
+    ) -> list[int]:
         """Take a reference to every block of the longest cached full-block prefix of ``token_ids``.
 
         Returns the block table to start from; the caller computes the remaining tokens. The last
         token is always computed (its logits are sampled), so a fully cached prompt saves all but
         one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)``
-        when the caller has them already.
+        when the caller has them already. ``prompt=False`` (a resumed sample's generated tokens)
+        leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits`` alone.
         """
         if not self.enable_prefix_caching:
             return []
@@ -248,8 +251,9 @@ class BlockPool:
                 self.num_filled_slots += self.filled[block]
             self.ref_counts[block] += 1
             self._trace("hit", block)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += min(len(blocks) * self.block_size, len(token_ids) - 1)
+        if prompt:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += min(len(blocks) * self.block_size, len(token_ids) - 1)
         self.blocks_reused += len(blocks)
         return blocks
 

@@ -73,6 +73,7 @@ class SchedulerCounters:
 
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recompute included)
     output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
+    output_tokens_restored: int = 0  # generated tokens a resumed sample found in the prefix cache
     generated_tokens: int = 0
     preemptions: int = 0
     prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
@@ -406,14 +407,27 @@ class Scheduler:
         req.samples = children
 
     def _fork(self, req: Request) -> None:
-        """The prompt is computed: every live sample takes a reference to its blocks (no copy)."""
-        parent = req.prompt_seq
+        """The prompt is computed: every live sample takes a reference to its blocks (no copy).
+
+        A sample resumed after a preemption starts from its own longest cached prefix instead, when
+        that reaches past the prompt's full blocks: the full blocks of its generated tokens were
+        cached before the preemption and, unless evicted since, are not computed again.
+        """
+        parent, pool = req.prompt_seq, self.pool
         assert parent is not None and parent.num_pending == 0
+        prompt_blocks = req.num_prompt_tokens // pool.block_size
         for seq in req.samples:
-            if not seq.finished:
-                seq.block_table = self.pool.fork(parent.block_table)
+            if seq.finished:
+                continue
+            hashes = block_hashes(seq.token_ids, pool.block_size) if seq.num_output_tokens else []
+            if len(pool.cached_prefix(hashes)) > prompt_blocks:
+                seq.block_table = pool.match_prefix(seq.token_ids, hashes, prompt=False)
+                seq.num_computed = min(len(seq.block_table) * pool.block_size, len(seq.token_ids) - 1)
+                self.counters.output_tokens_restored += seq.num_computed - parent.num_computed
+            else:
+                seq.block_table = pool.fork(parent.block_table)
                 seq.num_computed = parent.num_computed
-        self.pool.free(parent.block_table)
+        pool.free(parent.block_table)
         req.prompt_seq = None
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> None:

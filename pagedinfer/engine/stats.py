@@ -69,6 +69,10 @@ class EngineStats:
         return self.counters.output_tokens_recomputed
 
     @property
+    def output_tokens_restored(self) -> int:
+        return self.counters.output_tokens_restored
+
+    @property
     def generated_tokens(self) -> int:
         return self.counters.generated_tokens
 
@@ -200,6 +204,7 @@ class EngineStats:
                 "prompt_tokens_saved_by_prefix_cache": self.prefix_cache_hits,
                 "prompt_tokens_readmitted": self.prompt_tokens_readmitted,
                 "output_tokens_recomputed": self.output_tokens_recomputed,
+                "output_tokens_restored": self.output_tokens_restored,
             },
             "prefix_cache": {
                 "enabled": self.prefix_caching,
