@@ -1,9 +1,10 @@
 """The CUDA kernels, executed, against a plain float32 torch reference.
 
-By default the unchanged .cu sources run on the CPU through g++ and the CUDA shim (pagedinfer.cuda_cpu);
-with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA tensors. Each (dtype, head, block)
-combination below costs one g++ build (cached by source hash), so the set is kept small; head 256 and
-the full matrix are covered by the NVRTC compile test.
+By default the unchanged .cu sources run on the CPU through g++ and the CUDA shim
+(pagedinfer.attention.cuda_cpu); with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA
+tensors. Each (dtype, head, block, decode GROUP) combination below costs one g++ build (cached by
+source hash), so the set is kept small; head 256 and the full matrix are covered by the NVRTC
+compile test.
 """
 
 from __future__ import annotations
