@@ -6,21 +6,20 @@
 // logit = scale * q.k, then softcap * tanh(logit / softcap) when softcap > 0; a query at
 // position pos sees keys k <= pos with pos - k < window (window > 0); optional per-head sinks add
 // exp(sink) to the softmax denominator only (gpt-oss).
-// Compiled with NVRTC on GPUs (pagedinfer/cuda_kernels.py) and with g++ + cpu/cuda_shim.h in tests:
-// full-warp shuffles only, no inline PTX, no <cmath> macros such as INFINITY.
+// Compiled with NVRTC on GPUs (pagedinfer/attention/cuda_kernels.py) and with g++ + cpu/cuda_shim.h in
+// tests: full-warp shuffles only, no inline PTX, no <cmath> macros such as INFINITY. Asynchronous
+// global -> shared copies go through the CUDA pipeline primitives (cp.async on sm_80+), which the shim
+// defers until the matching wait, so a read before the wait shows on the CPU too.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline_primitives.h>
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 constexpr int NUM_THREADS = 128;
 constexpr int NUM_WARPS = NUM_THREADS / 32;
 constexpr int MAX_GROUP = 8;                // query heads per CUDA block; larger groups span blocks
-constexpr int DECODE_TILE = NUM_THREADS;    // keys scored per decode step, one per thread
-#ifndef DECODE_LOADS_IN_FLIGHT
-#define DECODE_LOADS_IN_FLIGHT 4  // best of 2, 4, 8, 16 on an H200 (scripts/bench_kernels.py sweeps it)
-#endif
-constexpr int LOADS_IN_FLIGHT = DECODE_LOADS_IN_FLIGHT;  // decode: 16-byte K/V loads issued before use
+constexpr int DECODE_TILE_BYTES = 8192;     // decode: bytes of K (and of V) rows per tile and buffer
 constexpr int ROWS_PER_WARP = 4;            // prefill (query token, head) rows per warp
 constexpr int PREFILL_ROWS = NUM_WARPS * ROWS_PER_WARP;
 
@@ -76,22 +75,31 @@ __device__ __forceinline__ float output_scale(float m, float l, const float* sin
   return e / (l * e + __expf(s - top));
 }
 
-// Query heads [first, first + count) sharing kv_head, served by the CUDA block at `index`.
+// Query heads [first, first + count) sharing kv_head, served by the CUDA block at `index`, which
+// takes at most `cap` of them.
 struct HeadGroup {
   int kv_head, first, count;
 };
-__device__ __forceinline__ HeadGroup head_group(int index, int num_heads, int num_kv_heads) {
-  const int group = num_heads / num_kv_heads, chunks = (group + MAX_GROUP - 1) / MAX_GROUP;
+__device__ __forceinline__ HeadGroup head_group(int index, int num_heads, int num_kv_heads, int cap) {
+  const int group = num_heads / num_kv_heads, chunks = (group + cap - 1) / cap;
   const int kv_head = index / chunks, chunk = index % chunks;
-  return {kv_head, kv_head * group + chunk * MAX_GROUP, min(MAX_GROUP, group - chunk * MAX_GROUP)};
+  return {kv_head, kv_head * group + chunk * cap, min(cap, group - chunk * cap)};
 }
 
-// Decode: one query token per sequence. grid = (num_kv_heads * head chunks, seqs, partitions).
-// The visible keys [lo, ctx), lo = max(0, ctx - window), are cut into partitions so that a few long
-// sequences still fill the GPU; a block runs an online softmax over its partition, one tile of
-// DECODE_TILE keys at a time. With one partition it writes `out`, otherwise part_acc/part_ml for
-// paged_decode_merge.
-template <typename T, int HEAD, int BLOCK>
+// Decode: one query token per sequence. grid = (num_kv_heads * head chunks, seqs, partitions);
+// a CUDA block serves GROUP (<= MAX_GROUP) query heads of one KV head over one partition of the
+// visible keys [lo, ctx), lo = max(0, ctx - window), so a few long sequences still fill the GPU.
+// * Tiles of TILE keys' K and V rows are copied global -> shared with cp.async (the CUDA pipeline
+//   primitives), double-buffered: tile t + 1 is in flight while tile t is scored.
+// * Each key's row is read from shared memory by a lane group of LANES lanes (a lane per 16-byte
+//   piece; HEAD * sizeof(T) / 16 lanes rounded up to a power of two), the query's matching pieces
+//   held in registers for every head of the group; partial dots are summed with xor shuffles
+//   inside the group. Each lane group keeps its own online softmax (max, sum, its pieces of the
+//   output) over keys g, g + KEY_GROUPS, ... of every tile, so a tile needs no softmax barrier.
+// * At the end the groups' states are merged: with shuffles inside a warp, then across the warps
+//   through shared memory. One partition writes `out`; several write part_acc/part_ml, merged by
+//   paged_decode_merge.
+template <typename T, int HEAD, int GROUP>
 __global__ void __launch_bounds__(NUM_THREADS)
     paged_decode_kernel(T* __restrict__ out,              // [tokens, num_heads, HEAD]
                         float* __restrict__ part_acc,     // [seqs, num_heads, partitions, HEAD]
@@ -102,135 +110,199 @@ __global__ void __launch_bounds__(NUM_THREADS)
                         const int* __restrict__ context_lens,     // [seqs]
                         const int* __restrict__ block_tables,     // [seqs, max_blocks]
                         const float* __restrict__ sinks,          // [num_heads] or null
-                        int q_token, int q_head, int num_heads, int num_kv_heads, int max_blocks, float scale,
-                        int window, float softcap, int partition_size) {
+                        int q_token, int q_head, int num_heads, int num_kv_heads, int max_blocks,
+                        int block_shift,  // log2(block size)
+                        float scale, int window, float softcap, int partition_size) {
   constexpr int VEC = 16 / sizeof(T);
-  constexpr int CHUNKS = HEAD / VEC;                 // 16-byte pieces of a row
-  constexpr int KEY_GROUPS = NUM_THREADS / CHUNKS;   // keys accumulated side by side in the V pass
-  __shared__ float s_q[MAX_GROUP][HEAD];
-  __shared__ float s_p[MAX_GROUP][DECODE_TILE];      // a tile's logits, then probabilities
-  __shared__ float s_m[MAX_GROUP], s_l[MAX_GROUP], s_corr[MAX_GROUP];
-  __shared__ float s_out[MAX_GROUP][HEAD];
+  constexpr int PIECES = HEAD / VEC;  // 16-byte pieces of a row
+  constexpr int LANES = PIECES > 16 ? 32 : PIECES > 8 ? 16 : PIECES > 4 ? 8 : 4;  // lanes reading a row
+  constexpr int PER_LANE = (PIECES + LANES - 1) / LANES;                          // pieces per lane
+  constexpr int KEY_GROUPS = NUM_THREADS / LANES;                                 // rows read side by side
+  constexpr int TILE = DECODE_TILE_BYTES / (HEAD * sizeof(T)) / KEY_GROUPS * KEY_GROUPS;  // keys per tile
+  constexpr int KEYS_PER_GROUP = TILE / KEY_GROUPS;
+  static_assert(KEYS_PER_GROUP >= 1 && HEAD % VEC == 0 && GROUP <= MAX_GROUP, "decode tile shape");
+  // Shared memory: two tiles of K and V rows, reused after the key loop for the cross-warp merge.
+  constexpr int TILE_BYTES = 4 * TILE * HEAD * sizeof(T), MERGE_BYTES = NUM_WARPS * GROUP * HEAD * 4;
+  __shared__ __align__(16) unsigned char s_raw[TILE_BYTES > MERGE_BYTES ? TILE_BYTES : MERGE_BYTES];
+  __shared__ float s_ml[NUM_WARPS][GROUP][2];
+  T(*s_kv)[2][TILE * HEAD] = reinterpret_cast<T(*)[2][TILE * HEAD]>(s_raw);  // [buffer][K, V][key * HEAD + d]
+  float(*s_acc)[GROUP][HEAD] = reinterpret_cast<float(*)[GROUP][HEAD]>(s_raw);  // [warp][head][d]
 
-  const int seq = blockIdx.y, part = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int seq = blockIdx.y, part = blockIdx.z, tid = threadIdx.x, warp = tid / 32;
+  const int kg = tid / LANES, lane = tid % LANES;  // key group, and lane (piece) within it
   const int token = query_start_loc[seq];
   if (query_start_loc[seq + 1] == token) return;
   const int ctx = context_lens[seq];
   const int begin = (window > 0 ? max(0, ctx - window) : 0) + part * partition_size;
   if (begin >= ctx) return;  // this sequence has fewer partitions than the grid
   const int end = min(ctx, begin + partition_size);
-  const HeadGroup hg = head_group(blockIdx.x, num_heads, num_kv_heads);
+  const HeadGroup hg = head_group(blockIdx.x, num_heads, num_kv_heads, GROUP);
   const int* table = block_tables + (long long)seq * max_blocks;
+  const int block_mask = (1 << block_shift) - 1;
 
-  for (int i = tid; i < MAX_GROUP * HEAD; i += NUM_THREADS) {
-    const int g = i / HEAD, d = i % HEAD;
-    s_q[g][d] =
-        g < hg.count ? to_float(query[(long long)token * q_token + (long long)(hg.first + g) * q_head + d]) * scale
-                     : 0.f;
-  }
-  if (tid < MAX_GROUP) {
-    s_m[tid] = NEG_INF;
-    s_l[tid] = 0.f;
-  }
-  const int vg = tid / CHUNKS, vc = tid % CHUNKS;  // V pass: key group and row piece of this thread
-  float acc[MAX_GROUP][VEC] = {};
+  // Copies keys [t0, t0 + TILE) & [t0, end) into buffer `buf` and commits them as one batch (an
+  // empty batch past the end, so that "all but the newest batch landed" always means this tile).
+  auto issue = [&](int t0, int buf) {
+    const int n = min(TILE, end - t0);
+    for (int i = tid; i < TILE * PIECES; i += NUM_THREADS) {  // consecutive threads: a row's pieces
+      const int j = i / PIECES, c = i % PIECES, key = t0 + j;
+      if (j < n) {
+        const long long slot = ((long long)table[key >> block_shift] << block_shift) + (key & block_mask);
+        const long long at = (slot * num_kv_heads + hg.kv_head) * HEAD + c * VEC;
+        __pipeline_memcpy_async(&s_kv[buf][0][j * HEAD + c * VEC], k_cache + at, 16);
+        __pipeline_memcpy_async(&s_kv[buf][1][j * HEAD + c * VEC], v_cache + at, 16);
+      }
+    }
+    __pipeline_commit();
+  };
 
-  for (int t0 = begin; t0 < end; t0 += DECODE_TILE) {
-    const int n = min(DECODE_TILE, end - t0);
-    __syncthreads();  // s_q/s_m ready; the previous tile's s_p consumed
-    if (tid < n) {    // score key t0 + tid against every head of the group
-      const T* k = kv_row<T, HEAD, BLOCK>(k_cache, table, t0 + tid, hg.kv_head, num_kv_heads);
-      float dot[MAX_GROUP] = {};
+  float q[GROUP][PER_LANE][VEC];  // this lane's pieces of each head's query, times scale
+  float acc[GROUP][PER_LANE][VEC], m[GROUP], l[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int c = lane + i * LANES;
+      const T* qp = query + (long long)token * q_token + (long long)(hg.first + g) * q_head + c * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {  // element by element: the query view need not be 16-byte aligned
+        q[g][i][e] = g < hg.count && c < PIECES ? to_float(qp[e]) * scale : 0.f;
+        acc[g][i][e] = 0.f;
+      }
+    }
+  }
+
+  issue(begin, 0);
 #pragma unroll 1
-      for (int c0 = 0; c0 < CHUNKS; c0 += LOADS_IN_FLIGHT) {
-        Vec16<T> kv[LOADS_IN_FLIGHT];  // issued together: one memory latency per batch, not per piece
+  for (int t0 = begin, buf = 0; t0 < end; t0 += TILE, buf ^= 1) {
+    issue(t0 + TILE, buf ^ 1);  // buffer buf ^ 1 was released by the barrier ending the last tile
+    __pipeline_wait_prior(1);   // this thread's copies of tile t0 have landed ...
+    __syncthreads();            // ... and every thread's
+    const int n = min(TILE, end - t0);
+    const T* s_k = s_kv[buf][0];
+    const T* s_v = s_kv[buf][1];
+    float s[KEYS_PER_GROUP][GROUP];  // logits, then probabilities, of this group's keys of the tile
 #pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j)
-          if (c0 + j < CHUNKS) kv[j] = load16(k + (c0 + j) * VEC);
+    for (int r = 0; r < KEYS_PER_GROUP; ++r) {
+      const int j = kg + r * KEY_GROUPS;
+      float dot[GROUP] = {};
+      if (j < n)  // rows past n hold stale bytes
 #pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j)
-          if (c0 + j < CHUNKS)
+        for (int i = 0; i < PER_LANE; ++i) {
+          const int c = lane + i * LANES;
+          if (c < PIECES) {
+            const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(s_k + j * HEAD + c * VEC);
+#pragma unroll
             for (int e = 0; e < VEC; ++e) {
-              const float x = to_float(kv[j].v[e]);
+              const float k = to_float(x.v[e]);
 #pragma unroll
-              for (int g = 0; g < MAX_GROUP; ++g)
-                if (g < hg.count) dot[g] += s_q[g][(c0 + j) * VEC + e] * x;
+              for (int g = 0; g < GROUP; ++g) dot[g] += q[g][i][e] * k;
             }
-      }
-#pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < hg.count) s_p[g][tid] = apply_softcap(dot[g], softcap);
-    }
-    __syncthreads();
-    for (int g = warp; g < hg.count; g += NUM_WARPS) {  // online softmax; warp w owns heads w + 4i
-      float tile_max = NEG_INF;
-      for (int i = lane; i < n; i += 32) tile_max = fmaxf(tile_max, s_p[g][i]);
-      const float m_old = s_m[g], m_new = fmaxf(m_old, warp_max(tile_max));
-      float sum = 0.f;
-      for (int i = lane; i < n; i += 32) {
-        const float p = __expf(s_p[g][i] - m_new);
-        s_p[g][i] = p;
-        sum += p;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float corr = __expf(m_old - m_new);
-        s_corr[g] = corr;
-        s_l[g] = s_l[g] * corr + sum;
-        s_m[g] = m_new;
-      }
-    }
-    __syncthreads();
-    if (vg < KEY_GROUPS) {  // V pass: keys vg, vg + KEY_GROUPS, ... of this tile
-#pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < hg.count)
-          for (int e = 0; e < VEC; ++e) acc[g][e] *= s_corr[g];
-#pragma unroll 1
-      for (int t = vg; t < n; t += KEY_GROUPS * LOADS_IN_FLIGHT) {
-        Vec16<T> vv[LOADS_IN_FLIGHT];  // keys t, t + KEY_GROUPS, ...: loads issued together
-#pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) {
-          const int key = t + j * KEY_GROUPS;
-          if (key < n)
-            vv[j] = load16(kv_row<T, HEAD, BLOCK>(v_cache, table, t0 + key, hg.kv_head, num_kv_heads) + vc * VEC);
+          }
         }
 #pragma unroll
-        for (int j = 0; j < LOADS_IN_FLIGHT; ++j) {
-          const int key = t + j * KEY_GROUPS;
-          if (key < n)
+      for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g)
-              if (g < hg.count) {
-                const float p = s_p[g][key];
-                for (int e = 0; e < VEC; ++e) acc[g][e] += p * to_float(vv[j].v[e]);
-              }
-        }
+        for (int o = LANES / 2; o > 0; o >>= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+        s[r][g] = j < n ? apply_softcap(dot[g], softcap) : NEG_INF;
       }
     }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {  // online softmax of this group's keys
+      float m_new = m[g];
+#pragma unroll
+      for (int r = 0; r < KEYS_PER_GROUP; ++r) m_new = fmaxf(m_new, s[r][g]);
+      const float base = m_new == NEG_INF ? 0.f : m_new;  // no key yet: avoid inf - inf
+      const float corr = __expf(m[g] - base);
+      m[g] = m_new;
+      l[g] *= corr;
+#pragma unroll
+      for (int r = 0; r < KEYS_PER_GROUP; ++r) {
+        s[r][g] = __expf(s[r][g] - base);
+        l[g] += s[r][g];
+      }
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][i][e] *= corr;
+    }
+#pragma unroll
+    for (int r = 0; r < KEYS_PER_GROUP; ++r) {
+      const int j = kg + r * KEY_GROUPS;
+      if (j < n)
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+          const int c = lane + i * LANES;
+          if (c < PIECES) {
+            const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(s_v + j * HEAD + c * VEC);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              const float v = to_float(x.v[e]);
+#pragma unroll
+              for (int g = 0; g < GROUP; ++g) acc[g][i][e] += s[r][g] * v;
+            }
+          }
+        }
+    }
+    __syncthreads();  // buffer buf consumed: the next iteration's copies may overwrite it
   }
-  for (int j = 0; j < KEY_GROUPS; ++j) {  // add up the key groups' accumulators, one group at a time
-    __syncthreads();
-    if (vg == j)
+
+  // Merge the lane groups of a warp (lanes lane, lane + LANES, ... hold the same pieces) ...
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < hg.count)
-          for (int e = 0; e < VEC; ++e) s_out[g][vc * VEC + e] = (j ? s_out[g][vc * VEC + e] : 0.f) + acc[g][e];
+  for (int o = LANES; o < 32; o <<= 1)
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const float m_o = __shfl_xor_sync(0xffffffffu, m[g], o), l_o = __shfl_xor_sync(0xffffffffu, l[g], o);
+      const float top = fmaxf(m[g], m_o), base = top == NEG_INF ? 0.f : top;
+      const float a = __expf(m[g] - base), b = __expf(m_o - base);
+      m[g] = top;
+      l[g] = l[g] * a + l_o * b;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][i][e] = acc[g][i][e] * a + __shfl_xor_sync(0xffffffffu, acc[g][i][e], o) * b;
+    }
+  // ... then the warps, through shared memory (the tiles' buffers: the loop's last barrier freed them)
+  if (tid % 32 < LANES) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        const int c = lane + i * LANES;
+        if (c < PIECES)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s_acc[warp][g][c * VEC + e] = acc[g][i][e];
+      }
+      if (lane == 0) {
+        s_ml[warp][g][0] = m[g];
+        s_ml[warp][g][1] = l[g];
+      }
+    }
   }
   __syncthreads();
   const bool single = gridDim.z == 1;
   for (int i = tid; i < hg.count * HEAD; i += NUM_THREADS) {
     const int g = i / HEAD, d = i % HEAD, head = hg.first + g;
-    if (single)
-      out[((long long)token * num_heads + head) * HEAD + d] =
-          from_float<T>(s_out[g][d] * output_scale(s_m[g], s_l[g], sinks, head));
-    else
-      part_acc[(((long long)seq * num_heads + head) * gridDim.z + part) * HEAD + d] = s_out[g][d];
-  }
-  if (!single && tid < hg.count) {
-    const long long p = ((long long)seq * num_heads + hg.first + tid) * gridDim.z + part;
-    part_ml[2 * p] = s_m[tid];
-    part_ml[2 * p + 1] = s_l[tid];
+    float top = NEG_INF;
+    for (int w = 0; w < NUM_WARPS; ++w) top = fmaxf(top, s_ml[w][g][0]);
+    float o = 0.f, sum = 0.f;
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float f = s_ml[w][g][0] == NEG_INF ? 0.f : __expf(s_ml[w][g][0] - top);
+      o += s_acc[w][g][d] * f;
+      sum += s_ml[w][g][1] * f;
+    }
+    const long long p = ((long long)seq * num_heads + head) * gridDim.z + part;
+    if (single) {
+      out[((long long)token * num_heads + head) * HEAD + d] = from_float<T>(o * output_scale(top, sum, sinks, head));
+    } else {
+      part_acc[p * HEAD + d] = o;
+      if (d == 0) {
+        part_ml[2 * p] = top;
+        part_ml[2 * p + 1] = sum;
+      }
+    }
   }
 }
 
@@ -287,7 +359,7 @@ __global__ void __launch_bounds__(NUM_THREADS)
 
   const int seq = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int q_begin = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_begin;
-  const HeadGroup hg = head_group(blockIdx.z, num_heads, num_kv_heads);
+  const HeadGroup hg = head_group(blockIdx.z, num_heads, num_kv_heads, MAX_GROUP);
   const int per_token = min(num_heads / num_kv_heads, MAX_GROUP);  // rows per query token
   const int tokens = PREFILL_ROWS / per_token, tok0 = blockIdx.x * tokens;
   if (tok0 >= q_len) return;

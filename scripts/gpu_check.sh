@@ -4,7 +4,8 @@
 # 1. the kernel tests through real CuPy on CUDA tensors (PAGEDINFER_TEST_CUDA=1),
 # 2. the engine's tests on CUDA (PAGEDINFER_TEST_DEVICE=cuda): greedy parity with transformers through the
 #    torch path (head size 16) and the CuPy kernels (head size 64), sampling, logprobs, penalties,
-# 3. the decode microbenchmark (bandwidth vs a device-to-device copy, time vs SDPA),
+# 3. the kernel microbenchmarks: decode and prefill/extend tables against SDPA on contiguous K/V (bandwidth
+#    as a fraction of a device-to-device copy), see docs/kernels.md,
 # 4. the CLI end to end on the embedded demo model: greedy in float32 on the CPU and on CUDA (outputs compared)
 #    and n=4 sampling in bfloat16 on CUDA, with the memory report; outputs go to $OUT (else /tmp).
 # Every step runs (no -x: one GPU run should show all failures); the exit status is non-zero if any failed.

@@ -1,9 +1,10 @@
 """The CUDA kernels, executed, against a plain float32 torch reference.
 
-By default the unchanged .cu sources run on the CPU through g++ and the CUDA shim (pagedinfer.cuda_cpu);
-with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA tensors. Each (dtype, head, block)
-combination below costs one g++ build (cached by source hash), so the set is kept small; head 256 and
-the full matrix are covered by the NVRTC compile test.
+By default the unchanged .cu sources run on the CPU through g++ and the CUDA shim
+(pagedinfer.attention.cuda_cpu); with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA
+tensors. Each (dtype, head, block, decode GROUP) combination below costs one g++ build (cached by
+source hash), so the set is kept small; head 256 and the full matrix are covered by the NVRTC
+compile test.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def check_attention(q_lens, ctx_lens, combo, heads, device, **features):
 
 
 def decode_lens(block: int) -> list[int]:
-    return [1, block - 1, block, block + 1, 700]  # 700 > DECODE_PARTITION_SIZE: partitions + merge
+    return [1, block - 1, block, block + 1, 700]  # 700: several partitions + merge
 
 
 @pytest.mark.parametrize("heads", GQA, ids=heads_id)
@@ -125,12 +126,48 @@ def test_decode(combo, heads, device):
     check_attention([1] * len(ctx), ctx, combo, heads, device)
 
 
-@pytest.mark.parametrize("partition", [128, 4096])  # 6 partitions for the longest context; no merge
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-def test_decode_partition_size(combo, partition, device, monkeypatch):
-    monkeypatch.setattr(cuda_kernels, "DECODE_PARTITION_SIZE", partition)
-    ctx = decode_lens(combo[2])
-    check_attention([1] * len(ctx), ctx, combo, (8, 2), device, sliding_window=650)
+@pytest.mark.parametrize(
+    ("cuda_blocks", "visible", "sm_count", "expected"),
+    [
+        (8 * 256, 16384, 132, (16384, 1)),  # batch 256, 8 KV heads: the grid is full already
+        (8 * 64, 4096, 132, (2048, 2)),  # batch 64: two partitions give 1024 blocks >= 4 x 132
+        (8, 16384, 132, (256, 64)),  # one long sequence: 64 partitions of the smallest size
+        (8, 100, 132, (256, 1)),  # a short context is never split below PARTITION_QUANTUM
+        (2, 1000, 16, (256, 4)),
+    ],
+)
+def test_decode_partition_choice(cuda_blocks, visible, sm_count, expected):
+    assert cuda_kernels.decode_partitions(cuda_blocks, visible, sm_count) == expected
+
+
+@pytest.mark.parametrize(
+    ("heads", "group"), [((8, 8), 1), ((6, 2), 4), ((8, 2), 4), ((7, 1), 8), ((12, 1), 8)]
+)
+def test_decode_group(heads, group):
+    assert cuda_kernels.decode_group(*heads) == group
+
+
+# ragged contexts, none but 1 a multiple of a tile (32 keys at 256-byte rows, 64 at 128-byte rows)
+RAGGED = [1, 33, 100, 257, 700]
+
+
+@pytest.mark.parametrize("plan", ["one-partition", "many-partitions"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 2)], ids=heads_id)  # GQA groups 1, 4, 8
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch.")
+)
+def test_decode_partitioning(dtype, head, heads, plan, device, monkeypatch):
+    """fp16 / bf16 against the float32 reference within TOLERANCE (3e-3 / 2e-2, absolute and relative)."""
+    if plan == "one-partition":
+        monkeypatch.setattr(cuda_kernels, "DECODE_BLOCKS_PER_SM", 0)
+    else:  # partitions of 100 keys: 7 for the longest context, boundaries off the tiles
+        monkeypatch.setattr(cuda_kernels, "PARTITION_QUANTUM", 100)
+    cuda_blocks = heads[1] * len(RAGGED)  # GROUP covers each GQA ratio here: one block per KV head
+    expected = 1 if plan == "one-partition" else 7
+    assert cuda_kernels.decode_partitions(cuda_blocks, max(RAGGED))[1] == expected
+    block = 16 if dtype == torch.float16 else 8  # shares builds with COMBOS
+    check_attention([1] * len(RAGGED), RAGGED, (dtype, head, block), heads, device)
 
 
 # (query tokens, context tokens) per sequence: whole prompts, chunks over a cached prefix, a decode row
@@ -163,13 +200,47 @@ def test_features(phase, combo, features, device):
     check_attention(*lens, combo, (8, 2), device, **features)
 
 
-@pytest.mark.skipif(ON_CUDA, reason="thread order is a CPU-shim probe")
+@pytest.mark.skipif(ON_CUDA, reason="thread order and copy timing are CPU-shim probes")
+@pytest.mark.parametrize("probe", ["PAGEDINFER_CPU_REVERSE", "PAGEDINFER_CPU_EAGER_COPIES"])
+@pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=heads_id)  # decode GROUP 8 and 1
+@pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[2]], ids=combo_id)  # rows of 16 and 20 pieces
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_reverse_thread_order(phase, device, monkeypatch):
-    monkeypatch.setenv("PAGEDINFER_CPU_REVERSE", "1")
-    combo = COMBOS[0]
+def test_race_probes(phase, combo, heads, probe, device, monkeypatch):
+    """Threads run last to first, or cp.async copies land at issue (a buffer overwritten while others
+    still read it shows); the default run lands them at the last moment (a read before the wait shows).
+    At 20 pieces a row, the threads that copy a row are not the ones that read it."""
+    monkeypatch.setenv(probe, "1")
     lens = ([1] * 5, decode_lens(combo[2])) if phase == "decode" else PREFILL
-    check_attention(*lens, combo, (16, 2), device, sliding_window=600, sinks=torch.ones(16))
+    check_attention(*lens, combo, heads, device, sliding_window=600, sinks=torch.ones(heads[0]))
+
+
+ASYNC_PROBE = r"""
+#include <cuda_pipeline_primitives.h>
+extern "C" __global__ void async_probe(float* out, const float* src) {
+  __shared__ __align__(16) float buf[2][4];
+  buf[0][0] = buf[1][0] = -1.f;
+  __pipeline_memcpy_async(&buf[0][0], src, 16);
+  __pipeline_commit();
+  __pipeline_memcpy_async(&buf[1][0], src + 4, 16);
+  __pipeline_commit();
+  out[0] = buf[0][0];  // nothing waited for: stale
+  __pipeline_wait_prior(1);
+  out[1] = buf[0][0];  // the older batch landed, the newest not yet
+  out[2] = buf[1][0];
+  __pipeline_wait_prior(0);
+  out[3] = buf[1][0];
+}
+"""
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the latest possible landing is a CPU-shim guarantee")
+def test_shim_async_copies_land_at_their_wait(device):
+    """The shim delivers cp.async copies at the wait that must see them, so the decode kernel's
+    double buffering is checked against the weakest ordering a GPU allows."""
+    kernel = cuda_cpu.RawModule(code=ASYNC_PROBE).get_function("async_probe")
+    out, src = torch.zeros(4), torch.arange(1.0, 9.0)
+    kernel((1,), (1,), (out, src))
+    assert out.tolist() == [-1.0, 1.0, -1.0, 5.0]
 
 
 @pytest.mark.parametrize("dtype", list(cuda_kernels.DTYPE_NAMES), ids=lambda d: str(d).removeprefix("torch."))

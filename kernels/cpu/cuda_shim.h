@@ -5,6 +5,10 @@
 // switch); blocks run one after another, so `__shared__` can be a function-local `static`.
 // Fibers are never pre-empted: they switch only at barriers and shuffles, which makes a missing
 // __syncthreads show deterministically; running the fibers in reverse order is a second probe.
+// Asynchronous copies (the pipeline primitives behind cp.async) land only at the wait that must
+// see them, the latest moment a GPU may deliver them, so reading a buffer before waiting shows;
+// with kEagerCopies they land at once, the earliest moment, so overwriting a buffer that other
+// threads still read (a missing barrier after the reads) shows.
 // Included with `-include` by pagedinfer/cuda_cpu.py. Static shared memory only (no `extern __shared__`).
 #pragma once
 #include <algorithm>
@@ -50,8 +54,16 @@ struct Barrier {
   void wait();
   void leave();
 };
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  size_t bytes, zfill;
+  unsigned batch;
+};
 struct Fiber {
   void* sp;
+  std::vector<AsyncCopy> copies;  // issued, not yet landed
+  unsigned committed;             // batches committed so far
   std::unique_ptr<char[]> stack;
   dim3 idx;
   unsigned tid, parity;
@@ -67,8 +79,10 @@ struct Launch {
   void (*body)(void*);
   void* arg;
   unsigned long progress = 0;
+  bool eager_copies;
 };
 inline thread_local Launch* L;
+constexpr int kReverse = 1, kEagerCopies = 2;  // launch flags
 constexpr size_t kStackBytes = 256 << 10;
 
 inline unsigned tid() { return L->current->tid; }
@@ -104,8 +118,10 @@ std::tuple<A...> unpack(void** params, std::index_sequence<I...>) {
 }
 
 // Runs kernel `k` over the grid; returns 0, or -1 when a scheduler pass makes no progress.
+// flags: kReverse runs each block's threads last to first, kEagerCopies lands async copies at issue.
 template <class... A>
-int launch(void (*k)(A...), const unsigned* grid, const unsigned* block, void** params, bool reverse) {
+int launch(void (*k)(A...), const unsigned* grid, const unsigned* block, void** params, int flags) {
+  const bool reverse = flags & kReverse;
   struct Call {
     void (*k)(A...);
     std::tuple<A...> args;
@@ -113,6 +129,7 @@ int launch(void (*k)(A...), const unsigned* grid, const unsigned* block, void** 
   const dim3 G{grid[0], grid[1], grid[2]}, B{block[0], block[1], block[2]};
   const unsigned nthreads = B.x * B.y * B.z, nblocks = G.x * G.y * G.z, nwarps = (nthreads + 31) / 32;
   Launch st;
+  st.eager_copies = flags & kEagerCopies;
   L = &st;
   blockDim = B;
   gridDim = G;
@@ -130,6 +147,8 @@ int launch(void (*k)(A...), const unsigned* grid, const unsigned* block, void** 
       f.tid = t;
       f.parity = 0;
       f.done = false;
+      f.copies.clear();
+      f.committed = 0;
       f.idx = {t % B.x, (t / B.x) % B.y, t / (B.x * B.y)};
       st.warps[t / 32].expected++;
       auto top = reinterpret_cast<void**>((uintptr_t(f.stack.get()) + kStackBytes) & ~uintptr_t(15));
@@ -213,3 +232,25 @@ struct __nv_bfloat16 {
 };
 inline float __bfloat162float(__nv_bfloat16 h) { return float(h); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+
+// ---- pipeline primitives (cuda_pipeline_primitives.h): copies queue per thread in commit batches
+inline void shim_land(const shim::AsyncCopy& c) {
+  std::memcpy(c.dst, c.src, c.bytes - c.zfill);
+  std::memset(static_cast<char*>(c.dst) + c.bytes - c.zfill, 0, c.zfill);
+}
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t bytes, size_t zfill = 0) {
+  const shim::AsyncCopy c{dst, src, bytes, zfill, shim::L->current->committed};
+  if (shim::L->eager_copies)
+    shim_land(c);
+  else
+    shim::L->current->copies.push_back(c);
+}
+inline void __pipeline_commit() { ++shim::L->current->committed; }
+inline void __pipeline_wait_prior(size_t prior) {  // lands every batch but the newest `prior`
+  auto& f = *shim::L->current;
+  std::erase_if(f.copies, [&](const shim::AsyncCopy& c) {
+    if (c.batch + prior >= f.committed) return false;
+    shim_land(c);
+    return true;
+  });
+}

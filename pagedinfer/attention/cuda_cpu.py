@@ -6,8 +6,10 @@ thread a fiber, blocks one after another) and launched through ctypes with a ``v
 array, like ``cuLaunchKernel``. Plug it into the GPU backend with
 ``cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)`` and pass CPU tensors.
 
-Set ``PAGEDINFER_CPU_REVERSE=1`` to run each block's threads in reverse order (a race probe), and
-``PAGEDINFER_CPU_CXXFLAGS`` to change the g++ flags (e.g. ``-O1 -g -fsanitize=address``).
+Race probes: ``PAGEDINFER_CPU_REVERSE=1`` runs each block's threads in reverse order, and
+``PAGEDINFER_CPU_EAGER_COPIES=1`` lands asynchronous (cp.async) copies at issue instead of at the
+latest wait that must see them. ``PAGEDINFER_CPU_CXXFLAGS`` changes the g++ flags (e.g.
+``-O1 -g -fsanitize=address``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _EXTERN_C_KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\('
 )
 _LAUNCH_LOCK = threading.Lock()  # kernels keep __shared__ in statics: one launch at a time
+_PROBES = ((1, "PAGEDINFER_CPU_REVERSE"), (2, "PAGEDINFER_CPU_EAGER_COPIES"))  # shim::launch flag bits
 
 
 def _compile(source: str, flags: list[str]) -> Path:
@@ -62,8 +65,8 @@ class RawModule:
     ):
         self._names = list(dict.fromkeys([*name_expressions, *_EXTERN_C_KERNEL.findall(code)]))
         wrappers = "".join(
-            f'extern "C" int pagedinfer_launch_{i}(const unsigned* g, const unsigned* b, void** p, int r)'
-            f" {{ return shim::launch(&{name}, g, b, p, r); }}\n"  # taking the address instantiates the template
+            f'extern "C" int pagedinfer_launch_{i}(const unsigned* g, const unsigned* b, void** p, int f)'
+            f" {{ return shim::launch(&{name}, g, b, p, f); }}\n"  # taking the address instantiates the template
             for i, name in enumerate(self._names)
         )
         source = re.sub(r"\bstatic\s+__shared__", "__shared__", code) + "\n" + wrappers
@@ -123,8 +126,9 @@ class RawKernel:
         g, b = ((ctypes.c_uint * 3)(*d) for d in dims)
         values = [_as_ctype(a) for a in args]
         params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
+        flags = sum(bit for bit, var in _PROBES if os.environ.get(var) == "1")
         with _LAUNCH_LOCK:
-            failed = self._fn(g, b, params, int(os.environ.get("PAGEDINFER_CPU_REVERSE", "0") == "1"))
+            failed = self._fn(g, b, params, flags)
         if failed:
             raise RuntimeError(
                 f"kernel {self.name} deadlocked (divergent __syncthreads or partial-warp shuffle)"

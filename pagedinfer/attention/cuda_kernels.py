@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,13 @@ from pagedinfer.attention.sources import KERNELS_DIR
 DTYPE_NAMES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 HEAD_SIZES = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
-DECODE_PARTITION_SIZE = 512  # keys per decode CUDA block; longer contexts are split and merged
+DECODE_GROUPS = (1, 2, 4, 8)  # query heads per decode CUDA block (template parameter GROUP)
+# Decode split-K: contexts are cut into partitions (multiples of PARTITION_QUANTUM keys) until the
+# grid holds about DECODE_BLOCKS_PER_SM CUDA blocks per SM; each partition then streams at least
+# PARTITION_QUANTUM keys, so the merge's extra traffic stays a few percent of the K/V read.
+DECODE_BLOCKS_PER_SM = 4
+PARTITION_QUANTUM = 256
+DEFAULT_SM_COUNT = 132  # an H100/H200: what the CPU harness plans partitions for
 # Mirrors of constants in kernels/paged_attention.cu that shape the launch grids.
 _NUM_THREADS = 128
 _MAX_GROUP = 8
@@ -78,12 +85,51 @@ def nvrtc_options() -> tuple[str, ...]:
     return ("--std=c++17", "-ftz=true", *([f"-I{include}"] if include else []))
 
 
-def _attention_names(dtype: str, head: int, block: int) -> tuple[str, ...]:
+def _attention_names(dtype: str, head: int, block: int, group: int) -> tuple[str, ...]:
     return (
-        f"paged_decode_kernel<{dtype}, {head}, {block}>",
+        f"paged_decode_kernel<{dtype}, {head}, {group}>",
         f"paged_decode_merge<{dtype}, {head}>",
         f"paged_prefill_kernel<{dtype}, {head}, {block}>",
     )
+
+
+def decode_group(num_heads: int, num_kv_heads: int) -> int:
+    """The decode kernel's GROUP for this GQA ratio: the fewest registers that hold a block's heads."""
+    ratio = num_heads // num_kv_heads
+    return next(g for g in DECODE_GROUPS if g >= min(ratio, _MAX_GROUP))
+
+
+def decode_partitions(cuda_blocks: int, visible: int, sm_count: int = DEFAULT_SM_COUNT) -> tuple[int, int]:
+    """(keys per partition, partitions) for a decode over ``visible`` keys (the longest sequence's)
+    whose grid has ``cuda_blocks`` blocks per partition: enough partitions that the grid fills
+    ``sm_count`` SMs DECODE_BLOCKS_PER_SM times, none shorter than PARTITION_QUANTUM keys."""
+    wanted = max(1, math.ceil(DECODE_BLOCKS_PER_SM * sm_count / cuda_blocks))
+    size = max(1, math.ceil(visible / wanted / PARTITION_QUANTUM)) * PARTITION_QUANTUM
+    return size, max(1, math.ceil(visible / size))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a decode step is launched: grid (head_blocks, seqs, partitions) of GROUP-head CUDA blocks."""
+
+    group: int
+    head_blocks: int  # CUDA blocks per sequence and partition
+    partition_size: int  # keys
+    partitions: int
+
+
+def decode_plan(
+    num_heads: int, num_kv_heads: int, num_seqs: int, visible: int, device: torch.device
+) -> DecodePlan:
+    """The decode launch for this batch on ``device`` (the CPU harness plans for DEFAULT_SM_COUNT SMs)."""
+    group = decode_group(num_heads, num_kv_heads)
+    head_blocks = num_kv_heads * math.ceil(num_heads // num_kv_heads / group)
+    sm_count = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else DEFAULT_SM_COUNT
+    )
+    return DecodePlan(group, head_blocks, *decode_partitions(head_blocks * num_seqs, visible, sm_count))
 
 
 _CACHE_NAMES = (*(f"reshape_and_cache<{d}>" for d in DTYPE_NAMES.values()), "copy_blocks")
@@ -96,7 +142,8 @@ def name_expressions() -> dict[str, list[str]]:
         for d in DTYPE_NAMES.values()
         for h in HEAD_SIZES
         for b in BLOCK_SIZES
-        for n in _attention_names(d, h, b)
+        for g in DECODE_GROUPS
+        for n in _attention_names(d, h, b, g)
     )
     return {"paged_attention.cu": list(dict.fromkeys(attention)), "cache_ops.cu": list(_CACHE_NAMES)}
 
@@ -248,44 +295,63 @@ def paged_attention(
     if tokens == 0:
         return
     num_seqs, max_blocks = meta.block_tables.shape
-    head_blocks = num_kv_heads * math.ceil(num_heads // num_kv_heads / _MAX_GROUP)  # CUDA blocks per head set
-    names = _attention_names(_dtype_name(query), head, block_size)
+    visible = min(meta.max_context_len, sliding_window) if sliding_window > 0 else meta.max_context_len
+    plan = decode_plan(num_heads, num_kv_heads, num_seqs, visible, query.device)
+    names = _attention_names(_dtype_name(query), head, block_size, plan.group)
     decode, merge, prefill = (_kernels_of("paged_attention.cu", names)[n] for n in names)
     tables = (_ptr(meta.query_start_loc), _ptr(meta.context_lens), _ptr(meta.block_tables), _ptr(sinks))
     sizes = tuple(map(np.int32, (*query.stride()[:2], num_heads, num_kv_heads, max_blocks)))
     features = (np.float32(scale), np.int32(sliding_window), np.float32(softcap))
     caches = (_ptr(query), _ptr(k_cache), _ptr(v_cache))
     if meta.max_query_len > 1:
+        head_blocks = num_kv_heads * math.ceil(num_heads // num_kv_heads / _MAX_GROUP)
         tokens_per_cuda_block = _PREFILL_ROWS // min(num_heads // num_kv_heads, _MAX_GROUP)
         grid = (math.ceil(meta.max_query_len / tokens_per_cuda_block), num_seqs, head_blocks)
         _launch(prefill, grid, (_NUM_THREADS,), (_ptr(out), *caches, *tables, *sizes, *features), query)
         return
-    visible = min(meta.max_context_len, sliding_window) if sliding_window > 0 else meta.max_context_len
-    partitions = max(1, math.ceil(visible / DECODE_PARTITION_SIZE))
     part_acc = part_ml = None
-    if partitions > 1:
+    if plan.partitions > 1:
         part_acc = torch.empty(
-            (num_seqs, num_heads, partitions, head), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, plan.partitions, head), dtype=torch.float32, device=query.device
         )
-        part_ml = torch.empty((num_seqs, num_heads, partitions, 2), dtype=torch.float32, device=query.device)
-    partition = np.int32(DECODE_PARTITION_SIZE)
-    args = (_ptr(out), _ptr(part_acc), _ptr(part_ml), *caches, *tables, *sizes, *features, partition)
-    _launch(decode, (head_blocks, num_seqs, partitions), (_NUM_THREADS,), args, query)
-    if partitions > 1:
+        part_ml = torch.empty(
+            (num_seqs, num_heads, plan.partitions, 2), dtype=torch.float32, device=query.device
+        )
+    block_shift = np.int32(block_size.bit_length() - 1)
+    partition = np.int32(plan.partition_size)
+    args = (
+        _ptr(out),
+        _ptr(part_acc),
+        _ptr(part_ml),
+        *caches,
+        *tables,
+        *sizes,
+        block_shift,
+        *features,
+        partition,
+    )
+    _launch(decode, (plan.head_blocks, num_seqs, plan.partitions), (_NUM_THREADS,), args, query)
+    if plan.partitions > 1:
         merge_args = (
             _ptr(out), _ptr(part_acc), _ptr(part_ml), *tables[:2], tables[3],
-            np.int32(num_heads), np.int32(partitions), np.int32(sliding_window), partition,
+            np.int32(num_heads), np.int32(plan.partitions), np.int32(sliding_window), partition,
         )  # fmt: skip
         _launch(merge, (num_heads, num_seqs), (_NUM_THREADS,), merge_args, query)
 
 
 __all__ = [
     "BLOCK_SIZES",
-    "DECODE_PARTITION_SIZE",
+    "DecodePlan",
+    "DECODE_BLOCKS_PER_SM",
+    "DECODE_GROUPS",
+    "PARTITION_QUANTUM",
     "DTYPE_NAMES",
     "HEAD_SIZES",
     "KERNELS_DIR",
     "copy_blocks",
+    "decode_group",
+    "decode_partitions",
+    "decode_plan",
     "is_available",
     "name_expressions",
     "nvrtc_options",
