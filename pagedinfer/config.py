@@ -54,6 +54,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks across requests
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -30,6 +30,8 @@ class LLM:
     ``pagedinfer`` or ``transformers``.
     ``enable_prefix_caching``: prompts that start with the same full blocks of tokens reuse their
     K/V across requests (and across ``generate`` calls) instead of computing them again.
+    ``enforce_eager``: on CUDA, run decode steps eagerly instead of replaying the CUDA graphs
+    captured at startup (one per batch-size bucket); the CPU has no graphs.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LLM:
         seed: int = EngineConfig.seed,
         use_cuda_kernels: bool | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = EngineConfig.enforce_eager,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -58,6 +61,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
         )
         loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)

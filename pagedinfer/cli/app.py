@@ -210,6 +210,15 @@ def run(
     device: Annotated[
         Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
     ] = Device.auto,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager",
+            help="On CUDA: no CUDA graphs; decode steps run eagerly (default: graphs captured at startup, "
+            "one per batch-size bucket). No effect on the CPU.",
+            rich_help_panel=POOL,
+        ),
+    ] = _default(EngineConfig, "enforce_eager"),
     dtype: Annotated[
         DType,
         typer.Option(
@@ -347,6 +356,7 @@ def run(
             "max_model_len": max_model_len,
             "enable_prefix_caching": prefix_caching,
             "device": device.value,
+            "enforce_eager": enforce_eager,
             "dtype": dtype.value,
             "model_impl": model_impl.value,
         },
