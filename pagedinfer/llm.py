@@ -32,6 +32,8 @@ class LLM:
     K/V across requests (and across ``generate`` calls) instead of computing them again.
     ``enforce_eager``: on CUDA, run decode steps eagerly instead of replaying the CUDA graphs
     captured at startup (one per batch-size bucket); the CPU has no graphs.
+    ``load_format``: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights drawn on the
+    device from the model's config alone: benchmarks of a model's shape).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class LLM:
         use_cuda_kernels: bool | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = EngineConfig.enforce_eager,
+        load_format: str = "auto",
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -63,7 +66,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
         )
-        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
+        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl, load_format=load_format)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 
     @property
