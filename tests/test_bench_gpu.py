@@ -137,6 +137,14 @@ def test_gpu_workload_path_on_the_cpu(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(runner, "time_system", timed)
+    setup_system = runner.setup_system
+
+    def setup(name: str, job):
+        if name == "hf_generate_batch":  # a system that fails on the GPU: the others' figures stay
+            raise RuntimeError("CUDA out of memory\nsecond line")
+        return setup_system(name, job)
+
+    monkeypatch.setattr(runner, "setup_system", setup)
     w = dataclasses.replace(
         WORKLOADS["G1"], model="tiny2l", num_prompts=4, prompt_len=(8, 24), max_tokens=(16, 16)
     )
@@ -147,22 +155,31 @@ def test_gpu_workload_path_on_the_cpu(tmp_path, monkeypatch):
     rates = {"bf16_flops": 1e12, "copy_bytes_per_s": 1e11}
     res = runner.run_workload(w, "float32", opts, model, rates)
 
-    paged, hf, cb = (res["systems"][s] for s in ("pagedinfer", "hf_generate", "hf_generate_batch"))
-    assert (paged["prompts"], hf["prompts"], cb["prompts"]) == (4, 2, 2)
+    assert set(res["systems"]) == {"pagedinfer", "hf_generate"} and res["errors"] == ["hf_generate_batch"]
+    assert res["failed"] == {"hf_generate_batch": "error: RuntimeError: CUDA out of memory"}
+    paged, hf = res["systems"]["pagedinfer"], res["systems"]["hf_generate"]
+    assert (paged["prompts"], hf["prompts"]) == (4, 2)
     assert (paged["output_tokens"], hf["output_tokens"]) == (4 * 4 * 16, 2 * 4 * 16)
     assert paged["profile"]["window_steps"] == 5 and paged["profile"]["us"]["gemm"] > 0
-    assert hf["profile"]["us"]["gemm"] > 0 and "not profiled" in cb["profile"]["error"]
+    assert hf["profile"]["us"]["gemm"] > 0 and hf["hbm_bytes"] > 0
     job = runner.make_job(w, opts, model, "float32")
     weights = model.parameters * 4
     context = sum(16 * len(p) + 16 * 15 // 2 for p in job.prompts)  # every generated token's context
     assert paged["hbm_bytes"] == paged["forward_passes"] * weights + 4 * context * res["kv_bytes_per_token"]
     assert paged["hbm_fraction"] == pytest.approx(paged["hbm_bytes"] / paged["wall_s"] / 1e11)
-    assert cb["hbm_bytes"] is None and paged["peak_gpu_bytes"] == 3 << 20
+    assert paged["peak_gpu_bytes"] == 3 << 20
 
     table = format_gpu_workload("G1", res)
     assert "the transformers systems run only the first 2 prompts (tok/s over theirs)" in table
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
     assert rows == ["system", "pagedinfer", "hf_generate", "hf_generate_batch"]
-    assert (
-        "- pagedinfer profile: 5 steps after" in table and "hf_generate_batch profile: not profiled" in table
-    )
+    assert "| hf_generate_batch | failed: error: RuntimeError: CUDA out of memory |" in table
+    assert "- pagedinfer profile: 5 steps after" in table and "- hf_generate profile: 5 steps after" in table
+
+
+def test_bench_exits_1_when_a_system_failed(monkeypatch):
+    result = {"workloads": {"G1": {"bfloat16": {"errors": ["hf_generate_batch"]}}, "G2": {"bfloat16": {}}}}
+    monkeypatch.setattr(runner, "run_bench", lambda opts: result)
+    out = CliRunner().invoke(app, ["bench", "-w", "W0"])
+    assert out.exit_code == 1
+    assert out.output.strip() == "error: systems failed: G1 bfloat16: hf_generate_batch"

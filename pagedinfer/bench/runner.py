@@ -241,6 +241,19 @@ def hbm_bytes(job: Job, weight_bytes: int, head: dict, forward_passes: int) -> i
     return forward_passes * weight_bytes + job.n * per_sample * head["kv_bytes_per_token"]
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _profile(host: _Host, system: str) -> dict:
+    """The system's profile window; a failure is reported in its place, the timed figures stay."""
+    try:
+        return host.call(profile_system, system)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"profiling failed: {_one_line(e)}"}
+
+
 def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, rates: dict) -> dict:
     """Every chosen system on ``w`` in ``dtype``; the figures of each and the ratios to pagedinfer.
 
@@ -277,7 +290,7 @@ def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel,
                     )
             out["loadavg_after"] = os.getloadavg()
             for system in setups:
-                extra = {"profile": hosts[system].call(profile_system, system)} if cuda else {}
+                extra = {"profile": _profile(hosts[system], system)} if cuda else {}
                 info = hosts[system].call(finish_system, system)
                 out["systems"][system] = {
                     **setups[system],
@@ -285,6 +298,14 @@ def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel,
                     **extra,
                     **_figures(runs[system], out, jobs[system], rates),
                 }
+        except Exception as e:  # noqa: BLE001 - on a GPU, one system's failure must not lose the others' figures
+            if not cuda:
+                raise
+            (system,) = group
+            out["failed"][system] = f"error: {_one_line(e)}"
+            out["errors"] = [*out.get("errors", []), system]
+            runs.pop(system, None)
+            print(f"[{label}] {system} failed: {_one_line(e)}", flush=True)
         finally:
             for host in hosts.values():
                 host.close()
@@ -314,6 +335,7 @@ def run_bench(opts: BenchOptions) -> dict:
     }
     if opts.device == "cuda":
         gpu = asdict(measure_gpu())
+        torch.cuda.empty_cache()  # the measurement's buffers, before the systems' processes start
         machine["gpu"] = gpu
         rates = dict.fromkeys(
             DTYPES, gpu

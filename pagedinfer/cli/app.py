@@ -595,7 +595,18 @@ def bench(
         opts.check()
     except ValueError as e:
         _usage_error(str(e))
-    run_bench(opts)
+    result = run_bench(opts)
+    failed = [
+        f"{name} {dtype}: {', '.join(res['errors'])}"
+        for name, per in result["workloads"].items()
+        for dtype, res in per.items()
+        if res.get("errors")
+    ]
+    if failed:  # a GPU workload's system failed (its row says why); the others' tables are printed
+        Console(file=sys.stderr).print(
+            f"[bold red]error:[/] systems failed: {'; '.join(failed)}", highlight=False
+        )
+        raise typer.Exit(1)
 
 
 def _interrupted_at_start() -> None:
