@@ -58,6 +58,7 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks across requests
     schedule_policy: str = "lpm"  # admission order: "lpm" longest cached prefix first, or "fcfs"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

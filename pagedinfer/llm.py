@@ -33,6 +33,10 @@ class LLM:
     ``schedule_policy``: which waiting request is admitted first: ``lpm`` (the one with the longest
     cached prefix, so that requests sharing a prefix run while it is cached; arrival order among
     equals, none overtaken more than ``max_num_seqs`` times) or ``fcfs`` (arrival order).
+    ``enforce_eager``: on CUDA, run decode steps eagerly instead of replaying the CUDA graphs
+    captured at startup (one per batch-size bucket); the CPU has no graphs.
+    ``load_format``: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights drawn on the
+    device from the model's config alone: benchmarks of a model's shape).
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class LLM:
         use_cuda_kernels: bool | None = None,
         enable_prefix_caching: bool = True,
         schedule_policy: str = EngineConfig.schedule_policy,
+        enforce_eager: bool = EngineConfig.enforce_eager,
+        load_format: str = "auto",
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -63,8 +69,9 @@ class LLM:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             schedule_policy=schedule_policy,
+            enforce_eager=enforce_eager,
         )
-        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl)
+        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl, load_format=load_format)
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 
     @property

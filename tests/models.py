@@ -19,6 +19,7 @@ DECODER = dict(
     max_position_embeddings=256,
     initializer_range=0.2,  # sharp logits: greedy choices never hinge on float noise
 )
+D64 = {**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 CONFIGS = {
     "llama": lambda: tf.LlamaConfig(**COMMON, **DECODER),
@@ -36,9 +37,9 @@ CONFIGS = {
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
-    "llama_d64": lambda: tf.LlamaConfig(
-        **COMMON, **{**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
-    ),
+    "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
+    # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
+    "llama_d64_long": lambda: tf.LlamaConfig(**COMMON, **{**D64, "max_position_embeddings": 1200}),
     "gpt2": lambda: tf.GPT2Config(
         vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=None
     ),

@@ -91,7 +91,9 @@ class TorchPlan:
             qpos,
             meta.block_tables[decode].contiguous(),
             decode_lens,
-            [meta.context_lens_host[i] for i in decode.tolist()],
+            decode_lens.tolist()
+            if meta.context_lens_host is None  # a graph step's metadata (never captured on this path)
+            else [meta.context_lens_host[i] for i in decode.tolist()],
             chunk_rows,
             chunk_valid,
             chunk_slots,

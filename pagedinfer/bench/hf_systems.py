@@ -10,9 +10,15 @@ from pagedinfer.bench.job import Job, RunResult, SystemUnavailable
 
 def _load(job: Job):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=getattr(torch, job.dtype)).eval()
+    dtype = getattr(torch, job.dtype)
+    if job.load_format == "dummy":  # the same random weights pagedinfer draws (same seed and device)
+        from pagedinfer.model.random_models import random_model
+
+        config = AutoConfig.from_pretrained(job.model_dir)
+        return random_model(config, 0, dtype, torch.device(job.device)).eval()
+    return AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=dtype).to(job.device).eval()
 
 
 def _generation_config(job: Job, **kw):
@@ -65,7 +71,7 @@ class HFGenerateSystem:
         self.batches = [order[i : i + self.size] for i in range(0, len(order), self.size)]
         self._generate([0], 2, 0)  # warm-up
 
-    def _generate(self, idx: list[int], new: int, seed: int):
+    def _generate(self, idx: list[int], new: int, seed: int, stopping_criteria=None):
         import torch
 
         prompts, rows = self.job.prompts, self.job.n
@@ -78,8 +84,9 @@ class HFGenerateSystem:
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(self.model.device),
+                attention_mask=mask.to(self.model.device),
+                stopping_criteria=stopping_criteria,
                 generation_config=_generation_config(
                     self.job,
                     max_new_tokens=new,
@@ -110,8 +117,35 @@ class HFGenerateSystem:
             outputs=outputs,
             peak_kv_bytes=peak_kv,
             scores=beam_scores if self.job.beam is not None else None,
-            details={"generated_incl_discarded": computed},
+            details={
+                "generated_incl_discarded": computed,
+                "forward_passes": sum(max(max_tokens[i] for i in idx) for idx in self.batches),
+            },
         )
+
+    def profile(self) -> dict:
+        """The time split of a few decode steps of the first batch (an untimed run, stopped after)."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        from pagedinfer.bench.gpu import PROFILE_STEPS, profiled_split
+
+        class EveryStep(StoppingCriteria):  # called once per generated token; never stops generate itself
+            def __init__(self, step) -> None:
+                self.step = step
+
+            def __call__(self, input_ids, scores, **kwargs):
+                import torch
+
+                self.step()
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        idx = self.batches[0]
+        new = max(self.job.max_tokens[i] for i in idx)
+
+        def run(step) -> None:
+            self._generate(idx, new, self.job.seed, StoppingCriteriaList([EveryStep(step)]))
+
+        return profiled_split(run, self.job.device, min(8, max(1, new // 2)), PROFILE_STEPS)
 
     def info(self) -> dict:
         return {
@@ -155,7 +189,12 @@ class HFGenerateBatchSystem:
     manager driven through ``continuous_batching_context_manager`` + ``add_request``."""
 
     def __init__(self, job: Job) -> None:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:
+            raise SystemUnavailable(
+                "this transformers has no ContinuousBatchingConfig (transformers 5 has)"
+            ) from None
 
         if job.beam is not None:
             raise SystemUnavailable("transformers' continuous batching has no beam search")
@@ -214,6 +253,9 @@ class HFGenerateBatchSystem:
                     results.setdefault(r.request_id.split("__child#")[0], []).append(r.generated_tokens)
                     done += 1
         return [results[f"p{i}"] for i in range(len(inputs))]
+
+    def profile(self) -> dict:
+        return {"error": "not profiled: continuous batching steps in its own thread, without a per-step hook"}
 
     def run(self) -> RunResult:
         self.pools.clear()

@@ -39,6 +39,9 @@ class Job:
     hf_batch_size: int | None  # prompts per hf_generate batch; None: all in one
     hf_cb_max_requests: int | None  # hf_generate_batch's max_requests_per_batch; None: max_num_seqs
     prefix_caching: bool | None = None  # pagedinfer's enable_prefix_caching; None: the engine's default
+    device: str = "cpu"  # "cuda": every system on the GPU
+    load_format: str = "auto"  # "dummy": random weights drawn on the device from the config (GPU workloads)
+    max_model_len: int | None = None  # pagedinfer's; None: the model's
 
 
 @dataclass
@@ -60,8 +63,11 @@ class SystemUnavailable(Exception):
 class System(Protocol):
     """A system under test. Constructed from a `Job` in its own process: loads the model and makes
     one small untimed warm-up call. ``run`` is the timed call (the whole workload); ``info`` describes
-    what ran (its configuration, what its KV figure means)."""
+    what ran (its configuration, what its KV figure means); ``profile`` (GPU workloads) the time split
+    of a few steps of an untimed run (`bench.gpu.profiled_split`)."""
 
     def run(self) -> RunResult: ...
 
     def info(self) -> dict: ...
+
+    def profile(self) -> dict: ...

@@ -56,6 +56,24 @@ MODELS: dict[str, tuple[dict, str]] = {
         ),
         "bfloat16",
     ),
+    # Llama-3.1-8B's shape (8.03B parameters, untied output head), for the GPU workloads only: built
+    # with random weights on the device (load_format "dummy"), never saved
+    "llama8b": (
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        "bfloat16",
+    ),
 }
 
 
@@ -64,12 +82,31 @@ class BuiltModel:
     path: Path
     parameters: int
     vocab_size: int
+    kv_elements_per_token: int  # K and V elements one token keeps across all layers
 
 
-def build_model(name: str, root: Path) -> BuiltModel:
-    """Save (or reuse, under ``root``) the random-weight model ``name``."""
+def _head_dim(fields: dict) -> int:
+    return fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+
+
+def kv_elements_per_token(fields: dict) -> int:
+    return fields["num_hidden_layers"] * 2 * fields["num_key_value_heads"] * _head_dim(fields)
+
+
+def llama_parameters(fields: dict) -> int:
+    """A Llama's parameter count from its config fields (embedding, layers, final norm, untied head)."""
+    h, d, inter = fields["hidden_size"], _head_dim(fields), fields["intermediate_size"]
+    q, kv = fields["num_attention_heads"] * d, fields["num_key_value_heads"] * d
+    layer = h * (2 * q + 2 * kv) + 3 * h * inter + 2 * h  # q, o, k, v; gate, up, down; two norms
+    tied = {**LLAMA_COMMON, **fields}["tie_word_embeddings"]
+    return fields["vocab_size"] * h * (1 if tied else 2) + fields["num_hidden_layers"] * layer + h
+
+
+def build_model(name: str, root: Path, weights: bool = True) -> BuiltModel:
+    """Save (or reuse, under ``root``) the random-weight model ``name``; with ``weights=False`` only
+    its config (systems then draw random weights on the device: load_format "dummy")."""
     fields, stored = MODELS[name]
-    path = root / name
+    path = root / (name if weights else f"{name}-config")
     params_file = path / "bench_params.json"
     if not params_file.exists():
         import torch
@@ -77,7 +114,12 @@ def build_model(name: str, root: Path) -> BuiltModel:
 
         from pagedinfer.model.random_models import save_random_model
 
-        config = LlamaConfig(**fields, **LLAMA_COMMON)
-        params = save_random_model(config, path, seed=0, dtype=getattr(torch, stored))
+        config = LlamaConfig(**{**LLAMA_COMMON, **fields})
+        if weights:
+            params = save_random_model(config, path, seed=0, dtype=getattr(torch, stored))
+        else:
+            config.save_pretrained(path)
+            params = llama_parameters(fields)
         params_file.write_text(json.dumps({"parameters": params}))
-    return BuiltModel(path, json.loads(params_file.read_text())["parameters"], fields["vocab_size"])
+    params = json.loads(params_file.read_text())["parameters"]
+    return BuiltModel(path, params, fields["vocab_size"], kv_elements_per_token(fields))

@@ -14,6 +14,7 @@ STAT_FIELDS = (
     "prompt_tokens_computed",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "graph_steps",
 )
 
 
@@ -30,8 +31,10 @@ class PagedinferSystem:
                 num_blocks=job.num_blocks,
                 max_num_seqs=job.max_num_seqs,
                 max_num_batched_tokens=job.max_num_batched_tokens,
-                device="cpu",
+                max_model_len=job.max_model_len,
+                device=job.device,
                 dtype=job.dtype,
+                load_format=job.load_format,
                 **extra,
             )
         except TypeError as e:
@@ -64,14 +67,34 @@ class PagedinferSystem:
             outs = self.llm.beam_search(prompts, params)
             tokens = [[list(s.token_ids) for s in o.sequences] for o in outs]
             return tokens, [[float(s.score) for s in o.sequences] for o in outs]
+        outs = self.llm.generate(prompts, self._params(max_tokens), use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], None
+
+    def _params(self, max_tokens: list[int]) -> list:
         from pagedinfer import SamplingParams
 
-        params = [
+        job = self.job
+        return [
             SamplingParams(n=job.n, temperature=job.temperature, max_tokens=m, ignore_eos=True, seed=job.seed)
             for m in max_tokens
         ]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[list(c.token_ids) for c in o.outputs] for o in outs], None
+
+    def profile(self) -> dict:
+        """The time split of a few engine steps once the first wave of prompts is prefilled (an
+        untimed second run, stopped after the window)."""
+        from pagedinfer.bench.gpu import PROFILE_STEPS, profiled_split
+
+        job = self.job
+        wave = job.prompts[: max(1, job.max_num_seqs // job.n)]  # the prompts running at first
+        wait = -(-sum(map(len, wave)) // job.max_num_batched_tokens) + 4  # their prefill steps, and a few
+        wait = min(wait, max(1, min(job.max_tokens) // 2))
+
+        def run(step) -> None:
+            params = self._params(list(job.max_tokens))
+            for _ in self.llm.generate_iter(self.prompts, params, on_step=lambda engine: step()):
+                pass
+
+        return profiled_split(run, job.device, wait, PROFILE_STEPS)
 
     def run(self) -> RunResult:
         if hasattr(self.llm, "reset_prefix_cache"):
@@ -89,11 +112,14 @@ class PagedinferSystem:
                 "stats": figures,
                 "stats_full": full,
                 "kv_pool_bytes": stats.num_blocks * stats.bytes_per_block,
+                "forward_passes": stats.steps,
             },
         )
 
     def info(self) -> dict:
         return {
+            "cuda_graphs": self.llm.stats.cuda_graphs,
+            "graph_capture_s": self.llm.stats.graph_capture_s,
             "kv_note": "peak blocks used x bytes per block",
             "prefix_caching": "engine default"
             if self.job.prefix_caching is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedinfer.bench.gpu import H200_BF16_DENSE_FLOPS, H200_HBM_BYTES_PER_S
 from pagedinfer.bench.job import RunResult
 
 REFERENCE = "pagedinfer"
@@ -64,7 +65,24 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f}"
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def format_gpu(machine: dict) -> str:
+    g = machine["gpu"]
+    return (
+        f"{g['name']} ({g['memory_bytes'] / 2**30:.0f} GiB), torch {machine['torch']}, transformers "
+        f"{machine['transformers']}; bfloat16 matmul {g['matmul_size']}^3: {g['bf16_flops'] / 1e12:,.0f} TFLOP/s "
+        f"measured ({_pct(g['bf16_flops'] / H200_BF16_DENSE_FLOPS)} of the H200 datasheet's 989 dense); "
+        f"device copy of {g['copy_bytes'] / 2**30:.0f} GiB: {g['copy_bytes_per_s'] / 1e12:.2f} TB/s read + written "
+        f"({_pct(g['copy_bytes_per_s'] / H200_HBM_BYTES_PER_S)} of the datasheet's 4.8 TB/s)"
+    )
+
+
 def format_machine(machine: dict) -> str:
+    if "gpu" in machine:
+        return format_gpu(machine)
     rates = "; ".join(
         f"{d} GEMM {g['size']}^3: {g['flops'] / 1e9:.1f} GFLOP/s ({g['flops_per_cpu_s'] / 1e9:.1f} per CPU-second)"
         for d, g in machine["gemm"].items()
@@ -90,7 +108,69 @@ def _pagedinfer_note(system: str, r: dict) -> str:
     return line
 
 
+def _split(profile: dict | None) -> str:
+    if not profile or "share" not in profile:
+        return "n/a"
+    sh = profile["share"]
+    return f"{100 * sh['attention']:.0f} / {100 * sh['gemm']:.0f} / {100 * sh['other']:.0f}%"
+
+
+def format_gpu_workload(name: str, res: dict) -> str:
+    """A GPU workload's table: throughput, peak GPU memory, KV, the fractions of the GPU's peaks
+    reached, and the GPU time split of each system's profiled steps."""
+    s = res["settings"]
+    shrink = f" (reduced: {res['shrink']})" if res["shrink"] else ""
+    lines = [
+        f"\n### {name} {res['spec']['title']}, {res['dtype']}: {res['description']}{shrink}",
+        f"model {res['model']} ({res['parameters'] / 1e9:.2f}B params, random weights drawn on the GPU); "
+        f"block {s['block_size']}, {s['num_blocks']} KV blocks, {s['max_num_batched_tokens']} tokens/step, "
+        f"{s['max_num_seqs']} seqs/step (pagedinfer and hf_generate_batch)",
+        "",
+        "| system | prompts | wall s | output tok/s | total tok/s | peak GPU MiB | peak KV MiB "
+        "| matmul peak: measured / datasheet | HBM: measured / datasheet | GPU time attention / GEMM / other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for system, r in res["systems"].items():
+        lines.append(
+            f"| {system} | {r['prompts']} | {r['wall_s']:.2f} | {r['output_tokens_per_s']:,.0f} "
+            f"| {r['total_tokens_per_s']:,.0f} | {_mib(r.get('peak_gpu_bytes', 0))} | {_mib(r['peak_kv_bytes'])} "
+            f"| {_pct(r['matmul_peak_fraction'])} / {_pct(r['matmul_datasheet_fraction'])} "
+            f"| {_pct(r['hbm_fraction'])} / {_pct(r['hbm_datasheet_fraction'])} | {_split(r.get('profile'))} |"
+        )
+    for system, message in res["failed"].items():
+        lines.append(f"| {system} | failed: {message} | | | | | | | | |")
+    for peer, r in res["ratios"].items():
+        lines.append(f"- pagedinfer / {peer}: output tok/s {r['output_tokens_per_s']:.2f}x")
+    for system, r in res["systems"].items():
+        if "cuda_graphs" in r:
+            st = r.get("stats", {})
+            lines.append(
+                f"- {system}: CUDA graphs {r['cuda_graphs']}; {st.get('graph_steps')} of {st.get('steps')} "
+                f"steps replayed a graph"
+            )
+        p = r.get("profile") or {}
+        if "top" in p:
+            top = ", ".join(f"{k['name'][:60]} ({k['class']}) {k['us'] / 1e3:.2f} ms" for k in p["top"][:4])
+            lines.append(
+                f"- {system} profile: {p['window_steps']} steps after {p['after_steps']}, "
+                f"{p['total_us'] / 1e3:.1f} ms of GPU time; top kernels: {top}"
+            )
+        elif "error" in p:
+            lines.append(f"- {system} profile: {p['error']}")
+        if "batching" in r:
+            lines.append(f"- {system}: {r['batching']}")
+    lines.append(
+        "- matmul peak = (prompt + output tokens) x 2 x parameters / wall, over the bfloat16 matmul rate "
+        "measured at the start and the datasheet's; HBM = (forward passes x weight bytes + every generated "
+        "token's K/V context bytes) / wall, over the copy bandwidth measured and the datasheet's (n/a: the "
+        "system does not report its forward passes)"
+    )
+    return "\n".join(lines)
+
+
 def format_workload(name: str, res: dict, machine: dict) -> str:
+    if res.get("device") == "cuda":
+        return format_gpu_workload(name, res)
     w = res["spec"]
     s = res["settings"]
     shrink = f" (reduced: {res['shrink']})" if res["shrink"] else ""

@@ -45,13 +45,29 @@ def setup_system(name: str, job: Job) -> dict:
     }
 
 
-def time_system(name: str) -> RunResult:
-    """One timed run of the whole workload, with its wall time and process CPU time."""
+def time_system(name: str, device: str = "cpu") -> RunResult:
+    """One timed run of the whole workload, with its wall time and process CPU time; on CUDA the GPU's
+    work is waited for, and the peak of allocated GPU memory during the run is in ``details``."""
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     cpu, wall = time.process_time(), time.perf_counter()
     result = _LIVE[name].run()
+    if cuda:
+        torch.cuda.synchronize()
     result.wall_s = time.perf_counter() - wall
     result.cpu_s = time.process_time() - cpu
+    if cuda:
+        result.details["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     return result
+
+
+def profile_system(name: str) -> dict:
+    """The GPU time split of a few steps of an untimed run (`bench.gpu.profiled_split`)."""
+    return _LIVE[name].profile()
 
 
 def finish_system(name: str) -> dict:

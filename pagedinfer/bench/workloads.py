@@ -25,6 +25,7 @@ class Workload:
     beam_search: bool = False  # beams (width n, length_penalty 1, no early stopping) instead of samples
     systems: tuple[str, ...] = SAMPLING_SYSTEMS
     dtypes: tuple[str, ...] = ("float32",)  # each dtype is run in turn, every system in that dtype
+    device: str = "cpu"  # "cuda": a GPU workload (random weights drawn on the device, never saved)
 
     def describe(self) -> str:
         mt = self.max_tokens
@@ -86,8 +87,37 @@ WORKLOADS: dict[str, Workload] = {
             systems=("pagedinfer", "hf_generate"),
             dtypes=("bfloat16", "float32"),
         ),  # fmt: skip
+        Workload(
+            "G1",
+            "Llama-3.2-1B shape on a GPU",
+            "llama1b",
+            256,
+            (128, 1024),
+            (256, 256),
+            4,
+            0.8,
+            1101,
+            hf_batch_size=64,
+            dtypes=("bfloat16",),
+            device="cuda",
+        ),  # fmt: skip
+        Workload(
+            "G2",
+            "Llama-3.1-8B shape on a GPU",
+            "llama8b",
+            256,
+            (128, 1024),
+            (256, 256),
+            4,
+            0.8,
+            1102,
+            hf_batch_size=32,
+            dtypes=("bfloat16",),
+            device="cuda",
+        ),  # fmt: skip
     )
 }
+GPU_WORKLOADS = tuple(name for name, w in WORKLOADS.items() if w.device == "cuda")
 
 # --quick: a smoke test of every workload (a few minutes in all on 2 cores, W5 aside)
 QUICK: dict[str, dict] = {
@@ -97,6 +127,8 @@ QUICK: dict[str, dict] = {
     "W3": dict(num_prompts=8, shared_prefix=64, max_tokens=(8, 8)),
     "W4": dict(num_prompts=2, prompt_len=(16, 32), max_tokens=(8, 8)),
     "W5": dict(num_prompts=2, prompt_len=(16, 48), max_tokens=(4, 4)),
+    "G1": dict(num_prompts=16, max_tokens=(16, 16)),
+    "G2": dict(num_prompts=16, max_tokens=(16, 16)),
 }
 
 
@@ -108,12 +140,16 @@ class Shrink:
     prompts: int | None = None  # keep the first N prompts
     prompt_len: int | None = None  # cut each drawn part (a prompt; W3's shared prefix) to N tokens
     max_tokens: int | None = None  # cap every prompt's max_tokens
+    hf_prompts: int | None = None  # the transformers systems keep only the first N (slow on a GPU)
 
     def describe(self) -> str:
         parts = [
             f"first {self.prompts} prompts" if self.prompts else "",
             f"prompt parts cut to {self.prompt_len} tokens" if self.prompt_len else "",
             f"max_tokens capped at {self.max_tokens}" if self.max_tokens else "",
+            f"the transformers systems run only the first {self.hf_prompts} prompts (tok/s over theirs)"
+            if self.hf_prompts
+            else "",
         ]
         return ", ".join(p for p in parts if p)
 

@@ -224,6 +224,15 @@ def run(
     device: Annotated[
         Device, typer.Option("--device", help="Where to run.", rich_help_panel=POOL)
     ] = Device.auto,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager",
+            help="On CUDA: no CUDA graphs; decode steps run eagerly (default: graphs captured at startup, "
+            "one per batch-size bucket). No effect on the CPU.",
+            rich_help_panel=POOL,
+        ),
+    ] = _default(EngineConfig, "enforce_eager"),
     dtype: Annotated[
         DType,
         typer.Option(
@@ -362,6 +371,7 @@ def run(
             "enable_prefix_caching": prefix_caching,
             "schedule_policy": schedule_policy.value,
             "device": device.value,
+            "enforce_eager": enforce_eager,
             "dtype": dtype.value,
             "model_impl": model_impl.value,
         },
@@ -447,14 +457,24 @@ def blocks(
 @app.command()
 def bench(
     workloads: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--workloads",
             "-w",
             help="Comma list: W0 overhead-bound, W1 parallel sampling, W2 mixed lengths, W3 shared prefix, "
-            "W4 beam search, W5 Llama-3.2-1B shape (bfloat16 and float32).",
+            "W4 beam search, W5 Llama-3.2-1B shape (bfloat16 and float32); with --device cuda G1 "
+            "Llama-3.2-1B shape, G2 Llama-3.1-8B shape. Default: W0,W1,W2 (cuda: G1,G2).",
+            show_default=False,
         ),
-    ] = "W0,W1,W2",
+    ] = None,
+    device: Annotated[
+        Device,
+        typer.Option(
+            "--device",
+            help="cpu (the W workloads) or cuda (the G workloads: every system on the GPU, random weights "
+            "drawn there, GPU peaks measured, each system's GPU time profiled).",
+        ),
+    ] = Device.cpu,
     systems: Annotated[
         str | None,
         typer.Option(
@@ -489,6 +509,15 @@ def bench(
     max_tokens: Annotated[
         int | None,
         typer.Option("--max-tokens", help="Cap every prompt's new tokens at N.", show_default=False),
+    ] = None,
+    hf_prompts: Annotated[
+        int | None,
+        typer.Option(
+            "--hf-prompts",
+            help="The transformers systems run only the first N prompts (slow on a GPU); their tok/s is "
+            "over those (the table says so).",
+            show_default=False,
+        ),
     ] = None,
     threads: Annotated[
         int | None,
@@ -554,12 +583,15 @@ def bench(
     def names(text: str | None) -> tuple[str, ...] | None:
         return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
 
+    if device == Device.auto:
+        _usage_error("--device: choose cpu or cuda")
+    default = "G1,G2" if device == Device.cuda else "W0,W1,W2"
     opts = BenchOptions(
-        workloads=names(workloads) or (),
+        workloads=names(workloads or default) or (),
         systems=names(systems),
         dtypes=names(dtype),
         quick=quick,
-        shrink=Shrink(prompts, max_prompt_len, max_tokens),
+        shrink=Shrink(prompts, max_prompt_len, max_tokens, hf_prompts),
         threads=threads or os.cpu_count() or 1,
         block_size=block_size,
         num_blocks=num_blocks,
@@ -572,12 +604,24 @@ def bench(
         model_cache=model_cache,
         in_process=in_process,
         json=json_file,
+        device=device.value,
     )
     try:
         opts.check()
     except ValueError as e:
         _usage_error(str(e))
-    run_bench(opts)
+    result = run_bench(opts)
+    failed = [
+        f"{name} {dtype}: {', '.join(res['errors'])}"
+        for name, per in result["workloads"].items()
+        for dtype, res in per.items()
+        if res.get("errors")
+    ]
+    if failed:  # a GPU workload's system failed (its row says why); the others' tables are printed
+        Console(file=sys.stderr).print(
+            f"[bold red]error:[/] systems failed: {'; '.join(failed)}", highlight=False
+        )
+        raise typer.Exit(1)
 
 
 def _interrupted_at_start() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedinfer.core.sequence import Request, SampleState
 from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.stats import EngineStats
+from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, sample
@@ -25,10 +27,31 @@ from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int,
 from pagedinfer.seeding import sample_seed
 
 
+def graph_plan(
+    device: torch.device, use_cuda_kernels: bool, enforce_eager: bool, buffers_on_cpu: bool
+) -> tuple[bool, str]:
+    """Whether decode steps go through the CUDA graph path, and the report's words for the choice."""
+    if device.type != "cuda":
+        if buffers_on_cpu:
+            return True, "static buffers on the CPU (tests): no capture"
+        return False, "not applicable on the CPU"
+    if enforce_eager:
+        return False, "off: enforce_eager"
+    if not use_cuda_kernels:
+        return False, "off: the torch attention path reads host values (graphs need the CuPy kernels)"
+    return True, "on"
+
+
 class LLMEngine:
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig, use_cuda_kernels: bool | None = None
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        use_cuda_kernels: bool | None = None,
+        graph_buffers_on_cpu: bool = False,
     ) -> None:
+        """``graph_buffers_on_cpu`` (tests): on the CPU, decode steps go through the CUDA graph path's
+        static buffers and padding, run eagerly (nothing to capture)."""
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -36,7 +59,16 @@ class LLMEngine:
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
         num_blocks = self.pool_size.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv = KVCache(loaded.layer_shapes, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        kernels = select_cuda_kernels(
+            use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size
+        )
+        graphs, self.graph_mode = graph_plan(
+            loaded.device, kernels, config.enforce_eager, graph_buffers_on_cpu
+        )
+        # with graphs the tensors hold one block more than the pool: the padding rows' scratch block
+        self.kv = KVCache(
+            loaded.layer_shapes, num_blocks + int(graphs), config.block_size, loaded.dtype, loaded.device
+        )
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -45,18 +77,41 @@ class LLMEngine:
             loaded.eos_token_ids,
             config.schedule_policy,
         )
-        self.runner = ModelRunner(
-            loaded.model,
-            self.kv,
-            loaded.device,
-            select_cuda_kernels(
-                use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size
-            ),
-        )
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
+        if graphs:
+            self._start_graphs(num_blocks)
         self._seeds = random.Random(config.seed)
         self._next_id = 0
         self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
         self.reset_stats()
+
+    def _start_graphs(self, scratch_block: int) -> None:
+        """Decode steps through static buffers; on CUDA their graphs captured now (the time is reported).
+        A failed capture leaves every step eager and says why."""
+        graphs = DecodeGraphs(
+            self.loaded.model,
+            self.kv,
+            self.loaded.device,
+            self.runner.use_cuda_kernels,
+            self.config.max_num_seqs,
+            min(self.max_model_len, GRAPH_MAX_CONTEXT),
+            scratch_block,
+        )
+        self.runner.graphs = graphs
+        if self.loaded.device.type != "cuda":
+            return
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - eager steps still serve every request
+            self.runner.graphs = None
+            self.graph_mode = f"off: capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
+            warnings.warn(f"CUDA graphs {self.graph_mode}", stacklevel=2)
+            return
+        b = graphs.buckets
+        self.graph_mode = (
+            f"on: batch sizes {', '.join(map(str, b))} captured in {graphs.capture_s:.2f} s, "
+            f"contexts up to {graphs.max_context} tokens"
+        )
 
     def reset_stats(self) -> None:
         self.stats = EngineStats(
@@ -71,6 +126,8 @@ class LLMEngine:
             counters=SchedulerCounters(),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             dtype_reason=self.loaded.dtype_reason,
+            cuda_graphs=self.graph_mode,
+            graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
         )
         self.scheduler.counters = self.stats.counters
         self._pool_base = self._pool_counts()
@@ -245,6 +302,7 @@ class LLMEngine:
         sampled, beams = None, None
         if plan.batch:
             logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
+            self.stats.graph_steps += self.runner.last_step_graphed
             if plan.targets:
                 sampled = self._sample(logits, plan.targets)
             if plan.beam_targets:

@@ -25,6 +25,11 @@ class EngineStats:
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     prefix_caching: bool = True
     schedule_policy: str = "lpm"  # the scheduler's admission order
+    # CUDA graphs for decode steps: what ran ("on: ...", "off: why"), the capture time at startup,
+    # and how many of this run's steps replayed a graph
+    cuda_graphs: str = ""
+    graph_capture_s: float = 0.0
+    graph_steps: int = 0
     # per step
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
@@ -177,6 +182,11 @@ class EngineStats:
                 "max_model_len": self.max_model_len,
             },
             "model": {"dtype": self.dtype, "dtype_reason": self.dtype_reason},
+            "cuda_graphs": {
+                "mode": self.cuda_graphs,
+                "capture_s": round(self.graph_capture_s, 4),
+                "graph_steps": self.graph_steps,
+            },
             "usage": {
                 "steps": self.steps,
                 "peak_blocks_used": self.peak_blocks_used,

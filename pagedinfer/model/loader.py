@@ -13,6 +13,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.model import gguf, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype
+from pagedinfer.model.random_models import random_model
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -31,6 +32,7 @@ UNSUPPORTED = {
 }
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
 MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 
 
 class ModelLoadError(ValueError):
@@ -92,9 +94,15 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     model_impl: str = "auto",
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
-    every failure is a ModelLoadError with a one-line reason."""
+    every failure is a ModelLoadError with a one-line reason.
+
+    ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
+    no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``)."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     name = str(name_or_path or DEMO_MODEL)
     folder, kwargs = _source(name)
     try:
@@ -107,9 +115,12 @@ def load_model(
         choice = choose_dtype(dtype, config, dev)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
-    own_files = own_implementation_files(name, config, model_impl, dev) if not kwargs else []
+    dummy = load_format == "dummy"
+    own_files = own_implementation_files(name, config, model_impl, dev) if not (kwargs or dummy) else []
     try:
-        if own_files:
+        if dummy:
+            model = random_model(config, 0, choice.dtype, dev, attn_implementation=attention.ATTN_NAME)
+        elif own_files:
             model = llama.load(config, own_files, choice.dtype, dev)
             model.generation_config = _generation_config(folder, config)  # what transformers' models carry
         else:

@@ -9,6 +9,7 @@ import torch
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.model.cuda_graphs import DecodeGraphs
 
 
 class _Tokens(Protocol):
@@ -27,12 +28,19 @@ class ScheduledChunk(Protocol):
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVCache, device: torch.device, use_cuda_kernels: bool
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        device: torch.device,
+        use_cuda_kernels: bool,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.use_cuda_kernels = use_cuda_kernels
+        self.graphs = graphs  # pure-decode steps through its static buffers (replayed graphs on CUDA)
+        self.last_step_graphed = False  # whether the last execute went through ``graphs``
 
     def build_metadata(
         self, batch: list[ScheduledChunk]
@@ -96,6 +104,12 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
         self._copy_blocks(copies)  # copy-on-write before this step's writes land
+        self.last_step_graphed = self.graphs is not None and self.graphs.fits(batch)
+        if self.last_step_graphed:
+            logits = self.graphs.run(batch)  # [S, vocab]: every row, sampling or not
+            if all(s.sample for s in batch):
+                return logits
+            return logits[torch.tensor([i for i, s in enumerate(batch) if s.sample], device=logits.device)]
         ids, positions, meta = self.build_metadata(batch)
         if meta.max_query_len == 1 and all(s.sample for s in batch):
             keep: torch.Tensor | int = 0  # every row samples: HF's "keep all"
