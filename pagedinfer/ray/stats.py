@@ -20,6 +20,7 @@ from pagedinfer.engine.stats import EngineStats
 
 SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens", "cached_blocks")
 TOTALS = (
+    "graph_steps",
     "cow_copies",
     "requests",
     "failed_requests",
@@ -47,6 +48,8 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         dtype_reason=first.dtype_reason,
         prefix_caching=first.prefix_caching,
         schedule_policy=first.schedule_policy,
+        cuda_graphs=first.cuda_graphs,
+        graph_capture_s=max(s.graph_capture_s for s in replicas),
         wall_time_s=wall_time_s,
         counters=SchedulerCounters(
             **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}
