@@ -97,14 +97,14 @@ def test_lpm_admission_keeps_interleaved_families_cached_under_a_small_pool(tiny
     families = [shared_prefix_prompts(6 * BS, 6, seed=10 + f)[1] for f in range(4)]
     prompts = [families[f][i] for i in range(6) for f in range(4)]
     params = SamplingParams(temperature=0, max_tokens=3)
-    got = {}
+    tokens, stats = {}, {}
     for policy in ("fcfs", "lpm"):
-        got[policy], llm = run(
+        tokens[policy], llm = run(
             tiny_model("llama"), prompts, params, num_blocks=24, max_num_seqs=2, schedule_policy=policy
         )
-        got[f"{policy} stats"] = llm.stats
-    fcfs, lpm = got["fcfs stats"], got["lpm stats"]
-    assert got["lpm"] == got["fcfs"]
+        stats[policy] = llm.stats
+    fcfs, lpm = stats["fcfs"], stats["lpm"]
+    assert tokens["lpm"] == tokens["fcfs"]
     assert lpm.schedule_policy == "lpm" and fcfs.schedule_policy == "fcfs"
     assert lpm.prefix_cache_hit_rate > fcfs.prefix_cache_hit_rate + 0.2
     assert lpm.prompt_tokens_computed < fcfs.prompt_tokens_computed

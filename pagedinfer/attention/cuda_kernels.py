@@ -11,6 +11,7 @@ the compiler for g++ plus a CUDA shim, and CPU tensors then stand in for device 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -124,12 +125,14 @@ def decode_plan(
     """The decode launch for this batch on ``device`` (the CPU harness plans for DEFAULT_SM_COUNT SMs)."""
     group = decode_group(num_heads, num_kv_heads)
     head_blocks = num_kv_heads * math.ceil(num_heads // num_kv_heads / group)
-    sm_count = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else DEFAULT_SM_COUNT
-    )
+    sm_count = _sm_count(device) if device.type == "cuda" else DEFAULT_SM_COUNT
     return DecodePlan(group, head_blocks, *decode_partitions(head_blocks * num_seqs, visible, sm_count))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Asked once per device: the plan is made for every layer of every decode step."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _CACHE_NAMES = (*(f"reshape_and_cache<{d}>" for d in DTYPE_NAMES.values()), "copy_blocks")

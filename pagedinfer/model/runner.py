@@ -33,13 +33,13 @@ class ModelRunner:
         kv: KVCache,
         device: torch.device,
         use_cuda_kernels: bool,
-        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.use_cuda_kernels = use_cuda_kernels
-        self.graphs = graphs  # pure-decode steps through its static buffers (replayed graphs on CUDA)
+        # pure-decode steps through its static buffers (replayed graphs on CUDA); the engine sets it
+        self.graphs: DecodeGraphs | None = None
         self.last_step_graphed = False  # whether the last execute went through ``graphs``
 
     def build_metadata(
