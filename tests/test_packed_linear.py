@@ -81,3 +81,53 @@ def test_weight_shared_by_two_linears_survives_packing():
     assert packed_linear.pack_linears(model) == 2
     torch.testing.assert_close(model[0](x), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model[1](x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(576, 960, False), (37, 13, True), (1536, 70, True)])
+def test_small_batches_take_the_matrix_vector_kernel_with_the_same_products(monkeypatch, k, n, bias):
+    """1-8 rows go through cpu_gemv.c (every tile shape: 1 row, 2, 3, 3 + 1 ...; k and n not multiples
+    of the vector width or tile), more rows through oneDNN; both equal a float64 product."""
+    torch.manual_seed(3)
+    lin = nn.Linear(k, n, bias=bias)
+    gemv, packed = packed_linear.PackedLinear(lin, gemv=True), packed_linear.PackedLinear(lin)
+    assert gemv.weight is not None and packed.weight is None  # the plain copy exists only when asked
+    lib, calls = packed_linear._gemv_library(), []
+    kernel = lib.gemv_f32
+    monkeypatch.setattr(lib, "gemv_f32", lambda *a: calls.append(a[4]) or kernel(*a))  # a[4]: rows
+    for rows in (*range(1, packed_linear.GEMV_MAX_ROWS + 2), 33):
+        x = torch.randn(2, rows, k)[1]  # a batch of rows, as a view into a bigger tensor
+        want = x.double() @ lin.weight.detach().double().T + (lin.bias.detach().double() if bias else 0)
+        got = gemv(x)
+        assert got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(packed(x).double(), want, atol=1e-4, rtol=1e-5)
+    assert calls == list(range(1, packed_linear.GEMV_MAX_ROWS + 1))  # 9 and 33 rows: oneDNN
+    assert gemv(torch.randn(3, 1, k)).shape == (3, 1, n)  # leading dimensions are kept
+
+
+def test_loader_keeps_plain_weights_for_the_kernel_unless_told_not_to(tmp_path, monkeypatch):
+    torch.manual_seed(4)
+    config = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    packed = [
+        m
+        for m in load_model(tmp_path, device="cpu").model.modules()
+        if isinstance(m, packed_linear.PackedLinear)
+    ]
+    assert len(packed) == 5 and all(m.weight is not None for m in packed)
+    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "0")
+    packed = [
+        m
+        for m in load_model(tmp_path, device="cpu").model.modules()
+        if isinstance(m, packed_linear.PackedLinear)
+    ]
+    assert len(packed) == 5 and all(m.weight is None for m in packed)

@@ -5,6 +5,12 @@ per call, which costs about as much as the multiply itself at that size. oneDNN'
 weights run the same products 1.2-2.5x faster on the CPU (the 49152-wide lm_head most), for
 every row count (measured in docs/bench.md), so `pack_linears` swaps each ``nn.Linear`` of a
 loaded CPU float32 model for a `PackedLinear`.
+
+At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
+the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
+plain weight near memory speed (1.5-2x faster at one row, docs/kernels.md). That needs the plain
+weight kept beside the packed one: twice the weight memory, so ``pack_linears(..., gemv=False)``
+(``PAGEDINFER_SMALL_BATCH_GEMV=0``) keeps only the packed copy.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from collections import Counter
 import torch
 from torch import nn
 
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
+from pagedinfer.attention.sources import KERNELS_DIR
+
+GEMV_SOURCE = KERNELS_DIR / "cpu_gemv.c"
+GEMV_MAX_ROWS = 8  # up to here the matrix-vector kernel beats oneDNN; at 16 rows they tie (docs/kernels.md)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
@@ -26,18 +37,50 @@ MADV_DONTNEED = 4  # madvise(2): drop these pages
 class PackedLinear(nn.Module):
     """``nn.Linear`` forward through oneDNN with a prepacked (opaque) weight; inference only."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemv: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()  # [out, in]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()  # [out]
+        # [out, in] plain copy for the small-batch kernel (None: every call goes through oneDNN)
+        self.weight = weight.clone() if gemv and _gemv_library() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        x = x.contiguous()
+        rows = x.numel() // self.in_features
+        if self.weight is not None and rows <= GEMV_MAX_ROWS:
+            y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., out]
+            _gemv_library().gemv_f32(
+                x.data_ptr(),
+                self.weight.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(),
+                y.data_ptr(),
+                rows,
+                self.out_features,
+                self.in_features,
+            )
+            return y
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        gemv = f", gemv<={GEMV_MAX_ROWS} rows" if self.weight is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{gemv}"
+
+
+@functools.cache
+def _gemv_library() -> ctypes.CDLL | None:
+    try:
+        lib = compile_library(GEMV_SOURCE)
+    except KernelUnavailable:  # the decode kernel's message already said it; oneDNN serves every row count
+        return None
+    if lib is None:
+        return None
+    dll = ctypes.CDLL(str(lib))
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    dll.gemv_f32.argtypes = [ptr] * 4 + [i32] * 3
+    dll.gemv_f32.restype = None
+    return dll
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -52,8 +95,10 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:
+def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool = True) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
+
+    ``gemv``: each also keeps its plain weight for the small-batch kernel (twice the weight memory).
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -72,7 +117,7 @@ def pack_linears(model: nn.Module, min_weights: int | None = None) -> int:
     }
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, gemv))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             _release_pages(child.weight)  # its last user is packed
