@@ -105,7 +105,9 @@ def test_small_batches_take_the_matrix_vector_kernel_with_the_same_products(monk
     assert gemv(torch.randn(3, 1, k)).shape == (3, 1, n)  # leading dimensions are kept
 
 
-def test_loader_keeps_plain_weights_for_the_kernel_unless_told_not_to(tmp_path, monkeypatch):
+def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monkeypatch):
+    """By default the plain copies are kept while they fit in a share of free memory; the
+    environment variable forces them on or off."""
     torch.manual_seed(4)
     config = tf.LlamaConfig(
         vocab_size=256,
@@ -118,16 +120,16 @@ def test_loader_keeps_plain_weights_for_the_kernel_unless_told_not_to(tmp_path, 
         eos_token_id=None,
     )
     tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    packed = [
-        m
-        for m in load_model(tmp_path, device="cpu").model.modules()
-        if isinstance(m, packed_linear.PackedLinear)
-    ]
-    assert len(packed) == 5 and all(m.weight is not None for m in packed)
+
+    def copies() -> list[bool]:
+        model = load_model(tmp_path, device="cpu").model
+        return [m.weight is not None for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
+
+    assert copies() == [True] * 5  # 3 MB of weights: they fit
+    monkeypatch.setattr(packed_linear, "GEMV_MEMORY_SHARE", 0.0)  # as if the model filled the memory
+    assert copies() == [False] * 5
+    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
+    assert copies() == [True] * 5
     monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "0")
-    packed = [
-        m
-        for m in load_model(tmp_path, device="cpu").model.modules()
-        if isinstance(m, packed_linear.PackedLinear)
-    ]
-    assert len(packed) == 5 and all(m.weight is None for m in packed)
+    monkeypatch.setattr(packed_linear, "GEMV_MEMORY_SHARE", 0.25)
+    assert copies() == [False] * 5

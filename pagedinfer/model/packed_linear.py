@@ -9,8 +9,10 @@ loaded CPU float32 model for a `PackedLinear`.
 At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
 the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
 plain weight near memory speed (1.5-2x faster at one row, docs/kernels.md). That needs the plain
-weight kept beside the packed one: twice the weight memory, so ``pack_linears(..., gemv=False)``
-(``PAGEDINFER_SMALL_BATCH_GEMV=0``) keeps only the packed copy.
+weight kept beside the packed one: twice the linears' weight memory. By default the copies are
+kept only while they take at most a quarter of the memory available at load time (SmolLM2-135M:
+538 MB; a 7B float32 model's 28 GB would not be); ``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps
+them always / never.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 import mmap
 from collections import Counter
 
+import psutil
 import torch
 from torch import nn
 
@@ -29,6 +32,7 @@ from pagedinfer.attention.sources import KERNELS_DIR
 
 GEMV_SOURCE = KERNELS_DIR / "cpu_gemv.c"
 GEMV_MAX_ROWS = 8  # up to here the matrix-vector kernel beats oneDNN; at 16 rows they tie (docs/kernels.md)
+GEMV_MEMORY_SHARE = 0.25  # plain copies kept by default while they fit in this share of available memory
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
@@ -95,10 +99,11 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool = True) -> int:
+def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | None = None) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
-    ``gemv``: each also keeps its plain weight for the small-batch kernel (twice the weight memory).
+    ``gemv``: each also keeps its plain weight for the small-batch kernel (twice the weight memory);
+    None: only if those copies fit in `GEMV_MEMORY_SHARE` of the memory available now.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -111,6 +116,9 @@ def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool = 
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.in_features * child.out_features >= min_weights
     ]
+    if gemv is None:
+        copies = {c.weight.data_ptr(): c.weight.numel() * c.weight.element_size() for _, _, c in targets}
+        gemv = sum(copies.values()) <= GEMV_MEMORY_SHARE * psutil.virtual_memory().available
     packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using
         p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
