@@ -13,6 +13,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def save_llama(path, layers: int, **extra) -> None:
+    """A random Llama whose every weight is at least MIN_WEIGHTS, so every linear is packed."""
+    config = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=None,
+        eos_token_id=None,
+        **extra,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(path)
+
+
 def test_packed_linear_matches_linear_for_any_row_count_and_layout():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 40, bias=False))
@@ -40,18 +56,7 @@ def test_only_float32_cpu_models_are_packed():
 @pytest.mark.parametrize(("impl", "per_layer"), [("transformers", 7), ("pagedinfer", 4)])
 def test_loader_packs_every_linear_and_keeps_tied_embedding(tmp_path, monkeypatch, impl, per_layer):
     torch.manual_seed(1)
-    config = tf.LlamaConfig(
-        vocab_size=256,  # every weight at least MIN_WEIGHTS, so every linear is packed
-        hidden_size=512,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    save_llama(tmp_path, layers=2, tie_word_embeddings=True)
     reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     loaded = load_model(tmp_path, device="cpu", model_impl=impl).model
     linears = [m for m in loaded.modules() if isinstance(m, nn.Linear)]
@@ -109,17 +114,7 @@ def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monk
     """By default the plain copies are kept while they fit in a share of free memory; the
     environment variable forces them on or off."""
     torch.manual_seed(4)
-    config = tf.LlamaConfig(
-        vocab_size=256,
-        hidden_size=512,
-        intermediate_size=512,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    save_llama(tmp_path, layers=1)
 
     def copies() -> list[bool]:
         model = load_model(tmp_path, device="cpu").model
