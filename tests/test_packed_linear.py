@@ -125,6 +125,6 @@ def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monk
     assert copies() == [False] * 5
     monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
     assert copies() == [True] * 5
+    monkeypatch.undo()
     monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "0")
-    monkeypatch.setattr(packed_linear, "GEMV_MEMORY_SHARE", 0.25)
     assert copies() == [False] * 5

@@ -10,9 +10,10 @@ At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product
 the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
 plain weight near memory speed (1.5-2x faster at one row, docs/kernels.md). That needs the plain
 weight kept beside the packed one: twice the linears' weight memory. By default the copies are
-kept only while they take at most a quarter of the memory available at load time (SmolLM2-135M:
-538 MB; a 7B float32 model's 28 GB would not be); ``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps
-them always / never.
+kept only while they take at most a tenth of the memory available at load time (SmolLM2-135M's
+538 MB on a 23 GiB machine, but not a 1B float32 model's 5 GB: the process's memory is for the KV
+pool and whatever else runs beside it); ``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps them
+always / never.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pagedinfer.attention.sources import KERNELS_DIR
 
 GEMV_SOURCE = KERNELS_DIR / "cpu_gemv.c"
 GEMV_MAX_ROWS = 8  # up to here the matrix-vector kernel beats oneDNN; at 16 rows they tie (docs/kernels.md)
-GEMV_MEMORY_SHARE = 0.25  # plain copies kept by default while they fit in this share of available memory
+GEMV_MEMORY_SHARE = 0.1  # plain copies kept by default while they fit in this share of available memory
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
