@@ -31,6 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     linears = [PackedLinear(nn.Linear(k, n, bias=False), gemv=True) for k, n in SHAPES]
+    if linears[0].weight is None:
+        raise SystemExit("bench_gemv: kernels/cpu_gemv.c did not build here (is a C compiler on PATH?)")
     gb = sum(k * n * 4 for k, n in SHAPES) / 1e9
     paths = {
         "oneDNN packed": lambda lin, x: torch.ops.mkldnn._linear_pointwise(

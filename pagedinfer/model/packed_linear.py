@@ -8,7 +8,7 @@ loaded CPU float32 model for a `PackedLinear`.
 
 At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
 the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
-plain weight near memory speed (1.5-2x faster at one row, docs/kernels.md). That needs the plain
+plain weight near memory speed (1.3-2x faster at one row, docs/kernels.md). That needs the plain
 weight kept beside the packed one: twice the linears' weight memory. By default the copies are
 kept only while they take at most a tenth of the memory available at load time (SmolLM2-135M's
 538 MB on a 23 GiB machine, but not a 1B float32 model's 5 GB: the process's memory is for the KV

@@ -28,11 +28,7 @@ class ScheduledChunk(Protocol):
 
 class ModelRunner:
     def __init__(
-        self,
-        model: torch.nn.Module,
-        kv: KVCache,
-        device: torch.device,
-        use_cuda_kernels: bool,
+        self, model: torch.nn.Module, kv: KVCache, device: torch.device, use_cuda_kernels: bool
     ) -> None:
         self.model = model
         self.kv = kv
