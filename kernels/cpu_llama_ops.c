@@ -1,8 +1,12 @@
-/* The elementwise parts of a Llama-family layer on float32 rows, one call each instead of 3-8 torch ops.
+/* The elementwise parts of a Llama-family layer on float32 or bfloat16 rows, one call each instead of
+ * 3-8 torch ops.
  *
  * A decode step at batch 1-16 spends more time dispatching small torch ops than computing them;
  * these loops do each chain (residual add + RMSNorm, per-head RMSNorm + RoPE in place, SiLU x up)
  * in one pass over the rows. Rows run in parallel only when the work pays for waking threads.
+ * The chains live in cpu_llama_ops_body.h, instantiated at the end of this file per element type:
+ * add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16}. Arithmetic is float32 in
+ * both; the bfloat16 ones round where transformers' bfloat16 modules round (each op's output).
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,58 +16,6 @@
 #endif
 
 #define MIN_PARALLEL (1 << 16) /* elements; below this one thread is faster */
-
-static inline float row_inv_rms(const float *x, int dim, float eps) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < dim; i++) sum += x[i] * x[i];
-    return 1.0f / sqrtf(sum / (float)dim + eps);
-}
-
-/* residual[r] += x[r] (when x is not NULL); out[r] = residual[r] * inv_rms * w. */
-void add_rms_norm_f32(float *residual, const float *x, const float *w, float *out, int rows, int dim,
-                      float eps) {
-#pragma omp parallel for if ((int64_t)rows * dim >= MIN_PARALLEL)
-    for (int r = 0; r < rows; r++) {
-        float *res = residual + (int64_t)r * dim;
-        float *o = out + (int64_t)r * dim;
-        if (x) {
-            const float *xr = x + (int64_t)r * dim;
-#pragma omp simd
-            for (int i = 0; i < dim; i++) res[i] += xr[i];
-        }
-        float inv = row_inv_rms(res, dim, eps);
-#pragma omp simd
-        for (int i = 0; i < dim; i++) o[i] = w[i] * (res[i] * inv);
-    }
-}
-
-/* In place on the first q_heads + k_heads heads of each row of a fused QKV matrix (row stride
- * row_stride floats): an optional per-head RMSNorm (q_w / k_w, Qwen3), then rotate-half RoPE with
- * cos/sin [rows, dim / 2] (the halves of HF's cat(freqs, freqs) are equal). */
-void qk_norm_rope_f32(float *qkv, int64_t row_stride, int rows, int q_heads, int k_heads, int dim,
-                      const float *cos_t, const float *sin_t, const float *q_w, const float *k_w, float eps) {
-    int half = dim / 2, heads = q_heads + k_heads;
-#pragma omp parallel for if ((int64_t)rows * heads * dim >= MIN_PARALLEL)
-    for (int r = 0; r < rows; r++) {
-        const float *c = cos_t + (int64_t)r * half, *s = sin_t + (int64_t)r * half;
-        for (int h = 0; h < heads; h++) {
-            float *x = qkv + (int64_t)r * row_stride + (int64_t)h * dim;
-            const float *w = h < q_heads ? q_w : k_w;
-            if (w) {
-                float inv = row_inv_rms(x, dim, eps);
-#pragma omp simd
-                for (int i = 0; i < dim; i++) x[i] = w[i] * (x[i] * inv);
-            }
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] - x2 * s[i];
-                x[i + half] = x2 * c[i] + x1 * s[i];
-            }
-        }
-    }
-}
 
 /* exp for the SiLU: Cephes' single-precision polynomial (about 1 ulp). GCC 12 does not vectorize
  * floorf / fminf without -ffast-math, so AVX2 machines get the same steps as intrinsics. */
@@ -99,21 +51,74 @@ static inline __m256 exp_poly8(__m256 x) {
 }
 #endif
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused GEMM. */
-void silu_mul_f32(const float *gate_up, float *out, int rows, int inter) {
-#pragma omp parallel for if ((int64_t)rows * inter >= MIN_PARALLEL)
-    for (int r = 0; r < rows; r++) {
-        const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
-        float *o = out + (int64_t)r * inter;
-        int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= inter; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
-    }
+/* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even. */
+static inline uint32_t bf16_rounded_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b + 0x7fffu + ((b >> 16) & 1u);
 }
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) { return (uint16_t)(bf16_rounded_bits(f) >> 16); }
+
+static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i bf16_rounded_bits8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+
+static inline __m256 bf16_load8(const uint16_t *p) {
+    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+static inline void bf16_store8(uint16_t *p, __m256 v) {
+    __m256i h = _mm256_srli_epi32(bf16_rounded_bits8(v), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+static inline __m256 bf16_round8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits8(v), _mm256_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+/* float32: loads, stores and roundings are the identity */
+#define ELEM float
+#define LD(x) (x)
+#define ST(x) (x)
+#define RND(x) (x)
+#define LOAD8(p) _mm256_loadu_ps(p)
+#define STORE8(p, v) _mm256_storeu_ps(p, v)
+#define RND8(v) (v)
+#define FN(name) CAT(name, f32)
+#include "cpu_llama_ops_body.h"
+#undef ELEM
+#undef LD
+#undef ST
+#undef RND
+#undef LOAD8
+#undef STORE8
+#undef RND8
+#undef FN
+
+#define ELEM uint16_t
+#define LD(x) bf16_load(x)
+#define ST(x) bf16_store(x)
+#define RND(x) bf16_round(x)
+#define LOAD8(p) bf16_load8(p)
+#define STORE8(p, v) bf16_store8(p, v)
+#define RND8(v) bf16_round8(v)
+#define FN(name) CAT(name, bf16)
+#include "cpu_llama_ops_body.h"

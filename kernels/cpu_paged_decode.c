@@ -103,19 +103,19 @@ static inline v8 sum_lanes8(const v8 *a) {
 }
 
 // Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped). The
-// sources are strided views ([token, head, dim] with any token/head stride, unit dim stride).
-void store_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v,
-                  const int64_t *slots, int n, int num_kv_heads, int head_dim, int head_dim_v,
-                  int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
-                  int64_t v_head_stride) {
+// sources are strided views ([token, head, dim] with any token/head stride in elements, unit dim
+// stride) of the pool's element type, elem_bytes wide: the rows are copied, never converted.
+void store_kv(char *k_cache, char *v_cache, const char *k, const char *v, const int64_t *slots, int n,
+              int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride,
+              int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride, int elem_bytes) {
+  const size_t k_row = (size_t)head_dim * elem_bytes, v_row = (size_t)head_dim_v * elem_bytes;
   for (int i = 0; i < n; ++i) {
     if (slots[i] < 0) continue;
-    float *kd = k_cache + slots[i] * num_kv_heads * (int64_t)head_dim;
-    float *vd = v_cache + slots[i] * num_kv_heads * (int64_t)head_dim_v;
+    char *kd = k_cache + slots[i] * num_kv_heads * k_row;
+    char *vd = v_cache + slots[i] * num_kv_heads * v_row;
     for (int h = 0; h < num_kv_heads; ++h) {
-      memcpy(kd + h * head_dim, k + i * k_token_stride + h * k_head_stride, head_dim * sizeof(float));
-      memcpy(vd + h * head_dim_v, v + i * v_token_stride + h * v_head_stride,
-             head_dim_v * sizeof(float));
+      memcpy(kd + h * k_row, k + (i * k_token_stride + h * k_head_stride) * elem_bytes, k_row);
+      memcpy(vd + h * v_row, v + (i * v_token_stride + h * v_head_stride) * elem_bytes, v_row);
     }
   }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Ops and time of one decode step, per layer, for each model implementation (transformers, pagedinfer).
 
-    python scripts/profile_layer_step.py MODEL_DIR --batch 1,16 --threads 2
+    python scripts/profile_layer_step.py MODEL_DIR --batch 1,16 --threads 2 [--dtype bfloat16]
 
 Runs ``batch`` prompts of ``--context`` random tokens, decodes ``--steps`` tokens each, and times
 every decode step (``ModelRunner.execute``: metadata, forward, logits), the GEMMs inside it
@@ -36,8 +36,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(model: str, impl: str, batch: int, context: int, steps: int) -> dict:
-    llm = LLM(model, device="cpu", dtype="float32", model_impl=impl)
+def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: str) -> dict:
+    llm = LLM(model, device="cpu", dtype=dtype, model_impl=impl)
     runner = llm.engine.runner
     execute = runner.execute
     gemm = [0.0]
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="the model's and KV pool's dtype on the CPU")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -114,7 +115,7 @@ def main() -> None:
     tops = []
     for b in map(int, args.batch.split(",")):
         for impl in args.impls.split(","):
-            r = measure(args.model, impl, b, args.context, args.steps)
+            r = measure(args.model, impl, b, args.context, args.steps, args.dtype)
             print(
                 f"| {impl} | {b} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['non_gemm_ms']:.2f} | "
                 f"{r['non_gemm_share']:.0%} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",

@@ -107,7 +107,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         splits.append(list(bounds[: parts + 1]))
         real(bounds, parts, *args)
 
-    fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
+    fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv": lib.store_kv})
     monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
 
     outs = []
@@ -135,15 +135,16 @@ def test_decode_kernel_underflowing_probabilities():
         torch.testing.assert_close(out[s : s + 1].double(), want, atol=2e-5, rtol=1e-4)
 
 
-def test_store_kv_writes_strided_rows_at_their_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_writes_strided_rows_at_their_slots(dtype):
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
-    kc, vc = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 8)
-    k = torch.randn(1, 2, 5, 16)[0].transpose(0, 1)  # [5, 2, 16] strided like the model's key
-    v = torch.randn(1, 2, 5, 8)[0].transpose(0, 1)  # [5, 2, 8]
+    kc, vc = torch.zeros(4, 8, 2, 16, dtype=dtype), torch.zeros(4, 8, 2, 8, dtype=dtype)
+    k = torch.randn(1, 2, 5, 16).to(dtype)[0].transpose(0, 1)  # [5, 2, 16] strided like the model's key
+    v = torch.randn(1, 2, 5, 8).to(dtype)[0].transpose(0, 1)  # [5, 2, 8]
     slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
     cpu_kernel.store_kv(kc, vc, k, v, slots)
-    want_k, want_v = torch.zeros(32, 2, 16), torch.zeros(32, 2, 8)
+    want_k, want_v = torch.zeros(32, 2, 16, dtype=dtype), torch.zeros(32, 2, 8, dtype=dtype)
     keep = slots >= 0
     want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
     assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)

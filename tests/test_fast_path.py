@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from cli_helpers import read_jsonl, tiny_model, write_jsonl
 from conftest import DEVICE, ENGINE
 from models import hf_greedy
@@ -77,6 +78,37 @@ def test_c_chains_equal_their_torch_form(qk_norm):
     for width in (inter, inter + 3):  # 8-float vectors, and a scalar tail
         gate_up = torch.randn(t, 2 * width, generator=g) * 40  # beyond exp's clamp at +-87
         torch.testing.assert_close(fused_ops.silu_mul(gate_up, True), fused_ops.silu_mul(gate_up, False))
+
+
+def test_bfloat16_c_chains_round_like_transformers_modules():
+    """In bfloat16 the C loops round where transformers' modules do: residual add, LlamaRMSNorm (float32
+    inside, two roundings), apply_rotary_pos_emb and silu(gate) * up come out bit for bit (the SiLU's exp
+    polynomial may differ from torch's in the last float32 bit, so it is allowed a rare last-place miss)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    t, hq, hkv, d, hidden, inter = 5, 4, 2, 16, 64, 96
+    res, x = (torch.randn(t, hidden, generator=g).to(bf) for _ in range(2))
+    norm = LlamaRMSNorm(hidden, 1e-5).to(bf)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(bf)
+    r = res.clone()
+    out = fused_ops.add_rms_norm(r, x, norm.weight, 1e-5, fused_ops.use_c(r))
+    assert fused_ops.use_c(r) and torch.equal(r, res + x) and torch.equal(out, norm(res + x))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 8, generator=g).to(bf)[:, 8:]  # rows with a stride
+    angles = torch.rand(t, d // 2, generator=g) * 10
+    cos, sin = angles.cos().to(bf), angles.sin().to(bf)
+    y = qkv.clone()
+    fused_ops.qk_norm_rope_(y, hq, hkv, d, cos, sin, None, None, 1e-6, True)
+    heads = qkv.view(t, hq + 2 * hkv, d).transpose(0, 1)[None]  # [1, heads, T, D] like HF's
+    full_cos, full_sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]  # [1, T, D]
+    q, k = apply_rotary_pos_emb(heads[:, :hq], heads[:, hq : hq + hkv], full_cos, full_sin)
+    assert torch.equal(y.view(t, hq + 2 * hkv, d)[:, : hq + hkv], torch.cat([q, k], 1)[0].transpose(0, 1))
+    for width in (inter, inter + 3):  # 8-lane vectors, and a scalar tail
+        gate_up = (torch.randn(t, 2 * width, generator=g) * 4).to(bf)
+        got, want = fused_ops.silu_mul(gate_up, True), F.silu(gate_up[:, :width]) * gate_up[:, width:]
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)  # one bfloat16 step at most
+        assert (got == want).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

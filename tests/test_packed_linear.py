@@ -47,9 +47,29 @@ def test_packed_linear_matches_linear_for_any_row_count_and_layout():
     torch.testing.assert_close(model[0](strided), strided @ weight.T + bias, atol=1e-5, rtol=1e-5)
 
 
-def test_only_float32_cpu_models_are_packed():
-    assert not packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16))
+@pytest.mark.parametrize("flags", [[], ["avx512_bf16"]], ids=["avx2", "avx512_bf16"])
+def test_which_cpu_models_are_packed(monkeypatch, flags):
+    """float32 always; bfloat16 only where the CPU has native bfloat16 instructions; float16 never."""
+    monkeypatch.setattr(packed_linear, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert packed_linear.can_pack(nn.Linear(4, 4))
+    assert packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16)) == bool(flags)
+    assert not packed_linear.can_pack(nn.Linear(4, 4).to(torch.float16))
     assert not packed_linear.can_pack(nn.ReLU())  # no parameters at all
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 here")
+def test_bfloat16_packed_linear_equals_f_linear():
+    """A packed bfloat16 weight gives F.linear's products (float32 accumulation, one rounding), at
+    batch-1 and batch-64 rows, with a bias; it keeps no plain float32 copy for the gemv kernel."""
+    torch.manual_seed(0)
+    lin = nn.Linear(320, 96).to(torch.bfloat16)
+    packed = packed_linear.PackedLinear(lin, gemv=True)
+    assert packed.weight is None
+    for rows in (1, 64):
+        x = torch.randn(rows, 320).to(torch.bfloat16)
+        want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
+        torch.testing.assert_close(packed(x), want, rtol=2**-7, atol=1e-2)
 
 
 # linears per layer: transformers' q k v o gate up down; ours fused qkv, o, fused gate_up, down

@@ -93,8 +93,8 @@ def _library() -> ctypes.CDLL | None:
         if fn is not None:
             fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
             fn.restype = None
-    dll.store_kv_f32.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
-    dll.store_kv_f32.restype = None
+    dll.store_kv.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4 + [i32]
+    dll.store_kv.restype = None
     return dll
 
 
@@ -126,14 +126,14 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, 
 
 
 def store_kv(
-    k_cache: torch.Tensor,  # [NB, bs, kvh, D] float32
-    v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] float32
-    k: torch.Tensor,  # [T, kvh, D] float32, last dim contiguous
-    v: torch.Tensor,  # [T, kvh, Dv] float32, last dim contiguous
+    k_cache: torch.Tensor,  # [NB, bs, kvh, D] any dtype
+    v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] the same dtype
+    k: torch.Tensor,  # [T, kvh, D] the pool's dtype, last dim contiguous
+    v: torch.Tensor,  # [T, kvh, Dv] the pool's dtype, last dim contiguous
     slots: torch.Tensor,  # [T] int64, contiguous
 ) -> None:
     """Write the step's K/V rows at their slots: one C loop instead of two index_copy_ calls per layer."""
-    _library().store_kv_f32(
+    _library().store_kv(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k.data_ptr(),
@@ -147,6 +147,7 @@ def store_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        k.element_size(),
     )
 
 

@@ -1,8 +1,9 @@
-"""The elementwise chains of a Llama-family layer: one C call each on CPU float32, torch ops elsewhere.
+"""The elementwise chains of a Llama-family layer: one C call each on CPU float32/bfloat16, torch ops elsewhere.
 
 The C loops (kernels/cpu_llama_ops.c, built like the decode kernel) replace 3-8 small torch ops per
-chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. Without a compiler, off
-the CPU or in another dtype, the same chains run as torch ops (same results up to rounding).
+chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. The bfloat16 loops compute
+in float32 and round where transformers' bfloat16 modules round. Without a compiler, off the CPU or
+in float16, the same chains run as torch ops (same results up to rounding).
 """
 
 from __future__ import annotations
@@ -13,33 +14,53 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
+from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, compile_library
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
+BODY = KERNELS_DIR / "cpu_llama_ops_body.h"  # the element-typed chains, included once per dtype
+DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(SOURCE)
+        lib = compile_library(SOURCE, (BODY,))
     except KernelUnavailable:  # the decode kernel's message already said it; these chains run as torch ops
         return None
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    dll.add_rms_norm_f32.argtypes = [ptr] * 4 + [i32, i32, f32]
-    dll.qk_norm_rope_f32.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, f32]
-    dll.silu_mul_f32.argtypes = [ptr, ptr, i32, i32]
-    for fn in (dll.add_rms_norm_f32, dll.qk_norm_rope_f32, dll.silu_mul_f32):
-        fn.restype = None
+    for suffix in (SUFFIX[d] for d in DTYPES):
+        getattr(dll, f"add_rms_norm_{suffix}").argtypes = [ptr] * 4 + [i32, i32, f32]
+        getattr(dll, f"qk_norm_rope_{suffix}").argtypes = [
+            ptr,
+            i64,
+            i32,
+            i32,
+            i32,
+            i32,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            f32,
+        ]
+        getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
+        for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+            getattr(dll, f"{name}_{suffix}").restype = None
     return dll
 
 
+def _fn(name: str, t: torch.Tensor):
+    """The C chain ``name`` for ``t``'s dtype."""
+    return getattr(_library(), f"{name}_{SUFFIX[t.dtype]}")
+
+
 def use_c(t: torch.Tensor) -> bool:
-    """The C chains serve float32 tensors in host memory (when the library built)."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and _library() is not None
+    """The C chains serve float32 and bfloat16 tensors in host memory (when the library built)."""
+    return t.device.type == "cpu" and t.dtype in DTYPES and _library() is not None
 
 
 def add_rms_norm(
@@ -52,7 +73,7 @@ def add_rms_norm(
     """Residual add and RMSNorm in one pass (HF: ``residual + x``, then ``weight * (h * rsqrt(...))``)."""
     if fast:
         out = torch.empty_like(residual)
-        _library().add_rms_norm_f32(
+        _fn("add_rms_norm", residual)(
             residual.data_ptr(),
             None if x is None else x.data_ptr(),
             weight.data_ptr(),
@@ -81,7 +102,7 @@ def qk_norm_rope_(
 ) -> None:
     """In place: the q and k heads of ``qkv`` get their per-head norm (if any), then rotate-half RoPE."""
     if fast:
-        _library().qk_norm_rope_f32(
+        _fn("qk_norm_rope", qkv)(
             qkv.data_ptr(),
             qkv.stride(0),
             qkv.shape[0],
@@ -113,6 +134,6 @@ def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> 
     inter = gate_up.shape[1] // 2
     if fast:
         out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
-        _library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        _fn("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

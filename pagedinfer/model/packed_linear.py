@@ -1,10 +1,12 @@
-"""CPU fp32 linears with their weights packed once for oneDNN instead of repacked by MKL on every call.
+"""CPU linears with their weights packed once for oneDNN instead of re-laid out on every call.
 
 A decode step multiplies a few dozen rows by each weight; MKL's sgemm re-lays the whole weight out
 per call, which costs about as much as the multiply itself at that size. oneDNN's prepacked
 weights run the same products 1.2-2.5x faster on the CPU (the 49152-wide lm_head most), for
 every row count (measured in docs/bench.md), so `pack_linears` swaps each ``nn.Linear`` of a
-loaded CPU float32 model for a `PackedLinear`.
+loaded CPU float32 model for a `PackedLinear`. bfloat16 models are packed too where the CPU has
+native bfloat16 instructions (AVX512-BF16, AMX): there the prepacked bfloat16 products ran 1.4-4x
+faster than ``F.linear``'s (docs/kernels.md); elsewhere oneDNN would emulate them.
 
 At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
 the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
@@ -30,6 +32,7 @@ from torch import nn
 
 from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
 from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.model.dtype import cpu_bf16_flags
 
 GEMV_SOURCE = KERNELS_DIR / "cpu_gemv.c"
 GEMV_MAX_ROWS = 8  # up to here the matrix-vector kernel beats oneDNN; at 16 rows they tie (docs/kernels.md)
@@ -48,8 +51,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach().contiguous()  # [out, in]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()  # [out]
-        # [out, in] plain copy for the small-batch kernel (None: every call goes through oneDNN)
-        self.weight = weight.clone() if gemv and _gemv_library() is not None else None
+        # [out, in] plain copy for the float32 small-batch kernel (None: every call goes through oneDNN)
+        keep = gemv and weight.dtype == torch.float32 and _gemv_library() is not None
+        self.weight = weight.clone() if keep else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x = x.contiguous()
@@ -89,11 +93,13 @@ def _gemv_library() -> ctypes.CDLL | None:
 
 
 def can_pack(model: nn.Module) -> bool:
+    """A CPU model in float32, or in bfloat16 on a CPU with native bfloat16 instructions."""
     param = next(model.parameters(), None)
+    native_bf16 = bool(cpu_bf16_flags()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (
         param is not None
         and param.device.type == "cpu"
-        and param.dtype == torch.float32
+        and (param.dtype == torch.float32 or (param.dtype == torch.bfloat16 and native_bf16))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
@@ -103,8 +109,8 @@ def can_pack(model: nn.Module) -> bool:
 def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | None = None) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
-    ``gemv``: each also keeps its plain weight for the small-batch kernel (twice the weight memory);
-    None: only if those copies fit in `GEMV_MEMORY_SHARE` of the memory available now.
+    ``gemv``: each float32 one also keeps its plain weight for the small-batch kernel (twice the
+    weight memory); None: only if those copies fit in `GEMV_MEMORY_SHARE` of the memory available now.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -118,7 +124,11 @@ def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | 
         if type(child) is nn.Linear and child.in_features * child.out_features >= min_weights
     ]
     if gemv is None:
-        copies = {c.weight.data_ptr(): c.weight.numel() * c.weight.element_size() for _, _, c in targets}
+        copies = {
+            c.weight.data_ptr(): c.weight.numel() * c.weight.element_size()
+            for _, _, c in targets
+            if c.weight.dtype == torch.float32
+        }
         gemv = sum(copies.values()) <= GEMV_MEMORY_SHARE * psutil.virtual_memory().available
     packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using

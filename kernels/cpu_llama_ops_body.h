@@ -1,0 +1,81 @@
+/* The typed half of cpu_llama_ops.c, included once per element type (a C template): ELEM is the
+ * element type of every row, weight and output; LD / ST widen one element to float32 / narrow one
+ * back; RND rounds a float32 to ELEM's precision (where transformers' module would hold an ELEM);
+ * LOAD8 / STORE8 / RND8 do the same for 8 lanes (AVX2); FN(name) names each instantiation. */
+
+static inline float FN(row_inv_rms)(const ELEM *x, int dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < dim; i++) {
+        float v = LD(x[i]);
+        sum += v * v;
+    }
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* residual[r] += x[r] (when x is not NULL); out[r] = w * (residual[r] * inv_rms). */
+void FN(add_rms_norm)(ELEM *residual, const ELEM *x, const ELEM *w, ELEM *out, int rows, int dim,
+                      float eps) {
+#pragma omp parallel for if ((int64_t)rows * dim >= MIN_PARALLEL)
+    for (int r = 0; r < rows; r++) {
+        ELEM *res = residual + (int64_t)r * dim;
+        ELEM *o = out + (int64_t)r * dim;
+        if (x) {
+            const ELEM *xr = x + (int64_t)r * dim;
+#pragma omp simd
+            for (int i = 0; i < dim; i++) res[i] = ST(LD(res[i]) + LD(xr[i]));
+        }
+        float inv = FN(row_inv_rms)(res, dim, eps);
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = ST(LD(w[i]) * RND(LD(res[i]) * inv));
+    }
+}
+
+/* In place on the first q_heads + k_heads heads of each row of a fused QKV matrix (row stride
+ * row_stride elements): an optional per-head RMSNorm (q_w / k_w, Qwen3), then rotate-half RoPE with
+ * cos/sin [rows, dim / 2] (the halves of HF's cat(freqs, freqs) are equal). */
+void FN(qk_norm_rope)(ELEM *qkv, int64_t row_stride, int rows, int q_heads, int k_heads, int dim,
+                      const ELEM *cos_t, const ELEM *sin_t, const ELEM *q_w, const ELEM *k_w, float eps) {
+    int half = dim / 2, heads = q_heads + k_heads;
+#pragma omp parallel for if ((int64_t)rows * heads * dim >= MIN_PARALLEL)
+    for (int r = 0; r < rows; r++) {
+        const ELEM *c = cos_t + (int64_t)r * half, *s = sin_t + (int64_t)r * half;
+        for (int h = 0; h < heads; h++) {
+            ELEM *x = qkv + (int64_t)r * row_stride + (int64_t)h * dim;
+            const ELEM *w = h < q_heads ? q_w : k_w;
+            if (w) {
+                float inv = FN(row_inv_rms)(x, dim, eps);
+#pragma omp simd
+                for (int i = 0; i < dim; i++) x[i] = ST(LD(w[i]) * RND(LD(x[i]) * inv));
+            }
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float x1 = LD(x[i]), x2 = LD(x[i + half]), ci = LD(c[i]), si = LD(s[i]);
+                x[i] = ST(RND(x1 * ci) - RND(x2 * si));
+                x[i + half] = ST(RND(x2 * ci) + RND(x1 * si));
+            }
+        }
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused GEMM. */
+void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
+#pragma omp parallel for if ((int64_t)rows * inter >= MIN_PARALLEL)
+    for (int r = 0; r < rows; r++) {
+        const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        ELEM *o = out + (int64_t)r * inter;
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= inter; i += 8) {
+            __m256 gv = LOAD8(g + i);
+            __m256 e = exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            STORE8(o + i, _mm256_mul_ps(RND8(_mm256_div_ps(gv, _mm256_add_ps(one, e))), LOAD8(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
+            float gi = LD(g[i]);
+            o[i] = ST(RND(gi / (1.0f + exp_poly(-gi))) * LD(u[i]));
+        }
+    }
+}
