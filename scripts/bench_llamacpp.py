@@ -16,7 +16,10 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
   b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
-       [--impls pagedinfer,transformers] [--threads 2] [--json FILE] [--max-new N]
+       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16] [--threads 2] [--json FILE] [--max-new N]
+
+pagedinfer runs once per implementation and dtype (``--dtypes``, default float32: the weights cast
+from the float32 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds).
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -150,15 +153,17 @@ def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Pa
     return json.loads(res.stdout)
 
 
-def run_pagedinfer(model_dir: Path, impl: str, ws: list[Workload], threads: int) -> dict[str, dict]:
-    """All workloads in one subprocess per implementation (its own threads, its own memory)."""
+def run_pagedinfer(
+    model_dir: Path, impl: str, dtype: str, ws: list[Workload], threads: int
+) -> dict[str, dict]:
+    """All workloads in one subprocess per implementation and dtype (its own threads, its own memory)."""
     code = f"""
 import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
 from pagedinfer import LLM, SamplingParams
 ws = json.loads(sys.stdin.read())
-llm = LLM({str(model_dir)!r}, device="cpu", dtype="float32", model_impl={impl!r})
+llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r})
 warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 llm.generate([{{"prompt_token_ids": ws[0]["prompts"][0]}}], warm, use_tqdm=False)
 res = {{}}
@@ -173,7 +178,7 @@ print(json.dumps(res))
     payload = json.dumps([w.__dict__ for w in ws])
     res = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True)
     if res.returncode:
-        raise RuntimeError(f"pagedinfer ({impl}) failed: {res.stderr[-800:]}")
+        raise RuntimeError(f"pagedinfer ({impl}, {dtype}) failed: {res.stderr[-800:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -183,6 +188,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="A,B,C,D,b1")
     ap.add_argument("--formats", default="F32,BF16,Q4_1")
     ap.add_argument("--impls", default="pagedinfer,transformers")
+    ap.add_argument("--dtypes", default="float32", help="pagedinfer's dtypes, e.g. float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
@@ -201,8 +207,10 @@ def main() -> None:
     if args.max_new:
         ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
     results: dict[str, dict[str, dict]] = {}
-    for impl in args.impls.split(","):
-        results[f"pagedinfer {impl}"] = run_pagedinfer(model_dir, impl, ws, args.threads)
+    for dtype in args.dtypes.split(","):
+        for impl in args.impls.split(","):
+            name = f"pagedinfer {impl}" + ("" if dtype == "float32" else f" {dtype}")
+            results[name] = run_pagedinfer(model_dir, impl, dtype, ws, args.threads)
     for fmt, path in ggufs.items():
         results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
     report(results, ws)
