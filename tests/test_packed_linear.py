@@ -131,8 +131,8 @@ def test_small_batches_take_the_matrix_vector_kernel_with_the_same_products(monk
 
 
 def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monkeypatch):
-    """By default the plain copies are kept while they fit in a share of free memory; the
-    environment variable forces them on or off."""
+    """By default the plain copies are kept on AVX2 CPUs while they fit in a share of free memory,
+    never on AVX-512 ones (oneDNN is as fast there); the environment variable forces them on or off."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
@@ -140,11 +140,16 @@ def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monk
         model = load_model(tmp_path, device="cpu").model
         return [m.weight is not None for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
 
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # an AVX2 CPU
     assert copies() == [True] * 5  # 3 MB of weights: they fit
     monkeypatch.setattr(packed_linear, "GEMV_MEMORY_SHARE", 0.0)  # as if the model filled the memory
     assert copies() == [False] * 5
     monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
     assert copies() == [True] * 5
     monkeypatch.undo()
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "avx512f"])
+    assert copies() == [False] * 5  # an AVX-512 CPU, though the copies would fit
+    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
+    assert copies() == [True] * 5
     monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "0")
     assert copies() == [False] * 5

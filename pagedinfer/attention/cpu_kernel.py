@@ -45,6 +45,22 @@ class KernelUnavailable(RuntimeError):
     """A C source could not be built here (no compiler, or the build failed); the message says why."""
 
 
+@functools.cache
+def _flags_line() -> str:
+    """The ``flags`` line of /proc/cpuinfo ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def cpu_flags(names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` (instruction-set flags such as ``avx512f``) this CPU reports."""
+    flags = _flags_line().partition(":")[2].split()
+    return [n for n in names if n in flags]
+
+
 def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | None:
     """Build ``source`` into a shared library once, cached by source (and the ``includes`` it
     reads), flags and CPU.
@@ -58,8 +74,7 @@ def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | Non
     if compiler is None:
         raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
     code = b"".join(path.read_bytes() for path in (source, *includes))
-    cpu = Path("/proc/cpuinfo").read_bytes() if Path("/proc/cpuinfo").exists() else b""
-    flags_line = next((ln for ln in cpu.splitlines() if ln.startswith(b"flags")), b"")
+    flags_line = _flags_line().encode()
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + threading

@@ -33,18 +33,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags(names: tuple[str, ...] = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")) -> list[str]:
-    """Which of the instruction-set flags that decide bfloat16 GEMM speed the CPU reports."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
-    )
-    return [n for n in names if n in flags]
-
-
 def source_state() -> dict:
     """The git commit of the pagedinfer checkout and whether its working tree has changes (if a checkout)."""
     root = Path(__file__).resolve().parents[2]

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from pagedinfer.attention.cpu_kernel import cpu_flags
 
 NAMES = {
     "float32": torch.float32,
@@ -51,14 +52,8 @@ def stored_dtype(config) -> torch.dtype | None:
 
 
 def cpu_bf16_flags() -> list[str]:
-    """The native bfloat16 matrix instructions /proc/cpuinfo lists (none on AVX2-only CPUs)."""
-    info = Path("/proc/cpuinfo")
-    line = (
-        next((ln for ln in info.read_text().splitlines() if ln.startswith("flags")), "")
-        if info.exists()
-        else ""
-    )
-    return [f for f in BF16_CPU_FLAGS if f in line.split()]
+    """The native bfloat16 matrix instructions the CPU has (none on AVX2-only CPUs)."""
+    return cpu_flags(BF16_CPU_FLAGS)
 
 
 def gemm_speedup(width: int, repeats: int = 3) -> float:

@@ -9,13 +9,15 @@ native bfloat16 instructions (AVX512-BF16, AMX): there the prepacked bfloat16 pr
 faster than ``F.linear``'s (docs/kernels.md); elsewhere oneDNN would emulate them.
 
 At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
-the weight, which oneDNN streams at about half the memory speed; there kernels/cpu_gemv.c reads the
-plain weight near memory speed (1.3-2x faster at one row, docs/kernels.md). That needs the plain
-weight kept beside the packed one: twice the linears' weight memory. By default the copies are
-kept only while they take at most a tenth of the memory available at load time (SmolLM2-135M's
-538 MB on a 23 GiB machine, but not a 1B float32 model's 5 GB: the process's memory is for the KV
-pool and whatever else runs beside it); ``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps them
-always / never.
+the weight. On AVX2 CPUs oneDNN streams it at about half the memory speed there, and
+kernels/cpu_gemv.c reads the plain weight near memory speed (1.3-2x faster at one row,
+docs/kernels.md). On AVX-512 CPUs oneDNN's own kernels stream as fast at one row and run 1.3-1.8x
+faster than that AVX2 loop at 2-8 rows (measured on an AVX512-BF16 EPYC), so the loop is not used
+there by default. It needs the plain weight kept beside the packed one: twice the linears' weight
+memory. By default the copies are kept only on CPUs without AVX-512 and while they take at most a
+tenth of the memory available at load time (SmolLM2-135M's 538 MB on a 23 GiB machine, but not a 1B
+float32 model's 5 GB: the process's memory is for the KV pool and whatever else runs beside it);
+``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps them always / never.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import psutil
 import torch
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.dtype import cpu_bf16_flags
 
@@ -110,7 +112,8 @@ def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | 
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
     ``gemv``: each float32 one also keeps its plain weight for the small-batch kernel (twice the
-    weight memory); None: only if those copies fit in `GEMV_MEMORY_SHARE` of the memory available now.
+    weight memory); None: only on a CPU without AVX-512 and if those copies fit in
+    `GEMV_MEMORY_SHARE` of the memory available now.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -129,7 +132,8 @@ def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | 
             for _, _, c in targets
             if c.weight.dtype == torch.float32
         }
-        gemv = sum(copies.values()) <= GEMV_MEMORY_SHARE * psutil.virtual_memory().available
+        fits = sum(copies.values()) <= GEMV_MEMORY_SHARE * psutil.virtual_memory().available
+        gemv = fits and not cpu_flags(("avx512f",))
     packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using
         p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
