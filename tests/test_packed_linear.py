@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linears: same products as nn.Linear, every Linear swapped, tied embeddings intact."""
+"""Packed CPU linears (oneDNN's layout or cpu_gemm.c's panels): same products as nn.Linear, every Linear
+swapped, tied embeddings intact, the panel kernel chosen per CPU."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import transformers as tf
 from torch import nn
 
 from pagedinfer.model import packed_linear
+from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(
@@ -61,11 +63,11 @@ def test_which_cpu_models_are_packed(monkeypatch, flags):
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 here")
 def test_bfloat16_packed_linear_equals_f_linear():
     """A packed bfloat16 weight gives F.linear's products (float32 accumulation, one rounding), at
-    batch-1 and batch-64 rows, with a bias; it keeps no plain float32 copy for the gemv kernel."""
+    batch-1 and batch-64 rows, with a bias; the float32 panel kernel is not asked to serve it."""
     torch.manual_seed(0)
     lin = nn.Linear(320, 96).to(torch.bfloat16)
-    packed = packed_linear.PackedLinear(lin, gemv=True)
-    assert packed.weight is None
+    packed = packed_linear.PackedLinear(lin, panels=True)
+    assert packed.panels is None and packed.packed is not None
     for rows in (1, 64):
         x = torch.randn(rows, 320).to(torch.bfloat16)
         want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
@@ -109,47 +111,72 @@ def test_weight_shared_by_two_linears_survives_packing():
 
 
 @pytest.mark.parametrize(("k", "n", "bias"), [(576, 960, False), (37, 13, True), (1536, 70, True)])
-def test_small_batches_take_the_matrix_vector_kernel_with_the_same_products(monkeypatch, k, n, bias):
-    """1-8 rows go through cpu_gemv.c (every tile shape: 1 row, 2, 3, 3 + 1 ...; k and n not multiples
-    of the vector width or tile), more rows through oneDNN; both equal a float64 product."""
+def test_panel_kernel_gives_the_products_for_any_row_count(monkeypatch, k, n, bias):
+    """cpu_gemm.c against a float64 product, beside oneDNN: every row tile (1-6 rows and their
+    remainders), row blocks of x (300 and 301 rows of k = 1536 make 5 blocks, the last one short), a
+    partial last panel (n not a multiple of 16), k not a multiple of the vector width, a bias,
+    rows that are a view into a bigger tensor, leading dimensions kept."""
     torch.manual_seed(3)
     lin = nn.Linear(k, n, bias=bias)
-    gemv, packed = packed_linear.PackedLinear(lin, gemv=True), packed_linear.PackedLinear(lin)
-    assert gemv.weight is not None and packed.weight is None  # the plain copy exists only when asked
-    lib, calls = packed_linear._gemv_library(), []
-    kernel = lib.gemv_f32
-    monkeypatch.setattr(lib, "gemv_f32", lambda *a: calls.append(a[4]) or kernel(*a))  # a[4]: rows
-    for rows in (*range(1, packed_linear.GEMV_MAX_ROWS + 2), 33):
+    panels, onednn = packed_linear.PackedLinear(lin, panels=True), packed_linear.PackedLinear(lin)
+    assert panels.packed is None and panels.panels.shape == (-(-n // 16), k, 16)
+    assert onednn.panels is None
+    lib, calls = packed_linear._gemm_library(), []
+    kernel = lib.gemm_panels_f32
+    monkeypatch.setattr(lib, "gemm_panels_f32", lambda *a: calls.append(a[4]) or kernel(*a))  # a[4]: rows
+    row_counts = (*range(1, 14), 33, 300, 301)
+    for rows in row_counts:
         x = torch.randn(2, rows, k)[1]  # a batch of rows, as a view into a bigger tensor
         want = x.double() @ lin.weight.detach().double().T + (lin.bias.detach().double() if bias else 0)
-        got = gemv(x)
+        got = panels(x)
         assert got.shape == (rows, n)
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(packed(x).double(), want, atol=1e-4, rtol=1e-5)
-    assert calls == list(range(1, packed_linear.GEMV_MAX_ROWS + 1))  # 9 and 33 rows: oneDNN
-    assert gemv(torch.randn(3, 1, k)).shape == (3, 1, n)  # leading dimensions are kept
+        torch.testing.assert_close(onednn(x).double(), want, atol=1e-4, rtol=1e-5)
+    assert calls == list(row_counts)  # every call reached the kernel, oneDNN's never did
+    assert panels(torch.randn(3, 1, k)).shape == (3, 1, n)  # leading dimensions are kept
 
 
-def test_loader_keeps_plain_weights_for_the_kernel_while_they_fit(tmp_path, monkeypatch):
-    """By default the plain copies are kept on AVX2 CPUs while they fit in a share of free memory,
-    never on AVX-512 ones (oneDNN is as fast there); the environment variable forces them on or off."""
+@pytest.mark.parametrize(("k", "inter", "bias"), [(576, 1536, False), (37, 13, True), (64, 17, True)])
+def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k, inter, bias):
+    """A fused gate-up projection returns silu(gate) * up: unpacked, packed for oneDNN (product, then
+    the C chain) and in paired panels (the activation in the kernel's epilogue), I a multiple of 8
+    or not (a partial last panel), with a bias added before the activation."""
+    torch.manual_seed(5)
+    gated = GatedLinear(k, 2 * inter, bias=bias)
+    panels, onednn = packed_linear.PackedLinear(gated, panels=True), packed_linear.PackedLinear(gated)
+    assert panels.gated and panels.panels.shape == (-(-inter // 8), k, 16)
+    lib, calls = packed_linear._gemm_library(), []
+    kernel = lib.gemm_panels_silu_mul_f32
+    monkeypatch.setattr(lib, "gemm_panels_silu_mul_f32", lambda *a: calls.append(a[4]) or kernel(*a))
+    row_counts = (1, 2, 5, 6, 7, 13, 64, 301)
+    for rows in row_counts:
+        x = torch.randn(rows, k)
+        y = x.double() @ gated.weight.detach().double().T + (gated.bias.detach().double() if bias else 0)
+        want = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]  # [rows, I]
+        for module in (gated, onednn, panels):
+            torch.testing.assert_close(module(x).double(), want, atol=1e-4, rtol=1e-4)
+    assert calls == list(row_counts)
+    assert panels(torch.randn(3, 1, k)).shape == (3, 1, inter)
+
+
+def test_loader_picks_the_panel_kernel_on_cpus_without_avx512(tmp_path, monkeypatch):
+    """By default float32 linears take the panel kernel on AVX2 CPUs and oneDNN on AVX-512 ones;
+    PAGEDINFER_CPU_GEMM forces either."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
-    def copies() -> list[bool]:
+    def layouts() -> set[str]:
         model = load_model(tmp_path, device="cpu").model
-        return [m.weight is not None for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
+        packed = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
+        assert len(packed) == 5  # fused qkv, o, fused gate-up, down, lm_head
+        return {"panels" if m.panels is not None else "onednn" for m in packed}
 
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # an AVX2 CPU
-    assert copies() == [True] * 5  # 3 MB of weights: they fit
-    monkeypatch.setattr(packed_linear, "GEMV_MEMORY_SHARE", 0.0)  # as if the model filled the memory
-    assert copies() == [False] * 5
-    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
-    assert copies() == [True] * 5
-    monkeypatch.undo()
+    assert layouts() == {"panels"}
+    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "onednn")
+    assert layouts() == {"onednn"}
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "avx512f"])
-    assert copies() == [False] * 5  # an AVX-512 CPU, though the copies would fit
-    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "1")
-    assert copies() == [True] * 5
-    monkeypatch.setenv("PAGEDINFER_SMALL_BATCH_GEMV", "0")
-    assert copies() == [False] * 5
+    monkeypatch.delenv("PAGEDINFER_CPU_GEMM")
+    assert layouts() == {"onednn"}  # an AVX-512 CPU
+    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
+    assert layouts() == {"panels"}

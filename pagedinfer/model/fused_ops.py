@@ -13,19 +13,21 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, compile_library
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
 BODY = KERNELS_DIR / "cpu_llama_ops_body.h"  # the element-typed chains, included once per dtype
+EXP = KERNELS_DIR / "cpu_exp.h"  # the SiLU's exp, shared with cpu_gemm.c
 DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(SOURCE, (BODY,))
+        lib = compile_library(SOURCE, (BODY, EXP))
     except KernelUnavailable:  # the decode kernel's message already said it; these chains run as torch ops
         return None
     if lib is None:
@@ -137,3 +139,14 @@ def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> 
         _fn("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+class GatedLinear(nn.Linear):
+    """A fused gate-up projection that returns ``silu(gate) * up``: ``[..., H] -> [..., I]`` from a
+    ``[2 I, H]`` weight (gate rows first). A class of its own so that the CPU packer can lay it out
+    for the panel kernel, which computes the activation as it writes the product (`packed_linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = super().forward(x)  # [..., 2 I]
+        flat = gate_up.reshape(-1, gate_up.shape[-1])  # [T, 2 I]
+        return silu_mul(flat, use_c(flat)).view(*gate_up.shape[:-1], -1)  # [..., I]

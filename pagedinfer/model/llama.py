@@ -41,9 +41,9 @@ class CausalLMOutput:
     logits: torch.Tensor  # [1, R, vocab]
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` around given tensors (no initialisation); the loader packs it for oneDNN."""
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
+    """An ``nn.Linear`` (or ``cls``) around given tensors (no initialisation); the loader packs it."""
+    lin = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=False)
@@ -76,9 +76,10 @@ class DecoderLayer(nn.Module):
         )
         self.o_proj = _linear(sd.pop(a + "o_proj.weight"), sd.pop(a + "o_proj.bias", None))
         gu_bias = [sd.pop(m + f"{x}_proj.bias", None) for x in ("gate", "up")]
-        self.gate_up_proj = _linear(
+        self.gate_up_proj = _linear(  # returns silu(gate) * up [T, I]
             torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")]),  # [2 I, H]
             torch.cat(gu_bias) if gu_bias[0] is not None else None,  # [2 I]
+            fused_ops.GatedLinear,
         )
         self.down_proj = _linear(sd.pop(m + "down_proj.weight"), sd.pop(m + "down_proj.bias", None))
         self.input_norm = _param(sd.pop(p + "input_layernorm.weight"))  # [H]
@@ -109,7 +110,7 @@ class DecoderLayer(nn.Module):
             self.window,
         )  # [T, Hq, D]
         x = fused_ops.add_rms_norm(residual, self.o_proj(out.view(t, hq * d)), self.post_norm, self.eps, fast)
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x), fast))  # [T, H]
+        return self.down_proj(self.gate_up_proj(x))  # [T, H]
 
 
 class LlamaFamilyForCausalLM(nn.Module):

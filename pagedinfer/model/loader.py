@@ -133,8 +133,10 @@ def load_model(
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
     if os.environ.get("PAGEDINFER_PACK_WEIGHTS", "1") != "0" and packed_linear.can_pack(model):
-        gemv = os.environ.get("PAGEDINFER_SMALL_BATCH_GEMV", "auto")  # 1 always, 0 never, else by memory
-        packed_linear.pack_linears(model, gemv=None if gemv not in ("0", "1") else gemv == "1")
+        gemm = os.environ.get("PAGEDINFER_CPU_GEMM", "auto")  # panels, onednn, else chosen per CPU
+        packed_linear.pack_linears(
+            model, panels=None if gemm not in packed_linear.GEMMS else gemm == "panels"
+        )
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(

@@ -8,16 +8,14 @@ loaded CPU float32 model for a `PackedLinear`. bfloat16 models are packed too wh
 native bfloat16 instructions (AVX512-BF16, AMX): there the prepacked bfloat16 products ran 1.4-4x
 faster than ``F.linear``'s (docs/kernels.md); elsewhere oneDNN would emulate them.
 
-At 1-8 rows (batch-1 and small-batch decode) a linear is a matrix-vector product bound by reading
-the weight. On AVX2 CPUs oneDNN streams it at about half the memory speed there, and
-kernels/cpu_gemv.c reads the plain weight near memory speed (1.3-2x faster at one row,
-docs/kernels.md). On AVX-512 CPUs oneDNN's own kernels stream as fast at one row and run 1.3-1.8x
-faster than that AVX2 loop at 2-8 rows (measured on an AVX512-BF16 EPYC), so the loop is not used
-there by default. It needs the plain weight kept beside the packed one: twice the linears' weight
-memory. By default the copies are kept only on CPUs without AVX-512 and while they take at most a
-tenth of the memory available at load time (SmolLM2-135M's 538 MB on a 23 GiB machine, but not a 1B
-float32 model's 5 GB: the process's memory is for the KV pool and whatever else runs beside it);
-``PAGEDINFER_SMALL_BATCH_GEMV=1`` / ``=0`` keeps them always / never.
+On CPUs without AVX-512, float32 linears go through kernels/cpu_gemm.c instead, on a weight laid
+out once in 16-row panels: at decode batch sizes a step streams every weight from memory, and
+oneDNN streams a packed weight at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16
+rows), while the panel kernel streams it near memory speed and keeps the FMA units busy from 64 rows
+up. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.6x faster than oneDNN at
+1-16 rows, 1.1-1.2x at 64, even at 256-2048 (prefill). One copy of the weight either way. On
+AVX-512 CPUs oneDNN's own kernels are used (they were as fast at one row there, and the panel
+kernel is written for 8-float vectors). ``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one.
 """
 
 from __future__ import annotations
@@ -28,70 +26,108 @@ import functools
 import mmap
 from collections import Counter
 
-import psutil
 import torch
 from torch import nn
 
 from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.dtype import cpu_bf16_flags
+from pagedinfer.model.fused_ops import EXP, GatedLinear, silu_mul, use_c
 
-GEMV_SOURCE = KERNELS_DIR / "cpu_gemv.c"
-GEMV_MAX_ROWS = 8  # up to here the matrix-vector kernel beats oneDNN; at 16 rows they tie (docs/kernels.md)
-GEMV_MEMORY_SHARE = 0.1  # plain copies kept by default while they fit in this share of available memory
+GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
+PANEL_ROWS = 16  # weight rows per panel of the panel kernel's layout (its NR)
+GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` forward through oneDNN with a prepacked (opaque) weight; inference only."""
+    """``nn.Linear`` forward on a weight laid out once for a faster GEMM; inference only.
 
-    def __init__(self, linear: nn.Linear, gemv: bool = False) -> None:
+    ``panels``: the float32 weight in kernels/cpu_gemm.c's panels; otherwise (or for another dtype,
+    or where that kernel did not build) oneDNN's prepacked layout. A `GatedLinear` stays gated: its
+    output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
+    """
+
+    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gated = isinstance(linear, GatedLinear)
         weight = linear.weight.detach().contiguous()  # [out, in]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()  # [out]
-        # [out, in] plain copy for the float32 small-batch kernel (None: every call goes through oneDNN)
-        keep = gemv and weight.dtype == torch.float32 and _gemv_library() is not None
-        self.weight = weight.clone() if keep else None
+        bias = None if linear.bias is None else linear.bias.detach()  # [out]
+        use_panels = panels and weight.dtype == torch.float32 and _gemm_library() is not None
+        if use_panels:
+            self.panels = pack_panels(weight, self.gated)  # [P, in, 16]: panel j holds 16 weight rows
+            self.bias = None if bias is None else pack_panels(bias.unsqueeze(1), self.gated)  # [P, 1, 16]
+            self.packed = None
+        else:
+            self.panels = None
+            self.bias = None if bias is None else bias.clone()  # [out]
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] ([..., out / 2] gated)
         x = x.contiguous()
-        rows = x.numel() // self.in_features
-        if self.weight is not None and rows <= GEMV_MAX_ROWS:
-            y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., out]
-            _gemv_library().gemv_f32(
-                x.data_ptr(),
-                self.weight.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr(),
-                y.data_ptr(),
-                rows,
-                self.out_features,
-                self.in_features,
-            )
-            return y
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.panels is None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if not self.gated:
+                return y
+            flat = y.view(-1, self.out_features)  # [T, 2 I]
+            return silu_mul(flat, use_c(flat)).view(*x.shape[:-1], -1)  # [..., I]
+        width = self.out_features // 2 if self.gated else self.out_features
+        y = x.new_empty(*x.shape[:-1], width)  # [..., width]
+        lib = _gemm_library()
+        (lib.gemm_panels_silu_mul_f32 if self.gated else lib.gemm_panels_f32)(
+            x.data_ptr(),
+            self.panels.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(),
+            x.numel() // self.in_features,
+            self.out_features,
+            self.in_features,
+        )
+        return y
 
     def extra_repr(self) -> str:
-        gemv = f", gemv<={GEMV_MAX_ROWS} rows" if self.weight is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{gemv}"
+        layout = "cpu_gemm.c panels" if self.panels is not None else "oneDNN"
+        gated = ", silu(gate) * up" if self.gated else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
+
+
+def pack_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """``[out, in]`` -> ``[P, in, 16]``: the panel kernel's layout, 16 weight rows per panel (zero past
+    ``out``). ``gated``: the halves paired, panel j = rows 8j..8j+7 of the gate half, then of the up half."""
+    if gated:
+        halves = weight.view(2, weight.shape[0] // 2, -1)  # [2, I, in]: gate, up
+        half = PANEL_ROWS // 2
+        padded = torch.nn.functional.pad(halves, (0, 0, 0, -halves.shape[1] % half))  # [2, P * 8, in]
+        rows = padded.view(2, -1, half, weight.shape[1]).transpose(0, 1)  # [P, 2, 8, in]
+    else:
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL_ROWS))  # [P * 16, in]
+        rows = padded.view(-1, PANEL_ROWS, weight.shape[1])  # [P, 16, in]
+    return rows.reshape(rows.shape[0], PANEL_ROWS, -1).transpose(1, 2).contiguous()  # [P, in, 16]
 
 
 @functools.cache
-def _gemv_library() -> ctypes.CDLL | None:
+def _gemm_library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(GEMV_SOURCE)
-    except KernelUnavailable:  # the decode kernel's message already said it; oneDNN serves every row count
+        lib = compile_library(GEMM_SOURCE, (EXP,))
+    except KernelUnavailable:  # the decode kernel's message already said it; oneDNN serves instead
         return None
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    dll.gemv_f32.argtypes = [ptr] * 4 + [i32] * 3
-    dll.gemv_f32.restype = None
+    for fn in (dll.gemm_panels_f32, dll.gemm_panels_silu_mul_f32):
+        fn.argtypes = [ptr] * 4 + [i32] * 3
+        fn.restype = None
     return dll
+
+
+def panels_by_default() -> bool:
+    """The panel kernel serves float32 linears on CPUs without AVX-512 (there it beats oneDNN at every
+    row count measured); AVX-512 CPUs keep oneDNN's kernels."""
+    return not cpu_flags(("avx512f",))
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -108,39 +144,31 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module, min_weights: int | None = None, gemv: bool | None = None) -> int:
+def pack_linears(model: nn.Module, min_weights: int | None = None, panels: bool | None = None) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
-    ``gemv``: each float32 one also keeps its plain weight for the small-batch kernel (twice the
-    weight memory); None: only on a CPU without AVX-512 and if those copies fit in
-    `GEMV_MEMORY_SHARE` of the memory available now.
+    ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
+    `panels_by_default` says for this CPU.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
     would otherwise stay mapped, and resident, for their sake: the unpacked weights' pages with it.
     """
     min_weights = MIN_WEIGHTS if min_weights is None else min_weights
+    panels = panels_by_default() if panels is None else panels
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.in_features * child.out_features >= min_weights
+        if type(child) in (nn.Linear, GatedLinear) and child.in_features * child.out_features >= min_weights
     ]
-    if gemv is None:
-        copies = {
-            c.weight.data_ptr(): c.weight.numel() * c.weight.element_size()
-            for _, _, c in targets
-            if c.weight.dtype == torch.float32
-        }
-        fits = sum(copies.values()) <= GEMV_MEMORY_SHARE * psutil.virtual_memory().available
-        gemv = fits and not cpu_flags(("avx512f",))
     packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using
         p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
     }
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, gemv))
+        setattr(parent, name, PackedLinear(child, panels))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             _release_pages(child.weight)  # its last user is packed

@@ -10,6 +10,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.model.cuda_graphs import DecodeGraphs
+from pagedinfer.model.host_memory import keep_freed_memory
 
 
 class _Tokens(Protocol):
@@ -37,6 +38,8 @@ class ModelRunner:
         # pure-decode steps through its static buffers (replayed graphs on CUDA); the engine sets it
         self.graphs: DecodeGraphs | None = None
         self.last_step_graphed = False  # whether the last execute went through ``graphs``
+        if device.type == "cpu":
+            keep_freed_memory()  # the steps' activations are reused, not faulted in anew each step
 
     def build_metadata(
         self, batch: list[ScheduledChunk]
