@@ -23,23 +23,12 @@
 #include <string.h>
 
 #include "cpu_exp.h" /* exp_poly, exp_poly8 */
-
-typedef float v8 __attribute__((vector_size(32)));
+#include "cpu_vec.h" /* v8, load8, store8 */
 
 #define NR 16
 #define MR 6
-#ifndef MC_BYTES
 #define MC_BYTES (384 << 10)
-#endif
 #define MIN_PARALLEL (1 << 16) /* multiply-adds; below this one thread is faster */
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 /* silu(g) * u as cpu_llama_ops.c's silu_mul computes it: g / (1 + exp(-g)) * u. */
 static inline v8 silu_mul8(v8 g, v8 u) {
@@ -63,17 +52,6 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
     }
     store8(y, lo);
     store8(y + 8, hi);
-}
-
-/* p[ceil(n / NR)][k][NR] from w[n][k] (row-major, as nn.Linear holds it); rows past n are zeros. */
-void pack_panels_f32(const float *w, float *p, int n, int k) {
-    const int panels = (n + NR - 1) / NR;
-    for (int j = 0; j < panels; j++)
-        for (int c = 0; c < NR; c++) {
-            const int row = j * NR + c;
-            float *dst = p + (int64_t)j * k * NR + c;
-            for (int kk = 0; kk < k; kk++) dst[(int64_t)kk * NR] = row < n ? w[(int64_t)row * k + kk] : 0.f;
-        }
 }
 
 /* ROWS rows of x (row stride lda) times one panel into y (row stride ldy) through store_tile; pf:

@@ -12,18 +12,11 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
+#include "cpu_vec.h" /* v8, load8, store8 */
+
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
-static inline v8 load8(const float *p) {
-  v8 v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 // bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even.
 static inline v8 load8_bf16(const uint16_t *p) {
@@ -149,4 +142,8 @@ void store_kv(char *k_cache, char *v_cache, const char *k, const char *v, const 
 #define STORE8 store8_f16
 #define FN(name) CAT(name, f16)
 #include "cpu_paged_decode_body.h"
+#undef ELEM
+#undef LOAD8
+#undef STORE8
+#undef FN
 #endif

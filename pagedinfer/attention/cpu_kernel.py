@@ -31,7 +31,6 @@ import torch
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
-BODY = KERNELS_DIR / "cpu_paged_decode_body.h"  # the element-typed half, included once per dtype
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # kernel names' suffixes
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
@@ -61,9 +60,24 @@ def cpu_flags(names: tuple[str, ...]) -> list[str]:
     return [n for n in names if n in flags]
 
 
-def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | None:
-    """Build ``source`` into a shared library once, cached by source (and the ``includes`` it
-    reads), flags and CPU.
+def local_includes(source: Path) -> list[Path]:
+    """``source`` and every file it includes with ``#include "..."``, recursively, each once."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        path = pending.pop()
+        if path in found:
+            continue
+        found.append(path)
+        for line in path.read_text().splitlines():
+            if line.startswith('#include "'):
+                pending.append(path.parent / line.split('"')[1])
+    return found
+
+
+def compile_library(source: Path) -> Path | None:
+    """Build ``source`` into a shared library once, cached by its text (with every local file it
+    includes), flags and CPU.
 
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
     it cannot be built.
@@ -73,7 +87,7 @@ def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | Non
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-    code = b"".join(path.read_bytes() for path in (source, *includes))
+    code = b"".join(path.read_bytes() for path in local_includes(source))
     flags_line = _flags_line().encode()
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
@@ -96,7 +110,7 @@ def compile_library(source: Path, includes: tuple[Path, ...] = ()) -> Path | Non
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(SOURCE, (BODY,))
+        lib = compile_library(SOURCE)
     except KernelUnavailable as e:
         return _unavailable(str(e))
     if lib is None:

@@ -39,6 +39,11 @@ def set_context(ctx: StepContext | None) -> None:
     _ctx = ctx
 
 
+def current_context() -> StepContext | None:
+    """The running step's context (None outside a step): what a model's own layers may read."""
+    return _ctx
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' entry: ``query [1, Hq, T, D]``, ``key``/``value [1, kvh, T, D]`` -> ``[1, T, Hq, Dv]``."""
     out = attend(

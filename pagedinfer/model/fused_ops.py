@@ -19,15 +19,13 @@ from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, compile_l
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
-BODY = KERNELS_DIR / "cpu_llama_ops_body.h"  # the element-typed chains, included once per dtype
-EXP = KERNELS_DIR / "cpu_exp.h"  # the SiLU's exp, shared with cpu_gemm.c
 DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(SOURCE, (BODY, EXP))
+        lib = compile_library(SOURCE)
     except KernelUnavailable:  # the decode kernel's message already said it; these chains run as torch ops
         return None
     if lib is None:

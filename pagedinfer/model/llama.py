@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.model import fused_ops
+from pagedinfer.model.decode_step import DecodeStep
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
@@ -138,8 +139,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         kind = config.model_type
         modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
         self.rotary = getattr(modeling, f"{FAMILIES[kind]}RotaryEmbedding")(config)  # HF's, for equal cos/sin
+        self._decode_step_of: tuple[object, DecodeStep | None] | None = None  # (KV pool, its C step or None)
         if sd:
             raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
+
+    def _decode_step(self) -> DecodeStep | None:
+        """The C step when this step only decodes and every piece of it has a C kernel (else None)."""
+        ctx = attention.current_context()
+        if ctx is None or ctx.probe is not None or ctx.use_cuda_kernels or ctx.meta.max_query_len != 1:
+            return None
+        if self._decode_step_of is None or self._decode_step_of[0] is not ctx.kv:  # built once per pool
+            step = DecodeStep(self, ctx.kv) if DecodeStep.serves(self, ctx.kv) else None
+            self._decode_step_of = (ctx.kv, step)
+        return self._decode_step_of[1]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -156,9 +168,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         cos, sin = self.rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
         half = cos.shape[-1] // 2
         cos, sin = cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, D / 2]
-        h = None
-        for layer in self.layers:
-            h = layer(h, residual, cos, sin, fast)
+        step = self._decode_step()
+        if step is not None:  # a decode-only step: all layers in one C call
+            h = step.run(residual, cos, sin, attention.current_context().meta)
+        else:
+            h = None
+            for layer in self.layers:
+                h = layer(h, residual, cos, sin, fast)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             rows = (
                 logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else slice(-logits_to_keep, None)

@@ -32,7 +32,7 @@ from torch import nn
 from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.dtype import cpu_bf16_flags
-from pagedinfer.model.fused_ops import EXP, GatedLinear, silu_mul, use_c
+from pagedinfer.model.fused_ops import GatedLinear, silu_mul, use_c
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 PANEL_ROWS = 16  # weight rows per panel of the panel kernel's layout (its NR)
@@ -111,7 +111,7 @@ def pack_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
 @functools.cache
 def _gemm_library() -> ctypes.CDLL | None:
     try:
-        lib = compile_library(GEMM_SOURCE, (EXP,))
+        lib = compile_library(GEMM_SOURCE)
     except KernelUnavailable:  # the decode kernel's message already said it; oneDNN serves instead
         return None
     if lib is None:

@@ -1,0 +1,180 @@
+"""Every layer of a decode-only CPU step in one C call (kernels/cpu_decode_step.c).
+
+Per layer, our Llama-family layers make about ten Python calls into C kernels (norms, GEMMs, RoPE,
+the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
+for attention, walking the step's plan: about 200-250 us of Python per layer, 15-20% of a batch-1
+step of SmolLM2-135M. When a step only decodes (one new token per sequence) and every piece runs
+on a C kernel (float32 weights in cpu_gemm.c's panels, a float32 KV pool in host memory), this module
+hands the whole stack of layers to one C function that calls the same kernels in the same order,
+so the outputs are the same bits. The layers' pointers are gathered once per KV pool; a step passes
+only its metadata. ``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention.kv_cache import KVCache
+from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.model.packed_linear import PackedLinear
+
+SOURCE = KERNELS_DIR / "cpu_decode_step.c"
+_ptr = ctypes.c_void_p
+
+
+class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "q_norm",
+            "k_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "gate_up_bias",
+            "down",
+            "down_bias",
+            "k_cache",
+            "v_cache",
+        )
+    ] + [("window", ctypes.c_int)]
+
+
+class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
+    _fields_ = [
+        *(
+            (n, ctypes.c_int)
+            for n in ("layers", "rows", "hidden", "q_heads", "kv_heads", "head_dim", "inter")
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((n, _ptr) for n in ("cos", "sin", "slots", "tables", "ctx_lens", "query_rows")),
+        ("max_blocks", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("bounds", _ptr),
+        ("parts", ctypes.c_int),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = cpu_kernel.compile_library(SOURCE)
+    except cpu_kernel.KernelUnavailable:  # the decode kernel's message already said it
+        return None
+    if lib is None:
+        return None
+    dll = ctypes.CDLL(str(lib))
+    dll.decode_layers_f32.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
+    dll.decode_layers_f32.restype = None
+    return dll
+
+
+def _addr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStep:
+    """The C description of a model's layers over one KV pool; `run` computes a decode-only step."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache) -> None:
+        first = model.layers[0]
+        self.kv = kv  # the pool the pointers below point into (kept alive with them)
+        self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
+        self.hidden = model.embed_tokens.weight.shape[1]
+        self.inter = first.gate_up_proj.out_features // 2
+        self.eps, self.scale = first.eps, first.scaling
+        self.layers = (StepLayer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers, strict=True):
+            for name, lin in (
+                ("qkv", layer.qkv_proj),
+                ("o", layer.o_proj),
+                ("gate_up", layer.gate_up_proj),
+                ("down", layer.down_proj),
+            ):
+                setattr(entry, name, lin.panels.data_ptr())
+                setattr(entry, f"{name}_bias", _addr(lin.bias))
+            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.q_norm, entry.k_norm = _addr(layer.q_norm), _addr(layer.k_norm)
+            entry.k_cache, entry.v_cache = kv.k[layer.layer_idx].data_ptr(), kv.v[layer.layer_idx].data_ptr()
+            entry.window = layer.window
+
+    @staticmethod
+    def serves(model: torch.nn.Module, kv: KVCache) -> bool:
+        """Every piece has its C kernel: panel-packed float32 linears, a float32 pool in host memory the
+        decode kernel takes, the C chains."""
+        if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or _library() is None:
+            return False
+        first = model.layers[0]
+        k = kv.k[first.layer_idx]
+        linears = [
+            getattr(lay, n)
+            for lay in model.layers
+            for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        ]
+        return (
+            k.device.type == "cpu"
+            and k.dtype == torch.float32
+            and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
+            and cpu_kernel.available(torch.float32)
+            and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
+        )
+
+    def run(
+        self,
+        residual: torch.Tensor,  # [S, H] the embeddings; the residual stream after the last layer on return
+        cos: torch.Tensor,  # [S, D / 2]
+        sin: torch.Tensor,  # [S, D / 2]
+        meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
+    ) -> torch.Tensor:  # [S, H] the last layer's MLP output (not yet added to ``residual``)
+        rows = residual.shape[0]
+        per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
+        bounds = cpu_kernel.split(meta.context_lens_host, per_key)
+        query_rows = torch.arange(rows)  # [S]
+        step = StepMeta(
+            len(self.layers),
+            rows,
+            self.hidden,
+            self.q_heads,
+            self.kv_heads,
+            self.head_dim,
+            self.inter,
+            self.eps,
+            self.scale,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(),
+            meta.context_lens.data_ptr(),
+            query_rows.data_ptr(),
+            meta.block_tables.shape[1],
+            meta.block_size,
+            ctypes.cast(bounds, _ptr),
+            len(bounds) - 1,
+        )
+        h = torch.empty_like(residual)  # [S, H]
+        x = torch.empty_like(residual)  # [S, H]
+        qkv = residual.new_empty(rows, (self.q_heads + 2 * self.kv_heads) * self.head_dim)  # [S, QKV]
+        attn = residual.new_empty(rows, self.q_heads * self.head_dim)  # [S, Hq D]
+        act = residual.new_empty(rows, self.inter)  # [S, I]
+        _library().decode_layers_f32(
+            self.layers,
+            ctypes.byref(step),
+            residual.data_ptr(),
+            h.data_ptr(),
+            x.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            act.data_ptr(),
+        )
+        return h

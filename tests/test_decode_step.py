@@ -1,0 +1,85 @@
+"""All layers of a decode-only CPU step in one C call (model/decode_step.py): the same tokens as
+transformers, the same bits as the layer-by-layer path, and taken exactly when every piece has a C kernel."""
+
+import random
+
+import pytest
+from conftest import DEVICE, ENGINE
+from models import hf_greedy
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import decode_step, packed_linear
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the C decode step is the CPU's")
+MAX_TOKENS = 12
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every linear in cpu_gemm.c's panels (the tiny models are below the packing threshold, and an
+    AVX-512 CI machine would pick oneDNN); counts the C steps run, and the rows each served."""
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
+    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
+    rows: list[int] = []
+    run = decode_step.DecodeStep.run
+    monkeypatch.setattr(
+        decode_step.DecodeStep, "run", lambda self, r, *a: rows.append(r.shape[0]) or run(self, r, *a)
+    )
+    return rows
+
+
+def prompts(count: int = 6) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(2, 256) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "mistral"]
+)  # plain, qkv bias, q/k norms, window
+@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
+def test_greedy_matches_transformers_through_the_c_step(tiny_model, steps, family, num_blocks):
+    path = tiny_model(family)
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, model_impl="pagedinfer", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    decode_steps = sum(1 for b in llm.stats.batch_tokens if b) - len(ps)  # at least one prefill step each
+    assert len(steps) >= decode_steps > 0  # decode-only steps went through the C step
+    assert (llm.stats.preemptions > 0) == (num_blocks == 12)
+
+
+def test_c_step_gives_the_bits_of_the_layer_by_layer_path(tiny_model, steps, monkeypatch):
+    """Seeded n=3 sampling (the samples fork the prompt's blocks, copy-on-write) with logprobs:
+    tokens and log-probabilities exactly equal with the C step and without it."""
+    path = tiny_model("qwen3")
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
+
+    def run():
+        llm = LLM(str(path), block_size=4, num_blocks=256, model_impl="pagedinfer", **ENGINE)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
+        return [
+            [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
+            for o in outs
+        ]
+
+    with_step = run()
+    assert steps
+    steps.clear()
+    monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    assert run() == with_step
+    assert not steps
+
+
+def test_the_c_step_serves_only_where_every_piece_has_a_c_kernel(tiny_model, steps, monkeypatch):
+    """oneDNN-packed linears (no panels to hand to C) or PAGEDINFER_DECODE_STEP=0: layer by layer."""
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for env, value in (("PAGEDINFER_CPU_GEMM", "onednn"), ("PAGEDINFER_DECODE_STEP", "0")):
+        monkeypatch.setenv(env, value)
+        llm = LLM(str(path), block_size=4, num_blocks=64, model_impl="pagedinfer", **ENGINE)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(path, [5, 6, 7], 4)
+        monkeypatch.delenv(env)
+    assert steps == []
