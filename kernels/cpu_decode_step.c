@@ -8,9 +8,34 @@
  * RMSNorm, the gated gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM. It is one
  * translation unit with those kernels' sources, built like them (pagedinfer/model/decode_step.py).
  */
+#include <time.h>
+
 #include "cpu_gemm.c"
 #include "cpu_llama_ops.c"
 #include "cpu_paged_decode.c"
+
+/* Wall seconds spent in the GEMMs of decode_layers_f32 since the last read (about 40 ns of clock
+ * reads per GEMM): what scripts/profile_layer_step.py splits a step by. */
+static double gemm_seconds;
+
+double decode_gemm_seconds(void) {
+    const double s = gemm_seconds;
+    gemm_seconds = 0;
+    return s;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void timed_gemm(const float *x, const float *p, const float *bias, float *y, int m, int n, int k,
+                       int gated) {
+    const double t = now();
+    gemm_panels(x, p, bias, y, m, n, k, gated);
+    gemm_seconds += now() - t;
+}
 
 /* One layer's tensors: float32, GEMM weights in cpu_gemm.c's panels, biases packed per panel;
  * NULL where the layer has none (biases, Qwen3's q/k norms). */
@@ -42,7 +67,7 @@ void decode_layers_f32(const step_layer *layer, const step_meta *s, float *resid
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
     for (int i = 0; i < s->layers; i++, layer++) {
         add_rms_norm_f32(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
-        gemm_panels(x, layer->qkv, layer->qkv_bias, qkv, s->rows, qkv_n, s->hidden, 0);
+        timed_gemm(x, layer->qkv, layer->qkv_bias, qkv, s->rows, qkv_n, s->hidden, 0);
         qk_norm_rope_f32(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
         const float *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
@@ -51,9 +76,9 @@ void decode_layers_f32(const step_layer *layer, const step_meta *s, float *resid
         paged_decode_ranges_f32(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
                                 s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads,
                                 s->kv_heads, d, d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
-        gemm_panels(attn, layer->o, layer->o_bias, h, s->rows, s->hidden, qd, 0);
+        timed_gemm(attn, layer->o, layer->o_bias, h, s->rows, s->hidden, qd, 0);
         add_rms_norm_f32(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
-        gemm_panels(x, layer->gate_up, layer->gate_up_bias, act, s->rows, 2 * s->inter, s->hidden, 1);
-        gemm_panels(act, layer->down, layer->down_bias, h, s->rows, s->hidden, s->inter, 0);
+        timed_gemm(x, layer->gate_up, layer->gate_up_bias, act, s->rows, 2 * s->inter, s->hidden, 1);
+        timed_gemm(act, layer->down, layer->down_bias, h, s->rows, s->hidden, s->inter, 0);
     }
 }

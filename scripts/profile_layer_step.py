@@ -5,7 +5,8 @@
 
 Runs ``batch`` prompts of ``--context`` random tokens, decodes ``--steps`` tokens each, and times
 every decode step (``ModelRunner.execute``: metadata, forward, logits), the GEMMs inside it
-(every ``nn.Linear`` / ``PackedLinear`` call, lm_head included) and, in one extra step under a
+(every ``nn.Linear`` / ``PackedLinear`` call, lm_head included, plus the GEMMs the one-call C decode
+step times itself, model/decode_step.py) and, in one extra step under a
 ``TorchDispatchMode``, the aten ops it dispatches. Non-GEMM = step - GEMMs: the time the fused
 layers are there to cut. Prints medians; ratios are only meaningful within one run.
 """
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import decode_step
 from pagedinfer.model.packed_linear import PackedLinear
 
 
@@ -61,11 +63,12 @@ def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: 
             counted.append(c.ops)
             return out
         gemm[0] = 0.0
+        decode_step.gemm_seconds()  # reset the C step's own GEMM clock
         t = time.perf_counter()
         out = execute(items, copies)
         if decode:
             rec["step"].append(time.perf_counter() - t)
-            rec["gemm"].append(gemm[0])
+            rec["gemm"].append(gemm[0] + decode_step.gemm_seconds())
         return out
 
     saved = nn.Linear.forward, PackedLinear.forward

@@ -77,7 +77,14 @@ def _library() -> ctypes.CDLL | None:
     dll = ctypes.CDLL(str(lib))
     dll.decode_layers_f32.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
     dll.decode_layers_f32.restype = None
+    dll.decode_gemm_seconds.restype = ctypes.c_double
     return dll
+
+
+def gemm_seconds() -> float:
+    """Wall seconds the C steps spent in their GEMMs since the last call (0.0 where none ran)."""
+    lib = _library()
+    return lib.decode_gemm_seconds() if lib is not None else 0.0
 
 
 def _addr(t: torch.Tensor | None) -> int | None:
