@@ -72,14 +72,6 @@ static inline __m256 bf16_round8(__m256 v) {
 #define RND8(v) (v)
 #define FN(name) CAT(name, f32)
 #include "cpu_llama_ops_body.h"
-#undef ELEM
-#undef LD
-#undef ST
-#undef RND
-#undef LOAD8
-#undef STORE8
-#undef RND8
-#undef FN
 
 #define ELEM uint16_t
 #define LD(x) bf16_load(x)
@@ -90,11 +82,3 @@ static inline __m256 bf16_round8(__m256 v) {
 #define RND8(v) bf16_round8(v)
 #define FN(name) CAT(name, bf16)
 #include "cpu_llama_ops_body.h"
-#undef ELEM
-#undef LD
-#undef ST
-#undef RND
-#undef LOAD8
-#undef STORE8
-#undef RND8
-#undef FN

@@ -1,7 +1,8 @@
 /* The typed half of cpu_llama_ops.c, included once per element type (a C template): ELEM is the
  * element type of every row, weight and output; LD / ST widen one element to float32 / narrow one
  * back; RND rounds a float32 to ELEM's precision (where transformers' module would hold an ELEM);
- * LOAD8 / STORE8 / RND8 do the same for 8 lanes (AVX2); FN(name) names each instantiation. */
+ * LOAD8 / STORE8 / RND8 do the same for 8 lanes (AVX2); FN(name) names each instantiation. The
+ * parameters are undefined at the end, ready for the next instantiation. */
 
 static inline float FN(row_inv_rms)(const ELEM *x, int dim, float eps) {
     float sum = 0.0f;
@@ -79,3 +80,12 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
         }
     }
 }
+
+#undef ELEM
+#undef LD
+#undef ST
+#undef RND
+#undef LOAD8
+#undef STORE8
+#undef RND8
+#undef FN

@@ -12,10 +12,10 @@ On CPUs without AVX-512, float32 linears go through kernels/cpu_gemm.c instead, 
 out once in 16-row panels: at decode batch sizes a step streams every weight from memory, and
 oneDNN streams a packed weight at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16
 rows), while the panel kernel streams it near memory speed and keeps the FMA units busy from 64 rows
-up. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.6x faster than oneDNN at
-1-16 rows, 1.1-1.2x at 64, even at 256-2048 (prefill). One copy of the weight either way. On
-AVX-512 CPUs oneDNN's own kernels are used (they were as fast at one row there, and the panel
-kernel is written for 8-float vectors). ``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one.
+up. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.7x faster than oneDNN at
+1-64 rows, even at 256-2048 (prefill). One copy of the weight either way. On AVX-512 CPUs oneDNN's
+own kernels are used (they were as fast at one row there, and the panel kernel is written for
+8-float vectors). ``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one.
 """
 
 from __future__ import annotations
