@@ -159,9 +159,9 @@ def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k
     assert panels(torch.randn(3, 1, k)).shape == (3, 1, inter)
 
 
-def test_loader_picks_the_panel_kernel_on_cpus_without_avx512(tmp_path, monkeypatch):
-    """By default float32 linears take the panel kernel on AVX2 CPUs and oneDNN on AVX-512 ones;
-    PAGEDINFER_CPU_GEMM forces either."""
+def test_loader_picks_the_panel_kernel_except_on_intel_avx512(tmp_path, monkeypatch):
+    """By default float32 linears take the panel kernel on AVX2 CPUs and AMD's AVX-512 ones, oneDNN
+    on Intel's AVX-512 ones; PAGEDINFER_CPU_GEMM forces either."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
@@ -172,11 +172,15 @@ def test_loader_picks_the_panel_kernel_on_cpus_without_avx512(tmp_path, monkeypa
         return {"panels" if m.panels is not None else "onednn" for m in packed}
 
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # an AVX2 CPU
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
     assert layouts() == {"panels"}
     monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "onednn")
     assert layouts() == {"onednn"}
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "avx512f"])
     monkeypatch.delenv("PAGEDINFER_CPU_GEMM")
-    assert layouts() == {"onednn"}  # an AVX-512 CPU
+    assert layouts() == {"onednn"}  # an Intel AVX-512 CPU
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert layouts() == {"panels"}  # an AMD Zen 4
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
     assert layouts() == {"panels"}

@@ -45,18 +45,24 @@ class KernelUnavailable(RuntimeError):
 
 
 @functools.cache
-def _flags_line() -> str:
-    """The ``flags`` line of /proc/cpuinfo ("" where there is none)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+    line = next((line for line in text.splitlines() if line.split(":")[0].strip() == name), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (GenuineIntel, AuthenticAMD; "" where /proc/cpuinfo has none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def cpu_flags(names: tuple[str, ...]) -> list[str]:
     """Which of ``names`` (instruction-set flags such as ``avx512f``) this CPU reports."""
-    flags = _flags_line().partition(":")[2].split()
+    flags = _cpuinfo_field("flags").split()
     return [n for n in names if n in flags]
 
 
@@ -88,7 +94,7 @@ def compile_library(source: Path) -> Path | None:
     if compiler is None:
         raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
     code = b"".join(path.read_bytes() for path in local_includes(source))
-    flags_line = _flags_line().encode()
+    flags_line = _cpuinfo_field("flags").encode()
     cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + threading

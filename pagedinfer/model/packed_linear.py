@@ -13,9 +13,12 @@ out once in 16-row panels: at decode batch sizes a step streams every weight fro
 oneDNN streams a packed weight at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16
 rows), while the panel kernel streams it near memory speed and keeps the FMA units busy from 64 rows
 up. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.7x faster than oneDNN at
-1-64 rows, even at 256-2048 (prefill). One copy of the weight either way. On AVX-512 CPUs oneDNN's
-own kernels are used (they were as fast at one row there, and the panel kernel is written for
-8-float vectors). ``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one.
+1-64 rows, even at 256-2048 (prefill). One copy of the weight either way. On an AMD Zen 4 with
+AVX-512 (256-bit units underneath) the panel kernel was within 10% of oneDNN at every row count and
+faster at 1-2 rows, and the one-call decode step it enables (decode_step.py) made batch-1 decode
+1.7x faster, so it serves there too. Intel's AVX-512 CPUs keep oneDNN's kernels (they were as fast
+at one row there, and the panel kernel is written for 8-float vectors). ``PAGEDINFER_CPU_GEMM=panels``
+/ ``=onednn`` forces one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags, cpu_vendor
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.dtype import cpu_bf16_flags
 from pagedinfer.model.fused_ops import GatedLinear, silu_mul, use_c
@@ -125,9 +128,10 @@ def _gemm_library() -> ctypes.CDLL | None:
 
 
 def panels_by_default() -> bool:
-    """The panel kernel serves float32 linears on CPUs without AVX-512 (there it beats oneDNN at every
-    row count measured); AVX-512 CPUs keep oneDNN's kernels."""
-    return not cpu_flags(("avx512f",))
+    """The panel kernel serves float32 linears except on Intel CPUs with AVX-512, whose full-width
+    512-bit units oneDNN's kernels use (AMD's Zen 4 runs them as two 256-bit halves: there the panel
+    kernel matched oneDNN and the one-call decode step it enables won end to end)."""
+    return not (cpu_flags(("avx512f",)) and cpu_vendor() == "GenuineIntel")
 
 
 def can_pack(model: nn.Module) -> bool:
