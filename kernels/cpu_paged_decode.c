@@ -127,28 +127,26 @@ void store_kv(char *k_cache, char *v_cache, const char *k, const char *v, const 
 #undef STORE8
 #undef FN
 
+#define WIDEN_BLOCKS  // the 16-bit instantiations below
 #define ELEM uint16_t
 #define LOAD8 load8_bf16
 #define STORE8 store8_bf16
 #define FN(name) CAT(name, bf16)
-#define WIDEN_BLOCKS
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
 #undef STORE8
 #undef FN
-#undef WIDEN_BLOCKS
 
 #ifdef __FLT16_MAX__
 #define ELEM _Float16
 #define LOAD8 load8_f16
 #define STORE8 store8_f16
 #define FN(name) CAT(name, f16)
-#define WIDEN_BLOCKS
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
 #undef STORE8
 #undef FN
-#undef WIDEN_BLOCKS
 #endif
+#undef WIDEN_BLOCKS
