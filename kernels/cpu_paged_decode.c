@@ -16,21 +16,6 @@
 #include "cpu_vec.h" /* v8, load8, store8 */
 
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-
-// bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even.
-static inline v8 load8_bf16(const uint16_t *p) {
-  v8u16 h;
-  memcpy(&h, p, sizeof h);
-  return (v8)(__builtin_convertvector(h, v8u) << 16);
-}
-
-static inline void store8_bf16(uint16_t *p, v8 v) {
-  const v8u b = (v8u)v;
-  const v8u16 h = __builtin_convertvector((b + 0x7fffu + ((b >> 16) & 1u)) >> 16, v8u16);
-  memcpy(p, &h, sizeof h);
-}
 
 #ifdef __FLT16_MAX__  // _Float16 (GCC >= 12, Clang): float16 K/V
 #ifdef __F16C__  // x86: one vcvtph2ps / vcvtps2ph per 8 values (GCC 12 converts lane by lane otherwise)

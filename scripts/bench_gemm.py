@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The CPU linears at every step size: oneDNN packed, MKL ``F.linear`` and kernels/cpu_gemm.c's panels.
 
-    python scripts/bench_gemm.py [--rows 1,4,8,16,64,256,2048] [--threads 2] [--repeats 3]
+    python scripts/bench_gemm.py [--rows 1,4,8,16,64,256,2048] [--threads 2] [--repeats 3] [--dtype bfloat16]
 
 A SmolLM2-135M-shaped stack of linears (30 layers of fused QKV, output, fused gate-up and down,
-then the 49152-wide lm_head: 538 MB of float32) is run through once per measurement, so every
+then the 49152-wide lm_head: 538 MB of float32, 269 of bfloat16) is run through once per measurement, so every
 weight comes from memory as in a real step, not from a cache warmed by the previous call. The three
 paths take turns within each repeat; the best repeat of each is printed, in ms per pass, with the
 weight bytes streamed per second and the GFLOP/s. Compare within one run.
@@ -29,23 +29,26 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,64,256,2048")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    plain = [nn.Linear(k, n, bias=False) for k, n in SHAPES]
+    dtype = getattr(torch, args.dtype)
+    plain = [nn.Linear(k, n, bias=False, dtype=dtype) for k, n in SHAPES]
     paths = {
         "oneDNN packed": [PackedLinear(lin, panels=False) for lin in plain],
         "MKL F.linear": plain,
         "cpu_gemm.c panels": [PackedLinear(lin, panels=True) for lin in plain],
     }
     if paths["cpu_gemm.c panels"][0].panels is None:
-        raise SystemExit("bench_gemm: kernels/cpu_gemm.c did not build here (is a C compiler on PATH?)")
-    weight_gb = sum(k * n * 4 for k, n in SHAPES) / 1e9
-    print(f"{len(SHAPES)} linears, {weight_gb * 1e3:.0f} MB float32, {args.threads} threads")
+        raise SystemExit(f"bench_gemm: kernels/cpu_gemm.c has no {args.dtype} panel kernel here")
+    size = torch.finfo(dtype).bits // 8
+    weight_gb = sum(k * n * size for k, n in SHAPES) / 1e9
+    print(f"{len(SHAPES)} linears, {weight_gb * 1e3:.0f} MB {args.dtype}, {args.threads} threads")
     print("| rows | " + " | ".join(f"{name} ms (GB/s, GFLOP/s)" for name in paths) + " |")
     print("|---:|" + "---:|" * len(paths))
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
-            xs = {k: torch.randn(rows, k) for k in {k for k, _ in SHAPES}}  # [rows, in]
+            xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for k, _ in SHAPES}}  # [rows, in]
             best = dict.fromkeys(paths, float("inf"))
             for _ in range(args.repeats):
                 for name, linears in paths.items():
@@ -53,7 +56,7 @@ def main() -> None:
                     for lin, (k, _) in zip(linears, SHAPES, strict=True):
                         lin(xs[k])
                     best[name] = min(best[name], time.perf_counter() - t)
-            gflop = weight_gb / 4 * 2 * rows
+            gflop = weight_gb / size * 2 * rows
             cells = [f"{s * 1e3:.1f} ({weight_gb / s:.1f}, {gflop / s:.0f})" for s in best.values()]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 

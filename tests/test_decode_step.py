@@ -4,6 +4,7 @@ transformers, the same bits as the layer-by-layer path, and taken exactly when e
 import random
 
 import pytest
+import torch
 from conftest import DEVICE, ENGINE
 from models import hf_greedy
 
@@ -50,14 +51,32 @@ def test_greedy_matches_transformers_through_the_c_step(tiny_model, steps, famil
     assert (llm.stats.preemptions > 0) == (num_blocks == 12)
 
 
-def test_c_step_gives_the_bits_of_the_layer_by_layer_path(tiny_model, steps, monkeypatch):
+BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2) and packed_linear.can_pack(
+    torch.nn.Linear(2, 2).to(torch.bfloat16)
+)  # AVX512-BF16: bfloat16 linears in cpu_gemm.c's pair panels, so the step serves bfloat16 too
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16",
+            marks=pytest.mark.skipif(not BF16_STEP, reason="no bfloat16 panels here (AVX512-BF16)"),
+        ),
+    ],
+)
+def test_c_step_gives_the_bits_of_the_layer_by_layer_path(tiny_model, steps, monkeypatch, dtype):
     """Seeded n=3 sampling (the samples fork the prompt's blocks, copy-on-write) with logprobs:
-    tokens and log-probabilities exactly equal with the C step and without it."""
+    tokens and log-probabilities exactly equal with the C step and without it, in float32 and in
+    bfloat16 (the same bfloat16 panel GEMM and C chains, layer by layer or in one call)."""
     path = tiny_model("qwen3")
     params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
 
     def run():
-        llm = LLM(str(path), block_size=4, num_blocks=256, model_impl="pagedinfer", **ENGINE)
+        llm = LLM(
+            str(path), block_size=4, num_blocks=256, model_impl="pagedinfer", **{**ENGINE, "dtype": dtype}
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
         return [
             [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]

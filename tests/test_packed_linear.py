@@ -60,18 +60,50 @@ def test_which_cpu_models_are_packed(monkeypatch, flags):
     assert not packed_linear.can_pack(nn.ReLU())  # no parameters at all
 
 
+BF16_PANELS = packed_linear.panel_dtype(torch.bfloat16, 2)  # cpu_gemm.c built with AVX512-BF16 here
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 here")
-def test_bfloat16_packed_linear_equals_f_linear():
+@pytest.mark.parametrize("panels", [False, True], ids=["onednn", "panels"])
+def test_bfloat16_packed_linear_equals_f_linear(panels):
     """A packed bfloat16 weight gives F.linear's products (float32 accumulation, one rounding), at
-    batch-1 and batch-64 rows, with a bias; the float32 panel kernel is not asked to serve it."""
+    batch-1 and batch-64 rows, with a bias: in oneDNN's layout, and in cpu_gemm.c's pair panels
+    where it was built with AVX512-BF16 (oneDNN's otherwise)."""
     torch.manual_seed(0)
     lin = nn.Linear(320, 96).to(torch.bfloat16)
-    packed = packed_linear.PackedLinear(lin, panels=True)
-    assert packed.panels is None and packed.packed is not None
+    packed = packed_linear.PackedLinear(lin, panels=panels)
+    assert (packed.panels is not None) == (panels and BF16_PANELS)
+    assert (packed.packed is None) == (panels and BF16_PANELS)
     for rows in (1, 64):
         x = torch.randn(rows, 320).to(torch.bfloat16)
         want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
         torch.testing.assert_close(packed(x), want, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.skipif(not BF16_PANELS, reason="cpu_gemm.c has no bfloat16 panels on this CPU (no AVX512-BF16)")
+@pytest.mark.parametrize(
+    ("k", "n", "bias", "gated"),
+    [(576, 960, False, False), (64, 70, True, False), (576, 1536, False, True), (64, 34, True, True)],
+)
+def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
+    """The pair panels against float32 products of the same bfloat16 values, rounded once as a
+    bfloat16 linear rounds (gated: gate and up rounded, silu(gate) rounded, then the product): every
+    row tile (1-12 rows and their remainders), row blocks (300 and 301 rows), a partial last panel,
+    a bias. An odd ``in`` (x is read in pairs) stays with oneDNN."""
+    torch.manual_seed(6)
+    lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias).to(torch.bfloat16)
+    panels = packed_linear.PackedLinear(lin, panels=True)
+    assert panels.packed is None and panels.panels.shape == (-(-n // 16), k, 16)
+    w = lin.weight.detach().float()
+    for rows in (*range(1, 14), 24, 25, 300, 301):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        y = x.float() @ w.T + (lin.bias.detach().float() if bias else 0)  # [rows, n]
+        if gated:
+            gate, up = y[:, : n // 2].bfloat16().float(), y[:, n // 2 :].bfloat16().float()
+            y = torch.nn.functional.silu(gate).bfloat16().float() * up
+        torch.testing.assert_close(panels(x), y.bfloat16(), rtol=2**-7, atol=2e-2)
+    odd = packed_linear.PackedLinear(nn.Linear(37, 16).to(torch.bfloat16), panels=True)
+    assert odd.panels is None and odd.packed is not None
 
 
 # linears per layer: transformers' q k v o gate up down; ours fused qkv, o, fused gate_up, down

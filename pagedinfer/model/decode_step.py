@@ -4,7 +4,7 @@ Per layer, our Llama-family layers make about ten Python calls into C kernels (n
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
 for attention, walking the step's plan: about 200-250 us of Python per layer, 15-20% of a batch-1
 step of SmolLM2-135M. When a step only decodes (one new token per sequence) and every piece runs
-on a C kernel (float32 weights in cpu_gemm.c's panels, a float32 KV pool in host memory), this module
+on a C kernel (float32 or bfloat16 weights in cpu_gemm.c's panels, a KV pool of that dtype in host memory), this module
 hands the whole stack of layers to one C function that calls the same kernels in the same order,
 so the outputs are the same bits. The layers' pointers are gathered once per KV pool; a step passes
 only its metadata. ``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
@@ -25,6 +25,7 @@ from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.packed_linear import PackedLinear
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the step's dtypes: decode_layers_<suffix>
 _ptr = ctypes.c_void_p
 
 
@@ -75,8 +76,11 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
-    dll.decode_layers_f32.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
-    dll.decode_layers_f32.restype = None
+    for name in SUFFIX.values():  # bfloat16: where cpu_gemm.c has its AVX512-BF16 panels
+        fn = getattr(dll, f"decode_layers_{name}", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
+            fn.restype = None
     dll.decode_gemm_seconds.restype = ctypes.c_double
     return dll
 
@@ -118,9 +122,10 @@ class DecodeStep:
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
-        """Every piece has its C kernel: panel-packed float32 linears, a float32 pool in host memory the
-        decode kernel takes, the C chains."""
-        if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or _library() is None:
+        """Every piece has its C kernel: panel-packed linears, a float32 (or, with AVX512-BF16,
+        bfloat16) pool in host memory the decode kernel takes, the C chains."""
+        lib = _library()
+        if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or lib is None:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]
@@ -131,9 +136,11 @@ class DecodeStep:
         ]
         return (
             k.device.type == "cpu"
-            and k.dtype == torch.float32
+            and k.dtype in SUFFIX
+            and hasattr(lib, f"decode_layers_{SUFFIX[k.dtype]}")
+            and model.embed_tokens.weight.dtype == k.dtype
             and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
-            and cpu_kernel.available(torch.float32)
+            and cpu_kernel.available(k.dtype)
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 
@@ -174,7 +181,7 @@ class DecodeStep:
         qkv = residual.new_empty(rows, (self.q_heads + 2 * self.kv_heads) * self.head_dim)  # [S, QKV]
         attn = residual.new_empty(rows, self.q_heads * self.head_dim)  # [S, Hq D]
         act = residual.new_empty(rows, self.inter)  # [S, I]
-        _library().decode_layers_f32(
+        getattr(_library(), f"decode_layers_{SUFFIX[residual.dtype]}")(
             self.layers,
             ctypes.byref(step),
             residual.data_ptr(),
