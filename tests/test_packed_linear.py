@@ -102,6 +102,8 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
             gate, up = y[:, : n // 2].bfloat16().float(), y[:, n // 2 :].bfloat16().float()
             y = torch.nn.functional.silu(gate).bfloat16().float() * up
         torch.testing.assert_close(panels(x), y.bfloat16(), rtol=2**-7, atol=2e-2)
+    with pytest.raises(TypeError, match="input is torch.float32"):
+        panels(torch.randn(2, k))  # never read as bfloat16 bits
     odd = packed_linear.PackedLinear(nn.Linear(37, 16).to(torch.bfloat16), panels=True)
     assert odd.panels is None and odd.packed is not None
 

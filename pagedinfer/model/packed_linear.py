@@ -83,6 +83,8 @@ class PackedLinear(nn.Module):
             return silu_mul(flat, use_c(flat)).view(*x.shape[:-1], -1)  # [..., I]
         width = self.out_features // 2 if self.gated else self.out_features
         y = x.new_empty(*x.shape[:-1], width)  # [..., width]
+        if x.dtype != self.panels.dtype:  # the kernel reads x as the weight's element type
+            raise TypeError(f"PackedLinear: input is {x.dtype}, the weight {self.panels.dtype}")
         name = "silu_mul_" * self.gated + ("f32" if x.dtype == torch.float32 else "bf16")
         getattr(_gemm_library(), f"gemm_panels_{name}")(
             x.data_ptr(),
