@@ -119,8 +119,8 @@ typedef struct {
 
 /* y[m, width] from x[m, k] and the panels of p: width = n (plain) or n / 2 (gated), each panel
  * writing the `cols` = NR or NR / 2 columns it owns; bias: [panels][16] float32 or NULL. */
-static void gemm_panels_with(panel_kernel kern, const void *x, const void *p, const float *bias, void *y,
-                             int m, int n, int k, int gated) {
+static void gemm_panels(panel_kernel kern, const void *x, const void *p, const float *bias, void *y, int m,
+                        int n, int k, int gated) {
     const int panels = (n + NR - 1) / NR, cols = gated ? NR / 2 : NR, width = gated ? n / 2 : n;
     const int mr = kern.mr, e = kern.elem;
     const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
@@ -139,7 +139,7 @@ static void gemm_panels_with(panel_kernel kern, const void *x, const void *p, co
                 kern.rows_by_panel(xb, rows, k, pj, k, yb + (int64_t)j * cols * e, width, next, bj, gated);
                 continue;
             }
-            float tile[16 * NR]; /* the last, partial panel: through a buffer, its own columns kept */
+            float tile[8 * NR]; /* the last, partial panel through a buffer (8: the most rows a tile has) */
             for (int r0 = 0; r0 < rows; r0 += mr) {
                 const int tr = rows - r0 < mr ? rows - r0 : mr;
                 kern.rows_by_panel(xb + (int64_t)r0 * k * e, tr, k, pj, k, tile, NR, NULL, bj, gated);
@@ -152,20 +152,15 @@ static void gemm_panels_with(panel_kernel kern, const void *x, const void *p, co
 
 static const panel_kernel F32 = {rows_by_panel, MR, sizeof(float)};
 
-static void gemm_panels(const float *x, const float *p, const float *bias, float *y, int m, int n, int k,
-                        int gated) {
-    gemm_panels_with(F32, x, p, bias, y, m, n, k, gated);
-}
-
 /* y[m, n] = x[m, k] @ W^T (+ bias); x and y contiguous, W in panels, bias packed per panel or NULL. */
 void gemm_panels_f32(const float *x, const float *p, const float *bias, float *y, int m, int n, int k) {
-    gemm_panels(x, p, bias, y, m, n, k, 0);
+    gemm_panels(F32, x, p, bias, y, m, n, k, 0);
 }
 
 /* y[m, n / 2] = silu(x Wg^T + bg) * (x Wu^T + bu) for a fused gate-up W [n = 2 I, k] in paired panels. */
 void gemm_panels_silu_mul_f32(const float *x, const float *p, const float *bias, float *y, int m, int n,
                               int k) {
-    gemm_panels(x, p, bias, y, m, n, k, 1);
+    gemm_panels(F32, x, p, bias, y, m, n, k, 1);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -232,20 +227,15 @@ static void rows_by_panel_bf16(const void *xv, int m, int64_t lda, const void *p
 
 static const panel_kernel BF16 = {rows_by_panel_bf16, MRB, sizeof(uint16_t)};
 
-static void gemm_bf16(const uint16_t *x, const uint16_t *p, const float *bias, uint16_t *y, int m, int n,
-                      int k, int gated) {
-    gemm_panels_with(BF16, x, p, bias, y, m, n, k, gated);
-}
-
 /* y[m, n] = x[m, k] @ W^T (+ bias) in bfloat16 (float32 sums); W in pair panels, bias float32 per panel. */
 void gemm_panels_bf16(const uint16_t *x, const uint16_t *p, const float *bias, uint16_t *y, int m, int n,
                             int k) {
-    gemm_bf16(x, p, bias, y, m, n, k, 0);
+    gemm_panels(BF16, x, p, bias, y, m, n, k, 0);
 }
 
 /* y[m, n / 2] = silu(x Wg^T + bg) * (x Wu^T + bu) in bfloat16, W a fused gate-up in paired pair panels. */
 void gemm_panels_silu_mul_bf16(const uint16_t *x, const uint16_t *p, const float *bias, uint16_t *y, int m,
                                int n, int k) {
-    gemm_bf16(x, p, bias, y, m, n, k, 1);
+    gemm_panels(BF16, x, p, bias, y, m, n, k, 1);
 }
 #endif

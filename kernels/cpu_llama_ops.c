@@ -18,6 +18,7 @@
 #define MIN_PARALLEL (1 << 16) /* elements; below this one thread is faster */
 
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
+#include "cpu_vec.h" /* load8_bf16, store8_bf16, round8_bf16 */
 
 /* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even. */
 static inline uint32_t bf16_rounded_bits(float f) {
@@ -37,28 +38,6 @@ static inline uint16_t bf16_store(float f) { return (uint16_t)(bf16_rounded_bits
 
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256i bf16_rounded_bits8(__m256 v) {
-    __m256i b = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-}
-
-static inline __m256 bf16_load8(const uint16_t *p) {
-    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-static inline void bf16_store8(uint16_t *p, __m256 v) {
-    __m256i h = _mm256_srli_epi32(bf16_rounded_bits8(v), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
-
-static inline __m256 bf16_round8(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits8(v), _mm256_set1_epi32((int)0xffff0000u)));
-}
-#endif
-
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -77,8 +56,8 @@ static inline __m256 bf16_round8(__m256 v) {
 #define LD(x) bf16_load(x)
 #define ST(x) bf16_store(x)
 #define RND(x) bf16_round(x)
-#define LOAD8(p) bf16_load8(p)
-#define STORE8(p, v) bf16_store8(p, v)
-#define RND8(v) bf16_round8(v)
+#define LOAD8(p) ((__m256)load8_bf16(p))
+#define STORE8(p, v) store8_bf16(p, (v8)(v))
+#define RND8(v) ((__m256)round8_bf16((v8)(v)))
 #define FN(name) CAT(name, bf16)
 #include "cpu_llama_ops_body.h"

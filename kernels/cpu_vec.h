@@ -1,6 +1,6 @@
 /* The 8-float vector type of the CPU kernels (GCC / Clang vector extensions: AVX2 on x86, two NEON
  * registers on Arm), its unaligned load and store, and the same from and to bfloat16, shared by
- * cpu_gemm.c and cpu_paged_decode.c. */
+ * cpu_gemm.c, cpu_llama_ops.c and cpu_paged_decode.c. */
 #ifndef PAGEDINFER_CPU_VEC_H
 #define PAGEDINFER_CPU_VEC_H
 #include <stdint.h>

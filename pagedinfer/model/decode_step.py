@@ -105,6 +105,7 @@ class DecodeStep:
         self.hidden = model.embed_tokens.weight.shape[1]
         self.inter = first.gate_up_proj.out_features // 2
         self.eps, self.scale = first.eps, first.scaling
+        self.decode_layers = getattr(_library(), f"decode_layers_{SUFFIX[kv.k[first.layer_idx].dtype]}")
         self.layers = (StepLayer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers, strict=True):
             for name, lin in (
@@ -122,8 +123,9 @@ class DecodeStep:
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
-        """Every piece has its C kernel: panel-packed linears, a float32 (or, with AVX512-BF16,
-        bfloat16) pool in host memory the decode kernel takes, the C chains."""
+        """Every piece has its C kernel: panel-packed linears and a pool in host memory, float32 (or,
+        with AVX512-BF16, bfloat16), shapes within the decode kernel's limits (the step library holds
+        its own copies of the decode kernel and the chains)."""
         lib = _library()
         if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or lib is None:
             return False
@@ -140,7 +142,6 @@ class DecodeStep:
             and hasattr(lib, f"decode_layers_{SUFFIX[k.dtype]}")
             and model.embed_tokens.weight.dtype == k.dtype
             and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
-            and cpu_kernel.available(k.dtype)
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 
@@ -181,7 +182,7 @@ class DecodeStep:
         qkv = residual.new_empty(rows, (self.q_heads + 2 * self.kv_heads) * self.head_dim)  # [S, QKV]
         attn = residual.new_empty(rows, self.q_heads * self.head_dim)  # [S, Hq D]
         act = residual.new_empty(rows, self.inter)  # [S, I]
-        getattr(_library(), f"decode_layers_{SUFFIX[residual.dtype]}")(
+        self.decode_layers(
             self.layers,
             ctypes.byref(step),
             residual.data_ptr(),

@@ -145,6 +145,10 @@ class GatedLinear(nn.Linear):
     for the panel kernel, which computes the activation as it writes the product (`packed_linear`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = super().forward(x)  # [..., 2 I]
-        flat = gate_up.reshape(-1, gate_up.shape[-1])  # [T, 2 I]
-        return silu_mul(flat, use_c(flat)).view(*gate_up.shape[:-1], -1)  # [..., I]
+        return gated(super().forward(x))  # [..., I]
+
+
+def gated(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 I] -> [..., I]
+    """``silu(gate) * up`` of a fused gate-up product, any leading dimensions."""
+    flat = gate_up.reshape(-1, gate_up.shape[-1])  # [T, 2 I]
+    return silu_mul(flat, use_c(flat)).view(*gate_up.shape[:-1], -1)  # [..., I]

@@ -39,7 +39,7 @@ from torch import nn
 from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags, cpu_vendor
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.dtype import cpu_bf16_flags
-from pagedinfer.model.fused_ops import GatedLinear, silu_mul, use_c
+from pagedinfer.model.fused_ops import GatedLinear, gated
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 PANEL_ROWS = 16  # weight rows per panel of the panel kernel's layout (its NR)
@@ -52,8 +52,9 @@ MADV_DONTNEED = 4  # madvise(2): drop these pages
 class PackedLinear(nn.Module):
     """``nn.Linear`` forward on a weight laid out once for a faster GEMM; inference only.
 
-    ``panels``: the float32 weight in kernels/cpu_gemm.c's panels; otherwise (or for another dtype,
-    or where that kernel did not build) oneDNN's prepacked layout. A `GatedLinear` stays gated: its
+    ``panels``: the weight in kernels/cpu_gemm.c's panels (float32; bfloat16 where that kernel has
+    its AVX512-BF16 half); otherwise (or for another dtype, or where that kernel did not build)
+    oneDNN's prepacked layout. A `GatedLinear` stays gated: its
     output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
     """
 
@@ -65,11 +66,17 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()  # [out]
         if panels and panel_dtype(weight.dtype, self.in_features):
             self.panels = pack_panels(weight, self.gated)  # [P, in, 16]: panel j holds 16 weight rows
+            # cpu_gemm.c's entry for this dtype and activation, e.g. gemm_panels_silu_mul_bf16
+            self.kernel = (
+                "gemm_panels_"
+                + "silu_mul_" * self.gated
+                + ("f32" if weight.dtype == torch.float32 else "bf16")
+            )
             bias = None if bias is None else bias.float().unsqueeze(1)  # [out, 1] float32: added to the sums
             self.bias = None if bias is None else pack_panels(bias, self.gated)  # [P, 1, 16]
             self.packed = None
         else:
-            self.panels = None
+            self.panels = self.kernel = None
             self.bias = None if bias is None else bias.clone()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
 
@@ -77,16 +84,11 @@ class PackedLinear(nn.Module):
         x = x.contiguous()
         if self.panels is None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            if not self.gated:
-                return y
-            flat = y.view(-1, self.out_features)  # [T, 2 I]
-            return silu_mul(flat, use_c(flat)).view(*x.shape[:-1], -1)  # [..., I]
-        width = self.out_features // 2 if self.gated else self.out_features
-        y = x.new_empty(*x.shape[:-1], width)  # [..., width]
+            return gated(y) if self.gated else y  # [..., out] or [..., out / 2]
         if x.dtype != self.panels.dtype:  # the kernel reads x as the weight's element type
             raise TypeError(f"PackedLinear: input is {x.dtype}, the weight {self.panels.dtype}")
-        name = "silu_mul_" * self.gated + ("f32" if x.dtype == torch.float32 else "bf16")
-        getattr(_gemm_library(), f"gemm_panels_{name}")(
+        y = x.new_empty(*x.shape[:-1], self.out_features // 2 if self.gated else self.out_features)
+        getattr(_gemm_library(), self.kernel)(
             x.data_ptr(),
             self.panels.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
