@@ -1,6 +1,7 @@
 // Paged decode attention for the CPU (float32, bfloat16, float16 K/V; float32 arithmetic): one query token per sequence, K/V read in place
 // through the block table, never gathered into a contiguous copy. All query heads of a KV head are
-// served from one read of each K/V row (grouped-query attention). Online softmax, block by block.
+// served from one read of each K/V row (grouped-query attention). Two passes over the context with
+// an exact softmax between them (cpu_paged_decode_body.h says why).
 // Compiled at first use with the system C compiler and called through ctypes. Sequence ranges run
 // in parallel on OpenMP threads: linked by soname to the libgomp torch has already loaded, they are
 // torch's own workers, so no second pool competes with them for the cores. Head sizes must be
@@ -80,6 +81,109 @@ static inline v8 sum_lanes8(const v8 *a) {
   return PAIRS(r[0], r[1], 0, 1, 2, 3, 8, 9, 10, 11) + PAIRS(r[0], r[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #undef PAIRS
 }
+
+// q . k for one key row (float32: the block as the passes read it): four independent accumulators
+// hide the FMA latency.
+static inline float dot8(const v8 *q, const float *k, int chunks) {
+  v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+  int c = 0;
+  for (; c + 4 <= chunks; c += 4) {
+    s0 += q[c] * load8(k + 8 * c);
+    s1 += q[c + 1] * load8(k + 8 * c + 8);
+    s2 += q[c + 2] * load8(k + 8 * c + 16);
+    s3 += q[c + 3] * load8(k + 8 * c + 24);
+  }
+  for (; c < chunks; ++c) s0 += q[c] * load8(k + 8 * c);
+  return hsum8((s0 + s1) + (s2 + s3));
+}
+
+// Pass 1 over one block of n K rows for states [0, states) (state j * num_heads + i: query head i
+// of the j-th member): logits[state * lstride + pos, + n). State by state, so the block stays in L1
+// while its query heads read it; each state prefetches its share of the next block's lines.
+static void block_logits(int states, int num_heads, int g, int kc, int lstride, const v8 *qs,
+                             float *logits, int pos, const float *k, int n, size_t k_row,
+                             int head_dim, const char *next, size_t next_lines) {
+  const size_t share = (next_lines + states - 1) / states;
+  for (int s = 0; s < states; ++s) {
+    const size_t l0 = s * share, l1 = l0 + share < next_lines ? l0 + share : next_lines;
+    for (size_t i = l0; i < l1; ++i) __builtin_prefetch(next + 64 * i, 0, 3);
+    const float *kh = k + (size_t)(s % num_heads / g) * head_dim;  // KV head of query head s % num_heads
+    const v8 *qv = qs + s * kc;
+    float *li = logits + (size_t)s * lstride + pos;
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {  // 8 rows at a time: 8 independent FMA chains
+      v8 d[8] = {{0}};
+      for (int c = 0; c < kc; ++c) {
+        const v8 qc = qv[c];
+        for (int r = 0; r < 8; ++r) d[r] += qc * load8(kh + (t + r) * k_row + 8 * c);
+      }
+      const v8 sums = sum_lanes8(d);
+      memcpy(li + t, &sums, sizeof sums);
+    }
+    for (; t < n; ++t) li[t] = dot8(qv, kh + t * k_row, kc);
+  }
+}
+
+// Pass 2 over one block of n V rows: acc[state] += sum over its rows of p[pos + t] * v[t], output
+// chunks 8 vectors at a time in registers over the rows.
+static void block_values(int states, int num_heads, int g, int vc, int lstride, v8 *acc,
+                             const float *probs, int pos, const float *v, int n, size_t v_row,
+                             int head_dim_v, const char *next, size_t next_lines) {
+  const size_t share = (next_lines + states - 1) / states;
+  for (int s = 0; s < states; ++s) {
+    const size_t l0 = s * share, l1 = l0 + share < next_lines ? l0 + share : next_lines;
+    for (size_t i = l0; i < l1; ++i) __builtin_prefetch(next + 64 * i, 0, 3);
+    const float *vh = v + (size_t)(s % num_heads / g) * head_dim_v;
+    const float *p = probs + (size_t)s * lstride + pos;
+    v8 *a = acc + s * vc;
+    for (int c0 = 0; c0 < vc; c0 += 8) {
+      const int w = vc - c0 < 8 ? vc - c0 : 8;
+      v8 o[8];
+      for (int c = 0; c < 8; ++c) o[c] = c < w ? a[c0 + c] : (v8){0};
+      for (int t = 0; t < n; ++t) {
+        const float pt = p[t];
+        const float *vt = vh + t * v_row + 8 * c0;
+        if (w == 8)
+          for (int c = 0; c < 8; ++c) o[c] += pt * load8(vt + 8 * c);
+        else
+          for (int c = 0; c < w; ++c) o[c] += pt * load8(vt + 8 * c);
+      }
+      for (int c = 0; c < w; ++c) a[c0 + c] = o[c];
+    }
+  }
+}
+
+// Softmax of one state's logits row [0, n) in place (probabilities, unnormalised: exp(x - max)),
+// padding lanes to a multiple of 8 set to probability 0; returns the maximum and stores the sum.
+static float softmax_row(float *li, int n, float softcap, float *sum) {
+  if (softcap > 0.f)
+    for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
+  const int n8 = (n + 7) & ~7;
+  for (int t = n; t < n8; ++t) li[t] = -INFINITY;
+  v8 mx = load8(li);
+  for (int t = 8; t < n8; t += 8) {
+    const v8 x = load8(li + t);
+    const v8i gt = x > mx;
+    mx = (v8)(((v8i)x & gt) | ((v8i)mx & ~gt));
+  }
+  float m = mx[0];
+  for (int i = 1; i < 8; ++i) m = mx[i] > m ? mx[i] : m;
+  v8 sum8 = {0};
+  for (int t = 0; t < n8; t += 8) {
+    const v8 p = exp8_nonpos(load8(li + t) - m);
+    store8(li + t, p);
+    sum8 += p;
+  }
+  *sum = hsum8(sum8);
+  return m;
+}
+
+// One piece of a group's context: n rows of K/V at pool slot `slot`, logit position pos, read by
+// members [j0, j1) of the group.
+typedef struct {
+  size_t slot;
+  int n, pos, j0, j1;
+} piece;
 
 // Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped). The
 // sources are strided views ([token, head, dim] with any token/head stride in elements, unit dim

@@ -204,6 +204,48 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together(monkeypatch
         torch.testing.assert_close(together[i : i + 1].double(), want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "hq,kvh,d,lens,window",
+    [
+        (9, 3, 64, [1500, 1500, 1500, 2900, 700], 0),  # samples of a 1500-token prompt, then two alone
+        (32, 8, 128, [4100, 4100, 33], 0),  # logit rows of 4100 tokens x 32 heads: one member a group
+        (6, 2, 72, [300, 300, 301], 0),  # head size 72: output vectors 8 + 1
+        (4, 4, 64, [1000, 1000, 999], 250),  # a sliding window over long contexts
+    ],
+)
+def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, lens, window):
+    """Realistic shapes through the kernel, two threads: the logit rows over whole contexts (the
+    softmax between the two passes), groups of samples sharing prompt blocks, and groups cut short
+    where the rows of one more member would not fit."""
+    if not cpu_kernel.available():
+        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
+    bs = 16
+    gen = torch.Generator().manual_seed(11)
+    max_blocks = -(-max(lens) // bs)
+    num_blocks = len(lens) * max_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = perm.view(len(lens), max_blocks).to(torch.int32).clone()  # [S, max_blocks] scattered
+    shared = min(lens[0], lens[1]) // bs
+    for i in range(1, len(lens)):
+        if lens[i] == lens[0]:
+            bt[i, :shared] = bt[0, :shared]  # samples of one prompt: its full blocks shared
+    kc = torch.randn(num_blocks, bs, kvh, d, generator=gen)
+    vc = torch.randn(num_blocks, bs, kvh, d, generator=gen)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    out = torch.empty(len(lens), hq, d)
+    torch.set_num_threads(2)
+    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    ctx, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
+    cpu_kernel.paged_decode(out, q, kc, vc, bt, ctx, rows, bounds, d**-0.5, window, 0.0, None)
+    for i, length in enumerate(lens):
+        pos = torch.arange(length)
+        slots = bt[i, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        qpos = torch.tensor([length - 1])
+        want = reference(q[i : i + 1], keys, values, qpos, d**-0.5, window, 0.0, None)
+        torch.testing.assert_close(out[i : i + 1].double(), want, atol=2e-5, rtol=1e-4)
+
+
 def test_decode_kernel_shares_torchs_openmp_runtime():
     """The kernel's threads are torch's OpenMP workers: it needs libgomp, and loading it maps no second one."""
     if not cpu_kernel.available():

@@ -150,7 +150,8 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, block_size: int) -> bool:
     """The kernel's limits: 8-float rows; heads, head size and block size bounded because they size
-    its per-call arrays on the stack (kept under 1 MB)."""
+    its per-call working memory (logit rows, accumulators, one widened block; about a megabyte at
+    the shapes served)."""
     return (
         head_dim % 8 == 0
         and head_dim_v % 8 == 0
