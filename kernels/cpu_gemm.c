@@ -117,35 +117,60 @@ typedef struct {
     int mr, elem;
 } panel_kernel;
 
+/* One panel j of p times `rows` rows of xb into yb (width columns a row; the last, partial panel
+ * through a buffer); next: the panel to prefetch meanwhile (NULL: none). */
+static void panel_product(panel_kernel kern, const char *xb, int rows, const char *p, const float *bias, char *yb,
+                          int width, int k, int gated, int j, const char *next) {
+    const int cols = gated ? NR / 2 : NR, e = kern.elem;
+    const char *pj = p + (int64_t)j * k * NR * e;
+    const float *bj = bias ? bias + j * NR : NULL;
+    const int own = width - j * cols < cols ? width - j * cols : cols;
+    if (own == cols) {
+        kern.rows_by_panel(xb, rows, k, pj, k, yb + (int64_t)j * cols * e, width, next, bj, gated);
+        return;
+    }
+    float tile[8 * NR]; /* 8: the most rows a tile has */
+    for (int r0 = 0; r0 < rows; r0 += kern.mr) {
+        const int tr = rows - r0 < kern.mr ? rows - r0 : kern.mr;
+        kern.rows_by_panel(xb + (int64_t)r0 * k * e, tr, k, pj, k, tile, NR, NULL, bj, gated);
+        for (int r = 0; r < tr; r++)
+            memcpy(yb + ((int64_t)(r0 + r) * width + j * cols) * e, (char *)tile + r * NR * e, own * e);
+    }
+}
+
 /* y[m, width] from x[m, k] and the panels of p: width = n (plain) or n / 2 (gated), each panel
- * writing the `cols` = NR or NR / 2 columns it owns; bias: [panels][16] float32 or NULL. */
+ * writing the `cols` = NR or NR / 2 columns it owns; bias: [panels][16] float32 or NULL.
+ *
+ * Threads take chunks of CHUNK panels from a shared counter and claim their next chunk when they
+ * start one, so the panel each one prefetches is always one it will multiply itself (with OpenMP's
+ * dynamic schedule the next panel often went to the other thread, into the wrong core's cache). A
+ * single row prefetches nothing: the hardware prefetcher alone streams it faster. SmolLM2's 121
+ * linears, AMD EPYC (Zen 3, AVX2), 2 threads, alternating in one process: 1 row 33.0 -> 29.1 ms,
+ * 16 rows 63.5 -> 56.9, 64 rows 161.5 -> 154.4 (2 rows: the same with and without the prefetch;
+ * 4 and 8 rows: 14% and 11% faster with it). */
+#define CHUNK 2
 static void gemm_panels(panel_kernel kern, const void *x, const void *p, const float *bias, void *y, int m,
                         int n, int k, int gated) {
-    const int panels = (n + NR - 1) / NR, cols = gated ? NR / 2 : NR, width = gated ? n / 2 : n;
+    const int panels = (n + NR - 1) / NR, width = gated ? n / 2 : n, chunks = (panels + CHUNK - 1) / CHUNK;
     const int mr = kern.mr, e = kern.elem;
     const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
     const int mc = (int)((m + blocks - 1) / blocks + mr - 1) / mr * mr;
+    const int64_t panel_bytes = (int64_t)k * NR * e;
     for (int m0 = 0; m0 < m; m0 += mc) {
         const int rows = m - m0 < mc ? m - m0 : mc;
         const char *xb = (const char *)x + (int64_t)m0 * k * e;
         char *yb = (char *)y + (int64_t)m0 * width * e;
-#pragma omp parallel for schedule(dynamic, 2) if ((int64_t)rows * n * k >= MIN_PARALLEL)
-        for (int j = 0; j < panels; j++) {
-            const char *pj = (const char *)p + (int64_t)j * k * NR * e;
-            const char *next = j + 1 < panels ? pj + (int64_t)k * NR * e : NULL;
-            const float *bj = bias ? bias + j * NR : NULL;
-            const int own = width - j * cols < cols ? width - j * cols : cols;
-            if (own == cols) {
-                kern.rows_by_panel(xb, rows, k, pj, k, yb + (int64_t)j * cols * e, width, next, bj, gated);
-                continue;
+        int counter = 0;
+#pragma omp parallel if ((int64_t)rows * n * k >= MIN_PARALLEL)
+        for (int c = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); c < chunks;) {
+            const int after = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); /* this thread's next chunk */
+            const int j1 = (c + 1) * CHUNK < panels ? (c + 1) * CHUNK : panels;
+            for (int j = c * CHUNK; j < j1; j++) {
+                const int nj = j + 1 < j1 ? j + 1 : after < chunks ? after * CHUNK : -1;
+                const char *next = rows > 1 && nj >= 0 ? (const char *)p + nj * panel_bytes : NULL;
+                panel_product(kern, xb, rows, p, bias, yb, width, k, gated, j, next);
             }
-            float tile[8 * NR]; /* the last, partial panel through a buffer (8: the most rows a tile has) */
-            for (int r0 = 0; r0 < rows; r0 += mr) {
-                const int tr = rows - r0 < mr ? rows - r0 : mr;
-                kern.rows_by_panel(xb + (int64_t)r0 * k * e, tr, k, pj, k, tile, NR, NULL, bj, gated);
-                for (int r = 0; r < tr; r++)
-                    memcpy(yb + ((int64_t)(r0 + r) * width + j * cols) * e, (char *)tile + r * NR * e, own * e);
-            }
+            c = after;
         }
     }
 }
