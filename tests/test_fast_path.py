@@ -80,6 +80,24 @@ def test_c_chains_equal_their_torch_form(qk_norm):
         torch.testing.assert_close(fused_ops.silu_mul(gate_up, True), fused_ops.silu_mul(gate_up, False))
 
 
+@pytest.mark.parametrize("cols", [5, 8, 49152, 1003])
+def test_c_argmax_equals_torchs(cols):
+    """The sampler's C argmax gives torch's index: first of tied maxima (within and across lanes and
+    in the tail), all -inf, a NaN row (torch's answer), rows with a stride of their own."""
+    if not fused_ops.use_c(torch.empty(1)):
+        pytest.fail("the C chains did not build (is a C compiler installed?)")
+    gen = torch.Generator().manual_seed(cols)
+    wide = torch.randn(6, cols + 3, generator=gen)
+    wide[1, 3 : cols : max(1, cols // 4)] = 50.0  # ties in several lanes: the first wins
+    wide[2] = float("-inf")
+    wide[3, cols - 1] = 60.0  # the maximum in the tail (or last lane)
+    wide[4, : min(8, cols)] = 70.0  # a tie inside the first vector
+    rows = wide[:, :cols]  # [6, cols], row stride cols + 3
+    assert torch.equal(fused_ops.argmax(rows), rows.argmax(dim=-1))
+    rows[5, cols // 2] = float("nan")
+    assert torch.equal(fused_ops.argmax(rows), rows.argmax(dim=-1))
+
+
 def test_bfloat16_c_chains_round_like_transformers_modules():
     """In bfloat16 the C loops round where transformers' modules do: residual add, LlamaRMSNorm (float32
     inside, two roundings), apply_rotary_pos_emb and silu(gate) * up come out bit for bit (the SiLU's exp

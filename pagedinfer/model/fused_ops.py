@@ -3,7 +3,8 @@
 The C loops (kernels/cpu_llama_ops.c, built like the decode kernel) replace 3-8 small torch ops per
 chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. The bfloat16 loops compute
 in float32 and round where transformers' bfloat16 modules round. Without a compiler, off the CPU or
-in float16, the same chains run as torch ops (same results up to rounding).
+in float16, the same chains run as torch ops (same results up to rounding). The greedy sampler's
+argmax lives here too: torch's CPU argmax is not vectorized.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
         for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
             getattr(dll, f"{name}_{suffix}").restype = None
+    dll.argmax_rows_f32.argtypes = [ptr, i32, i32, i64, ptr]
+    dll.argmax_rows_f32.restype = None
     return dll
 
 
@@ -152,3 +155,16 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 I] -> [..., I]
     """``silu(gate) * up`` of a fused gate-up product, any leading dimensions."""
     flat = gate_up.reshape(-1, gate_up.shape[-1])  # [T, 2 I]
     return silu_mul(flat, use_c(flat)).view(*gate_up.shape[:-1], -1)  # [..., I]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """Each row's first maximum, as ``logits.argmax(dim=-1)`` (a NaN row: the NaN's index, torch's)."""
+    if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [R]
+    _library().argmax_rows_f32(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+    )
+    if bool((out < 0).any()):  # a row holds a NaN
+        return logits.argmax(dim=-1)
+    return out

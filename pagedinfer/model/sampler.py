@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedinfer.model import fused_ops
 from pagedinfer.outputs import Logprob
 from pagedinfer.sampling_params import SamplingParams
 
@@ -51,7 +52,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> Sa
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     all_sampled = len(sampled) == len(rows)  # then no argmax and no row gather are needed
     # [R]: the greedy rows' argmax; sampled rows are filled in below
-    tokens = torch.empty(len(rows), dtype=torch.int64, device=dev) if all_sampled else logits.argmax(dim=-1)
+    tokens = (
+        torch.empty(len(rows), dtype=torch.int64, device=dev) if all_sampled else fused_ops.argmax(logits)
+    )
     if sampled:
         picks = torch.tensor(sampled, device=dev)  # [Rs]
         temps = torch.tensor([params[i].temperature for i in sampled], device=dev).unsqueeze(1)  # [Rs, 1]
