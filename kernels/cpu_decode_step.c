@@ -5,7 +5,8 @@
  * step of SmolLM2-135M. This file runs the same kernels in the same order as pagedinfer/model/llama.py's
  * layers do one by one (so the products are the same bits): residual add + RMSNorm, the QKV panel
  * GEMM, per-head norm + RoPE, the K/V write, paged decode attention, the output GEMM, residual add +
- * RMSNorm, the gated gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM. It is one
+ * RMSNorm, the gated gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM; then the
+ * model's final residual add + RMSNorm, the lm_head's input. It is one
  * translation unit with those kernels' sources, built like them (pagedinfer/model/decode_step.py).
  */
 #include <time.h>
@@ -14,13 +15,20 @@
 #include "cpu_llama_ops.c"
 #include "cpu_paged_decode.c"
 
-/* Wall seconds spent in the GEMMs of decode_layers_f32 since the last read (about 40 ns of clock
- * reads per GEMM): what scripts/profile_layer_step.py splits a step by. */
-static double gemm_seconds;
+/* Wall seconds spent in the GEMMs of decode_layers since the last read (about 40 ns of clock reads
+ * per GEMM): what scripts/profile_layer_step.py splits a step by. */
+static double gemm_seconds, attention_seconds;
 
 double decode_gemm_seconds(void) {
     const double s = gemm_seconds;
     gemm_seconds = 0;
+    return s;
+}
+
+/* The same for the K/V writes and decode attention calls. */
+double decode_attention_seconds(void) {
+    const double s = attention_seconds;
+    attention_seconds = 0;
     return s;
 }
 
@@ -54,10 +62,12 @@ typedef struct {
     int window;              /* sliding window, 0: none */
 } step_layer;
 
-/* The model's sizes and the step's attention metadata (decode only: one query row per sequence). */
+/* The model's sizes, its final norm and the step's attention metadata (decode only: one query row
+ * per sequence). */
 typedef struct {
     int layers, rows, hidden, q_heads, kv_heads, head_dim, inter;
     float eps, scale;
+    const void *final_norm;                    /* [H] */
     const void *cos, *sin;                     /* [rows, D / 2] */
     const int64_t *slots;                      /* [rows] pool slot of each new token */
     const int32_t *tables, *ctx_lens;          /* [rows, max_blocks], [rows] */

@@ -2,9 +2,9 @@
  * element type of every activation, norm weight and K/V row; PANELS the cpu_gemm.c panel kernel of
  * that type; FN(name) names the instantiation. The parameters are undefined at the end. */
 
-/* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. h [rows, H]
- * out: the last layer's MLP output (not yet added). x [rows, H], qkv [rows, (Hq + 2 Hkv) D],
- * attn [rows, Hq D] and act [rows, I] are scratch. */
+/* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
+ * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
+ * and act [rows, I] are scratch. */
 void FN(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
                        ELEM *attn, ELEM *act) {
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
@@ -13,17 +13,20 @@ void FN(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residu
         timed_gemm(PANELS, x, layer->qkv, layer->qkv_bias, qkv, s->rows, qkv_n, s->hidden, 0);
         FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
+        const double t_attention = now();
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
         store_kv((char *)layer->k_cache, (char *)layer->v_cache, (const char *)k, (const char *)v, s->slots,
                  s->rows, s->kv_heads, d, d, qkv_n, d, qkv_n, d, sizeof(ELEM));
         FN(paged_decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
                                 s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads,
                                 s->kv_heads, d, d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
+        attention_seconds += now() - t_attention;
         timed_gemm(PANELS, attn, layer->o, layer->o_bias, h, s->rows, s->hidden, qd, 0);
         FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
         timed_gemm(PANELS, x, layer->gate_up, layer->gate_up_bias, act, s->rows, 2 * s->inter, s->hidden, 1);
         timed_gemm(PANELS, act, layer->down, layer->down_bias, h, s->rows, s->hidden, s->inter, 0);
     }
+    FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
 }
 
 #undef ELEM

@@ -43,7 +43,7 @@ def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: 
     runner = llm.engine.runner
     execute = runner.execute
     gemm = [0.0]
-    rec: dict[str, list] = {"step": [], "gemm": []}
+    rec: dict[str, list] = {"step": [], "gemm": [], "attention": []}
     counted: list[Counter] = []
 
     def timed_linear(forward):
@@ -63,12 +63,14 @@ def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: 
             counted.append(c.ops)
             return out
         gemm[0] = 0.0
-        decode_step.gemm_seconds()  # reset the C step's own GEMM clock
+        decode_step.gemm_seconds()  # reset the C step's own GEMM and attention clocks
+        decode_step.attention_seconds()
         t = time.perf_counter()
         out = execute(items, copies)
         if decode:
             rec["step"].append(time.perf_counter() - t)
             rec["gemm"].append(gemm[0] + decode_step.gemm_seconds())
+            rec["attention"].append(decode_step.attention_seconds())
         return out
 
     saved = nn.Linear.forward, PackedLinear.forward
@@ -93,6 +95,7 @@ def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: 
         "gemm_ms": g * 1e3,
         "non_gemm_ms": (step - g) * 1e3,
         "non_gemm_share": (step - g) / step,
+        "attention_ms": statistics.median(rec["attention"]) * 1e3,
         "ops_per_step": sum(ops.values()),
         "ops_per_layer": sum(ops.values()) / layers,
         "layer_step_ms": step * 1e3 / layers,
@@ -112,16 +115,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        "| impl | batch | step ms | GEMM ms | non-GEMM ms | non-GEMM share | aten ops/step | ops/layer | ms/layer-step |"
+        "| impl | batch | step ms | GEMM ms | non-GEMM ms | non-GEMM share | of which C attention ms | aten ops/step "
+        "| ops/layer | ms/layer-step |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     tops = []
     for b in map(int, args.batch.split(",")):
         for impl in args.impls.split(","):
             r = measure(args.model, impl, b, args.context, args.steps, args.dtype)
             print(
                 f"| {impl} | {b} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['non_gemm_ms']:.2f} | "
-                f"{r['non_gemm_share']:.0%} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",
+                f"{r['non_gemm_share']:.0%} | {r['attention_ms']:.2f} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",
                 flush=True,
             )
             tops.append((impl, b, r["top_ops"]))

@@ -1,4 +1,4 @@
-"""Every layer of a decode-only CPU step in one C call (kernels/cpu_decode_step.c).
+"""Every layer of a decode-only CPU step, and the final norm, in one C call (kernels/cpu_decode_step.c).
 
 Per layer, our Llama-family layers make about ten Python calls into C kernels (norms, GEMMs, RoPE,
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
@@ -59,7 +59,7 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        *((n, _ptr) for n in ("cos", "sin", "slots", "tables", "ctx_lens", "query_rows")),
+        *((n, _ptr) for n in ("final_norm", "cos", "sin", "slots", "tables", "ctx_lens", "query_rows")),
         ("max_blocks", ctypes.c_int),
         ("block_size", ctypes.c_int),
         ("bounds", _ptr),
@@ -82,6 +82,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
             fn.restype = None
     dll.decode_gemm_seconds.restype = ctypes.c_double
+    dll.decode_attention_seconds.restype = ctypes.c_double
     return dll
 
 
@@ -89,6 +90,12 @@ def gemm_seconds() -> float:
     """Wall seconds the C steps spent in their GEMMs since the last call (0.0 where none ran)."""
     lib = _library()
     return lib.decode_gemm_seconds() if lib is not None else 0.0
+
+
+def attention_seconds() -> float:
+    """Wall seconds the C steps spent writing K/V and in decode attention since the last call."""
+    lib = _library()
+    return lib.decode_attention_seconds() if lib is not None else 0.0
 
 
 def _addr(t: torch.Tensor | None) -> int | None:
@@ -105,6 +112,8 @@ class DecodeStep:
         self.hidden = model.embed_tokens.weight.shape[1]
         self.inter = first.gate_up_proj.out_features // 2
         self.eps, self.scale = first.eps, first.scaling
+        self.final_norm = model.norm  # [H]
+        self._buffers: list[torch.Tensor] | None = None  # see _scratch
         self.decode_layers = getattr(_library(), f"decode_layers_{SUFFIX[kv.k[first.layer_idx].dtype]}")
         self.layers = (StepLayer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers, strict=True):
@@ -145,17 +154,32 @@ class DecodeStep:
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 
+    def _scratch(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """The step's buffers for ``rows`` rows: views of ones kept for the most rows seen so far (a
+        step's allocations would fault fresh pages in, at cold caches, every step)."""
+        if self._buffers is None or self._buffers[0].shape[0] < rows:
+            qkv_width = (self.q_heads + 2 * self.kv_heads) * self.head_dim
+            self._buffers = [
+                like.new_empty(rows, self.hidden),  # h [S, H]
+                like.new_empty(rows, self.hidden),  # x [S, H]
+                like.new_empty(rows, qkv_width),  # qkv [S, (Hq + 2 Hkv) D]
+                like.new_empty(rows, self.q_heads * self.head_dim),  # attn [S, Hq D]
+                like.new_empty(rows, self.inter),  # act [S, I]
+                torch.arange(rows, device=like.device),  # query rows [S]: 0 .. S - 1
+            ]
+        return [b[:rows] for b in self._buffers]
+
     def run(
         self,
         residual: torch.Tensor,  # [S, H] the embeddings; the residual stream after the last layer on return
         cos: torch.Tensor,  # [S, D / 2]
         sin: torch.Tensor,  # [S, D / 2]
         meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
-    ) -> torch.Tensor:  # [S, H] the last layer's MLP output (not yet added to ``residual``)
+    ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
         bounds = cpu_kernel.split(meta.context_lens_host, per_key)
-        query_rows = torch.arange(rows)  # [S]
+        h, x, qkv, attn, act, query_rows = self._scratch(rows, residual)
         step = StepMeta(
             len(self.layers),
             rows,
@@ -166,6 +190,7 @@ class DecodeStep:
             self.inter,
             self.eps,
             self.scale,
+            self.final_norm.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             meta.slot_mapping.data_ptr(),
@@ -174,14 +199,9 @@ class DecodeStep:
             query_rows.data_ptr(),
             meta.block_tables.shape[1],
             meta.block_size,
-            ctypes.cast(bounds, _ptr),
+            ctypes.addressof(bounds),
             len(bounds) - 1,
         )
-        h = torch.empty_like(residual)  # [S, H]
-        x = torch.empty_like(residual)  # [S, H]
-        qkv = residual.new_empty(rows, (self.q_heads + 2 * self.kv_heads) * self.head_dim)  # [S, QKV]
-        attn = residual.new_empty(rows, self.q_heads * self.head_dim)  # [S, Hq D]
-        act = residual.new_empty(rows, self.inter)  # [S, I]
         self.decode_layers(
             self.layers,
             ctypes.byref(step),
@@ -192,4 +212,4 @@ class DecodeStep:
             attn.data_ptr(),
             act.data_ptr(),
         )
-        return h
+        return x
