@@ -168,21 +168,18 @@ class LlamaFamilyForCausalLM(nn.Module):
         cos, sin = self.rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
         half = cos.shape[-1] // 2
         cos, sin = cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, D / 2]
-        keep = (
-            logits_to_keep
-            if isinstance(logits_to_keep, torch.Tensor) or not logits_to_keep
-            else slice(-logits_to_keep, None)
-        )  # the rows that get logits: 0 all, else an index
+        if isinstance(logits_to_keep, torch.Tensor):
+            keep = logits_to_keep
+        else:
+            keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         step = self._decode_step()
         if step is not None:  # a decode-only step: all layers and the final norm in one C call
-            x = step.run(residual, cos, sin, attention.current_context().meta)  # [T, H]
-            x = x if isinstance(keep, int) else x[keep].contiguous()  # [R, H]
+            x = step.run(residual, cos, sin, attention.current_context().meta)[keep].contiguous()  # [R, H]
         else:
             h = None
             for layer in self.layers:
                 h = layer(h, residual, cos, sin, fast)
-            if not isinstance(keep, int):
-                residual, h = residual[keep].contiguous(), h[keep].contiguous()  # [R, H]
+            residual, h = residual[keep].contiguous(), h[keep].contiguous()  # [R, H]
             x = fused_ops.add_rms_norm(residual, h, self.norm, self.eps, fast)  # [R, H]
         return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
 
