@@ -209,7 +209,7 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {}
     for dtype in args.dtypes.split(","):
         for impl in args.impls.split(","):
-            name = f"pagedinfer {impl}" + ("" if dtype == "float32" else f" {dtype}")
+            name = f"pagedinfer {dtype}" + ("" if impl == "pagedinfer" else f" ({impl} layers)")
             results[name] = run_pagedinfer(model_dir, impl, dtype, ws, args.threads)
     for fmt, path in ggufs.items():
         results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
