@@ -38,26 +38,27 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void timed_gemm(panel_kernel kern, const void *x, const void *p, const float *bias, void *y, int m, int n,
-                       int k, int gated) {
+static void timed_gemm(panel_kernel kern, const void *x, const void *p, const float *bias, const float *scale,
+                       void *y, int m, int n, int k, int gated) {
     const double t = now();
-    gemm_panels(kern, x, p, bias, y, m, n, k, gated);
+    gemm_panels(kern, x, p, bias, scale, y, m, n, k, gated);
     gemm_seconds += now() - t;
 }
 
 /* One layer's tensors, in the step's element type (float32 or bfloat16): GEMM weights in
- * cpu_gemm.c's panels, biases float32 packed per panel; NULL where the layer has none (biases,
- * Qwen3's q/k norms). */
+ * cpu_gemm.c's panels (int8 with float32 activations: weight-only quantization, with their
+ * per-column scales), biases and scales float32 packed per panel; NULL where the layer has none
+ * (biases, scales, Qwen3's q/k norms). */
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* [H], [H], [D], [D] */
     const void *qkv;
-    const float *qkv_bias;
+    const float *qkv_bias, *qkv_scale;
     const void *o;
-    const float *o_bias;
+    const float *o_bias, *o_scale;
     const void *gate_up;
-    const float *gate_up_bias;
+    const float *gate_up_bias, *gate_up_scale;
     const void *down;
-    const float *down_bias;
+    const float *down_bias, *down_scale;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
     int window;              /* sliding window, 0: none */
 } step_layer;
@@ -80,11 +81,18 @@ typedef struct {
 #define ELEM float
 #define PANELS F32
 #define FN(name) CAT(name, f32)
+#define STEP(name) CAT(name, f32)
+#include "cpu_decode_step_body.h"
+#define ELEM float
+#define PANELS I8
+#define FN(name) CAT(name, f32)
+#define STEP(name) CAT(name, i8)
 #include "cpu_decode_step_body.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define ELEM uint16_t
 #define PANELS BF16
 #define FN(name) CAT(name, bf16)
+#define STEP(name) CAT(name, bf16)
 #include "cpu_decode_step_body.h"
 #endif
 

@@ -1,16 +1,17 @@
 /* The typed half of cpu_decode_step.c, included once per element type (a C template): ELEM is the
- * element type of every activation, norm weight and K/V row; PANELS the cpu_gemm.c panel kernel of
- * that type; FN(name) names the instantiation. The parameters are undefined at the end. */
+ * element type of every activation, norm weight and K/V row; FN(name) names that type's kernels;
+ * PANELS is the cpu_gemm.c panel kernel of the weights (that type, or int8); STEP(name) names the
+ * instantiation. The parameters are undefined at the end. */
 
 /* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
  * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
  * and act [rows, I] are scratch. */
-void FN(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
+void STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
                        ELEM *attn, ELEM *act) {
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
     for (int i = 0; i < s->layers; i++, layer++) {
         FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(PANELS, x, layer->qkv, layer->qkv_bias, qkv, s->rows, qkv_n, s->hidden, 0);
+        timed_gemm(PANELS, x, layer->qkv, layer->qkv_bias, layer->qkv_scale, qkv, s->rows, qkv_n, s->hidden, 0);
         FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
         const double t_attention = now();
@@ -21,10 +22,10 @@ void FN(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residu
                                 s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads,
                                 s->kv_heads, d, d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         attention_seconds += now() - t_attention;
-        timed_gemm(PANELS, attn, layer->o, layer->o_bias, h, s->rows, s->hidden, qd, 0);
+        timed_gemm(PANELS, attn, layer->o, layer->o_bias, layer->o_scale, h, s->rows, s->hidden, qd, 0);
         FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(PANELS, x, layer->gate_up, layer->gate_up_bias, act, s->rows, 2 * s->inter, s->hidden, 1);
-        timed_gemm(PANELS, act, layer->down, layer->down_bias, h, s->rows, s->hidden, s->inter, 0);
+        timed_gemm(PANELS, x, layer->gate_up, layer->gate_up_bias, layer->gate_up_scale, act, s->rows, 2 * s->inter, s->hidden, 1);
+        timed_gemm(PANELS, act, layer->down, layer->down_bias, layer->down_scale, h, s->rows, s->hidden, s->inter, 0);
     }
     FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
 }
@@ -32,3 +33,4 @@ void FN(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residu
 #undef ELEM
 #undef PANELS
 #undef FN
+#undef STEP

@@ -27,6 +27,7 @@
  * per step. Requires an even k (x is read in pairs).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_exp.h" /* exp_poly, exp_poly8 */
@@ -62,11 +63,12 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
 }
 
 /* ROWS rows of x (row stride lda) times one panel into y (row stride ldy) through store_tile; pf:
- * the next panel, prefetched a line per kk while this one is multiplied (NULL: none). */
-#define KERNEL_STEP(ROWS, PREFETCH)                                                                 \
+ * the next panel, prefetched while this one is multiplied (NULL: none). LOAD_W(kk) gives w0, w1:
+ * the panel's 16 weights at input index kk, in float32. */
+#define KERNEL_STEP(ROWS, PREFETCH, LOAD_W)                                                         \
     for (int kk = 0; kk < k; kk++) {                                                                \
         PREFETCH;                                                                                   \
-        const v8 w0 = load8(p + (int64_t)kk * NR), w1 = load8(p + (int64_t)kk * NR + 8);            \
+        LOAD_W(kk);                                                                                 \
         for (int r = 0; r < ROWS; r++) {                                                            \
             const float s = x[r * lda + kk];                                                        \
             const v8 a = {s, s, s, s, s, s, s, s};                                                  \
@@ -74,15 +76,16 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
             hi[r] += a * w1;                                                                        \
         }                                                                                           \
     }
+#define LOAD_F32(kk) const v8 w0 = load8(p + (int64_t)(kk) * NR), w1 = load8(p + (int64_t)(kk) * NR + 8)
 #define KERNEL(ROWS)                                                                                \
     static inline void kernel_##ROWS(const float *x, int64_t lda, const float *p, int k, float *y, \
                                      int64_t ldy, const float *pf, const float *b, int gated) {    \
         v8 lo[ROWS], hi[ROWS];                                                                      \
         for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = (v8){0};                                     \
         if (pf)                                                                                     \
-            KERNEL_STEP(ROWS, __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2))                      \
+            KERNEL_STEP(ROWS, __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2), LOAD_F32)            \
         else                                                                                        \
-            KERNEL_STEP(ROWS, (void)0)                                                              \
+            KERNEL_STEP(ROWS, (void)0, LOAD_F32)                                                    \
         for (int r = 0; r < ROWS; r++) store_tile(y + r * ldy, lo[r], hi[r], b, gated);             \
     }
 KERNEL(1)
@@ -94,10 +97,11 @@ KERNEL(6)
 
 /* m rows of x times one panel: tiles of MR rows, then the rest; only the first tile prefetches. */
 static void rows_by_panel(const void *xv, int m, int64_t lda, const void *pv, int k, void *yv, int64_t ldy,
-                          const void *pf, const float *b, int gated) {
+                          const void *pf, const float *b, const float *scale, int gated) {
     const float *x = xv, *p = pv;
     float *y = yv;
     int r = 0;
+    (void)scale;
     for (; r + MR <= m; r += MR, pf = NULL) kernel_6(x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, gated);
     x += r * lda, y += r * ldy;
     switch (m - r) {
@@ -109,37 +113,144 @@ static void rows_by_panel(const void *xv, int m, int64_t lda, const void *pv, in
     }
 }
 
-/* One element type's panel multiply (rows_by_panel, or rows_by_panel_bf16), its rows per tile and
- * the bytes of one element of x, W and y. */
+/* int8 weights (weight-only quantization, one float32 scale per output column): the panels hold
+ * int8 values, a quarter of float32's bytes to stream. Every weight is used as q * scale in float32,
+ * the dequantized value, so the products are those of the float32 kernel on the dequantized weight,
+ * bit for bit, at any row count: up to MR rows convert in registers, more rows dequantize the panel
+ * once into a per-thread buffer and run the float32 kernel on it. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 load8_i8(const int8_t *p) { /* vpmovsxbd + vcvtdq2ps (GCC 12 converts lane by lane) */
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+typedef int8_t v8s8 __attribute__((vector_size(8)));
+
+static inline v8 load8_i8(const int8_t *p) {
+    v8s8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, v8);
+}
+#endif
+
+#define LOAD_I8(kk)                                                                                 \
+    const v8 w0 = load8_i8(p + (int64_t)(kk) * NR) * s0, w1 = load8_i8(p + (int64_t)(kk) * NR + 8) * s1
+#define IKERNEL(ROWS)                                                                               \
+    static inline void ikernel_##ROWS(const float *x, int64_t lda, const int8_t *p, int k, float *y, \
+                                      int64_t ldy, const int8_t *pf, const float *b,                \
+                                      const float *scale, int gated) {                              \
+        const v8 s0 = load8(scale), s1 = load8(scale + 8);                                          \
+        v8 lo[ROWS], hi[ROWS];                                                                      \
+        for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = (v8){0};                                     \
+        if (pf) /* a 64-byte line holds 4 values of kk */                                          \
+            KERNEL_STEP(ROWS, if (kk % 4 == 0) __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2), LOAD_I8) \
+        else                                                                                        \
+            KERNEL_STEP(ROWS, (void)0, LOAD_I8)                                                     \
+        for (int r = 0; r < ROWS; r++) store_tile(y + r * ldy, lo[r], hi[r], b, gated);             \
+    }
+IKERNEL(1)
+IKERNEL(2)
+IKERNEL(3)
+IKERNEL(4)
+IKERNEL(5)
+IKERNEL(6)
+
+/* One row times two neighbouring int8 panels (p, then p + k * NR) into y and y + cols, each panel's
+ * sums in the same order as ikernel_1's (the same bits): at one row the chain of FMAs into each
+ * accumulator, not memory, bounded the int8 kernel (16 bytes of weights per FMA latency), and two
+ * panels give it four chains. */
+static void ipair_1(const float *x, const int8_t *p, int k, float *y, const float *b, const float *scale,
+                    int gated) {
+    const int8_t *q = p + (int64_t)k * NR;
+    const v8 s0 = load8(scale), s1 = load8(scale + 8), t0 = load8(scale + NR), t1 = load8(scale + NR + 8);
+    v8 lo = {0}, hi = {0}, lo2 = {0}, hi2 = {0};
+    for (int kk = 0; kk < k; kk++) {
+        const float xs = x[kk];
+        const v8 a = {xs, xs, xs, xs, xs, xs, xs, xs};
+        lo += a * (load8_i8(p + (int64_t)kk * NR) * s0);
+        hi += a * (load8_i8(p + (int64_t)kk * NR + 8) * s1);
+        lo2 += a * (load8_i8(q + (int64_t)kk * NR) * t0);
+        hi2 += a * (load8_i8(q + (int64_t)kk * NR + 8) * t1);
+    }
+    store_tile(y, lo, hi, b, gated);
+    store_tile(y + (gated ? NR / 2 : NR), lo2, hi2, b ? b + NR : NULL, gated);
+}
+
+/* The calling thread's buffer of at least n floats (kept for the thread's life: a panel's worth). */
+static float *thread_buffer(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n * sizeof(float));
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+static void rows_by_panel_i8(const void *xv, int m, int64_t lda, const void *pv, int k, void *yv, int64_t ldy,
+                             const void *pfv, const float *b, const float *scale, int gated) {
+    const float *x = xv;
+    const int8_t *p = pv, *pf = pfv;
+    float *y = yv, *w = m > MR ? thread_buffer((size_t)k * NR) : NULL;
+    if (w) { /* several tiles: dequantize once (prefetching the next panel), then the float32 kernel */
+        const v8 s0 = load8(scale), s1 = load8(scale + 8);
+        for (int kk = 0; kk < k; kk++) {
+            if (pf && kk % 4 == 0) __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2);
+            LOAD_I8(kk);
+            store8(w + (int64_t)kk * NR, w0);
+            store8(w + (int64_t)kk * NR + 8, w1);
+        }
+        rows_by_panel(x, m, lda, w, k, y, ldy, NULL, b, NULL, gated);
+        return;
+    }
+    switch (m) { /* no buffer (or none to be had): in registers, MR rows at a time */
+        case 6: ikernel_6(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 5: ikernel_5(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 4: ikernel_4(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 3: ikernel_3(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 2: ikernel_2(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 1: ikernel_1(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        default:
+            for (int r = 0; r < m; r += MR)
+                rows_by_panel_i8(x + r * lda, m - r < MR ? m - r : MR, lda, pv, k, y + r * ldy, ldy, r ? NULL : pfv,
+                                 b, scale, gated);
+    }
+}
+
+/* One weight type's panel multiply (rows_by_panel, _i8 or _bf16), its rows per tile, the bytes of
+ * one element of x and y, and of one weight; pair: one row times two full panels (NULL: none). */
 typedef struct {
     void (*rows_by_panel)(const void *x, int m, int64_t lda, const void *p, int k, void *y, int64_t ldy,
-                          const void *pf, const float *b, int gated);
-    int mr, elem;
+                          const void *pf, const float *b, const float *scale, int gated);
+    int mr, elem, w_elem;
+    void (*pair)(const float *x, const int8_t *p, int k, float *y, const float *b, const float *scale, int gated);
 } panel_kernel;
 
 /* One panel j of p times `rows` rows of xb into yb (width columns a row; the last, partial panel
  * through a buffer); next: the panel to prefetch meanwhile (NULL: none). */
-static void panel_product(panel_kernel kern, const char *xb, int rows, const char *p, const float *bias, char *yb,
-                          int width, int k, int gated, int j, const char *next) {
+static void panel_product(panel_kernel kern, const char *xb, int rows, const char *p, const float *bias,
+                          const float *scale, char *yb, int width, int k, int gated, int j, const char *next) {
     const int cols = gated ? NR / 2 : NR, e = kern.elem;
-    const char *pj = p + (int64_t)j * k * NR * e;
-    const float *bj = bias ? bias + j * NR : NULL;
+    const char *pj = p + (int64_t)j * k * NR * kern.w_elem;
+    const float *bj = bias ? bias + j * NR : NULL, *sj = scale ? scale + j * NR : NULL;
     const int own = width - j * cols < cols ? width - j * cols : cols;
     if (own == cols) {
-        kern.rows_by_panel(xb, rows, k, pj, k, yb + (int64_t)j * cols * e, width, next, bj, gated);
+        kern.rows_by_panel(xb, rows, k, pj, k, yb + (int64_t)j * cols * e, width, next, bj, sj, gated);
         return;
     }
     float tile[8 * NR]; /* 8: the most rows a tile has */
     for (int r0 = 0; r0 < rows; r0 += kern.mr) {
         const int tr = rows - r0 < kern.mr ? rows - r0 : kern.mr;
-        kern.rows_by_panel(xb + (int64_t)r0 * k * e, tr, k, pj, k, tile, NR, NULL, bj, gated);
+        kern.rows_by_panel(xb + (int64_t)r0 * k * e, tr, k, pj, k, tile, NR, NULL, bj, sj, gated);
         for (int r = 0; r < tr; r++)
             memcpy(yb + ((int64_t)(r0 + r) * width + j * cols) * e, (char *)tile + r * NR * e, own * e);
     }
 }
 
 /* y[m, width] from x[m, k] and the panels of p: width = n (plain) or n / 2 (gated), each panel
- * writing the `cols` = NR or NR / 2 columns it owns; bias: [panels][16] float32 or NULL.
+ * writing the `cols` = NR or NR / 2 columns it owns; bias and scale (int8 weights): [panels][16]
+ * float32 or NULL.
  *
  * Threads take chunks of CHUNK panels from a shared counter and claim their next chunk when they
  * start one, so the panel each one prefetches is always one it will multiply itself (with OpenMP's
@@ -149,13 +260,14 @@ static void panel_product(panel_kernel kern, const char *xb, int rows, const cha
  * 16 rows 63.5 -> 56.9, 64 rows 161.5 -> 154.4 (2 rows: the same with and without the prefetch;
  * 4 and 8 rows: 14% and 11% faster with it). */
 #define CHUNK 2
-static void gemm_panels(panel_kernel kern, const void *x, const void *p, const float *bias, void *y, int m,
-                        int n, int k, int gated) {
+static void gemm_panels(panel_kernel kern, const void *x, const void *p, const float *bias, const float *scale,
+                        void *y, int m, int n, int k, int gated) {
     const int panels = (n + NR - 1) / NR, width = gated ? n / 2 : n, chunks = (panels + CHUNK - 1) / CHUNK;
+    const int cols = gated ? NR / 2 : NR;
     const int mr = kern.mr, e = kern.elem;
     const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
     const int mc = (int)((m + blocks - 1) / blocks + mr - 1) / mr * mr;
-    const int64_t panel_bytes = (int64_t)k * NR * e;
+    const int64_t panel_bytes = (int64_t)k * NR * kern.w_elem;
     for (int m0 = 0; m0 < m; m0 += mc) {
         const int rows = m - m0 < mc ? m - m0 : mc;
         const char *xb = (const char *)x + (int64_t)m0 * k * e;
@@ -166,26 +278,44 @@ static void gemm_panels(panel_kernel kern, const void *x, const void *p, const f
             const int after = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); /* this thread's next chunk */
             const int j1 = (c + 1) * CHUNK < panels ? (c + 1) * CHUNK : panels;
             for (int j = c * CHUNK; j < j1; j++) {
+                if (rows == 1 && kern.pair && j + 1 < j1 && (j + 2) * cols <= width) { /* two full panels */
+                    kern.pair((const float *)xb, (const int8_t *)p + j * panel_bytes, k, (float *)yb + j * cols,
+                              bias ? bias + j * NR : NULL, scale + j * NR, gated);
+                    j++;
+                    continue;
+                }
                 const int nj = j + 1 < j1 ? j + 1 : after < chunks ? after * CHUNK : -1;
                 const char *next = rows > 1 && nj >= 0 ? (const char *)p + nj * panel_bytes : NULL;
-                panel_product(kern, xb, rows, p, bias, yb, width, k, gated, j, next);
+                panel_product(kern, xb, rows, p, bias, scale, yb, width, k, gated, j, next);
             }
             c = after;
         }
     }
 }
 
-static const panel_kernel F32 = {rows_by_panel, MR, sizeof(float)};
+static const panel_kernel F32 = {rows_by_panel, MR, sizeof(float), sizeof(float), NULL};
+static const panel_kernel I8 = {rows_by_panel_i8, MR, sizeof(float), sizeof(int8_t), ipair_1};
 
 /* y[m, n] = x[m, k] @ W^T (+ bias); x and y contiguous, W in panels, bias packed per panel or NULL. */
 void gemm_panels_f32(const float *x, const float *p, const float *bias, float *y, int m, int n, int k) {
-    gemm_panels(F32, x, p, bias, y, m, n, k, 0);
+    gemm_panels(F32, x, p, bias, NULL, y, m, n, k, 0);
 }
 
 /* y[m, n / 2] = silu(x Wg^T + bg) * (x Wu^T + bu) for a fused gate-up W [n = 2 I, k] in paired panels. */
 void gemm_panels_silu_mul_f32(const float *x, const float *p, const float *bias, float *y, int m, int n,
                               int k) {
-    gemm_panels(F32, x, p, bias, y, m, n, k, 1);
+    gemm_panels(F32, x, p, bias, NULL, y, m, n, k, 1);
+}
+
+/* The same two with int8 panels and their per-column scales (packed per panel like a bias). */
+void gemm_panels_i8(const float *x, const int8_t *p, const float *scale, const float *bias, float *y, int m,
+                    int n, int k) {
+    gemm_panels(I8, x, p, bias, scale, y, m, n, k, 0);
+}
+
+void gemm_panels_silu_mul_i8(const float *x, const int8_t *p, const float *scale, const float *bias, float *y,
+                             int m, int n, int k) {
+    gemm_panels(I8, x, p, bias, scale, y, m, n, k, 1);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -239,28 +369,29 @@ BKERNEL(7)
 BKERNEL(8)
 
 static void rows_by_panel_bf16(const void *xv, int m, int64_t lda, const void *pv, int k, void *yv,
-                               int64_t ldy, const void *pf, const float *b, int gated) {
+                               int64_t ldy, const void *pf, const float *b, const float *scale, int gated) {
     static void (*const tail[MRB])(const uint16_t *, int64_t, const uint16_t *, int, uint16_t *, int64_t,
                                    const uint16_t *, const float *, int) = {
         NULL, bkernel_1, bkernel_2, bkernel_3, bkernel_4, bkernel_5, bkernel_6, bkernel_7};
     const uint16_t *x = xv, *p = pv;
     uint16_t *y = yv;
     int r = 0;
+    (void)scale;
     for (; r + MRB <= m; r += MRB, pf = NULL) bkernel_8(x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, gated);
     if (m > r) tail[m - r](x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, gated);
 }
 
-static const panel_kernel BF16 = {rows_by_panel_bf16, MRB, sizeof(uint16_t)};
+static const panel_kernel BF16 = {rows_by_panel_bf16, MRB, sizeof(uint16_t), sizeof(uint16_t), NULL};
 
 /* y[m, n] = x[m, k] @ W^T (+ bias) in bfloat16 (float32 sums); W in pair panels, bias float32 per panel. */
 void gemm_panels_bf16(const uint16_t *x, const uint16_t *p, const float *bias, uint16_t *y, int m, int n,
                             int k) {
-    gemm_panels(BF16, x, p, bias, y, m, n, k, 0);
+    gemm_panels(BF16, x, p, bias, NULL, y, m, n, k, 0);
 }
 
 /* y[m, n / 2] = silu(x Wg^T + bg) * (x Wu^T + bu) in bfloat16, W a fused gate-up in paired pair panels. */
 void gemm_panels_silu_mul_bf16(const uint16_t *x, const uint16_t *p, const float *bias, uint16_t *y, int m,
                                int n, int k) {
-    gemm_panels(BF16, x, p, bias, y, m, n, k, 1);
+    gemm_panels(BF16, x, p, bias, NULL, y, m, n, k, 1);
 }
 #endif

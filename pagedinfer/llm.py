@@ -37,6 +37,9 @@ class LLM:
     captured at startup (one per batch-size bucket); the CPU has no graphs.
     ``load_format``: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights drawn on the
     device from the model's config alone: benchmarks of a model's shape).
+    ``quantization``: ``None``, or ``int8`` (CPU): every linear's weight in int8 with one float32
+    scale per output channel, activations and K/V in float32 (a quarter of the weight bytes per step;
+    outputs close to, not equal to, float32's).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class LLM:
         schedule_policy: str = EngineConfig.schedule_policy,
         enforce_eager: bool = EngineConfig.enforce_eager,
         load_format: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -71,7 +75,14 @@ class LLM:
             schedule_policy=schedule_policy,
             enforce_eager=enforce_eager,
         )
-        loaded = load_model(model, device=device, dtype=dtype, model_impl=model_impl, load_format=load_format)
+        loaded = load_model(
+            model,
+            device=device,
+            dtype=dtype,
+            model_impl=model_impl,
+            load_format=load_format,
+            quantization=quantization,
+        )
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 
     @property

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""The CPU linears at every step size: oneDNN packed, MKL ``F.linear`` and kernels/cpu_gemm.c's panels.
+"""The CPU linears at every step size: oneDNN packed, MKL ``F.linear`` and kernels/cpu_gemm.c's panels
+(float32: also its int8 panels, ``--quantization int8``).
 
     python scripts/bench_gemm.py [--rows 1,4,8,16,64,256,2048] [--threads 2] [--repeats 3] [--dtype bfloat16]
 
 A SmolLM2-135M-shaped stack of linears (30 layers of fused QKV, output, fused gate-up and down,
 then the 49152-wide lm_head: 538 MB of float32, 269 of bfloat16) is run through once per measurement, so every
-weight comes from memory as in a real step, not from a cache warmed by the previous call. The three
+weight comes from memory as in a real step, not from a cache warmed by the previous call. The
 paths take turns within each repeat; the best repeat of each is printed, in ms per pass, with the
 weight bytes streamed per second and the GFLOP/s. Compare within one run.
 """
@@ -42,8 +43,12 @@ def main() -> None:
     if paths["cpu_gemm.c panels"][0].panels is None:
         raise SystemExit(f"bench_gemm: kernels/cpu_gemm.c has no {args.dtype} panel kernel here")
     size = torch.finfo(dtype).bits // 8
-    weight_gb = sum(k * n * size for k, n in SHAPES) / 1e9
-    print(f"{len(SHAPES)} linears, {weight_gb * 1e3:.0f} MB {args.dtype}, {args.threads} threads")
+    weights = sum(k * n for k, n in SHAPES)
+    bytes_per_weight = dict.fromkeys(paths, size)
+    if dtype == torch.float32:  # and the same weights in int8 (--quantization int8)
+        paths["cpu_gemm.c int8 panels"] = [PackedLinear(lin, panels=True, int8=True) for lin in plain]
+        bytes_per_weight["cpu_gemm.c int8 panels"] = 1
+    print(f"{len(SHAPES)} linears, {weights * size / 1e6:.0f} MB {args.dtype}, {args.threads} threads")
     print("| rows | " + " | ".join(f"{name} ms (GB/s, GFLOP/s)" for name in paths) + " |")
     print("|---:|" + "---:|" * len(paths))
     with torch.inference_mode():
@@ -56,8 +61,11 @@ def main() -> None:
                     for lin, (k, _) in zip(linears, SHAPES, strict=True):
                         lin(xs[k])
                     best[name] = min(best[name], time.perf_counter() - t)
-            gflop = weight_gb / size * 2 * rows
-            cells = [f"{s * 1e3:.1f} ({weight_gb / s:.1f}, {gflop / s:.0f})" for s in best.values()]
+            gflop = weights * 2 * rows / 1e9
+            cells = [
+                f"{s * 1e3:.1f} ({weights * bytes_per_weight[n] / s / 1e9:.1f}, {gflop / s:.0f})"
+                for n, s in best.items()
+            ]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -19,7 +19,8 @@ Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [
        [--impls pagedinfer,transformers] [--dtypes float32,bfloat16] [--threads 2] [--json FILE] [--max-new N]
 
 pagedinfer runs once per implementation and dtype (``--dtypes``, default float32: the weights cast
-from the float32 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds).
+from the float32 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds; ``int8``:
+float32 with its linear weights quantized to int8 per output channel, ``--quantization int8``).
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -156,14 +157,16 @@ def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Pa
 def run_pagedinfer(
     model_dir: Path, impl: str, dtype: str, ws: list[Workload], threads: int
 ) -> dict[str, dict]:
-    """All workloads in one subprocess per implementation and dtype (its own threads, its own memory)."""
+    """All workloads in one subprocess per implementation and dtype (its own threads, its own memory);
+    dtype ``int8``: float32 with int8 weights (``quantization="int8"``)."""
+    dtype, quantization = ("float32", "int8") if dtype == "int8" else (dtype, None)
     code = f"""
 import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
 from pagedinfer import LLM, SamplingParams
 ws = json.loads(sys.stdin.read())
-llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r})
+llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r})
 warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 llm.generate([{{"prompt_token_ids": ws[0]["prompts"][0]}}], warm, use_tqdm=False)
 res = {{}}
@@ -188,7 +191,11 @@ def main() -> None:
     ap.add_argument("--workloads", default="A,B,C,D,b1")
     ap.add_argument("--formats", default="F32,BF16,Q4_1")
     ap.add_argument("--impls", default="pagedinfer,transformers")
-    ap.add_argument("--dtypes", default="float32", help="pagedinfer's dtypes, e.g. float32,bfloat16")
+    ap.add_argument(
+        "--dtypes",
+        default="float32",
+        help="pagedinfer's dtypes, e.g. float32,bfloat16,int8 (int8: int8 weights)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
@@ -209,8 +216,8 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {}
     for dtype in args.dtypes.split(","):
         for impl in args.impls.split(","):
-            name = f"pagedinfer {dtype}" + ("" if impl == "pagedinfer" else f" ({impl} layers)")
-            results[name] = run_pagedinfer(model_dir, impl, dtype, ws, args.threads)
+            suffix = "" if impl == "pagedinfer" else f" ({impl} layers)"
+            results[f"pagedinfer {dtype}{suffix}"] = run_pagedinfer(model_dir, impl, dtype, ws, args.threads)
     for fmt, path in ggufs.items():
         results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
     report(results, ws)

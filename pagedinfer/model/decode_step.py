@@ -25,30 +25,20 @@ from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.packed_linear import PackedLinear
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the step's dtypes: decode_layers_<suffix>
+# the step's weight dtypes: decode_layers_<suffix> (int8 weights run with float32 activations and K/V)
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 _ptr = ctypes.c_void_p
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's GEMMs, in the step's order
+
+
 class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
-    _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "q_norm",
-            "k_norm",
-            "qkv",
-            "qkv_bias",
-            "o",
-            "o_bias",
-            "gate_up",
-            "gate_up_bias",
-            "down",
-            "down_bias",
-            "k_cache",
-            "v_cache",
-        )
-    ] + [("window", ctypes.c_int)]
+    _fields_ = (
+        [(name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+        + [(name + part, _ptr) for name in LINEARS for part in ("", "_bias", "_scale")]
+        + [("k_cache", _ptr), ("v_cache", _ptr), ("window", ctypes.c_int)]
+    )
 
 
 class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
@@ -114,17 +104,14 @@ class DecodeStep:
         self.eps, self.scale = first.eps, first.scaling
         self.final_norm = model.norm  # [H]
         self._buffers: list[torch.Tensor] | None = None  # see _scratch
-        self.decode_layers = getattr(_library(), f"decode_layers_{SUFFIX[kv.k[first.layer_idx].dtype]}")
+        self.decode_layers = getattr(_library(), f"decode_layers_{SUFFIX[first.qkv_proj.panels.dtype]}")
         self.layers = (StepLayer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers, strict=True):
-            for name, lin in (
-                ("qkv", layer.qkv_proj),
-                ("o", layer.o_proj),
-                ("gate_up", layer.gate_up_proj),
-                ("down", layer.down_proj),
-            ):
+            for name in LINEARS:
+                lin = getattr(layer, f"{name}_proj")
                 setattr(entry, name, lin.panels.data_ptr())
                 setattr(entry, f"{name}_bias", _addr(lin.bias))
+                setattr(entry, f"{name}_scale", _addr(lin.scale))
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.q_norm, entry.k_norm = _addr(layer.q_norm), _addr(layer.k_norm)
             entry.k_cache, entry.v_cache = kv.k[layer.layer_idx].data_ptr(), kv.v[layer.layer_idx].data_ptr()
@@ -132,25 +119,24 @@ class DecodeStep:
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
-        """Every piece has its C kernel: panel-packed linears and a pool in host memory, float32 (or,
-        with AVX512-BF16, bfloat16), shapes within the decode kernel's limits (the step library holds
-        its own copies of the decode kernel and the chains)."""
+        """Every piece has its C kernel: panel-packed linears of one weight dtype whose activations are
+        the pool's dtype (float32, int8 weights with float32 activations, or, with AVX512-BF16,
+        bfloat16), a pool in host memory, shapes within the decode kernel's limits (the step library
+        holds its own copies of the decode kernel and the chains)."""
         lib = _library()
         if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or lib is None:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]
-        linears = [
-            getattr(lay, n)
-            for lay in model.layers
-            for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        ]
+        linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in LINEARS]
+        if not all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears):
+            return False
+        weights = {lin.panels.dtype for lin in linears}
         return (
             k.device.type == "cpu"
-            and k.dtype in SUFFIX
-            and hasattr(lib, f"decode_layers_{SUFFIX[k.dtype]}")
-            and model.embed_tokens.weight.dtype == k.dtype
-            and all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears)
+            and len(weights) == 1
+            and hasattr(lib, f"decode_layers_{SUFFIX.get(first.qkv_proj.panels.dtype)}")
+            and model.embed_tokens.weight.dtype == k.dtype == first.qkv_proj.activation_dtype
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 

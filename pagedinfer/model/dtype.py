@@ -72,13 +72,28 @@ def gemm_speedup(width: int, repeats: int = 3) -> float:
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
 
 
-def choose_dtype(dtype: str | torch.dtype, config, device: torch.device) -> DTypeChoice:
-    """The run's dtype and the reason for it (explicit, or what ``auto`` found)."""
+def choose_dtype(
+    dtype: str | torch.dtype, config, device: torch.device, quantization: str | None = None
+) -> DTypeChoice:
+    """The run's dtype and the reason for it (explicit, or what ``auto`` found). With ``quantization``
+    (int8 weights) the activations and K/V are float32, on the CPU."""
+    if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in NAMES:
+        raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    if quantization:
+        if device.type != "cpu":
+            raise DTypeError(
+                f"--quantization {quantization} runs on the CPU only (the device is {device.type})"
+            )
+        if NAMES.get(dtype, dtype) not in ("auto", torch.float32):
+            raise DTypeError(
+                f"--quantization {quantization} keeps activations and K/V in float32: use --dtype auto or float32"
+            )
+        return DTypeChoice(
+            torch.float32, f"float32 activations and K/V; linear weights {quantization} per output channel"
+        )
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")
     if dtype != "auto":
-        if dtype not in NAMES:
-            raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
         return DTypeChoice(NAMES[dtype], f"--dtype {dtype}")
     stored = stored_dtype(config)
     if device.type != "cpu":

@@ -33,6 +33,7 @@ UNSUPPORTED = {
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
 MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
+QUANTIZATIONS = ("int8",)  # --quantization: weight-only int8 per output channel (CPU, float32 models)
 
 
 class ModelLoadError(ValueError):
@@ -95,14 +96,19 @@ def load_model(
     dtype: str = "auto",
     model_impl: str = "auto",
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
     every failure is a ModelLoadError with a one-line reason.
 
     ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
-    no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``)."""
+    no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``).
+    ``quantization="int8"``: every packed linear's weight in int8 per output channel (float32
+    activations and K/V; the CPU and float32 only)."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}: use {' or '.join(QUANTIZATIONS)}")
     name = str(name_or_path or DEMO_MODEL)
     folder, kwargs = _source(name)
     try:
@@ -112,7 +118,7 @@ def load_model(
     check_family(config)
     dev = resolve_device(device)
     try:
-        choice = choose_dtype(dtype, config, dev)
+        choice = choose_dtype(dtype, config, dev, quantization)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
     dummy = load_format == "dummy"
@@ -132,11 +138,22 @@ def load_model(
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
-    if os.environ.get("PAGEDINFER_PACK_WEIGHTS", "1") != "0" and packed_linear.can_pack(model):
-        gemm = os.environ.get("PAGEDINFER_CPU_GEMM", "auto")  # panels, onednn, else chosen per CPU
-        packed_linear.pack_linears(
-            model, panels=None if gemm not in packed_linear.GEMMS else gemm == "panels"
+    if quantization and not packed_linear.panel_dtype(torch.float32, 2):
+        raise ModelLoadError(
+            "quantization int8 needs the CPU panel kernel, which did not build (no C compiler?)"
         )
+    if quantization or (
+        os.environ.get("PAGEDINFER_PACK_WEIGHTS", "1") != "0" and packed_linear.can_pack(model)
+    ):
+        gemm = os.environ.get("PAGEDINFER_CPU_GEMM", "auto")  # panels, onednn, else chosen per CPU
+        packed_linear.pack_linears(  # int8: every linear, however small (the run says int8)
+            model,
+            min_weights=0 if quantization else None,
+            panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
+            int8=bool(quantization),
+        )
+    if quantization:
+        _check_quantized(model, config.model_type)
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(
@@ -155,6 +172,25 @@ def load_model(
         dtype_reason=choice.reason,
         impl="pagedinfer" if own_files else "transformers",
     )
+
+
+def _check_quantized(model: torch.nn.Module, family: str) -> None:
+    """int8 covers ``nn.Linear`` layers: refuse a model that keeps matrices elsewhere (GPT-2's Conv1D,
+    mixture-of-experts tensors) rather than run them in float32 under an int8 label."""
+    left = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if not isinstance(m, torch.nn.Embedding)
+            for p in m.parameters(recurse=False)
+            if p.dim() >= 2
+        }
+    )
+    if left:
+        raise ModelLoadError(
+            f"quantization int8 covers nn.Linear layers; model family {family!r} keeps weights in "
+            f"{', '.join(left)}, which would stay float32"
+        )
 
 
 def own_implementation_files(name: str, config, impl: str, device: torch.device) -> list[Path]:

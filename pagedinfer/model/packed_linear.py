@@ -58,20 +58,23 @@ class PackedLinear(nn.Module):
     output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
     """
 
-    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, panels: bool = False, int8: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gated = isinstance(linear, GatedLinear)
         weight = linear.weight.detach().contiguous()  # [out, in]
         bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        if panels and panel_dtype(weight.dtype, self.in_features):
+        self.scale = None  # int8: [P, 1, 16] float32, each column's scale, packed like a bias
+        if int8:
+            if weight.dtype != torch.float32 or _gemm_library() is None:
+                raise ValueError("int8 weights need a float32 model and the panel kernel (a C compiler)")
+            weight, scale = quantize_int8(weight)  # [out, in] int8, [out] float32
+            self.scale = pack_panels(scale.unsqueeze(1), self.gated)  # [P, 1, 16]
+        if int8 or (panels and panel_dtype(weight.dtype, self.in_features)):
             self.panels = pack_panels(weight, self.gated)  # [P, in, 16]: panel j holds 16 weight rows
-            # cpu_gemm.c's entry for this dtype and activation, e.g. gemm_panels_silu_mul_bf16
-            self.kernel = (
-                "gemm_panels_"
-                + "silu_mul_" * self.gated
-                + ("f32" if weight.dtype == torch.float32 else "bf16")
-            )
+            # cpu_gemm.c's entry for these weights and activation, e.g. gemm_panels_silu_mul_bf16
+            suffix = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}[weight.dtype]
+            self.kernel = "gemm_panels_" + "silu_mul_" * self.gated + suffix
             bias = None if bias is None else bias.float().unsqueeze(1)  # [out, 1] float32: added to the sums
             self.bias = None if bias is None else pack_panels(bias, self.gated)  # [P, 1, 16]
             self.packed = None
@@ -85,12 +88,14 @@ class PackedLinear(nn.Module):
         if self.panels is None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return gated(y) if self.gated else y  # [..., out] or [..., out / 2]
-        if x.dtype != self.panels.dtype:  # the kernel reads x as the weight's element type
-            raise TypeError(f"PackedLinear: input is {x.dtype}, the weight {self.panels.dtype}")
+        if x.dtype != self.activation_dtype:  # the kernel reads x as that type
+            raise TypeError(f"PackedLinear: input is {x.dtype}, the kernel takes {self.activation_dtype}")
         y = x.new_empty(*x.shape[:-1], self.out_features // 2 if self.gated else self.out_features)
+        scale = () if self.scale is None else (self.scale.data_ptr(),)  # int8 entries take the scales
         getattr(_gemm_library(), self.kernel)(
             x.data_ptr(),
             self.panels.data_ptr(),
+            *scale,
             None if self.bias is None else self.bias.data_ptr(),
             y.data_ptr(),
             x.numel() // self.in_features,
@@ -99,8 +104,14 @@ class PackedLinear(nn.Module):
         )
         return y
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of inputs and outputs: the weight's, float32 for int8 weights."""
+        return torch.float32 if self.scale is not None else self.panels.dtype
+
     def extra_repr(self) -> str:
         layout = "cpu_gemm.c panels" if self.panels is not None else "oneDNN"
+        layout += ", int8 weights" if self.scale is not None else ""
         gated = ", silu(gate) * up" if self.gated else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
 
@@ -120,6 +131,17 @@ def pack_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     if weight.dtype == torch.bfloat16:  # k in pairs for vdpbf16ps: [P, in / 2, 16, 2]
         panels = panels.reshape(panels.shape[0], -1, 2, PANEL_ROWS).transpose(2, 3)
     return panels.reshape(rows.shape[0], -1, PANEL_ROWS).contiguous()  # [P, in, 16]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, symmetric per output row: ``q = round(w / s)`` with ``s = max|w_row| / 127``.
+
+    ``[out, in]`` float32 -> ``q [out, in]`` int8, ``s [out]`` float32 (1 for an all-zero row). The
+    GEMM uses ``q * s``, each weight within ``s / 2`` of its float32 value."""
+    scale = weight.abs().amax(dim=1) / 127  # [out]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)  # [out, in]
+    return q, scale
 
 
 def panel_dtype(dtype: torch.dtype, in_features: int) -> bool:
@@ -143,11 +165,12 @@ def _gemm_library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    for name in ("f32", "silu_mul_f32", "bf16", "silu_mul_bf16"):  # bf16: built with AVX512-BF16 only
+    # bf16: built with AVX512-BF16 only; i8: int8 weights, float32 activations, + the scales
+    for name in ("f32", "silu_mul_f32", "bf16", "silu_mul_bf16", "i8", "silu_mul_i8"):
         fn = getattr(dll, f"gemm_panels_{name}", None)
         if fn is None:
             continue
-        fn.argtypes = [ptr] * 4 + [i32] * 3
+        fn.argtypes = [ptr] * (5 if name.endswith("i8") else 4) + [i32] * 3
         fn.restype = None
     return dll
 
@@ -173,11 +196,14 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module, min_weights: int | None = None, panels: bool | None = None) -> int:
+def pack_linears(
+    model: nn.Module, min_weights: int | None = None, panels: bool | None = None, int8: bool = False
+) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
     ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
-    `panels_by_default` says for this CPU.
+    `panels_by_default` says for this CPU. ``int8``: float32 weights quantized to int8 per output
+    row (`quantize_int8`) in the panel kernel's int8 panels, whatever ``panels`` says.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -197,7 +223,7 @@ def pack_linears(model: nn.Module, min_weights: int | None = None, panels: bool 
     }
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, panels))
+        setattr(parent, name, PackedLinear(child, panels, int8))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             _release_pages(child.weight)  # its last user is packed
