@@ -45,7 +45,8 @@ static void timed_gemm(panel_kernel kern, const void *x, const void *p, const fl
     gemm_seconds += now() - t;
 }
 
-/* One layer's tensors, in the step's element type (float32 or bfloat16): GEMM weights in
+/* One layer's tensors, in the step's element type (float32 or bfloat16; the K/V pool in that type
+ * or, under float32 activations, in bfloat16 or float16): GEMM weights in
  * cpu_gemm.c's panels (int8 with float32 activations: weight-only quantization, with their
  * per-column scales), biases and scales float32 packed per panel; NULL where the layer has none
  * (biases, scales, Qwen3's q/k norms). */
@@ -81,17 +82,47 @@ typedef struct {
 #define ELEM float
 #define PANELS F32
 #define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32)
 #define STEP(name) CAT(name, f32)
 #include "cpu_decode_step_body.h"
 #define ELEM float
 #define PANELS I8
 #define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32)
 #define STEP(name) CAT(name, i8)
 #include "cpu_decode_step_body.h"
+/* float32 activations over a 16-bit K/V pool (--kv-cache-dtype): decode_layers_{f32,i8}_kv_{bf16,f16} */
+#define ELEM float
+#define PANELS F32
+#define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32_kv_bf16)
+#define STEP(name) CAT(name, f32_kv_bf16)
+#include "cpu_decode_step_body.h"
+#define ELEM float
+#define PANELS I8
+#define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32_kv_bf16)
+#define STEP(name) CAT(name, i8_kv_bf16)
+#include "cpu_decode_step_body.h"
+#ifdef __FLT16_MAX__
+#define ELEM float
+#define PANELS F32
+#define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32_kv_f16)
+#define STEP(name) CAT(name, f32_kv_f16)
+#include "cpu_decode_step_body.h"
+#define ELEM float
+#define PANELS I8
+#define FN(name) CAT(name, f32)
+#define KV(name) CAT(name, f32_kv_f16)
+#define STEP(name) CAT(name, i8_kv_f16)
+#include "cpu_decode_step_body.h"
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define ELEM uint16_t
 #define PANELS BF16
 #define FN(name) CAT(name, bf16)
+#define KV(name) CAT(name, bf16)
 #define STEP(name) CAT(name, bf16)
 #include "cpu_decode_step_body.h"
 #endif

@@ -1,7 +1,8 @@
 /* The typed half of cpu_decode_step.c, included once per element type (a C template): ELEM is the
- * element type of every activation, norm weight and K/V row; FN(name) names that type's kernels;
- * PANELS is the cpu_gemm.c panel kernel of the weights (that type, or int8); STEP(name) names the
- * instantiation. The parameters are undefined at the end. */
+ * element type of every activation and norm weight; FN(name) names that type's kernels; PANELS is
+ * the cpu_gemm.c panel kernel of the weights (that type, or int8); KV(name) the cpu_paged_decode.c
+ * K/V write and attention for a pool of that type or, with float32 activations, a 16-bit one;
+ * STEP(name) names the instantiation. The parameters are undefined at the end. */
 
 /* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
  * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
@@ -16,9 +17,9 @@ void STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resi
                          layer->k_norm, s->eps);
         const double t_attention = now();
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
-        store_kv((char *)layer->k_cache, (char *)layer->v_cache, (const char *)k, (const char *)v, s->slots,
-                 s->rows, s->kv_heads, d, d, qkv_n, d, qkv_n, d, sizeof(ELEM));
-        FN(paged_decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
+        KV(store_kv)(layer->k_cache, layer->v_cache, k, v, s->slots, s->rows, s->kv_heads, d, d, qkv_n, d, qkv_n,
+                     d);
+        KV(paged_decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
                                 s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads,
                                 s->kv_heads, d, d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         attention_seconds += now() - t_attention;
@@ -33,4 +34,5 @@ void STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resi
 #undef ELEM
 #undef PANELS
 #undef FN
+#undef KV
 #undef STEP

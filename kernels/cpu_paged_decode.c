@@ -7,7 +7,8 @@
 // torch's own workers, so no second pool competes with them for the cores. Head sizes must be
 // multiples of 8: rows are processed as 8-float vectors (vector extensions of GCC >= 12 or Clang).
 // The element-typed functions live in cpu_paged_decode_body.h, instantiated at the end of this file:
-// paged_decode_{f32,bf16,f16}_ranges (f16 where the compiler has _Float16).
+// paged_decode_ranges_{f32,bf16,f16} and store_kv_{...} (queries and pool of one type), and
+// _f32_kv_{bf16,f16} (float32 queries over a 16-bit pool); f16 where the compiler has _Float16.
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -190,24 +191,6 @@ typedef struct {
   int n, pos, j0, j1;
 } piece;
 
-// Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped). The
-// sources are strided views ([token, head, dim] with any token/head stride in elements, unit dim
-// stride) of the pool's element type, elem_bytes wide: the rows are copied, never converted.
-void store_kv(char *k_cache, char *v_cache, const char *k, const char *v, const int64_t *slots, int n,
-              int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride,
-              int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride, int elem_bytes) {
-  const size_t k_row = (size_t)head_dim * elem_bytes, v_row = (size_t)head_dim_v * elem_bytes;
-  for (int i = 0; i < n; ++i) {
-    if (slots[i] < 0) continue;
-    char *kd = k_cache + slots[i] * num_kv_heads * k_row;
-    char *vd = v_cache + slots[i] * num_kv_heads * v_row;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      memcpy(kd + h * k_row, k + (i * k_token_stride + h * k_head_stride) * elem_bytes, k_row);
-      memcpy(vd + h * v_row, v + (i * v_token_stride + h * v_head_stride) * elem_bytes, v_row);
-    }
-  }
-}
-
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -237,6 +220,35 @@ void store_kv(char *k_cache, char *v_cache, const char *k, const char *v, const 
 #define LOAD8 load8_f16
 #define STORE8 store8_f16
 #define FN(name) CAT(name, f16)
+#include "cpu_paged_decode_body.h"
+#undef ELEM
+#undef LOAD8
+#undef STORE8
+#undef FN
+#endif
+
+// float32 activations over a 16-bit pool (--kv-cache-dtype): paged_decode_ranges_f32_kv_bf16, _f16
+#define QELEM float
+#define QLOAD8 load8
+#define QSTORE8 store8
+#define ELEM uint16_t
+#define LOAD8 load8_bf16
+#define STORE8 store8_bf16
+#define FN(name) CAT(name, f32_kv_bf16)
+#include "cpu_paged_decode_body.h"
+#undef ELEM
+#undef LOAD8
+#undef STORE8
+#undef FN
+
+#ifdef __FLT16_MAX__
+#define QELEM float
+#define QLOAD8 load8
+#define QSTORE8 store8
+#define ELEM _Float16
+#define LOAD8 load8_f16
+#define STORE8 store8_f16
+#define FN(name) CAT(name, f32_kv_f16)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8

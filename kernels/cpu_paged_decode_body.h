@@ -1,6 +1,8 @@
-// The typed half of cpu_paged_decode.c, included once per K/V element type (a C template): ELEM is
-// the element type of q, the K/V pool and the output; LOAD8 widens 8 elements to a v8 of floats and
-// STORE8 narrows one back; FN(name) gives each instantiation its own names; WIDEN_BLOCKS (16-bit
+// The typed half of cpu_paged_decode.c, included once per pair of element types (a C template): ELEM
+// is the element type of the K/V pool, LOAD8 widens 8 of them to a v8 of floats and STORE8 narrows
+// one back; QELEM, QLOAD8 and QSTORE8 the same for the queries, the new K/V rows and the output (the
+// activations: ELEM's where undefined; float32 over a 16-bit pool with --kv-cache-dtype); FN(name)
+// gives each instantiation its own names; WIDEN_BLOCKS (16-bit
 // elements) widens each K/V block to float32 once, into a per-thread buffer, before its query heads
 // read it (every row is read by all the query heads of its KV head and by every sequence sharing
 // the block: widening on each read repeated the conversion that many times). Logits, softmax and
@@ -13,6 +15,32 @@
 // vectors per head and block of 16 rows) had cost more than the block's multiply-adds. Every term
 // depends only on the sequence's own context, so a sequence served together with others over shared
 // blocks gets the bits it gets alone.
+
+#ifndef QELEM
+#define QELEM ELEM
+#define QLOAD8 LOAD8
+#define QSTORE8 STORE8
+#endif
+
+// Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped),
+// converted to the pool's type (rounded to nearest even, as torch's .to() rounds; a copy when the
+// types are one). The sources are strided views ([token, head, dim] with any token/head stride in
+// elements, unit dim stride).
+void FN(store_kv)(ELEM *k_cache, ELEM *v_cache, const QELEM *k, const QELEM *v, const int64_t *slots, int n,
+                  int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride,
+                  int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride) {
+  for (int i = 0; i < n; ++i) {
+    if (slots[i] < 0) continue;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      ELEM *kd = k_cache + (slots[i] * num_kv_heads + h) * head_dim;
+      ELEM *vd = v_cache + (slots[i] * num_kv_heads + h) * head_dim_v;
+      const QELEM *ks = k + i * k_token_stride + h * k_head_stride;
+      const QELEM *vs = v + i * v_token_stride + h * v_head_stride;
+      for (int c = 0; c < head_dim; c += 8) STORE8(kd + c, QLOAD8(ks + c));
+      for (int c = 0; c < head_dim_v; c += 8) STORE8(vd + c, QLOAD8(vs + c));
+    }
+  }
+}
 
 // Loads one element of every 64-byte line of p[0, n), in address order. The passes read a block's
 // rows head by head (strided); streamed in first, the block is read from memory at close to the
@@ -60,7 +88,7 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
   }
 }
 
-static void FN(paged_decode)(ELEM *out, const ELEM *q, const ELEM *k_cache, const ELEM *v_cache,
+static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, const ELEM *v_cache,
                              const int32_t *block_tables, const int32_t *ctx_lens,
                              const int64_t *rows, int s_begin, int s_end, int max_blocks,
                              int block_size, int num_heads, int num_kv_heads, int head_dim,
@@ -129,8 +157,8 @@ static void FN(paged_decode)(ELEM *out, const ELEM *q, const ELEM *k_cache, cons
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
-        const ELEM *src = q + rows[s0 + j] * q_token_stride + (int64_t)i * q_head_stride;
-        for (int c = 0; c < kc; ++c) qs[st * kc + c] = LOAD8(src + 8 * c) * scale;
+        const QELEM *src = q + rows[s0 + j] * q_token_stride + (int64_t)i * q_head_stride;
+        for (int c = 0; c < kc; ++c) qs[st * kc + c] = QLOAD8(src + 8 * c) * scale;
         for (int c = 0; c < vc; ++c) acc[st * vc + c] = (v8){0};
       }
     FN(pass)(0, pieces, np, k_cache, v_cache, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
@@ -149,9 +177,9 @@ static void FN(paged_decode)(ELEM *out, const ELEM *q, const ELEM *k_cache, cons
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
-        ELEM *dst = out + (rows[s0 + j] * num_heads + i) * (int64_t)head_dim_v;
+        QELEM *dst = out + (rows[s0 + j] * num_heads + i) * (int64_t)head_dim_v;
         const v8 inv = (v8){0} + 1.f / denom[st];
-        for (int c = 0; c < vc; ++c) STORE8(dst + 8 * c, acc[st * vc + c] * inv);
+        for (int c = 0; c < vc; ++c) QSTORE8(dst + 8 * c, acc[st * vc + c] * inv);
       }
     s0 = s1;
   }
@@ -159,7 +187,7 @@ static void FN(paged_decode)(ELEM *out, const ELEM *q, const ELEM *k_cache, cons
 }
 
 // paged_decode over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread.
-void FN(paged_decode_ranges)(const int32_t *bounds, int parts, ELEM *out, const ELEM *q,
+void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const QELEM *q,
                              const ELEM *k_cache, const ELEM *v_cache,
                              const int32_t *block_tables, const int32_t *ctx_lens,
                              const int64_t *rows, int max_blocks, int block_size, int num_heads,
@@ -172,3 +200,7 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, ELEM *out, const 
                      bounds[p + 1], max_blocks, block_size, num_heads, num_kv_heads, head_dim,
                      head_dim_v, q_token_stride, q_head_stride, scale, window, softcap, sinks);
 }
+
+#undef QELEM
+#undef QLOAD8
+#undef QSTORE8

@@ -45,6 +45,7 @@ class PoolSize:
 
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -59,6 +60,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks across requests
     schedule_policy: str = "lpm"  # admission order: "lpm" longest cached prefix first, or "fcfs"
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
+    kv_cache_dtype: str = (
+        "auto"  # the pool's dtype (vLLM's name): "auto" (the model's) or a KV_CACHE_DTYPES key
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -71,10 +75,28 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"
             )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The pool's dtype: the model's (``auto``), or a 16-bit one under float32 activations (half the
+        K/V bytes to hold and to read per decode step; keys and values rounded as they are written)."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if kv != model_dtype and model_dtype != torch.float32:
+            model = str(model_dtype).removeprefix("torch.")
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} under {model} activations: a pool of another dtype "
+                "than the model's is served under float32 activations only; use auto"
+            )
+        return kv
 
     def pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
         """Number of blocks of the pool, and what decided it."""

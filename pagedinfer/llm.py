@@ -38,8 +38,12 @@ class LLM:
     ``load_format``: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights drawn on the
     device from the model's config alone: benchmarks of a model's shape).
     ``quantization``: ``None``, or ``int8`` (CPU): every linear's weight in int8 with one float32
-    scale per output channel, activations and K/V in float32 (a quarter of the weight bytes per step;
+    scale per output channel, activations in float32 (a quarter of the weight bytes per step;
     outputs close to, not equal to, float32's).
+    ``kv_cache_dtype`` (vLLM's name): ``auto`` (the model's dtype), or ``bfloat16`` / ``float16`` under
+    float32 activations: the pool holds twice the tokens per byte and decode attention reads half the
+    bytes; keys and values are rounded as they are written, so outputs are close to, not equal to,
+    a float32 pool's. (``float32`` names the float32 pool of a float32 model.)
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class LLM:
         enforce_eager: bool = EngineConfig.enforce_eager,
         load_format: str = "auto",
         quantization: str | None = None,
+        kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -74,6 +79,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             schedule_policy=schedule_policy,
             enforce_eager=enforce_eager,
+            kv_cache_dtype=kv_cache_dtype,
         )
         loaded = load_model(
             model,

@@ -16,11 +16,14 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
   b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
-       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16] [--threads 2] [--json FILE] [--max-new N]
+       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16] [--kv-cache-dtypes auto,float16]
+       [--threads 2] [--json FILE] [--max-new N]
 
 pagedinfer runs once per implementation and dtype (``--dtypes``, default float32: the weights cast
 from the float32 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds; ``int8``:
-float32 with its linear weights quantized to int8 per output channel, ``--quantization int8``).
+float32 with its linear weights quantized to int8 per output channel, ``--quantization int8``), and
+once per pool dtype (``--kv-cache-dtypes``, default auto: the model's; float16 is what llama.cpp's
+driver runs with, its default K/V type).
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -155,10 +158,10 @@ def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Pa
 
 
 def run_pagedinfer(
-    model_dir: Path, impl: str, dtype: str, ws: list[Workload], threads: int
+    model_dir: Path, impl: str, dtype: str, kv: str, ws: list[Workload], threads: int
 ) -> dict[str, dict]:
-    """All workloads in one subprocess per implementation and dtype (its own threads, its own memory);
-    dtype ``int8``: float32 with int8 weights (``quantization="int8"``)."""
+    """All workloads in one subprocess per implementation, dtype and pool dtype ``kv`` (its own threads,
+    its own memory); dtype ``int8``: float32 with int8 weights (``quantization="int8"``)."""
     dtype, quantization = ("float32", "int8") if dtype == "int8" else (dtype, None)
     code = f"""
 import json, sys, time, torch
@@ -166,7 +169,8 @@ sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
 from pagedinfer import LLM, SamplingParams
 ws = json.loads(sys.stdin.read())
-llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r})
+llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r},
+          kv_cache_dtype={kv!r})
 warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 llm.generate([{{"prompt_token_ids": ws[0]["prompts"][0]}}], warm, use_tqdm=False)
 res = {{}}
@@ -181,7 +185,7 @@ print(json.dumps(res))
     payload = json.dumps([w.__dict__ for w in ws])
     res = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True)
     if res.returncode:
-        raise RuntimeError(f"pagedinfer ({impl}, {dtype}) failed: {res.stderr[-800:]}")
+        raise RuntimeError(f"pagedinfer ({impl}, {dtype}, K/V {kv}) failed: {res.stderr[-800:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -195,6 +199,11 @@ def main() -> None:
         "--dtypes",
         default="float32",
         help="pagedinfer's dtypes, e.g. float32,bfloat16,int8 (int8: int8 weights)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="pagedinfer's pool dtypes, each with each dtype: auto (the model's), float16 (llama.cpp's default)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
@@ -215,9 +224,14 @@ def main() -> None:
         ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
     results: dict[str, dict[str, dict]] = {}
     for dtype in args.dtypes.split(","):
-        for impl in args.impls.split(","):
-            suffix = "" if impl == "pagedinfer" else f" ({impl} layers)"
-            results[f"pagedinfer {dtype}{suffix}"] = run_pagedinfer(model_dir, impl, dtype, ws, args.threads)
+        for kv in args.kv_cache_dtypes.split(","):
+            for impl in args.impls.split(","):
+                suffix = ("" if kv == "auto" else f", K/V {kv}") + (
+                    "" if impl == "pagedinfer" else f" ({impl} layers)"
+                )
+                results[f"pagedinfer {dtype}{suffix}"] = run_pagedinfer(
+                    model_dir, impl, dtype, kv, ws, args.threads
+                )
     for fmt, path in ggufs.items():
         results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
     report(results, ws)

@@ -2,6 +2,7 @@
 """Ops and time of one decode step, per layer, for each model implementation (transformers, pagedinfer).
 
     python scripts/profile_layer_step.py MODEL_DIR --batch 1,16 --threads 2 [--dtype bfloat16]
+        [--kv-cache-dtypes auto,float16]
 
 Runs ``batch`` prompts of ``--context`` random tokens, decodes ``--steps`` tokens each, and times
 every decode step (``ModelRunner.execute``: metadata, forward, logits), the GEMMs inside it
@@ -38,8 +39,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: str) -> dict:
-    llm = LLM(model, device="cpu", dtype=dtype, model_impl=impl)
+def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: str, kv: str) -> dict:
+    llm = LLM(model, device="cpu", dtype=dtype, model_impl=impl, kv_cache_dtype=kv)
     runner = llm.engine.runner
     execute = runner.execute
     gemm = [0.0]
@@ -91,6 +92,7 @@ def measure(model: str, impl: str, batch: int, context: int, steps: int, dtype: 
     return {
         "impl": impl,
         "batch": batch,
+        "kv": llm.stats.kv_cache_dtype,
         "step_ms": step * 1e3,
         "gemm_ms": g * 1e3,
         "non_gemm_ms": (step - g) * 1e3,
@@ -111,24 +113,26 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", help="the model's and KV pool's dtype on the CPU")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype on the CPU")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="the KV pool's, one run each: auto,float16,...")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        "| impl | batch | step ms | GEMM ms | non-GEMM ms | non-GEMM share | of which C attention ms | aten ops/step "
-        "| ops/layer | ms/layer-step |"
+        "| impl | K/V | batch | step ms | GEMM ms | non-GEMM ms | non-GEMM share | of which C attention ms "
+        "| aten ops/step | ops/layer | ms/layer-step |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     tops = []
     for b in map(int, args.batch.split(",")):
         for impl in args.impls.split(","):
-            r = measure(args.model, impl, b, args.context, args.steps, args.dtype)
-            print(
-                f"| {impl} | {b} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['non_gemm_ms']:.2f} | "
-                f"{r['non_gemm_share']:.0%} | {r['attention_ms']:.2f} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",
-                flush=True,
-            )
-            tops.append((impl, b, r["top_ops"]))
+            for kv in args.kv_cache_dtypes.split(","):
+                r = measure(args.model, impl, b, args.context, args.steps, args.dtype, kv)
+                print(
+                    f"| {impl} | {r['kv']} | {b} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['non_gemm_ms']:.2f} | "
+                    f"{r['non_gemm_share']:.0%} | {r['attention_ms']:.2f} | {r['ops_per_step']} | {r['ops_per_layer']:.1f} | {r['layer_step_ms']:.3f} |",
+                    flush=True,
+                )
+                tops.append((impl, b, r["top_ops"]))
     for impl, b, top in tops:
         print(f"{impl} batch {b}: " + ", ".join(f"{name} {n}" for name, n in top))
 

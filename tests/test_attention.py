@@ -107,7 +107,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         splits.append(list(bounds[: parts + 1]))
         real(bounds, parts, *args)
 
-    fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv": lib.store_kv})
+    fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
     monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
 
     outs = []
@@ -135,18 +135,26 @@ def test_decode_kernel_underflowing_probabilities():
         torch.testing.assert_close(out[s : s + 1].double(), want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_writes_strided_rows_at_their_slots(dtype):
-    if not cpu_kernel.available():
-        pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
-    kc, vc = torch.zeros(4, 8, 2, 16, dtype=dtype), torch.zeros(4, 8, 2, 8, dtype=dtype)
-    k = torch.randn(1, 2, 5, 16).to(dtype)[0].transpose(0, 1)  # [5, 2, 16] strided like the model's key
+@pytest.mark.parametrize(
+    "dtype, pool",
+    [(dt, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+)
+def test_store_kv_writes_strided_rows_at_their_slots(dtype, pool):
+    """Rows of the activations' dtype land at their slots, rounded to the pool's dtype exactly as
+    torch's ``.to()`` rounds (--kv-cache-dtype: float32 rows into a 16-bit pool)."""
+    if not cpu_kernel.available(dtype, pool):
+        pytest.fail(f"the CPU kernel has no {dtype} over {pool} instantiation (is a C compiler installed?)")
+    kc, vc = torch.zeros(4, 8, 2, 16, dtype=pool), torch.zeros(4, 8, 2, 8, dtype=pool)
+    k = (
+        (torch.randn(1, 2, 5, 16) * 300).to(dtype)[0].transpose(0, 1)
+    )  # [5, 2, 16] strided like the model's key
     v = torch.randn(1, 2, 5, 8).to(dtype)[0].transpose(0, 1)  # [5, 2, 8]
     slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
     cpu_kernel.store_kv(kc, vc, k, v, slots)
-    want_k, want_v = torch.zeros(32, 2, 16, dtype=dtype), torch.zeros(32, 2, 8, dtype=dtype)
+    want_k, want_v = torch.zeros(32, 2, 16, dtype=pool), torch.zeros(32, 2, 8, dtype=pool)
     keep = slots >= 0
-    want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+    want_k[slots[keep]], want_v[slots[keep]] = k[keep].to(pool), v[keep].to(pool)
     assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)
 
 
@@ -297,15 +305,20 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
 
 def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
     """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel;
-    float32, bfloat16 and float16 pools do, with queries of their own dtype."""
+    float32, bfloat16 and float16 pools do, with queries of their own dtype or float32 ones
+    (--kv-cache-dtype), never 16-bit queries over a wider or other pool."""
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     q, k, v = torch.empty(3, 8, 64), torch.empty(3, 2, 64), torch.empty(3, 2, 64)
     assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64))
     assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, device="meta"))
-    assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=torch.bfloat16))  # float32 queries
     for dtype in (torch.bfloat16, torch.float16):
         half = q.to(dtype), k.to(dtype), v.to(dtype)
         assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(dtype)
+        assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(
+            torch.float32, dtype
+        )
+        assert not use_cpu_kernel(*half, torch.empty(4, 16, 2, 64))  # 16-bit queries over float32
+    assert not use_cpu_kernel(q.half(), k.half(), v.half(), torch.empty(4, 16, 2, 64, dtype=torch.bfloat16))
     assert not use_cpu_kernel(q.double(), k, v, torch.empty(4, 16, 2, 64, dtype=torch.float64))
     assert not use_cpu_kernel(q[..., :60], k[..., :60], v, torch.empty(4, 16, 2, 60))  # head size 60: not 8k

@@ -366,6 +366,7 @@ REPORT_KEYS = {
     "pool.kv_bytes_total",
     "pool.source",
     "pool.max_model_len",
+    "pool.kv_cache_dtype",
     "model",
     "model.dtype",
     "model.dtype_reason",

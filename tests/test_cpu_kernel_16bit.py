@@ -4,7 +4,8 @@ Same shapes and cases as the float32 kernel tests in test_attention.py. The refe
 same 16-bit K/V and queries, widened exactly; the kernel accumulates in float32 and rounds only its
 output to the pool's dtype, so the tolerance is that rounding: half a unit in the last place of
 values of magnitude up to ~2 (bfloat16: 8 significant bits, atol = rtol = 1.6e-2; float16: 11 bits,
-atol = rtol = 2e-3).
+atol = rtol = 2e-3). Float32 queries over a 16-bit pool (--kv-cache-dtype) output float32: the
+reference attends the pool's rounded K/V, to float32's accuracy.
 """
 
 import pytest
@@ -15,7 +16,7 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import TorchPlan
 
 DTYPES = [torch.bfloat16, torch.float16]
-TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # by output dtype
 
 
 def half_batch(dtype, *args, **kwargs):
@@ -70,6 +71,28 @@ def test_half_kernel_matches_reference(dtype, group, window, softcap, with_sinks
     TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks)
     assert calls == [dtype]
     check_sequences(out, q, kc, vc, meta, 0.3, window, softcap, sinks)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_float32_queries_over_half_pool_match_reference(dtype, window, monkeypatch):
+    """--kv-cache-dtype: float32 activations, the new K/V rounded into a 16-bit pool as they are
+    written; decode rows through the kernel's float32-over-16-bit instantiation, chunks through torch
+    reading the pool back, every output within float32 accuracy of attention over the rounded K/V."""
+    if not cpu_kernel.available(torch.float32, dtype):
+        pytest.fail(f"the CPU kernel has no float32-over-{dtype} instantiation")
+    calls = []
+    decode = cpu_kernel.paged_decode
+    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
+    q, k, v, kc, vc, meta = make_batch([1, 1, 5, 1, 3], [3, 9, 5, 17, 12], 4, 2, 6, 16)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    out = torch.empty(q.shape[0], 6, 16)
+    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    assert calls == [dtype]
+    written = kc.view(-1, 2, 16)[meta.slot_mapping]  # [T, kvh, D] the new rows, as stored
+    assert torch.equal(written, k.to(dtype)) and torch.equal(
+        vc.view(-1, 2, 16)[meta.slot_mapping], v.to(dtype)
+    )
+    check_sequences(out, q, kc, vc, meta, 0.3, window)
 
 
 def test_threaded_half_kernel_matches_reference(dtype):
@@ -144,10 +167,10 @@ def test_mismatched_dtypes_are_refused():
     if not cpu_kernel.available(torch.bfloat16):
         pytest.fail("the CPU kernel has no bfloat16 instantiation")
     kc = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="share one dtype"):
+    with pytest.raises(TypeError, match="share one dtype"):  # float16 queries over a bfloat16 pool
         cpu_kernel.paged_decode(
-            torch.empty(1, 1, 8),
-            torch.empty(1, 1, 8),
+            torch.empty(1, 1, 8, dtype=torch.float16),
+            torch.empty(1, 1, 8, dtype=torch.float16),
             kc,
             kc,
             torch.zeros(1, 1, dtype=torch.int32),

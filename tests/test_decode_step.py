@@ -57,25 +57,39 @@ BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2) and packed_linear.can_p
 
 
 @pytest.mark.parametrize(
-    "dtype",
+    "dtype, kv, quantization",
     [
-        "float32",
+        ("float32", "auto", None),
+        ("float32", "float16", None),  # --kv-cache-dtype: a 16-bit pool under float32 activations
+        ("float32", "bfloat16", None),
+        ("float32", "float16", "int8"),
         pytest.param(
             "bfloat16",
+            "auto",
+            None,
             marks=pytest.mark.skipif(not BF16_STEP, reason="no bfloat16 panels here (AVX512-BF16)"),
         ),
     ],
 )
-def test_c_step_gives_the_bits_of_the_layer_by_layer_path(tiny_model, steps, monkeypatch, dtype):
+def test_c_step_gives_the_bits_of_the_layer_by_layer_path(
+    tiny_model, steps, monkeypatch, dtype, kv, quantization
+):
     """Seeded n=3 sampling (the samples fork the prompt's blocks, copy-on-write) with logprobs:
-    tokens and log-probabilities exactly equal with the C step and without it, in float32 and in
-    bfloat16 (the same bfloat16 panel GEMM and C chains, layer by layer or in one call)."""
+    tokens and log-probabilities exactly equal with the C step and without it, in float32 (with a
+    float32 or 16-bit pool, float32 or int8 weights) and in bfloat16 (the same panel GEMMs, K/V
+    writes and C chains, layer by layer or in one call)."""
     path = tiny_model("qwen3")
     params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
 
     def run():
         llm = LLM(
-            str(path), block_size=4, num_blocks=256, model_impl="pagedinfer", **{**ENGINE, "dtype": dtype}
+            str(path),
+            block_size=4,
+            num_blocks=256,
+            model_impl="pagedinfer",
+            kv_cache_dtype=kv,
+            quantization=quantization,
+            **{**ENGINE, "dtype": dtype},
         )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
         return [

@@ -99,9 +99,7 @@ def test_int8_refusals_are_one_line(tiny_model):
     path = str(tiny_model("llama"))
     with pytest.raises(ModelLoadError, match="unknown quantization 'int4': use int8"):
         LLM(path, quantization="int4", **ENGINE)
-    with pytest.raises(
-        ModelLoadError, match="keeps activations and K/V in float32: use --dtype auto or float32"
-    ):
+    with pytest.raises(ModelLoadError, match="keeps activations in float32: use --dtype auto or float32"):
         LLM(path, quantization="int8", **{**ENGINE, "dtype": "bfloat16"})
     with pytest.raises(DTypeError, match="runs on the CPU only"):
         choose_dtype("auto", None, torch.device("cuda"), "int8")

@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (kernels/cpu_paged_decode.c): compiled once, run on all cores.
 
-One instantiation per K/V dtype (float32, bfloat16, float16; float32 arithmetic in all three): a
-16-bit pool is read at half the bytes of a float32 one, which is what decode attention is bound by.
+One instantiation per K/V dtype (float32, bfloat16, float16; float32 arithmetic in all three), and
+float32 queries over a bfloat16 or float16 pool (``--kv-cache-dtype``): a 16-bit pool is read at
+half the bytes of a float32 one, which is what decode attention is bound by.
 
 Decode is where the torch path would gather every sequence's whole history into a padded copy in
 every layer of every step; this kernel reads K/V in place through the block table instead. It is
@@ -32,6 +33,8 @@ from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # kernel names' suffixes
+# (activation dtype, pool dtype) pairs with an instantiation: one dtype, or float32 over a 16-bit pool
+PAIRS = [(dt, dt) for dt in SUFFIX] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
 # decode attention without the kernel, per call on W1's shape (64 sequences of 250 tokens, 9/3 heads of
@@ -123,13 +126,14 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    for suffix in SUFFIX.values():  # f16 only where the compiler has _Float16
-        fn = getattr(dll, f"paged_decode_ranges_{suffix}", None)
+    for q, kv in PAIRS:  # f16 only where the compiler has _Float16
+        fn = getattr(dll, f"paged_decode_ranges_{_name(q, kv)}", None)
         if fn is not None:
             fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
             fn.restype = None
-    dll.store_kv.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4 + [i32]
-    dll.store_kv.restype = None
+            store = getattr(dll, f"store_kv_{_name(q, kv)}")
+            store.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
+            store.restype = None
     return dll
 
 
@@ -142,10 +146,17 @@ def _unavailable(why: str) -> None:
     return None
 
 
-def available(dtype: torch.dtype = torch.float32) -> bool:
-    """The kernel built, with an instantiation for K/V of ``dtype``."""
+def _name(q: torch.dtype, kv: torch.dtype) -> str:
+    """The instantiation's suffix: ``f32`` for one dtype, ``f32_kv_f16`` for float32 over a float16 pool."""
+    return SUFFIX[q] if q == kv else f"{SUFFIX[q]}_kv_{SUFFIX[kv]}"
+
+
+def available(dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> bool:
+    """The kernel built, with an instantiation for queries of ``dtype`` over K/V of ``kv_dtype`` (the
+    same by default)."""
     lib = _library()
-    return lib is not None and dtype in SUFFIX and hasattr(lib, f"paged_decode_ranges_{SUFFIX[dtype]}")
+    pair = (dtype, kv_dtype or dtype)
+    return lib is not None and pair in PAIRS and hasattr(lib, f"paged_decode_ranges_{_name(*pair)}")
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, block_size: int) -> bool:
@@ -162,14 +173,15 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, 
 
 
 def store_kv(
-    k_cache: torch.Tensor,  # [NB, bs, kvh, D] any dtype
+    k_cache: torch.Tensor,  # [NB, bs, kvh, D]
     v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] the same dtype
-    k: torch.Tensor,  # [T, kvh, D] the pool's dtype, last dim contiguous
-    v: torch.Tensor,  # [T, kvh, Dv] the pool's dtype, last dim contiguous
+    k: torch.Tensor,  # [T, kvh, D] the pool's dtype, or float32 over a 16-bit pool; last dim contiguous
+    v: torch.Tensor,  # [T, kvh, Dv] k's dtype, last dim contiguous
     slots: torch.Tensor,  # [T] int64, contiguous
 ) -> None:
-    """Write the step's K/V rows at their slots: one C loop instead of two index_copy_ calls per layer."""
-    _library().store_kv(
+    """Write the step's K/V rows at their slots, rounded to the pool's dtype as ``.to()`` rounds: one C
+    loop instead of two index_copy_ calls per layer."""
+    getattr(_library(), f"store_kv_{_name(k.dtype, k_cache.dtype)}")(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k.data_ptr(),
@@ -183,7 +195,6 @@ def store_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        k.element_size(),
     )
 
 
@@ -203,8 +214,8 @@ def split(ctx_lens: list[int], madds_per_key: int) -> ctypes.Array:
 
 
 def paged_decode(
-    out: torch.Tensor,  # [T, Hq, Dv] the pool's dtype, contiguous
-    q: torch.Tensor,  # [T, Hq, D] the pool's dtype, last dim contiguous
+    out: torch.Tensor,  # [T, Hq, Dv] q's dtype, contiguous
+    q: torch.Tensor,  # [T, Hq, D] the pool's dtype, or float32 over a 16-bit pool; last dim contiguous
     k_cache: torch.Tensor,  # [NB, bs, kvh, D] float32, bfloat16 or float16
     v_cache: torch.Tensor,  # [NB, bs, kvh, Dv] same dtype
     block_tables: torch.Tensor,  # [S, max_blocks] int32, contiguous
@@ -219,12 +230,13 @@ def paged_decode(
     """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
     _, max_blocks = block_tables.shape
     _, block_size, kvh, head_dim = k_cache.shape
-    if not out.dtype == q.dtype == k_cache.dtype == v_cache.dtype:
+    if not (out.dtype == q.dtype and k_cache.dtype == v_cache.dtype and (q.dtype, k_cache.dtype) in PAIRS):
         raise TypeError(
-            f"out, q and the K/V pool must share one dtype, got {out.dtype}, {q.dtype}, {k_cache.dtype}"
+            f"out and q must share one dtype and the K/V pool be that dtype or, under float32, a 16-bit one; "
+            f"got {out.dtype}, {q.dtype}, {k_cache.dtype}"
         )
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    getattr(_library(), f"paged_decode_ranges_{SUFFIX[k_cache.dtype]}")(
+    getattr(_library(), f"paged_decode_ranges_{_name(q.dtype, k_cache.dtype)}")(
         bounds,
         len(bounds) - 1,
         out.data_ptr(),

@@ -101,14 +101,18 @@ def select_cuda_kernels(
     shapes: dict[int, LayerShape],
     dtype: torch.dtype,
     block_size: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> bool:
-    """CUDA kernels when asked (or, by default, on a CUDA device with CuPy); else the torch path."""
+    """CUDA kernels when asked (or, by default, on a CUDA device with CuPy); else the torch path. They
+    take a pool of the model's dtype only (``kv_dtype``: the pool's, when it differs)."""
     if requested is False or (requested is None and device.type != "cuda"):
         return False
     from pagedinfer.attention import cuda_kernels
 
     dims = {(s.head_dim, s.head_dim_v) for s in shapes.values()}
     reason = cuda_kernels.unsupported_reason(dims, dtype, block_size)
+    if kv_dtype not in (None, dtype):
+        reason = f"the CUDA kernels read a K/V pool of the model's dtype only, not {kv_dtype} under {dtype}"
     if requested is None:
         return reason is None and cuda_kernels.is_available()
     if reason:
@@ -117,12 +121,13 @@ def select_cuda_kernels(
 
 
 def use_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Decode rows go through the C kernel: a pool in host memory of a dtype it has an instantiation
-    for (float32, bfloat16, float16), queries of the same dtype, shapes within its limits."""
+    """Decode rows go through the C kernel: a pool in host memory, queries and new K/V of one dtype with
+    an instantiation over the pool's (float32, bfloat16, float16; float32 over a 16-bit pool), shapes
+    within its limits."""
     return (
         k_cache.device.type == "cpu"
-        and q.dtype == k_cache.dtype
-        and cpu_kernel.available(k_cache.dtype)
+        and q.dtype == k.dtype == v.dtype
+        and cpu_kernel.available(q.dtype, k_cache.dtype)
         and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
     )
 

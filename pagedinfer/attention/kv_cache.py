@@ -36,6 +36,7 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         self.bytes_per_token = bytes_per_token(shapes, dtype)
         self.bytes_per_block = self.bytes_per_token * block_size
         # Never read before written (attention reads only slots below each context length), so

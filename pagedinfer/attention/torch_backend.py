@@ -126,7 +126,7 @@ class TorchPlan:
         """Write this step's ``k``/``v`` at their slots, then attend every query token."""
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [NB * bs, kvh, D]
         v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [NB * bs, kvh, Dv]
-        if self.use_kernel and k.dtype == v.dtype == k_cache.dtype and k.stride(-1) == v.stride(-1) == 1:
+        if self.use_kernel and k.stride(-1) == v.stride(-1) == 1:  # use_kernel: the kernel has these dtypes
             cpu_kernel.store_kv(k_cache, v_cache, k, v, slot_mapping)
         else:
             k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))

@@ -66,6 +66,13 @@ class Quantization(str, Enum):
     int8 = "int8"
 
 
+class KVCacheDType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 def _version(value: bool) -> None:
     if value:
         from pagedinfer import __version__
@@ -250,12 +257,22 @@ def run(
         typer.Option(
             "--quantization",
             help="Weight-only quantization on the CPU: int8 = every linear's weight in int8 with a float32 scale "
-            "per output channel (activations and K/V float32; a quarter of the weight bytes; outputs close to "
+            "per output channel (activations float32; a quarter of the weight bytes; outputs close to "
             "float32's, not equal). Default: none.",
             show_default=False,
             rich_help_panel=POOL,
         ),
     ] = None,
+    kv_cache_dtype: Annotated[
+        KVCacheDType,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="The KV pool's dtype: auto = the model's; bfloat16 or float16 under float32 activations = "
+            "twice the tokens per byte of pool and half the bytes read by decode attention (K/V rounded as "
+            "written: outputs close to a float32 pool's, not equal).",
+            rich_help_panel=POOL,
+        ),
+    ] = KVCacheDType.auto,
     model_impl: Annotated[
         ModelImpl,
         typer.Option(
@@ -389,6 +406,7 @@ def run(
             "enforce_eager": enforce_eager,
             "dtype": dtype.value,
             "quantization": None if quantization is None else quantization.value,
+            "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
         },
         report=report,

@@ -123,6 +123,8 @@ def render(stats: EngineStats, console: Console) -> None:
     )
     # dtype line (issue 14): the run's dtype and why --dtype auto chose it
     pool.add_row("dtype", f"[bold]{stats.dtype}[/] [dim]({stats.dtype_reason})[/]")
+    if stats.kv_cache_dtype != stats.dtype:
+        pool.add_row("K/V dtype", f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]")
     if stats.cuda_graphs and stats.cuda_graphs != "not applicable on the CPU":
         pool.add_row("CUDA graphs", f"{stats.cuda_graphs} · {stats.graph_steps:,} steps replayed a graph")
     parts.append(pool)

@@ -55,19 +55,20 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        per_block = bytes_per_token(loaded.layer_shapes, loaded.dtype) * config.block_size
+        kv_dtype = config.kv_dtype(loaded.dtype)  # [the pool's dtype]
+        per_block = bytes_per_token(loaded.layer_shapes, kv_dtype) * config.block_size
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
         num_blocks = self.pool_size.num_blocks
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         kernels = select_cuda_kernels(
-            use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size
+            use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size, kv_dtype
         )
         graphs, self.graph_mode = graph_plan(
             loaded.device, kernels, config.enforce_eager, graph_buffers_on_cpu
         )
         # with graphs the tensors hold one block more than the pool: the padding rows' scratch block
         self.kv = KVCache(
-            loaded.layer_shapes, num_blocks + int(graphs), config.block_size, loaded.dtype, loaded.device
+            loaded.layer_shapes, num_blocks + int(graphs), config.block_size, kv_dtype, loaded.device
         )
         self.scheduler = Scheduler(
             self.pool,
@@ -126,6 +127,7 @@ class LLMEngine:
             counters=SchedulerCounters(),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             dtype_reason=self.loaded.dtype_reason,
+            kv_cache_dtype=str(self.kv.dtype).removeprefix("torch."),
             cuda_graphs=self.graph_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
         )

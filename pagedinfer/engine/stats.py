@@ -23,6 +23,7 @@ class EngineStats:
     max_model_len: int
     dtype: str = ""  # weights and K/V, e.g. "float32"
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
+    kv_cache_dtype: str = ""  # the pool's: the model's dtype, or 16-bit under float32 (--kv-cache-dtype)
     prefix_caching: bool = True
     schedule_policy: str = "lpm"  # the scheduler's admission order
     # CUDA graphs for decode steps: what ran ("on: ...", "off: why"), the capture time at startup,
@@ -180,6 +181,7 @@ class EngineStats:
                 "kv_bytes_total": self.kv_bytes_total,
                 "source": str(self.pool_size),
                 "max_model_len": self.max_model_len,
+                "kv_cache_dtype": self.kv_cache_dtype,
             },
             "model": {"dtype": self.dtype, "dtype_reason": self.dtype_reason},
             "cuda_graphs": {

@@ -25,7 +25,7 @@ from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.model.packed_linear import PackedLinear
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
-# the step's weight dtypes: decode_layers_<suffix> (int8 weights run with float32 activations and K/V)
+# the step's weight dtypes: decode_layers_<suffix> (int8 weights run with float32 activations)
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 _ptr = ctypes.c_void_p
 
@@ -67,8 +67,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     for name in SUFFIX.values():  # bfloat16: where cpu_gemm.c has its AVX512-BF16 panels
-        fn = getattr(dll, f"decode_layers_{name}", None)
-        if fn is not None:
+        for pool in ("", "_kv_bf16", "_kv_f16"):  # the activations' dtype, or a 16-bit pool under float32
+            fn = getattr(dll, f"decode_layers_{name}{pool}", None)
+            if fn is None:
+                continue
             fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
             fn.restype = None
     dll.decode_gemm_seconds.restype = ctypes.c_double
@@ -88,6 +90,13 @@ def attention_seconds() -> float:
     return lib.decode_attention_seconds() if lib is not None else 0.0
 
 
+def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
+    """The step's instantiation for these weights and this pool: ``decode_layers_f32``, ``_i8``,
+    ``_bf16``, or with a 16-bit pool under float32 activations ``decode_layers_f32_kv_f16`` etc."""
+    kv = "" if pool == qkv.activation_dtype else f"_kv_{cpu_kernel.SUFFIX.get(pool)}"
+    return f"decode_layers_{SUFFIX.get(qkv.panels.dtype)}{kv}"
+
+
 def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -104,7 +113,7 @@ class DecodeStep:
         self.eps, self.scale = first.eps, first.scaling
         self.final_norm = model.norm  # [H]
         self._buffers: list[torch.Tensor] | None = None  # see _scratch
-        self.decode_layers = getattr(_library(), f"decode_layers_{SUFFIX[first.qkv_proj.panels.dtype]}")
+        self.decode_layers = getattr(_library(), _entry(first.qkv_proj, kv.k[first.layer_idx].dtype))
         self.layers = (StepLayer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers, strict=True):
             for name in LINEARS:
@@ -119,10 +128,10 @@ class DecodeStep:
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
-        """Every piece has its C kernel: panel-packed linears of one weight dtype whose activations are
-        the pool's dtype (float32, int8 weights with float32 activations, or, with AVX512-BF16,
-        bfloat16), a pool in host memory, shapes within the decode kernel's limits (the step library
-        holds its own copies of the decode kernel and the chains)."""
+        """Every piece has its C kernel: panel-packed linears of one weight dtype (float32, int8 weights
+        with float32 activations, or, with AVX512-BF16, bfloat16), a pool in host memory of the
+        activations' dtype or 16-bit under float32, shapes within the decode kernel's limits (the step
+        library holds its own copies of the decode kernel and the chains)."""
         lib = _library()
         if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or lib is None:
             return False
@@ -135,8 +144,8 @@ class DecodeStep:
         return (
             k.device.type == "cpu"
             and len(weights) == 1
-            and hasattr(lib, f"decode_layers_{SUFFIX.get(first.qkv_proj.panels.dtype)}")
-            and model.embed_tokens.weight.dtype == k.dtype == first.qkv_proj.activation_dtype
+            and hasattr(lib, _entry(first.qkv_proj, k.dtype))
+            and model.embed_tokens.weight.dtype == first.qkv_proj.activation_dtype
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 

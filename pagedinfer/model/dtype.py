@@ -76,7 +76,7 @@ def choose_dtype(
     dtype: str | torch.dtype, config, device: torch.device, quantization: str | None = None
 ) -> DTypeChoice:
     """The run's dtype and the reason for it (explicit, or what ``auto`` found). With ``quantization``
-    (int8 weights) the activations and K/V are float32, on the CPU."""
+    (int8 weights) the activations are float32, on the CPU."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in NAMES:
         raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     if quantization:
@@ -86,10 +86,10 @@ def choose_dtype(
             )
         if NAMES.get(dtype, dtype) not in ("auto", torch.float32):
             raise DTypeError(
-                f"--quantization {quantization} keeps activations and K/V in float32: use --dtype auto or float32"
+                f"--quantization {quantization} keeps activations in float32: use --dtype auto or float32"
             )
         return DTypeChoice(
-            torch.float32, f"float32 activations and K/V; linear weights {quantization} per output channel"
+            torch.float32, f"float32 activations; linear weights {quantization} per output channel"
         )
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")

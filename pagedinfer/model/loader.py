@@ -104,7 +104,7 @@ def load_model(
     ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
     no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``).
     ``quantization="int8"``: every packed linear's weight in int8 per output channel (float32
-    activations and K/V; the CPU and float32 only)."""
+    activations; the CPU and float32 only)."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
