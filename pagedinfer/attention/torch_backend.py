@@ -178,13 +178,15 @@ class TorchPlan:
         """One fused SDPA per chunk (no [N, C] probabilities kept, no padding to the longest chunk).
 
         A whole prompt attends its own rows of this step, causally, so SDPA skips the masked half
-        instead of computing it and masking it out.
+        instead of computing it and masking it out (rounded as the pool holds them, where the pool's
+        dtype is narrower: --kv-cache-dtype).
         """
         for i, (start, n, c) in enumerate(self.chunk_spans):
             qc = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            whole = c == n and k.dtype == k_flat.dtype and v.dtype == v_flat.dtype
+            whole = c == n
             if whole:
-                kc, vc = k[start : start + n], v[start : start + n]  # [n, kvh, D], [n, kvh, Dv]
+                kc = k[start : start + n].to(k_flat.dtype)  # [n, kvh, D]
+                vc = v[start : start + n].to(v_flat.dtype)  # [n, kvh, Dv]
             else:
                 kc, vc = k_flat[self.chunk_slots[i, :c]], v_flat[self.chunk_slots[i, :c]]
             causal = whole and not window
