@@ -62,9 +62,8 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
     store8(y + 8, hi);
 }
 
-/* ROWS rows of x (row stride lda) times one panel into y (row stride ldy) through store_tile; pf:
- * the next panel, prefetched while this one is multiplied (NULL: none). LOAD_W(kk) gives w0, w1:
- * the panel's 16 weights at input index kk, in float32. */
+/* The loop of a tile kernel below; LOAD_W(kk) gives w0, w1: the panel's 16 weights at input index
+ * kk, in float32. */
 #define KERNEL_STEP(ROWS, PREFETCH, LOAD_W)                                                         \
     for (int kk = 0; kk < k; kk++) {                                                                \
         PREFETCH;                                                                                   \
@@ -76,18 +75,25 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
             hi[r] += a * w1;                                                                        \
         }                                                                                           \
     }
-#define LOAD_F32(kk) const v8 w0 = load8(p + (int64_t)(kk) * NR), w1 = load8(p + (int64_t)(kk) * NR + 8)
-#define KERNEL(ROWS)                                                                                \
-    static inline void kernel_##ROWS(const float *x, int64_t lda, const float *p, int k, float *y, \
-                                     int64_t ldy, const float *pf, const float *b, int gated) {    \
+/* NAME_ROWS: ROWS rows of x (row stride lda) times one panel of W weights into y (row stride ldy)
+ * through store_tile; pf: the next panel, prefetched a 64-byte line at a time while this one is
+ * multiplied (NULL: none). SETUP runs first (the int8 kernels load their column scales there). */
+#define TILE_KERNEL(NAME, W, ROWS, SETUP, LOAD_W)                                                   \
+    static inline void NAME##_##ROWS(const float *x, int64_t lda, const W *p, int k, float *y,      \
+                                     int64_t ldy, const W *pf, const float *b, const float *scale, \
+                                     int gated) {                                                   \
+        SETUP;                                                                                      \
         v8 lo[ROWS], hi[ROWS];                                                                      \
         for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = (v8){0};                                     \
-        if (pf)                                                                                     \
-            KERNEL_STEP(ROWS, __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2), LOAD_F32)            \
+        if (pf) /* kk values per line: 1 (float32), 4 (int8) */                                     \
+            KERNEL_STEP(ROWS, if (kk % (64 / (NR * (int)sizeof(W))) == 0)                           \
+                                  __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2), LOAD_W)          \
         else                                                                                        \
-            KERNEL_STEP(ROWS, (void)0, LOAD_F32)                                                    \
+            KERNEL_STEP(ROWS, (void)0, LOAD_W)                                                      \
         for (int r = 0; r < ROWS; r++) store_tile(y + r * ldy, lo[r], hi[r], b, gated);             \
     }
+#define LOAD_F32(kk) const v8 w0 = load8(p + (int64_t)(kk) * NR), w1 = load8(p + (int64_t)(kk) * NR + 8)
+#define KERNEL(ROWS) TILE_KERNEL(kernel, float, ROWS, (void)scale, LOAD_F32)
 KERNEL(1)
 KERNEL(2)
 KERNEL(3)
@@ -101,15 +107,14 @@ static void rows_by_panel(const void *xv, int m, int64_t lda, const void *pv, in
     const float *x = xv, *p = pv;
     float *y = yv;
     int r = 0;
-    (void)scale;
-    for (; r + MR <= m; r += MR, pf = NULL) kernel_6(x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, gated);
+    for (; r + MR <= m; r += MR, pf = NULL) kernel_6(x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, scale, gated);
     x += r * lda, y += r * ldy;
     switch (m - r) {
-        case 5: kernel_5(x, lda, p, k, y, ldy, pf, b, gated); break;
-        case 4: kernel_4(x, lda, p, k, y, ldy, pf, b, gated); break;
-        case 3: kernel_3(x, lda, p, k, y, ldy, pf, b, gated); break;
-        case 2: kernel_2(x, lda, p, k, y, ldy, pf, b, gated); break;
-        case 1: kernel_1(x, lda, p, k, y, ldy, pf, b, gated); break;
+        case 5: kernel_5(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 4: kernel_4(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 3: kernel_3(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 2: kernel_2(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
+        case 1: kernel_1(x, lda, p, k, y, ldy, pf, b, scale, gated); break;
     }
 }
 
@@ -124,30 +129,12 @@ static inline v8 load8_i8(const int8_t *p) { /* vpmovsxbd + vcvtdq2ps (GCC 12 co
     return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #else
-typedef int8_t v8s8 __attribute__((vector_size(8)));
-
-static inline v8 load8_i8(const int8_t *p) {
-    v8s8 q;
-    memcpy(&q, p, sizeof q);
-    return __builtin_convertvector(q, v8);
-}
+WIDENING_LOAD8(load8_i8, int8_t)
 #endif
 
 #define LOAD_I8(kk)                                                                                 \
     const v8 w0 = load8_i8(p + (int64_t)(kk) * NR) * s0, w1 = load8_i8(p + (int64_t)(kk) * NR + 8) * s1
-#define IKERNEL(ROWS)                                                                               \
-    static inline void ikernel_##ROWS(const float *x, int64_t lda, const int8_t *p, int k, float *y, \
-                                      int64_t ldy, const int8_t *pf, const float *b,                \
-                                      const float *scale, int gated) {                              \
-        const v8 s0 = load8(scale), s1 = load8(scale + 8);                                          \
-        v8 lo[ROWS], hi[ROWS];                                                                      \
-        for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = (v8){0};                                     \
-        if (pf) /* a 64-byte line holds 4 values of kk */                                          \
-            KERNEL_STEP(ROWS, if (kk % 4 == 0) __builtin_prefetch(pf + (int64_t)kk * NR, 0, 2), LOAD_I8) \
-        else                                                                                        \
-            KERNEL_STEP(ROWS, (void)0, LOAD_I8)                                                     \
-        for (int r = 0; r < ROWS; r++) store_tile(y + r * ldy, lo[r], hi[r], b, gated);             \
-    }
+#define IKERNEL(ROWS) TILE_KERNEL(ikernel, int8_t, ROWS, const v8 s0 = load8(scale); const v8 s1 = load8(scale + 8), LOAD_I8)
 IKERNEL(1)
 IKERNEL(2)
 IKERNEL(3)

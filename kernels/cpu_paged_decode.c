@@ -31,11 +31,7 @@ static inline void store8_f16(_Float16 *p, v8 v) {
 }
 #else
 typedef _Float16 v8h __attribute__((vector_size(16)));
-static inline v8 load8_f16(const _Float16 *p) {
-  v8h h;
-  memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, v8);
-}
+WIDENING_LOAD8(load8_f16, _Float16)
 
 static inline void store8_f16(_Float16 *p, v8 v) {
   const v8h h = __builtin_convertvector(v, v8h);

@@ -36,6 +36,15 @@ static inline void store8_bf16(uint16_t *p, v8 v) {
     memcpy(p, &h, sizeof h);
 }
 
+/* Defines v8 NAME(const T *p): 8 consecutive T widened to float32 (the portable form; on x86 the
+ * kernels use one conversion instruction instead where GCC would convert lane by lane). */
+#define WIDENING_LOAD8(NAME, T)                                   \
+    static inline v8 NAME(const T *p) {                           \
+        T q __attribute__((vector_size(8 * sizeof(T))));          \
+        memcpy(&q, p, sizeof q);                                  \
+        return __builtin_convertvector(q, v8);                    \
+    }
+
 /* v rounded to bfloat16's precision, kept in float32 */
 static inline v8 round8_bf16(v8 v) { return (v8)(bf16_rounded_bits8v(v) & 0xffff0000u); }
 #endif
