@@ -15,7 +15,13 @@
 #include <immintrin.h>
 #endif
 
-#define MIN_PARALLEL (1 << 16) /* elements; below this one thread is faster */
+#define MIN_PARALLEL (1 << 16) /* the argmax: elements; below this one thread is faster */
+/* The chains run their rows on all threads from this many elements (4 rows of a 576-wide model).
+ * In a decode step their input rows were just written by a GEMM that splits its columns across the
+ * threads, so one thread alone pulls half of every row from the other core's cache: SmolLM2 steps
+ * (AMD EPYC Zen 3, 2 threads) spent 0.13-0.17 ms in the norms at 4 rows against 0.23-0.33 ms on one
+ * thread, 0.20-0.24 against 0.33-0.53 at 8, 0.36-0.37 against 0.42-1.14 at 16. */
+#define ROWS_MIN_PARALLEL (1 << 11)
 
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
 #include "cpu_vec.h" /* load8_bf16, store8_bf16, round8_bf16 */

@@ -17,7 +17,7 @@ static inline float FN(row_inv_rms)(const ELEM *x, int dim, float eps) {
 /* residual[r] += x[r] (when x is not NULL); out[r] = w * (residual[r] * inv_rms). */
 void FN(add_rms_norm)(ELEM *residual, const ELEM *x, const ELEM *w, ELEM *out, int rows, int dim,
                       float eps) {
-#pragma omp parallel for if ((int64_t)rows * dim >= MIN_PARALLEL)
+#pragma omp parallel for if (rows > 1 && (int64_t)rows * dim >= ROWS_MIN_PARALLEL)
     for (int r = 0; r < rows; r++) {
         ELEM *res = residual + (int64_t)r * dim;
         ELEM *o = out + (int64_t)r * dim;
@@ -38,7 +38,7 @@ void FN(add_rms_norm)(ELEM *residual, const ELEM *x, const ELEM *w, ELEM *out, i
 void FN(qk_norm_rope)(ELEM *qkv, int64_t row_stride, int rows, int q_heads, int k_heads, int dim,
                       const ELEM *cos_t, const ELEM *sin_t, const ELEM *q_w, const ELEM *k_w, float eps) {
     int half = dim / 2, heads = q_heads + k_heads;
-#pragma omp parallel for if ((int64_t)rows * heads * dim >= MIN_PARALLEL)
+#pragma omp parallel for if (rows > 1 && (int64_t)rows * heads * dim >= ROWS_MIN_PARALLEL)
     for (int r = 0; r < rows; r++) {
         const ELEM *c = cos_t + (int64_t)r * half, *s = sin_t + (int64_t)r * half;
         for (int h = 0; h < heads; h++) {
@@ -61,7 +61,7 @@ void FN(qk_norm_rope)(ELEM *qkv, int64_t row_stride, int rows, int q_heads, int 
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused GEMM. */
 void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
-#pragma omp parallel for if ((int64_t)rows * inter >= MIN_PARALLEL)
+#pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)
     for (int r = 0; r < rows; r++) {
         const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         ELEM *o = out + (int64_t)r * inter;
