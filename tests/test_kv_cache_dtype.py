@@ -77,3 +77,6 @@ def test_cli_kv_cache_dtype_option(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["pool"]["kv_cache_dtype"] == "float16"
     bad = CliRunner().invoke(app, [*args, "--kv-cache-dtype", "fp8"])
     assert bad.exit_code == 2 and "--kv-cache-dtype" in bad.output and "Traceback" not in bad.output
+    mixed = CliRunner().invoke(app, [*args, "--kv-cache-dtype", "float16", "--dtype", "bfloat16"])
+    assert mixed.exit_code == 2 and "Traceback" not in mixed.output
+    assert "--kv-cache-dtype float16 under bfloat16 activations" in mixed.output

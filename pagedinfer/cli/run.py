@@ -487,6 +487,7 @@ def _option_words(message: str) -> str:
     """Engine setting names -> the command-line options that set them."""
     for name, option in (
         ("kv_cache_memory", "--kv-memory"),
+        ("kv_cache_dtype", "--kv-cache-dtype"),
         ("num_blocks", "--num-blocks"),
         ("block_size", "--block-size"),
         ("max_num_batched_tokens", "--max-batched-tokens"),
