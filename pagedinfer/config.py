@@ -45,7 +45,16 @@ class PoolSize:
 
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtype names --dtype and --kv-cache-dtype take (with the usual aliases)
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass
@@ -60,9 +69,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks across requests
     schedule_policy: str = "lpm"  # admission order: "lpm" longest cached prefix first, or "fcfs"
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
-    kv_cache_dtype: str = (
-        "auto"  # the pool's dtype (vLLM's name): "auto" (the model's) or a KV_CACHE_DTYPES key
-    )
+    # the pool's dtype (vLLM's name): "auto" (the model's), or one of DTYPE_NAMES
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -75,9 +83,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not {self.kv_cache_dtype!r}"
             )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
@@ -89,7 +97,7 @@ class EngineConfig:
         K/V bytes to hold and to read per decode step; keys and values rounded as they are written)."""
         if self.kv_cache_dtype == "auto":
             return model_dtype
-        kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        kv = DTYPE_NAMES[self.kv_cache_dtype]
         if kv != model_dtype and model_dtype != torch.float32:
             model = str(model_dtype).removeprefix("torch.")
             raise ValueError(

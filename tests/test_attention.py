@@ -146,9 +146,8 @@ def test_store_kv_writes_strided_rows_at_their_slots(dtype, pool):
     if not cpu_kernel.available(dtype, pool):
         pytest.fail(f"the CPU kernel has no {dtype} over {pool} instantiation (is a C compiler installed?)")
     kc, vc = torch.zeros(4, 8, 2, 16, dtype=pool), torch.zeros(4, 8, 2, 8, dtype=pool)
-    k = (
-        (torch.randn(1, 2, 5, 16) * 300).to(dtype)[0].transpose(0, 1)
-    )  # [5, 2, 16] strided like the model's key
+    # [5, 2, 16] strided like the model's key, values up to ~1000 (float16 rounds them coarsely)
+    k = (torch.randn(1, 2, 5, 16) * 300).to(dtype)[0].transpose(0, 1)
     v = torch.randn(1, 2, 5, 8).to(dtype)[0].transpose(0, 1)  # [5, 2, 8]
     slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
     cpu_kernel.store_kv(kc, vc, k, v, slots)

@@ -54,7 +54,7 @@ def test_half_pool_holds_twice_the_blocks_and_is_read_by_the_kernel(tiny_model, 
 
 def test_refusals_are_one_line(tiny_model):
     with pytest.raises(
-        ValueError, match="kv_cache_dtype must be auto, float32, bfloat16, float16, not 'fp8'"
+        ValueError, match="kv_cache_dtype must be auto, float32, float16 or bfloat16, not 'fp8'"
     ):
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="served under float32 activations only; use auto"):

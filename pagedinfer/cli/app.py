@@ -66,13 +66,6 @@ class Quantization(str, Enum):
     int8 = "int8"
 
 
-class KVCacheDType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
 def _version(value: bool) -> None:
     if value:
         from pagedinfer import __version__
@@ -264,7 +257,7 @@ def run(
         ),
     ] = None,
     kv_cache_dtype: Annotated[
-        KVCacheDType,
+        DType,
         typer.Option(
             "--kv-cache-dtype",
             help="The KV pool's dtype: auto = the model's; bfloat16 or float16 under float32 activations = "
@@ -272,7 +265,7 @@ def run(
             "written: outputs close to a float32 pool's, not equal).",
             rich_help_panel=POOL,
         ),
-    ] = KVCacheDType.auto,
+    ] = DType.auto,
     model_impl: Annotated[
         ModelImpl,
         typer.Option(

@@ -21,7 +21,7 @@ class EngineStats:
     bytes_per_block: int
     pool_size: PoolSize  # how the size was chosen
     max_model_len: int
-    dtype: str = ""  # weights and K/V, e.g. "float32"
+    dtype: str = ""  # weights and activations, e.g. "float32" (the pool's: kv_cache_dtype)
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     kv_cache_dtype: str = ""  # the pool's: the model's dtype, or 16-bit under float32 (--kv-cache-dtype)
     prefix_caching: bool = True

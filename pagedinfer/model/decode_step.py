@@ -22,11 +22,9 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.sources import KERNELS_DIR
-from pagedinfer.model.packed_linear import PackedLinear
+from pagedinfer.model.packed_linear import SUFFIX, PackedLinear  # the step's weight dtypes
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
-# the step's weight dtypes: decode_layers_<suffix> (int8 weights run with float32 activations)
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 _ptr = ctypes.c_void_p
 
 

@@ -16,16 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedinfer.attention.cpu_kernel import cpu_flags
+from pagedinfer.config import DTYPE_NAMES as NAMES
 
-NAMES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-}
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_SPEEDUP = 1.2  # bfloat16 must beat float32 by this much: below it, noise could pick the slower one
 GEMM_ROWS = 64  # a decode batch's rows: the GEMM shape a serving step runs

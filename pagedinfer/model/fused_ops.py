@@ -52,7 +52,7 @@ def _library() -> ctypes.CDLL | None:
         for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
             getattr(dll, f"{name}_{suffix}").restype = None
     dll.argmax_rows_f32.argtypes = [ptr, i32, i32, i64, ptr]
-    dll.argmax_rows_f32.restype = None
+    dll.argmax_rows_f32.restype = ctypes.c_int  # rows holding a NaN
     return dll
 
 
@@ -162,9 +162,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [R]
-    _library().argmax_rows_f32(
+    nan_rows = _library().argmax_rows_f32(
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
     )
-    if bool((out < 0).any()):  # a row holds a NaN
-        return logits.argmax(dim=-1)
-    return out
+    return logits.argmax(dim=-1) if nan_rows else out

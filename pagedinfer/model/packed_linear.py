@@ -43,6 +43,8 @@ from pagedinfer.model.fused_ops import GatedLinear, gated
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 PANEL_ROWS = 16  # weight rows per panel of the panel kernel's layout (its NR)
+# the panel kernel's weight dtypes: gemm_panels_[silu_mul_]<suffix> (int8: float32 activations)
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
@@ -73,8 +75,7 @@ class PackedLinear(nn.Module):
         if int8 or (panels and panel_dtype(weight.dtype, self.in_features)):
             self.panels = pack_panels(weight, self.gated)  # [P, in, 16]: panel j holds 16 weight rows
             # cpu_gemm.c's entry for these weights and activation, e.g. gemm_panels_silu_mul_bf16
-            suffix = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}[weight.dtype]
-            self.kernel = "gemm_panels_" + "silu_mul_" * self.gated + suffix
+            self.kernel = "gemm_panels_" + "silu_mul_" * self.gated + SUFFIX[weight.dtype]
             bias = None if bias is None else bias.float().unsqueeze(1)  # [out, 1] float32: added to the sums
             self.bias = None if bias is None else pack_panels(bias, self.gated)  # [P, 1, 16]
             self.packed = None
@@ -165,13 +166,13 @@ def _gemm_library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    # bf16: built with AVX512-BF16 only; i8: int8 weights, float32 activations, + the scales
-    for name in ("f32", "silu_mul_f32", "bf16", "silu_mul_bf16", "i8", "silu_mul_i8"):
-        fn = getattr(dll, f"gemm_panels_{name}", None)
-        if fn is None:
-            continue
-        fn.argtypes = [ptr] * (5 if name.endswith("i8") else 4) + [i32] * 3
-        fn.restype = None
+    for suffix in SUFFIX.values():  # bf16: built with AVX512-BF16 only
+        for epilogue in ("", "silu_mul_"):
+            fn = getattr(dll, f"gemm_panels_{epilogue}{suffix}", None)
+            if fn is None:
+                continue
+            fn.argtypes = [ptr] * (5 if suffix == "i8" else 4) + [i32] * 3  # int8: + the scales
+            fn.restype = None
     return dll
 
 
