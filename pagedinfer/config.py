@@ -107,7 +107,28 @@ class EngineConfig:
         return kv
 
     def pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
-        """Number of blocks of the pool, and what decided it."""
+        """Number of blocks of the pool, and what decided it; a pool the device's free memory cannot
+        hold is refused here, naming the setting, before anything is allocated."""
+        size = self._pool_size(bytes_per_block, device, max_model_len)
+        need, free = size.num_blocks * bytes_per_block, _free_memory(device)
+        if need > free:
+            if size.origin == "num_blocks":
+                setting, fix = f"num_blocks={size.num_blocks:,}", "give num_blocks a smaller value"
+            elif size.origin == "kv_cache_memory":
+                setting, fix = (
+                    f"kv_cache_memory={self.kv_cache_memory:,} bytes",
+                    "give kv_cache_memory a smaller value",
+                )
+            else:
+                setting, fix = "the default pool size", "set num_blocks or kv_cache_memory"
+            where = "GPU memory" if device.type == "cuda" else "memory"
+            raise ValueError(
+                f"{setting} needs {need / 2**30:,.1f} GiB of KV cache but only {free / 2**30:,.1f} GiB of "
+                f"{where} is free; {fix}"
+            )
+        return size
+
+    def _pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
         if self.num_blocks is not None:
             return PoolSize(self.num_blocks, "num_blocks")
         if self.kv_cache_memory is not None:
@@ -123,3 +144,12 @@ class EngineConfig:
             budget = int(free * GPU_MEMORY_FRACTION)  # weights are loaded; the rest is for activations
             return PoolSize(max(1, min(useful, budget // bytes_per_block)), "default_gpu")
         return PoolSize(max(1, min(useful, CPU_DEFAULT_KV_BYTES // bytes_per_block)), "default_cpu")
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes the device can still give (the model's weights are loaded by now)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available

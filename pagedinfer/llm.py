@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from pagedinfer.config import EngineConfig
+from pagedinfer.engine.intake import prepare
 from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.loader import load_model
 from pagedinfer.outputs import BeamSearchOutput, RequestOutput
@@ -184,52 +185,29 @@ class LLM:
 
     def stream(
         self,
-        requests: Iterable[tuple[Prompt, SamplingParams, str | None]],
+        requests: Iterable[tuple[Prompt, SamplingParams | BeamSearchParams, str | None]],
         on_step: Callable[[LLMEngine], None] | None = None,
         before_step: Callable[[], None] | None = None,
         max_pending: int | None = None,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+    ) -> Iterator[tuple[int, RequestOutput | BeamSearchOutput]]:
         """Run ``(prompt, params, request id)`` triples, read lazily; yield ``(index, output)`` as each finishes.
 
-        At most ``max_pending`` unfinished requests are in the engine at once (default: twice
-        ``max_num_seqs``, enough to keep every batch full, as the scheduler admits first come first
-        served), so memory does not grow with the number of requests; a request is released once
-        yielded. One that cannot run (too long, invalid for the model, a tokenizer error) is yielded
-        at once with ``error`` set; the others go on. ``before_step`` runs before every engine step
-        (the CLI makes the lines it wrote durable there), ``on_step`` after it.
+        Each request is prepared (tokenized and checked, `engine.intake.prepare`) only when the engine
+        has room: at most ``max_pending`` unfinished requests are in the engine at once (default:
+        twice ``max_num_seqs``, enough to keep every batch full), so memory does not grow with the
+        number of requests; a request is released once yielded. One that cannot run (too long,
+        invalid for the model, a tokenizer error) is yielded at once with ``error`` set; the others go
+        on (`engine.loop.GenerationLoop`). ``before_step`` runs before every engine step (the CLI
+        makes the lines it wrote durable there), ``on_step`` after it.
         """
         engine = self.engine
-        limit = max_pending if max_pending is not None else 2 * engine.config.max_num_seqs
-        if limit < 1:
-            raise ValueError("max_pending must be >= 1")
-        feed = iter(requests)
+        window = max_pending if max_pending is not None else 2 * engine.config.max_num_seqs
         engine.reset_stats()
-        start = time.perf_counter()
-        pending, index = 0, 0
-        try:
-            while True:
-                while pending < limit and (item := next(feed, None)) is not None:
-                    prompt, params, rid = item
-                    req = engine.add_request(prompt, params, request_id=rid, order=index)
-                    index += 1
-                    if req.error:
-                        yield req.order, engine.output(req)
-                    else:
-                        pending += 1
-                if not engine.has_unfinished:
-                    break
-                if before_step is not None:
-                    before_step()
-                done = engine.step()
-                engine.stats.wall_time_s = time.perf_counter() - start
-                if on_step is not None:
-                    on_step(engine)
-                pending -= len(done)
-                for req in done:
-                    yield req.order, engine.output(req)
-        finally:
-            engine.stats.wall_time_s = time.perf_counter() - start
-            engine.abort_all()  # a caller that stops early (Ctrl-C) leaves no blocks behind
+        feed = (
+            (index, prepare(engine, prompt, params, str(index) if rid is None else rid))
+            for index, (prompt, params, rid) in enumerate(requests)
+        )
+        yield from GenerationLoop(engine, before_step, on_step).stream(feed, window)
 
 
 def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable) -> Iterator[tuple]:

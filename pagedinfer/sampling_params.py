@@ -1,22 +1,51 @@
 """How to sample one request: vLLM's `SamplingParams` fields, validated when built.
 
-Every value that could later break the sampler (a NaN, an infinite or vanishing temperature, a
-seed too large for the generator derivation, a float where a count belongs, a lone surrogate in a
-stop string) is refused here, so a bad value fails its own request before anything runs. Checks
-that need the model (``logprobs`` against the vocabulary) live in `LLMEngine.params_error`.
+Each field is declared once, here, with the JSON kinds it accepts (`json_kinds`): the Python API,
+the CLI's plain JSONL lines and OpenAI batch bodies all take these fields by these names, and the
+type checks and their messages come from the declaration. Every value that could later break the
+sampler (a NaN, an infinite or vanishing temperature, an integer too large for a 64-bit tensor, a
+float where a count belongs, a lone surrogate in a stop string) is refused here, so a bad value
+fails its own request before anything runs. Checks that need the model (``logprobs`` against the
+vocabulary) live in `LLMEngine.params_error`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Temperatures in (0, MIN_TEMPERATURE) are refused: logits / 1e-40 overflow float32 to inf and the
 # sampler would draw the same token forever. 0 stays "greedy". vLLM clamps to the same 0.01.
 MIN_TEMPERATURE = 1e-2
-# Seeds are derived into a 128-bit signed field (`Request.sample_generator`); this range fits in it
-# and covers both signed and unsigned 64-bit seeds.
+# Seeds are derived into a 128-bit signed field (`seeding.sample_seed`); this range fits in it and
+# covers both signed and unsigned 64-bit seeds.
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+MAX_INT = (1 << 63) - 1  # every other integer field must fit a 64-bit tensor
+
+_KIND_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "strs": "a list of strings",
+    "ints": "a list of integers",
+    "null": "null",
+}
+
+
+class ParamError(ValueError):
+    """A field's value is refused; ``str()`` is ``"<field> <reason>"`` (the CLI prefixes ``body.``)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} {reason}")
+        self.field = name
+        self.reason = reason
+
+
+def kinds(*names: str, line: bool = True) -> dict:
+    """Field metadata: the JSON kinds a field accepts; ``line=False`` keeps it out of JSONL lines."""
+    return {"json": names, "line": line}
 
 
 def is_int(value: object) -> bool:
@@ -38,6 +67,58 @@ def unicode_error(text: str) -> str | None:
     return None
 
 
+def describe(value: object) -> str:
+    """A value's JSON type in words, for messages ("a string", "a number (1.5)")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return f"a number ({text if len(text) <= 24 else text[:20] + '…'})"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _is_kind(value: object, kind: str) -> bool:
+    if kind == "int":
+        return is_int(value)
+    if kind == "float":
+        return is_int(value) or isinstance(value, float)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "strs":
+        return isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)
+    if kind == "ints":
+        return isinstance(value, (list, tuple)) and all(is_int(t) for t in value)
+    return value is None  # "null"
+
+
+def check_kinds(params: object) -> None:
+    """Refuse the first field of a params dataclass whose value is not of a declared JSON kind."""
+    for f in dataclasses.fields(params):
+        accepted = f.metadata.get("json")
+        value = getattr(params, f.name)
+        if accepted and not any(_is_kind(value, k) for k in accepted):
+            raise ParamError(
+                f.name, f"must be {' or '.join(_KIND_WORDS[k] for k in accepted)}, not {describe(value)}"
+            )
+        if is_int(value) and not (f.name == "seed" or -MAX_INT - 1 <= value <= MAX_INT):
+            raise ParamError(f.name, f"must be below 2**63, not an integer of {len(str(abs(value)))} digits")
+
+
+def line_fields(cls: type) -> dict[str, tuple[str, ...]]:
+    """The fields a JSONL line may set on ``cls`` (a params dataclass), with their JSON kinds."""
+    return {f.name: f.metadata["json"] for f in dataclasses.fields(cls) if f.metadata.get("line", False)}
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (the names and defaults vLLM users know).
@@ -47,103 +128,77 @@ class SamplingParams:
     sample ``i`` draws from a generator derived from (seed, prompt, i).
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int | None = 16  # None: up to the model's context
-    min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = None  # top-k logprobs per generated token (0: the sampled token only)
-    skip_special_tokens: bool = True
+    n: int = field(default=1, metadata=kinds("int"))
+    temperature: float = field(default=1.0, metadata=kinds("float"))
+    top_p: float = field(default=1.0, metadata=kinds("float"))
+    top_k: int = field(default=0, metadata=kinds("int"))  # 0 or -1: disabled
+    min_p: float = field(default=0.0, metadata=kinds("float"))
+    repetition_penalty: float = field(default=1.0, metadata=kinds("float"))
+    presence_penalty: float = field(default=0.0, metadata=kinds("float"))
+    frequency_penalty: float = field(default=0.0, metadata=kinds("float"))
+    max_tokens: int | None = field(default=16, metadata=kinds("int", "null"))  # None: up to the context
+    min_tokens: int = field(default=0, metadata=kinds("int"))
+    stop: list[str] | str | None = field(default=None, metadata=kinds("str", "strs", "null"))
+    stop_token_ids: list[int] | None = field(default=None, metadata=kinds("ints", "null"))
+    include_stop_str_in_output: bool = field(default=False, metadata=kinds("bool"))
+    ignore_eos: bool = field(default=False, metadata=kinds("bool"))
+    seed: int | None = field(default=None, metadata=kinds("int", "null"))
+    # top-k logprobs per generated token (0: the sampled token only)
+    logprobs: int | None = field(default=None, metadata=kinds("int", "null"))
+    skip_special_tokens: bool = field(default=True, metadata=kinds("bool"))
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) and self.stop is not None:
-            raise ValueError("stop must be a string or a list of strings")
-        if not isinstance(self.stop_token_ids, (list, tuple)) and self.stop_token_ids is not None:
-            raise ValueError("stop_token_ids must be a list of integers")
-        self.stop = list(self.stop or [])
+        check_kinds(self)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        for message in self._errors():
-            raise ValueError(message)
-
-    def _errors(self):
-        """Each failed check's message, in field order (the first one is raised)."""
-        numbers = (
+        for name in (
             "temperature",
             "top_p",
             "min_p",
             "repetition_penalty",
             "presence_penalty",
             "frequency_penalty",
-        )
-        for name in numbers:
+        ):
             if not is_number(getattr(self, name)):
-                yield f"{name} must be a finite number, not {getattr(self, name)!r}"
-        ints = {
-            "n": False,
-            "top_k": False,
-            "max_tokens": True,
-            "min_tokens": False,
-            "seed": True,
-            "logprobs": True,
-        }
-        for name, nullable in ints.items():
-            value = getattr(self, name)
-            if not (is_int(value) or (nullable and value is None)):
-                yield f"{name} must be an integer{' or None' if nullable else ''}, not {value!r}"
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                yield f"{name} must be true or false, not {getattr(self, name)!r}"
+                raise ParamError(name, f"must be a finite number, not {getattr(self, name)!r}")
         checks = [
-            (self.n >= 1, "n must be an integer >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            ("n", self.n >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
             (
+                "temperature",
                 self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
-                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+                f"must be 0 (greedy) or at least {MIN_TEMPERATURE}",
             ),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be -1, 0 or a positive integer"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be -1, 0 or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             (
+                "min_tokens",
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "min_tokens must be <= max_tokens",
+                "must be <= max_tokens",
             ),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            ("stop", all(s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             (
-                all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-                "stop_token_ids must be non-negative integers",
-            ),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
-            (
+                "seed",
                 self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
-                f"seed must be an integer from -2**63 to 2**64 - 1, not {self.seed}",
+                f"must be an integer from -2**63 to 2**64 - 1, not {self.seed}",
             ),
         ]
-        for ok, message in checks:
+        for name, ok, reason in checks:
             if not ok:
-                yield message
-                return
+                raise ParamError(name, reason)
         for s in self.stop:
             if (why := unicode_error(s)) is not None:
-                yield f"stop string {why}"
+                raise ParamError("stop", f"string {why}")
 
     @property
     def greedy(self) -> bool:
@@ -163,27 +218,34 @@ class BeamSearchParams:
     ``False`` stops when the best running beam, scored at its current length, cannot beat the
     worst finished one; ``"never"`` scores it at ``max_tokens`` when ``length_penalty > 0``.
     A beam finishes at the model's EOS (unless ``ignore_eos``), at one of ``stop_token_ids``, or
-    at ``max_tokens``.
+    at ``max_tokens``. A JSONL line asks for beams with ``beam_width`` (the SamplingParams fields
+    it shares, ``max_tokens``, ``ignore_eos`` and ``stop_token_ids``, keep their meaning).
     """
 
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    beam_width: int = field(metadata=kinds("int"))
+    max_tokens: int = field(default=16, metadata=kinds("int", line=False))
+    length_penalty: float = field(default=1.0, metadata=kinds("float"))
+    early_stopping: bool | str = field(default=False, metadata=kinds("bool", "str"))
+    ignore_eos: bool = field(default=False, metadata=kinds("bool", line=False))
+    stop_token_ids: list[int] | None = field(default=None, metadata=kinds("ints", "null", line=False))
 
     def __post_init__(self) -> None:
+        check_kinds(self)
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
-            (isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width must be an integer >= 1"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
-            (self.early_stopping in (True, False, "never"), "early_stopping must be true, false or 'never'"),
-            (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+            ("beam_width", self.beam_width >= 1, "must be an integer >= 1"),
+            ("max_tokens", self.max_tokens >= 1, "must be an integer >= 1"),
+            ("length_penalty", is_number(self.length_penalty), "must be a finite number"),
+            (
+                "early_stopping",
+                self.early_stopping in (True, False, "never"),
+                "must be true, false or 'never'",
+            ),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
         ]
-        for ok, message in checks:
+        for name, ok, reason in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(name, reason)
 
     @property
     def n(self) -> int:

@@ -131,3 +131,11 @@ def save_text_model(root: Path, seed: int = 0) -> Path:
     )
     save_random_model(config, path, seed)
     return path
+
+
+def submit(engine, prompt, params, order: int | None = None):
+    """Prepare ``prompt`` through intake (as every caller does) and queue it; returns the core Request."""
+    from pagedinfer.engine.intake import prepare
+
+    order = engine.stats.requests if order is None else order
+    return engine.add_request(prepare(engine, prompt, params, str(order)), order)

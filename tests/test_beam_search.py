@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 from conftest import ENGINE
-from models import _hf_model
+from models import _hf_model, submit
 
 from pagedinfer import LLM, BeamSearchParams
 from pagedinfer.core.beam import BeamSearch, Candidate
@@ -82,7 +82,7 @@ def test_beams_share_blocks_and_prune_at_once(tiny_model):
     engine = llm.engine
     params = BeamSearchParams(4, 12)
     batch = prompts(7)
-    reqs = [engine.add_request({"prompt_token_ids": p}, params) for p in batch]
+    reqs = [submit(engine, {"prompt_token_ids": p}, params) for p in batch]
     tables_per_step = []
     while engine.has_unfinished:
         engine.step()

@@ -132,12 +132,12 @@ def test_values_that_would_crash_the_sampler_fail_their_line_alone(model, tmp_pa
     assert len(records[-1]["outputs"][0]["logprobs"][0]["top_logprobs"]) == 320
     expected = {
         2: "logprobs=5000 exceeds the model's vocabulary of 320 tokens",
-        3: "body.top_logprobs must be from 0 to 20, not 4097",
+        3: "body.top_logprobs must be an integer from 0 to 20, not a number (4097)",
         4: "seed must be an integer from -2**63 to 2**64 - 1",
         5: "prompt is not valid Unicode (lone surrogate \\ud800 at character 1)",
         6: "messages[0].content is not valid Unicode (lone surrogate \\udfff",
         7: "temperature must be 0 (greedy) or at least 0.01",
-        8: "temperature must be a finite number, not inf",
+        8: "not valid JSON (Infinity is not a JSON number)",
         9: "max_tokens must be an integer or null, not a number (2.5)",
         10: "top_k must be an integer, not a boolean",
         11: "the prompt has 300,000 characters: more than the model's context of 128 tokens can hold",

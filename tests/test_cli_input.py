@@ -7,29 +7,24 @@ import json
 import pytest
 from cli_helpers import write_jsonl
 
-from pagedinfer.cli.jsonl_input import (
-    InputFileError,
-    LineError,
-    LineRequest,
-    line_key,
-    parse_file,
-    scan_input,
-)
 from pagedinfer.cli.jsonl_output import (
     OutputError,
     OutputFile,
     OutputWriteError,
-    StdoutOutput,
+    StreamOutput,
     default_output_path,
-    record_key,
 )
+from pagedinfer.lines.line import LineError, LineRequest, line_key
+from pagedinfer.lines.parse import parse_lines
+from pagedinfer.lines.records import record_key
+from pagedinfer.lines.source import InputFileError, InputLines
 from pagedinfer.seeding import line_seed
 
 DEFAULTS = {"n": 1, "max_tokens": 16, "temperature": 1.0, "stop": []}
 
 
 def parse(tmp_path, lines, defaults=DEFAULTS):
-    return list(parse_file(scan_input(write_jsonl(tmp_path / "in.jsonl", lines)), defaults, base_seed=0))
+    return list(parse_lines(InputLines(write_jsonl(tmp_path / "in.jsonl", lines)), defaults, base_seed=0))
 
 
 def test_every_input_form(tmp_path):
@@ -66,15 +61,20 @@ def test_every_input_form(tmp_path):
     assert (a.id, a.kind, a.prompt, a.params.n, a.params.max_tokens, a.params.stop) == (
         "a",
         "prompt",
-        "hello",
+        {"prompt": "hello"},
         2,
         3,
         ["x"],
     )
-    assert (b.id, b.kind, b.prompt[0]["content"], b.params.temperature) == (2, "messages", "hi", 0)
+    assert (b.id, b.kind, b.prompt["messages"][0]["content"], b.params.temperature) == (
+        2,
+        "messages",
+        "hi",
+        0,
+    )
     assert (c.kind, c.prompt, c.params.seed, c.params.logprobs, c.params.max_tokens) == (
-        "token_ids",
-        [1, 2, 3],
+        "prompt_token_ids",
+        {"prompt_token_ids": [1, 2, 3]},
         5,
         1,
         None,
@@ -83,7 +83,7 @@ def test_every_input_form(tmp_path):
     assert (d.params.max_tokens, d.params.logprobs, d.params.top_p, d.key) == (4, 2, 0.5, 'custom_id:"c1"')
     assert e.openai.chat and e.openai.logprobs_style == "chat"
     assert (e.params.max_tokens, e.params.logprobs, e.params.n) == (7, 3, 2)
-    assert (f.kind, f.prompt) == ("token_ids", [4, 5])
+    assert (f.kind, f.prompt) == ("prompt_token_ids", {"prompt_token_ids": [4, 5]})
     # a line without a seed gets one derived from --seed and its identity only
     assert a.params.seed == line_seed(0, 'id:"a"') and b.params.seed == line_seed(0, "line:2")
 
@@ -167,7 +167,7 @@ def test_cli_defaults_are_overridden_per_line(tmp_path):
         ("dir", "is a directory"),
         (b"", "is empty"),
         (b"\n  \n", "is empty"),
-        (b'{"prompt": "\xff"}\n', "not UTF-8"),
+        ('{"prompt": "x"}\n'.encode("utf-16"), "is UTF-16 or UTF-32 text"),
     ],
 )
 def test_unusable_input_files(tmp_path, content, message):
@@ -177,7 +177,17 @@ def test_unusable_input_files(tmp_path, content, message):
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(InputFileError, match=message):
-        scan_input(path)
+        InputLines(path)
+
+
+def test_a_line_that_is_not_utf8_fails_alone(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n{"prompt": "b"}\n')
+    a, bad, b = parse_lines(InputLines(path), DEFAULTS)
+    assert isinstance(a, LineRequest) and isinstance(b, LineRequest)
+    assert (
+        bad.message == "line 2: the line is not UTF-8 text (byte 0xe9 at position 16)" and bad.key == "line:2"
+    )
 
 
 def test_default_output_path(tmp_path):
@@ -186,7 +196,7 @@ def test_default_output_path(tmp_path):
 
 
 def test_stdout_output_prints_each_line_once_every_earlier_line_is_done(capsys):
-    out = StdoutOutput()
+    out = StreamOutput()
     out.write({"id": 2}, 2)
     out.write({"id": 1}, 1)
     assert capsys.readouterr().out == ""  # held until line 0 is done
@@ -208,13 +218,18 @@ def test_output_file_writes_full_lines_and_resume_drops_unreadable_ones(tmp_path
     good = path.read_bytes()
     path.write_bytes(good + b'{"id": 3, "outp')  # a crash mid-write
     out = OutputFile(path)
-    assert out.load_done() == ({"line:1", 'custom_id:"c"'}, 1)
+    done = out.load_done()
+    assert (done.keys, done.dropped, done.errors) == ({"line:1", 'custom_id:"c"'}, 1, 0)
     out.close()
     assert path.read_bytes() == good  # the torn line is gone, earlier lines untouched
     lines = good.splitlines(keepends=True)
     path.write_bytes(lines[0] + b"\x00\x00garbage\n" + lines[1] + b"not json\n" + b'{"id": 4}')
     out = OutputFile(path)
-    assert out.load_done() == ({"line:1", 'custom_id:"c"', "id:4"}, 2)  # two unreadable middle lines
+    done = out.load_done()
+    assert (done.keys, done.dropped) == (
+        {"line:1", 'custom_id:"c"', "id:4"},
+        2,
+    )  # two unreadable middle lines
     out.close()
     assert path.read_bytes() == good + b'{"id": 4}\n'
 

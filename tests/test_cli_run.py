@@ -195,7 +195,7 @@ def _one_line_error(result, message: str) -> None:
         ("missing", "does not exist"),
         ("directory", "is a directory"),
         ("empty", "is empty"),
-        ("not-utf8", "is not UTF-8 text"),
+        ("utf16", "is UTF-16 or UTF-32 text; save it as UTF-8"),
         ("no-output-dir", "directory"),
         ("output-is-dir", "is a directory"),
         ("output-is-input", "is the input file"),
@@ -214,7 +214,7 @@ def test_unusable_invocations_exit_2_with_one_line(model, tmp_path, case, messag
         "missing": [tmp_path / "nope.jsonl"],
         "directory": [tmp_path],
         "empty": [write_jsonl(tmp_path / "e.jsonl", [])],
-        "not-utf8": [tmp_path / "bin.jsonl"],
+        "utf16": [tmp_path / "bin.jsonl"],
         "no-output-dir": [good, "-o", tmp_path / "missing-dir" / "o.jsonl"],
         "output-is-dir": [good, "-o", tmp_path],
         "output-is-input": [good, "-o", good],
@@ -226,7 +226,7 @@ def test_unusable_invocations_exit_2_with_one_line(model, tmp_path, case, messag
         "bad-temperature": [good, "--temperature", "-1"],
         "resume-stdout": [good, "-o", "-", "--resume"],
     }[case]
-    (tmp_path / "bin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    (tmp_path / "bin.jsonl").write_bytes('{"prompt": "x"}\n'.encode("utf-16"))
     if "--model" not in args:
         args = [*args, "--model", model]
     result = invoke("run", *args)
@@ -283,7 +283,8 @@ def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path,
 
     report = tmp_path / "report.json"
     result = run(model, path, "--resume", "--report-json", report)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # line 6's error record, kept from the first run
+    assert "5 already done (--resume, 1 of them error records)" in " ".join(result.stdout.split())
     doc = json.loads(report.read_text())
     assert doc["run"]["skipped"] == 5 and doc["run"]["succeeded"] == 1
     assert doc["scheduling"]["requests"] == 1  # only the missing line ran
@@ -497,16 +498,13 @@ def test_progress_bar_on_a_terminal_and_silent_when_quiet(model, tmp_path):
             prompts=path, model=model, quiet=quiet, engine={"device": "cpu"}, sampling={"max_tokens": 3}
         )
         assert execute(opts, out, err) == 0
-        shown = err.file.getvalue()
+        shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", err.file.getvalue())  # without the colours
         if quiet:
             assert shown == "" and "KV cache memory report" not in out.file.getvalue()
         else:
-            assert (
-                "lines" in shown
-                and "1/1" in shown
-                and "tok/s" in shown
-                and re.search(r"KV [\d,]+/[\d,]+", shown)
-            )
+            last = shown.split("\r")[-1]  # the bar's final frame
+            assert last.startswith("lines 1 100% read ") and "tok/s" in last, last
+            assert re.search(r"KV [\d,]+/[\d,]+", last)
             assert "KV cache memory report" in out.file.getvalue()
         assert "pagedinfer: 1 line " in out.file.getvalue()
 
@@ -527,3 +525,55 @@ def test_version_and_help_everywhere():
     )
     for option in options.split():
         assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text), option
+
+
+def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
+    """The path of a line: the file opened and read once, each line parsed once, each runnable line
+    prepared (tokenized and checked against the model and the pool) once, and nothing checked again."""
+    from pagedinfer import llm
+    from pagedinfer.core.scheduler import Scheduler
+    from pagedinfer.engine import intake
+    from pagedinfer.engine.llm_engine import LLMEngine
+    from pagedinfer.lines import parse, source
+
+    calls: dict[str, int] = {}
+
+    def count(owner, name):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    for owner, name in [
+        (source.InputLines, "__init__"),
+        (parse.LineParser, "parse"),
+        (llm, "prepare"),  # intake.prepare, as LLM.stream calls it
+        (intake, "_tokenize"),
+        (LLMEngine, "params_error"),
+        (Scheduler, "rejection_reason"),
+    ]:
+        count(owner, name)
+    read: list[int] = []
+    real_iter = source.InputLines.__iter__
+    monkeypatch.setattr(
+        source.InputLines, "__iter__", lambda self: (read.append(n) or (n, t) for n, t in real_iter(self))
+    )
+    lines = [
+        {"prompt": "hello", "max_tokens": 2},
+        {"prompt": 5},
+        {"prompt_token_ids": [3, 4], "max_tokens": 2},
+    ]
+    path = write_jsonl(tmp_path / "once.jsonl", lines)
+    assert run(model, path).exit_code == 1
+    assert read == [1, 2, 3]  # every line read once, in order
+    assert calls == {
+        "__init__": 1,  # the input opened once
+        "parse": 3,
+        "prepare": 2,  # the two lines that can run: tokenized and checked once each
+        "_tokenize": 2,
+        "params_error": 2,
+        "rejection_reason": 2,
+    }

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 from conftest import ENGINE
-from models import hf_greedy
+from models import hf_greedy, submit
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.model.loader import ModelLoadError
@@ -30,7 +30,7 @@ def test_two_samples_through_the_engine(llama):
     engine.reset_stats()
     engine.enable_trace()
     try:
-        engine.add_request(ids(6), SamplingParams(n=2, temperature=0, max_tokens=3))
+        submit(engine, ids(6), SamplingParams(n=2, temperature=0, max_tokens=3))
         while engine.has_unfinished:
             engine.step()
         prefill, first_write = engine.trace[0], engine.trace[1]
@@ -54,10 +54,10 @@ def test_b_and_c_admitted_together(tiny_model):
     """Seed 000: with 6 blocks of 4 slots, B (6 K/V, growing) and C (6-token prompt) run side by side."""
     llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=6, max_model_len=20, **ENGINE)
     engine = llm.engine
-    b = engine.add_request(ids(6, 1), SamplingParams(temperature=0, max_tokens=6))
+    b = submit(engine, ids(6, 1), SamplingParams(temperature=0, max_tokens=6))
     engine.step()  # B's prompt: 6 K/V in 2 blocks
     assert engine.stats.naive_max_seqs == 1  # reserving 20 slots per sequence leaves no room for C
-    engine.add_request(ids(6, 2), SamplingParams(temperature=0, max_tokens=2))
+    submit(engine, ids(6, 2), SamplingParams(temperature=0, max_tokens=2))
     engine.step()  # B writes its 7th K/V, C its 6 prompt K/V
     assert engine.stats.blocks_used[-1] == 4
     assert engine.stats.slots_filled[-1] == 13  # 16 slots allocated, 3 still empty
@@ -387,6 +387,6 @@ def test_a_request_whose_sampling_raises_fails_alone(llama, monkeypatch):
     monkeypatch.setattr(llm_engine, "sample", sample)
     bad = SamplingParams(temperature=1.0, top_k=7, max_tokens=5)
     outs = llama.generate([ids(5, 1), ids(7, 3), ids(9, 2)], [greedy, bad, greedy], use_tqdm=False)
-    assert outs[1].error == "sampling failed: RuntimeError: selected index k out of range"
+    assert outs[1].error == "the engine failed on this request: RuntimeError: selected index k out of range"
     assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [e.outputs[0].token_ids for e in expected]
     assert llama.engine.pool.num_free == llama.engine.pool.num_blocks

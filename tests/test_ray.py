@@ -23,8 +23,10 @@ from cli_helpers import CORPUS, read_jsonl, tiny_model, write_jsonl  # noqa: E40
 from typer.testing import CliRunner  # noqa: E402
 
 from pagedinfer.cli.app import app  # noqa: E402
-from pagedinfer.cli.jsonl_input import LineError, LineRequest, parse_file, scan_input  # noqa: E402
-from pagedinfer.cli.records import error_record  # noqa: E402
+from pagedinfer.lines.line import LineError, LineRequest  # noqa: E402
+from pagedinfer.lines.parse import parse_lines  # noqa: E402
+from pagedinfer.lines.records import error_record  # noqa: E402
+from pagedinfer.lines.source import InputLines  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the CLI's sampling defaults (app.run's options), for the tests that call the driver directly
@@ -131,7 +133,7 @@ def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
     from pagedinfer.ray.driver import DataParallelEngines, ReplicaSpec
 
     path, reference = job
-    items = list(parse_file(scan_input(path), DEFAULTS, 0))
+    items = list(parse_lines(InputLines(path), DEFAULTS, 0))
     rows = [(pos, item) for pos, item in enumerate(items) if isinstance(item, LineRequest)]
     engines = DataParallelEngines(ReplicaSpec(model, ENGINE, 0, 2, None, model, window=3))
     got: dict[int, dict | LineError] = {}
@@ -173,9 +175,8 @@ def test_interrupted_data_parallel_run_resumes_to_the_same_bytes(model, job, ray
     written = read_jsonl(out)
     assert 0 < len([r for r in written if r["error"] is None]) < 13  # some lines, not all
     resumed = cli(model, path, "-o", out, "--data-parallel", 2, "--resume")
-    failed_before = {r["id"] for r in written if r["error"] is not None}
-    failed_now = {r["id"] for r in read_jsonl(out) if r["error"] is not None} - failed_before
-    assert resumed.exit_code == (1 if failed_now else 0), resumed.output  # 1: a line failed in this run
+    failed = any(r["error"] is not None for r in read_jsonl(out))
+    assert resumed.exit_code == (1 if failed else 0), resumed.output  # 1: a line failed, in either run
     assert out.read_bytes() == reference
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
@@ -24,9 +26,32 @@ class FakeSampled:
     top: list[dict | None] = field(default_factory=list)
 
 
+def _mix(*values: object) -> int:
+    """A fixed function of its arguments, the same in every process (``hash()`` of a str is not)."""
+    return zlib.crc32(repr(values).encode())
+
+
 def token_for(req: Request, index: int, position: int) -> int:
     """The token a sample draws at an output position: a fixed function, as a seeded sampler is."""
-    return (hash((req.request_id, index, position)) & 0xFFFF) % VOCAB
+    return _mix(req.request_id, index, position) % VOCAB
+
+
+def fake_beams(plan: SchedulerOutput) -> dict[Request, list[Candidate]]:
+    """Each beam search's best continuations, as the engine ranks them: log-probabilities that are a
+    fixed function of the beam's own tokens, so a beam recomputed after a preemption scores the same."""
+    rows: dict[Request, list] = {}
+    for t in plan.beam_targets:
+        rows.setdefault(t.seq.request, []).append(t.seq)
+    out = {}
+    for req, beams in rows.items():
+        scored = [
+            (b.cumulative_logprob - (_mix(req.request_id, tuple(b.output_ids), tok) % 97) / 10, i, tok)
+            for i, b in enumerate(beams)
+            for tok in range(VOCAB)
+        ]
+        scored.sort(key=lambda x: (-x[0], x[1], x[2]))
+        out[req] = [Candidate(i, tok, score) for score, i, tok in scored[: req.beam.num_candidates]]
+    return out
 
 
 def fake_sample(plan: SchedulerOutput) -> FakeSampled:
@@ -202,7 +227,8 @@ def test_lpm_lets_no_request_be_overtaken_more_than_max_num_seqs_times():
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random requests on tiny pools; the rules every step must keep, checked after each one."""
+    """Random requests, beam searches and failures on tiny pools; the rules every step must keep,
+    checked after each one."""
 
     @initialize(
         num_blocks=st.integers(4, 12),
@@ -219,6 +245,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.steps = 0
         self.arrival: dict[str, int] = {}
         self.finished_at: dict[str, int] = {}
+        self.failed: set[str] = set()
+
+    def _add(self, req: Request, beam: bool) -> None:
+        if self.sched.rejection_reason(req.num_prompt_tokens, req.params.n, req.max_tokens, beam) is None:
+            self.sched.add(req)
+            self.requests.append(req)
+            self.arrival[req.request_id] = self.steps
 
     @rule(
         prompt_len=st.integers(1, 9),
@@ -228,11 +261,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         first=st.sampled_from([10, 30]),
     )
     def add(self, prompt_len, n, max_tokens, stop, first):
-        req = request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop, first)
-        if self.sched.rejection_reason(prompt_len, n, max_tokens) is None:
-            self.sched.add(req)
-            self.requests.append(req)
-            self.arrival[req.request_id] = self.steps
+        self._add(request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop, first), beam=False)
+
+    @rule(
+        prompt_len=st.integers(1, 9),
+        width=st.integers(1, 3),
+        max_tokens=st.integers(1, 4),
+        early=st.sampled_from([True, False, "never"]),
+        first=st.sampled_from([10, 30]),
+    )
+    def add_beam_search(self, prompt_len, width, max_tokens, early, first):
+        req = request(f"r{len(self.requests)}", prompt_len, width, max_tokens, False, first)
+        req.beam = BeamSearch(width, max_tokens, 1.0, early, frozenset({STOP}))
+        self._add(req, beam=True)
+
+    @precondition(
+        lambda self: any(r.state is not RequestState.FINISHED for r in getattr(self, "requests", []))
+    )
+    @rule(data=st.data())
+    def fail(self, data):
+        """A request fails mid-run (its tokenizer or a processor raised): it alone ends, its blocks freed."""
+        req = data.draw(st.sampled_from([r for r in self.requests if r.state is not RequestState.FINISHED]))
+        self.sched.fail(req, "failed by the test")
+        self.failed.add(req.request_id)
+        assert req.prompt_seq is None and all(not s.block_table for s in req.samples)
 
     @rule()
     def step(self):
@@ -244,13 +296,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             sum(r.num_future_seqs() for r in sched.running) <= sched.max_num_seqs or len(sched.running) == 1
         )
         assert plan.num_rows == sum(s.sample for s in plan.batch)
-        assert all(0 <= t.row < plan.num_rows for t in plan.targets)
+        assert all(0 <= t.row < plan.num_rows for t in [*plan.targets, *plan.beam_targets])
+        live_beams = {}
+        for t in plan.beam_targets:
+            live_beams.setdefault(t.seq.request, []).append(t.seq)
+        for req, beams in live_beams.items():  # every live beam of a search computes its last token together
+            assert beams == [s for s in req.samples if not s.finished]
         sampled = fake_sample(plan) if plan.batch else None
         for t, token in zip(plan.targets, sampled.token_ids if sampled else [], strict=True):
             key = (t.seq.request.request_id, t.seq.index)
             assert t.seq.output_ids == self.expected.get(key, []), "a resumed sample lost or changed tokens"
             self.expected.setdefault(key, []).append(token)
-        for req in sched.update(plan, sampled):
+        beams = fake_beams(plan) if plan.beam_targets else None
+        for req in sched.update(plan, sampled, beams):
             self.finished_at[req.request_id] = self.steps
 
     @invariant()
@@ -270,26 +328,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in getattr(self, "requests", []):
             if req.state is RequestState.FINISHED:
                 assert req.prompt_seq is None and all(not s.block_table for s in req.samples)
-                for s in req.samples:
-                    assert s.output_ids == self.expected[(req.request_id, s.index)]
-                    assert s.finish_reason == (
-                        "stop" if s.output_ids[-1] in s.request.params.stop_token_ids else "length"
-                    )
+                if req.request_id in self.failed:
+                    assert req.error == "failed by the test"
+                elif req.beam is not None:
+                    assert req.beam.done and 1 <= len(req.beam.finished) <= req.params.n
+                    assert all(h.token_ids and len(h.token_ids) <= req.max_tokens for h in req.beam.finished)
+                else:
+                    for s in req.samples:
+                        assert s.output_ids == self.expected[(req.request_id, s.index)]
+                        assert s.finish_reason == (
+                            "stop" if s.output_ids[-1] in s.request.params.stop_token_ids else "length"
+                        )
             elif req.state is RequestState.WAITING:
                 assert all(not s.block_table for s in req.samples)
 
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        work = sum(r.num_prompt_tokens + r.params.n * r.max_tokens for r in self.requests)
+        work = sum(
+            r.num_prompt_tokens + r.params.n * r.max_tokens * (1 + (r.beam is not None))
+            for r in self.requests
+        )
         bound = self.steps + 2 * work + 10
         while self.sched.has_work:
             assert self.steps < bound, "a request starves: the workload did not finish in time"
             self.step()
             self.reference_counts_match_tables()
-        assert all(r.state is RequestState.FINISHED and not r.error for r in self.requests)
+            self.finished_requests_hold_nothing_and_kept_their_tokens()
+        assert all(r.state is RequestState.FINISHED for r in self.requests)
+        assert all(bool(r.error) == (r.request_id in self.failed) for r in self.requests)
         for r in self.requests:  # no request waits longer than the whole workload's token count, twice over
-            assert self.finished_at[r.request_id] - self.arrival[r.request_id] <= 2 * work + 10
+            if r.request_id in self.finished_at:
+                assert self.finished_at[r.request_id] - self.arrival[r.request_id] <= 2 * work + 10
         assert self.sched.pool.num_free == self.sched.pool.num_blocks
 
 

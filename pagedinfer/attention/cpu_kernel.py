@@ -24,11 +24,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from pagedinfer import envs
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
@@ -91,14 +91,14 @@ def compile_library(source: Path) -> Path | None:
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
     it cannot be built.
     """
-    if os.environ.get("PAGEDINFER_CPU_KERNEL", "1") == "0":
+    if not envs.cpu_kernels():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(envs.c_compiler())
     if compiler is None:
-        raise KernelUnavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
+        raise KernelUnavailable(f"no C compiler ({envs.c_compiler()}) on PATH")
     code = b"".join(path.read_bytes() for path in local_includes(source))
     flags_line = _cpuinfo_field("flags").encode()
-    cache = Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
+    cache = envs.kernel_cache()
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]

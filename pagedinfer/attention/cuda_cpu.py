@@ -19,7 +19,6 @@ import hashlib
 import os
 import re
 import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,28 +27,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedinfer import envs
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SHIM_DIR = KERNELS_DIR / "cpu"
-CACHE_DIR = Path(os.environ.get("PAGEDINFER_CPU_CACHE", Path(tempfile.gettempdir()) / "pagedinfer_cuda_cpu"))
+
 _EXTERN_C_KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\('
 )
 _LAUNCH_LOCK = threading.Lock()  # kernels keep __shared__ in statics: one launch at a time
-_PROBES = ((1, "PAGEDINFER_CPU_REVERSE"), (2, "PAGEDINFER_CPU_EAGER_COPIES"))  # shim::launch flag bits
 
 
 def _compile(source: str, flags: list[str]) -> Path:
     """Builds the shared library once per (source, flags, shim) and returns its path."""
     shim = "".join(p.read_text() for p in sorted(SHIM_DIR.rglob("*.h")))
     key = hashlib.sha256("\0".join([source, *flags, shim]).encode()).hexdigest()[:24]
-    so = CACHE_DIR / f"{key}.so"
+    cache = envs.kernel_cache() / "cuda_cpu"
+    so = cache / f"{key}.so"
     if not so.exists():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        cpp = CACHE_DIR / f"{key}.cpp"
+        cache.mkdir(parents=True, exist_ok=True)
+        cpp = cache / f"{key}.cpp"
         cpp.write_text(source)
         # a private output name, renamed into place: concurrent builders don't collide
-        tmp = CACHE_DIR / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = cache / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         result = subprocess.run(["g++", *flags, str(cpp), "-o", str(tmp)], capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"g++ failed on {cpp}:\n{result.stderr[-6000:]}")
@@ -72,7 +72,7 @@ class RawModule:
         source = re.sub(r"\bstatic\s+__shared__", "__shared__", code) + "\n" + wrappers
         flags = [
             "-std=c++20",
-            *os.environ.get("PAGEDINFER_CPU_CXXFLAGS", "-O2").split(),
+            *envs.cuda_cpu_cxxflags(),
             "-fno-strict-aliasing",  # kernels reinterpret rows as 16-byte vectors
             "-shared",
             "-fPIC",
@@ -126,7 +126,7 @@ class RawKernel:
         g, b = ((ctypes.c_uint * 3)(*d) for d in dims)
         values = [_as_ctype(a) for a in args]
         params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
-        flags = sum(bit for bit, var in _PROBES if os.environ.get(var) == "1")
+        flags = envs.cuda_cpu_probes()
         with _LAUNCH_LOCK:
             failed = self._fn(g, b, params, flags)
         if failed:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +35,21 @@ DECODE_GROUPS = (1, 2, 4, 8)  # query heads per decode CUDA block (template para
 DECODE_BLOCKS_PER_SM = 4
 PARTITION_QUANTUM = 256
 DEFAULT_SM_COUNT = 132  # an H100/H200: what the CPU harness plans partitions for
-# Mirrors of constants in kernels/paged_attention.cu that shape the launch grids.
-_NUM_THREADS = 128
-_MAX_GROUP = 8
-_PREFILL_ROWS = 16
+
+
+def _cu_constants(source: str) -> dict[str, int]:
+    """The ``constexpr int NAME = expression;`` lines of a .cu file, evaluated in order: the launch
+    grids read the kernels' own constants, never a Python copy of them."""
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"^constexpr int (\w+) = ([\w\s*/+()-]+);", source, re.M):
+        values[name] = int(eval(expr, {"__builtins__": {}}, dict(values)))  # noqa: S307 - integer arithmetic on names
+    return values
+
+
+CU_CONSTANTS = _cu_constants((KERNELS_DIR / "paged_attention.cu").read_text())
+_NUM_THREADS = CU_CONSTANTS["NUM_THREADS"]  # threads per CUDA block
+_MAX_GROUP = CU_CONSTANTS["MAX_GROUP"]  # query heads per CUDA block
+_PREFILL_ROWS = CU_CONSTANTS["PREFILL_ROWS"]  # prefill (token, head) rows per CUDA block
 
 RawModuleFactory = Callable[..., Any]  # cupy.RawModule-like: (code=, options=, name_expressions=)
 _factory: RawModuleFactory | None = None

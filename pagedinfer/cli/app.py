@@ -118,8 +118,15 @@ def run(
         SamplingParams, "n"
     ),
     max_tokens: Annotated[
-        int, typer.Option("--max-tokens", help="Most tokens generated per sample.", rich_help_panel=SAMPLING)
-    ] = _default(SamplingParams, "max_tokens"),
+        int | None,
+        typer.Option(
+            "--max-tokens",
+            help="Most tokens generated per sample. Default: 16 for prompt and token-id lines; chat and "
+            "OpenAI lines generate to the end of the context, as OpenAI and vLLM's server do.",
+            show_default=False,
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
     temperature: Annotated[
         float,
         typer.Option(
@@ -377,7 +384,7 @@ def run(
         model=model,
         sampling={
             "n": n,
-            "max_tokens": max_tokens,
+            **({} if max_tokens is None else {"max_tokens": max_tokens}),
             "temperature": temperature,
             "top_p": top_p,
             "top_k": top_k,

@@ -1,32 +1,46 @@
-"""The output file: locked for the run, one line per finished request at once, input order at the end.
+"""The output: a locked file written one full line per finished request, in input order at the end.
 
 `OutputFile` holds an exclusive advisory lock (``flock``) on the output for the whole run, so a
 second run on the same file fails at once instead of truncating the first one's work. Every record
 is one ``write`` of one full line, issued as soon as its request finishes, whatever the lines
 before it; `sync` (once per engine step, before the next one runs) makes the step's lines durable
-with ``fsync``. A crash or ``kill -9`` therefore loses only the lines still being generated (a
-power cut, also those written since the last step). A failed write (disk full, EIO) is cut back
-to the last full line and raised as `OutputWriteError`. When the run completes, `reorder` puts the
-file in input order (atomically: a temporary file renamed over it). ``--resume`` (`load_done`)
+with ``fsync``, after writing the input's fingerprint beside the output (``<output>.resume``: the
+part of the input read so far and its SHA-256), which ``--resume`` checks the input against. A crash
+or ``kill -9`` therefore loses only the lines still being generated (a power cut, also those
+written since the last step). A failed write (disk full, EIO) is cut back to the last full line and
+raised as `OutputWriteError`. When the run completes, `reorder` puts the file in input order
+(atomically: a new temporary file, created exclusively, renamed over it). ``--resume`` (`load_done`)
 accepts the lines in any order, cuts a torn last line, and drops unreadable lines so they run again.
+
+`StreamOutput` serves ``-o -``, devices and FIFOs: records in input order as lines finish, no
+reorder, no resume. `plan_paths` resolves every path a run writes once and refuses any two that
+are the same file, or one that is the input.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
+import glob
 import json
 import os
 import signal
+import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from pagedinfer.cli.jsonl_input import line_key
+from pagedinfer.lines.records import record_key
+from pagedinfer.lines.source import Fingerprint
 
 _SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+RESUME_SUFFIX = ".resume"  # the input's fingerprint beside the output
+_RESUME_BYTES = 512  # the fingerprint record is rewritten in place at this fixed size
 
 
 class OutputError(Exception):
@@ -37,6 +51,10 @@ class OutputWriteError(Exception):
     """Writing the output failed mid-run (disk full, I/O error); the message is one line."""
 
 
+class OutputClosed(OutputWriteError):
+    """The reader of a pipe output went away (``pagedinfer run -o - | head``)."""
+
+
 def default_output_path(input_path: Path) -> Path:
     """``prompts.jsonl`` -> ``prompts.out.jsonl`` next to the input."""
     name = input_path.name
@@ -44,35 +62,127 @@ def default_output_path(input_path: Path) -> Path:
     return input_path.with_name(f"{stem}.out.jsonl")
 
 
-def record_key(record: object) -> str | None:
-    """The key (`jsonl_input.line_key`) of the input line this output record answers."""
-    if not isinstance(record, dict):
-        return None
-    if record.get("custom_id") is not None:
-        return line_key(record["custom_id"], None, None)
-    if "id" in record:
-        return line_key(None, record["id"], record.get("line"))
-    return None
+@dataclass
+class Paths:
+    """Where a run writes, each path resolved once (a symlink to its target)."""
+
+    output: Path | None  # None: stdout
+    stream: bool  # the output is stdout, a device or a FIFO: streamed, never reordered or resumed
+    report_json: Path | None
+    trace: Path | None
+
+    @property
+    def resume(self) -> Path | None:
+        """The fingerprint file beside a regular output."""
+        return (
+            None
+            if self.output is None or self.stream
+            else self.output.with_name(self.output.name + RESUME_SUFFIX)
+        )
 
 
-def _key_of(line: bytes) -> str | None:
-    if not line.strip():
+def plan_paths(output: str | None, input_path: Path, report_json: Path | None, trace: Path | None) -> Paths:
+    """Resolve and check every output-side path before anything is opened or the model loads."""
+    if output == "-":
+        out, stream = None, True
+    else:
+        given = Path(output) if output else default_output_path(input_path)
+        out, stream = _resolve(given, "output file"), _is_stream(given)
+        if stream:
+            out = given  # a device or FIFO is opened by the name given (/dev/stdout is a link into /proc)
+    paths = Paths(
+        out, stream, *(_resolve(p, n) for p, n in ((report_json, "--report-json"), (trace, "--trace")))
+    )
+    named = [
+        ("output file", paths.output),
+        ("the output's fingerprint file", paths.resume),
+        ("--report-json file", paths.report_json),
+        ("--trace file", paths.trace),
+    ]
+    named = [(what, p) for what, p in named if p is not None]
+    for i, (what, path) in enumerate(named):
+        if _same(path, input_path):
+            raise OutputError(f"{what} {path} is the input file (the same file, through a link or not)")
+        for other, other_path in named[:i]:
+            if _same(path, other_path):
+                raise OutputError(f"{what} {path} is the same file as the {other}")
+    return paths
+
+
+def _resolve(path: Path | None, what: str) -> Path | None:
+    """``path`` with its symlinks resolved (writes go through to the target); fails early on a path
+    that cannot be written. Creates nothing."""
+    if path is None:
         return None
+    if _is_stream(path):
+        return path
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        raise OutputError(f"{what} {path} is a directory")
+    parent = real.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {what} {path}: directory {parent} does not exist")
+    if real.exists() and not os.access(real, os.W_OK):
+        raise OutputError(f"cannot write {what} {path}: permission denied")
+    if not real.exists() and not os.access(parent, os.W_OK):
+        raise OutputError(f"cannot write {what} {path}: directory {parent} is not writable")
+    return real
+
+
+def _is_stream(path: Path) -> bool:
     try:
-        return record_key(json.loads(line.decode("utf-8")))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+@dataclass
+class Done:
+    """What ``--resume`` finds in the output."""
+
+    keys: set[str]  # lines already answered
+    errors: int  # of them, error records
+    dropped: int  # unreadable lines removed (their input lines run again)
+    fingerprint: Fingerprint | None  # of the input part the earlier run had read (None: not kept)
+
+
+def _key_of(line: bytes) -> tuple[str | None, bool]:
+    """(key, is an error record) of one output line; key None when it is not a readable record."""
+    if not line.strip():
+        return None, False
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, False
+    key = record_key(record)
+    return key, key is not None and record.get("error") is not None  # both shapes: null when it succeeded
 
 
 class OutputFile:
     """The output of one run, opened and locked (nothing is truncated until `start`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume_path: Path | None = None) -> None:
         self.path = path
+        self.resume_path = resume_path
         self.written = 0  # records written by this run (each a full line in the file)
+        self.errors_written = 0
         self._unsynced = False
+        self._resume_fd: int | None = None
+        self._fingerprint: Fingerprint | None = None  # the one on disk
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+            )
         except OSError as e:
             raise OutputError(f"cannot write output file {path}: {e.strerror or e}") from None
         try:
@@ -83,34 +193,47 @@ class OutputFile:
                 f"output file {path} is locked by another pagedinfer run; wait for it to finish or use another -o"
             ) from None
         self._size = os.fstat(self._fd).st_size
+        self._remove_stale_temporaries()
 
-    def load_done(self) -> tuple[set[str], int]:
-        """For --resume: the keys already answered, and how many unreadable lines were dropped.
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files a killed reorder left (``.<name>.*.tmp``); safe: this run holds the lock
+        they were written under, and only our own regular files are removed, never a link."""
+        for leftover in self.path.parent.glob(f".{glob.escape(self.path.name)}.*.tmp"):
+            with contextlib.suppress(OSError):
+                info = os.lstat(leftover)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+                    os.unlink(leftover)
+
+    def load_done(self) -> Done:
+        """For --resume: the keys already answered, the input fingerprint kept with them.
 
         Records may be in any order. A torn or unreadable line (a crash mid-write, a corrupted
         block) is removed from the file, atomically, so that its input line runs again.
         """
         keys: set[str] = set()
-        dropped, rewrite = 0, False
+        dropped, errors, rewrite = 0, 0, False
         with open(self._fd, "rb", closefd=False) as f:
             f.seek(0)
             for raw in f:
-                key = _key_of(raw)
+                key, failed = _key_of(raw)
                 if key is None:
                     dropped += raw.strip() != b""
                     rewrite = True
                     continue
                 keys.add(key)
+                errors += failed
                 rewrite |= not raw.endswith(b"\n")  # a complete last record without its newline
         if rewrite:
-            self._rewrite(lambda raw: _key_of(raw) is not None)
-        return keys, dropped
+            self._rewrite(lambda raw: _key_of(raw)[0] is not None)
+        self._fingerprint = self._read_fingerprint()
+        return Done(keys, errors, dropped, self._fingerprint)
 
     def start(self, truncate: bool) -> None:
         """Begin writing: truncated for a fresh run, appended to for --resume."""
         if truncate:
             os.ftruncate(self._fd, 0)
             self._size = 0
+            self._fingerprint = None
 
     def write(self, record: dict, position: int | None = None) -> None:
         """One record as one full line, written now (durable at the next `sync`); any ``position``."""
@@ -126,15 +249,48 @@ class OutputFile:
                 raise OutputWriteError(f"cannot write output file {self.path}: {e.strerror or e}") from None
             self._size += len(data)
             self.written += 1
+            self.errors_written += record.get("error") is not None
             self._unsynced = True
 
-    def sync(self) -> None:
+    def sync(self, fingerprint: Fingerprint | None = None) -> None:
+        """Make the lines written durable; first keep ``fingerprint`` (what the run has read) beside them."""
+        known = self._fingerprint.size if self._fingerprint is not None else -1
+        if fingerprint is not None and self.resume_path is not None and fingerprint.size > known:
+            self._write_fingerprint(fingerprint)  # only ever grows: it covers every line answered
         if self._unsynced:
             try:
                 os.fsync(self._fd)
             except OSError as e:
                 raise OutputWriteError(f"cannot write output file {self.path}: {e.strerror or e}") from None
             self._unsynced = False
+
+    def _write_fingerprint(self, fingerprint: Fingerprint) -> None:
+        data = json.dumps(fingerprint.to_dict()).encode().ljust(_RESUME_BYTES - 1) + b"\n"
+        try:
+            if self._resume_fd is None:
+                self._resume_fd = os.open(
+                    self.resume_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+                )
+            os.pwrite(self._resume_fd, data, 0)  # one sector: never half old, half new
+            os.fsync(self._resume_fd)
+        except OSError as e:
+            raise OutputWriteError(f"cannot write {self.resume_path}: {e.strerror or e}") from None
+        self._fingerprint = fingerprint
+
+    def _read_fingerprint(self) -> Fingerprint | None:
+        if self.resume_path is None:
+            return None
+        try:
+            fd = os.open(self.resume_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            doc = json.loads(os.read(fd, _RESUME_BYTES))
+            return Fingerprint(int(doc["size"]), int(doc["lines"]), str(doc["sha256"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        finally:
+            os.close(fd)
 
     def reorder(self, rank: Callable[[str | None], int | None]) -> bool:
         """Rewrite the file in input order (``rank`` of each record's key), if it is not already.
@@ -148,7 +304,7 @@ class OutputFile:
             f.seek(0)
             pos = 0
             for raw in f:
-                r = rank(_key_of(raw))
+                r = rank(_key_of(raw)[0])
                 r = (1 << 62) + len(ranks) if r is None else r
                 offsets.append(pos)
                 ranks.append(r)
@@ -174,27 +330,36 @@ class OutputFile:
             self._replace(raw if raw.endswith(b"\n") else raw + b"\n" for raw in src if keep(raw))
 
     def _replace(self, lines) -> None:
-        """Write ``lines`` to a temporary file and rename it over the output; keep the lock on it."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        """Write ``lines`` to a new temporary file (created exclusively: a file or link planted at any
+        name is never followed) and rename it over the output; keep the lock on it."""
         try:
-            with open(tmp, "wb") as f:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        except OSError as e:
+            raise OutputWriteError(f"cannot rewrite output file {self.path}: {e.strerror or e}") from None
+        try:
+            with open(fd, "wb", closefd=False) as f:
                 for raw in lines:
                     f.write(raw)
                 f.flush()
-                os.fsync(f.fileno())
-            fd = os.open(tmp, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+                os.fsync(fd)
+            os.fchmod(fd, stat.S_IMODE(os.fstat(self._fd).st_mode))  # the output's own mode
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new inode: no other run can hold it yet
             os.replace(tmp, self.path)
         except OSError as e:
+            os.close(fd)
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(tmp)
             raise OutputWriteError(f"cannot rewrite output file {self.path}: {e.strerror or e}") from None
         except BaseException:
+            os.close(fd)
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(tmp)
             raise
         os.close(self._fd)
         self._fd = fd
+        os.lseek(fd, 0, os.SEEK_END)
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_APPEND)
         self._size = os.fstat(fd).st_size
         with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
             dir_fd = os.open(self.path.parent, os.O_RDONLY)
@@ -209,16 +374,30 @@ class OutputFile:
                 self.sync()
             os.close(self._fd)
             self._fd = None
+        if self._resume_fd is not None:
+            os.close(self._resume_fd)
+            self._resume_fd = None
 
 
-class StdoutOutput:
-    """``-o -``: records in input order on stdout; one that finishes early waits for the lines before it."""
+class StreamOutput:
+    """Stdout, a device or a FIFO: records in input order; one that finishes early waits for the lines
+    before it (at most the run's window of them)."""
 
-    written = 0
-
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.written = 0
+        self.errors_written = 0
         self.next = 0  # the first position without a written record
         self.held: dict[int, dict] = {}
+        self._fd: int | None = None
+        if path is None:
+            return
+        try:  # a FIFO without a reader: fail now rather than block
+            self._fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.set_blocking(self._fd, True)
+        except OSError as e:
+            why = "no process is reading it" if e.errno == errno.ENXIO else (e.strerror or str(e))
+            raise OutputError(f"cannot write output {path}: {why}") from None
 
     def write(self, record: dict, position: int) -> None:
         self.held[position] = record
@@ -226,7 +405,7 @@ class StdoutOutput:
             self._emit(self.held.pop(self.next))
             self.next += 1
 
-    def sync(self) -> None:
+    def sync(self, fingerprint: Fingerprint | None = None) -> None:
         """Nothing to do: each record is flushed as it is printed."""
 
     def flush_held(self) -> None:
@@ -235,9 +414,33 @@ class StdoutOutput:
             self._emit(self.held.pop(position))
 
     def _emit(self, record: dict) -> None:
-        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        data = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            if self._fd is None:
+                sys.stdout.write(data)
+                sys.stdout.flush()
+            else:
+                raw = data.encode("utf-8")
+                done = 0
+                while done < len(raw):
+                    done += os.write(self._fd, raw[done:])
+        except BrokenPipeError:
+            if self._fd is None:  # no "Exception ignored" when the interpreter flushes stdout at exit
+                with contextlib.suppress(OSError, AttributeError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise OutputClosed(f"the reader of the output closed it after {self.written} records") from None
+        except OSError as e:
+            raise OutputWriteError(
+                f"cannot write output {self.path or 'stdout'}: {e.strerror or e}"
+            ) from None
         self.written += 1
+        self.errors_written += record.get("error") is not None
+
+    def close(self) -> None:
+        if self.path is not None and self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
 
 @contextlib.contextmanager

@@ -261,3 +261,35 @@ def _chart(stats: EngineStats, console: Console) -> Text:
     if stats.steps > width:
         chart.append(f" ({stats.steps:,} steps, max per column)", style="dim")
     return chart
+
+
+def render_replicas(rows: list[dict], console: Console) -> None:
+    """The per-replica table printed under the (merged) memory report."""
+    table = Table(title="replicas", box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 1))
+    for name in (
+        "#",
+        "host:pid",
+        "device",
+        "requests",
+        "steps",
+        "peak blocks",
+        "tokens",
+        "tok/s",
+        "busy s",
+        "restarts",
+    ):
+        table.add_column(name, justify="left" if name in ("host:pid", "device") else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            str(r["replica"]),
+            f"{r['host']}:{r['pid']}",
+            r["device"],
+            f"{r['requests']:,}",
+            f"{r['steps']:,}",
+            f"{r['peak_blocks_used']:,} ({human_bytes(r['peak_kv_bytes'])})",
+            f"{r['generated_tokens']:,}",
+            f"{r['generated_tokens_per_s']:,.1f}",
+            f"{r['busy_s']:.2f}",
+            str(r["restarts"]),
+        )
+    console.print(table)

@@ -1,46 +1,48 @@
-"""One ``pagedinfer run``: validate, load the model, generate while streaming the input, write, report.
+"""One ``pagedinfer run``: read the input once, generate while streaming it, write, report.
 
-The input is read as a stream (memory does not grow with the number of lines), the engine is fed
-from a bounded window of pending requests, and every finished line is written to the (locked)
-output at once; the file is put in input order when the run completes. Exit codes (docs/cli.md):
+Each line is read, parsed (`lines.parse`), then prepared (tokenized and checked, `engine.intake`) and
+run only when the engine has room (`engine.loop`), so memory does not grow with the number of lines;
+every finished line is written to the (locked) output at once and the file is put in input order
+when the run completes. The model is loaded when the first line that can run is reached (a file of
+bad lines gets its error records without it). Exit codes (docs/cli.md):
 
-* 0 every line succeeded, 1 some lines failed (or ``--strict`` found bad lines),
-* 2 the invocation is unusable (bad file, output path, option or model; the output is locked),
+* 0 every line of the input has a success record, 1 some lines failed (this run or, with
+  ``--resume``, an earlier one), or ``--strict`` found bad lines,
+* 2 the invocation is unusable (bad file, path, option or model; the output is locked; ``--resume``
+  on an input that changed),
 * 74 writing the output failed (disk full, I/O error): the lines on disk are kept, ``--resume`` completes,
 * 130 / 143 / 129 stopped by SIGINT (Ctrl-C) / SIGTERM / SIGHUP: the current step finishes, every
   finished line is on disk, ``--resume`` completes the rest. A second signal stops at once.
+* 141 the output was a pipe whose reader went away (``-o - | head``): the run stops there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import itertools
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from pagedinfer.cli.jsonl_input import (
-    InputFile,
-    InputFileError,
-    LineError,
-    LineParser,
-    LineRequest,
-    parse_file,
-    read_lines,
-    scan_input,
-)
 from pagedinfer.cli.jsonl_output import (
+    OutputClosed,
     OutputError,
     OutputFile,
     OutputWriteError,
-    StdoutOutput,
-    default_output_path,
+    Paths,
+    StreamOutput,
+    plan_paths,
 )
+from pagedinfer.lines.line import LineError, LineRequest
+from pagedinfer.lines.parse import LineParser, parse_lines
+from pagedinfer.lines.source import InputFileError, InputLines
 
 EXIT_OK, EXIT_LINES_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 74
+EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # exit code 128 + the signal's number
 SHOW_REASONS = 10  # failed lines listed in the summary
 
@@ -88,9 +90,11 @@ class Outcome:
     failed_lines: list[int] = field(default_factory=list)
     shown: list[LineError] = field(default_factory=list)  # the failures with the lowest line numbers
     kept: int = 0  # records already in the output file when this run began (--resume)
+    kept_errors: int = 0  # of them, error records
     dropped: int = 0  # unreadable lines --resume removed from the output
     signal: int | None = None  # the signal that stopped the run
     write_error: str | None = None
+    closed: bool = False  # the output's reader went away
 
     def fail(self, error: LineError) -> None:
         self.failed += 1
@@ -103,7 +107,7 @@ class Outcome:
 class StopSignals:
     """SIGINT, SIGTERM and SIGHUP: during generation the first one finishes the current engine step
     (then everything finished is on disk and the report is printed); otherwise, or a second time,
-    the run stops at once."""
+    the run stops at once. `install` again takes them back from a library that replaced them (Ray)."""
 
     def __init__(self) -> None:
         self.requested: int | None = None
@@ -116,10 +120,14 @@ class StopSignals:
             return
         raise Stopped(signum)
 
-    def __enter__(self) -> StopSignals:
+    def install(self) -> None:
         with contextlib.suppress(ValueError):  # not the main thread: keep the default behaviour
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                self._previous.setdefault(sig, previous)
+
+    def __enter__(self) -> StopSignals:
+        self.install()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -154,77 +162,55 @@ class _Run:
         self.out = out if opts.output != "-" else err  # report and summary
         self.signals = StopSignals()
         self.outcome = Outcome()
-        self.output: OutputFile | StdoutOutput | None = None
-        self.out_path: Path | None = None
+        self.output: OutputFile | StreamOutput | None = None
+        self.paths: Paths | None = None
+        self.source: InputLines | None = None
         self.llm = None
+        self.parser: LineParser | None = None
 
     def close(self) -> None:
-        if isinstance(self.output, OutputFile):
+        if self.output is not None:
             self.output.close()
+        if self.source is not None:
+            self.source.close()
 
     def on_disk_words(self) -> str:
         if isinstance(self.output, OutputFile):
             n = self.outcome.kept + self.output.written
-            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(str(self.out_path))}"
-        if isinstance(self.output, StdoutOutput):
-            return f"{self.output.written} lines printed"
+            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(str(self.output.path))}"
+        if isinstance(self.output, StreamOutput):
+            return f"{self.output.written} lines written to {escape(str(self.output.path or 'stdout'))}"
         return "nothing was written"
 
     def execute(self) -> int:
         opts, outcome = self.opts, self.outcome
-        source = scan_input(opts.prompts)
-        outcome.lines = source.lines
         self._check_options()
-        self.out_path = _output_path(opts)
-        for extra in (opts.report_json, opts.trace):
-            if extra is not None:
-                _check_can_create(extra, opts.prompts, "file")
-
+        self.source = InputLines(opts.prompts)
+        self.paths = plan_paths(opts.output, opts.prompts, opts.report_json, opts.trace)
+        if opts.resume and self.paths.stream:
+            raise UsageError(f"--resume needs an output file, not {self.paths.output or 'stdout (-o -)'}")
+        if opts.trace is not None and opts.data_parallel:
+            raise UsageError("--trace records one engine; it cannot be used with --data-parallel")
         done: set[str] = set()
         if opts.resume:
             self._open_output()
-            done, outcome.dropped = self.output.load_done()
-            outcome.kept = len(done)
-            if not opts.quiet or outcome.dropped:
-                dropped = (
-                    f"; dropped {outcome.dropped} unreadable line{'s' if outcome.dropped != 1 else ''} "
-                    "(their input lines run again)"
-                    if outcome.dropped
-                    else ""
-                )
-                self.err.print(
-                    f"resume: {len(done)} records already in {escape(str(self.out_path))}{dropped}",
-                    soft_wrap=True,
-                )
-        if opts.strict:
-            items = parse_file(source, opts.sampling, opts.seed)
-            bad = [i for i in items if isinstance(i, LineError) and i.key not in done]
-            if bad:
-                return _strict_stop(bad, self.err, before="loading the model")
+            done = self._resume()
+        self.parser = LineParser(opts.sampling, opts.seed, openai_file=None)
+        if opts.strict and (code := self._strict(done)) is not None:
+            return code  # nothing written, nothing truncated
         if self.output is None:
             self._open_output()
-        runnable = any(
-            isinstance(i, LineRequest) and i.key not in done
-            for i in parse_file(source, opts.sampling, opts.seed)
-        )
-        if runnable and opts.data_parallel:
-            self.llm = _start_replicas(opts, self.err)  # the replicas resolve each line themselves
-            if opts.strict and (code := self._strict_check_replicas(source, done)) is not None:
-                return code
-        elif runnable:
-            self.llm = _load(opts, self.err)
-            if opts.strict and (code := self._strict_resolve(source, done)) is not None:
-                return code
         if isinstance(self.output, OutputFile):
             self.output.start(truncate=not opts.resume)
         try:
-            self._generate(source, done)
+            self._generate(done)
         finally:
             if opts.data_parallel and self.llm is not None:
                 self.llm.close()  # reads the replicas' figures, ends them, stops the Ray this run started
+        outcome.lines = self.source.count
         if outcome.signal is None and outcome.write_error is None and isinstance(self.output, OutputFile):
             try:
-                self.output.reorder(self._rank)
+                self.output.reorder(self.parser.first_line.get)  # each record's rank: its line number
             except OutputWriteError as e:
                 outcome.write_error = (
                     f"{e}; every line is on disk, out of input order: --resume puts it in order"
@@ -232,9 +218,11 @@ class _Run:
         self._finish()
         if outcome.signal is not None:
             return 128 + outcome.signal
+        if outcome.closed:
+            return EXIT_OUTPUT_CLOSED
         if outcome.write_error is not None:
             return EXIT_OUTPUT_FAILED
-        return EXIT_LINES_FAILED if outcome.failed else EXIT_OK
+        return EXIT_LINES_FAILED if outcome.failed or outcome.kept_errors else EXIT_OK
 
     def _check_options(self) -> None:
         from pagedinfer.config import EngineConfig
@@ -244,7 +232,7 @@ class _Run:
         try:
             SamplingParams(**sampling)
             if self.opts.sampling.get("beam_width"):
-                BeamSearchParams(self.opts.sampling["beam_width"], sampling.get("max_tokens", 16))
+                BeamSearchParams(self.opts.sampling["beam_width"], sampling.get("max_tokens") or 16)
         except ValueError as e:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
@@ -257,158 +245,193 @@ class _Run:
             raise UsageError("--max-model-len must be >= 1")
 
     def _open_output(self) -> None:
-        self.output = OutputFile(self.out_path) if self.out_path is not None else StdoutOutput()
+        paths = self.paths
+        self.output = StreamOutput(paths.output) if paths.stream else OutputFile(paths.output, paths.resume)
 
-    def _strict_resolve(self, source: InputFile, done: set[str]) -> int | None:
-        """--strict: tokenize and check every line before generating anything (nothing is kept)."""
-        from pagedinfer.cli.resolve import resolve
+    def _resume(self) -> set[str]:
+        """--resume: what the output already answers; refuse an input that changed since."""
+        found = self.output.load_done()
+        if found.fingerprint is not None and (why := self.source.check_fingerprint(found.fingerprint)):
+            raise UsageError(
+                f"--resume: input file {self.opts.prompts} changed since {self.paths.output} was written ({why}); "
+                "restore it, or run without --resume to start over"
+            )
+        outcome = self.outcome
+        outcome.kept, outcome.kept_errors, outcome.dropped = len(found.keys), found.errors, found.dropped
+        if not self.opts.quiet or found.dropped or (found.fingerprint is None and found.keys):
+            words = [f"resume: {len(found.keys)} records already in {escape(str(self.paths.output))}"]
+            if found.dropped:
+                s = "s" if found.dropped != 1 else ""
+                words.append(f"dropped {found.dropped} unreadable line{s} (their input lines run again)")
+            if found.fingerprint is None and found.keys:
+                words.append(
+                    f"no {self.paths.resume.name} beside it, so the input cannot be checked unchanged"
+                )
+            self.err.print("; ".join(words), soft_wrap=True)
+        return found.keys
 
-        bad = []
-        for item in parse_file(source, self.opts.sampling, self.opts.seed):
-            if isinstance(item, LineRequest) and item.key not in done:
-                res = resolve(item, self.llm.engine)
-                if isinstance(res, LineError):
-                    bad.append(res)
+    def _strict(self, done: set[str]) -> int | None:
+        """--strict: check every line without the model, then with it, before generating anything
+        (three reads of the input: the checks keep nothing in memory)."""
+        bad = [i for i in self._parsed(done) if isinstance(i, LineError)]
+        if bad:
+            return _strict_stop(bad, self.err, before="loading the model")
+        self.source.rewind()
+        requests = (i for i in self._parsed(done) if isinstance(i, LineRequest))
+        first = next(requests, None)
+        if first is not None:
+            self._load()
+            bad = self._strict_with_model(itertools.chain([first], requests))
+        self.source.rewind()
         return _strict_stop(bad, self.err, before="generating") if bad else None
 
-    def _strict_check_replicas(self, source: InputFile, done: set[str]) -> int | None:
-        """--strict with --data-parallel: the replicas check every line before any runs."""
-        rows = [
-            (pos, item)
-            for pos, item in enumerate(parse_file(source, self.opts.sampling, self.opts.seed))
-            if isinstance(item, LineRequest) and item.key not in done
-        ]
-        bad = [failure for _, failure in self.llm.check(rows)]
-        if bad:
-            self.llm.close()
-            return _strict_stop(bad, self.err, before="generating")
-        return None
+    def _parsed(self, done: set[str]) -> Iterator[LineRequest | LineError]:
+        return (
+            item
+            for item in parse_lines(self.source, self.opts.sampling, self.opts.seed)
+            if item.key not in done
+        )
 
-    def _rank(self, key: str | None) -> int | None:
-        return self._first_line.get(key) if key is not None else None
+    def _strict_with_model(self, requests: Iterator[LineRequest]) -> list[LineError]:
+        if self.opts.data_parallel:
+            bad = [failure for _, failure in self.llm.check(list(enumerate(requests)))]
+            if bad:
+                self.llm.close()
+            return bad
+        from pagedinfer.engine.intake import Rejected, prepare
+
+        engine = self.llm.engine
+        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id))) for i in requests)
+        return [i.failed(p.reason) for i, p in checked if isinstance(p, Rejected)]
 
     # -- generation -----------------------------------------------------------------------------------
-    def _generate(self, source: InputFile, done: set[str]) -> None:
+    def _items(self, done: set[str], progress) -> Iterator[tuple[int, LineRequest]]:
+        """The lines that run, in order: read once, parsed once; error records and done lines handled here."""
+        for position, (number, text) in enumerate(self.source):
+            if self.signals.requested is not None:
+                raise Interrupted
+            item = self.parser.parse(number, text)
+            if item.key in done:
+                self.outcome.skipped += 1
+                progress.advance()
+            elif isinstance(item, LineError):
+                self._fail(item, position, progress)
+            else:
+                yield position, item
+
+    def _fail(self, error: LineError, position: int, progress) -> None:
+        from pagedinfer.lines.records import error_record
+
+        self.outcome.fail(error)
+        self.output.write(error_record(error), position)
+        progress.advance()
+
+    def _generate(self, done: set[str]) -> None:
         from pagedinfer.cli.progress import RunProgress
-        from pagedinfer.cli.records import TokenText, error_record, success_record
-        from pagedinfer.cli.resolve import resolve
 
-        opts, outcome, output, llm = self.opts, self.outcome, self.output, self.llm
-        parser = LineParser(opts.sampling, opts.seed, source.openai)
-        self._first_line = parser.first_line
-        pending: dict[int, tuple[object, int]] = {}  # engine index -> (Resolved, output position)
-        show = self.err.is_terminal and not opts.quiet
-        progress = RunProgress(self.err, source.lines, show)
-
-        def fail(error: LineError, position: int) -> None:
-            outcome.fail(error)
-            output.write(error_record(error), position)
-            progress.advance()
-
-        def jobs():
-            """Each runnable line in turn, read, checked and tokenized only when the engine has room."""
-            for position, (number, text) in enumerate(read_lines(source.path)):
-                if self.signals.requested is not None:
-                    raise Interrupted
-                item = parser.parse(number, text)
-                if item.key in done:
-                    outcome.skipped += 1
-                    progress.advance()
-                    continue
-                res = resolve(item, llm.engine) if isinstance(item, LineRequest) else item
-                if isinstance(res, LineError):
-                    fail(res, position)
-                    continue
-                pending[self._fed] = (res, position)  # the engine numbers the requests it reads 0, 1, ...
-                self._fed += 1
-                yield res.engine_prompt, res.item.params, str(res.item.id)
-
-        self._fed = 0
-        self.signals.generating = True
+        opts, outcome = self.opts, self.outcome
+        progress = RunProgress(self.err, self.source, self.err.is_terminal and not opts.quiet)
         try:
             with progress:
-                if llm is None:  # no line can run: only error records to write
-                    for _ in jobs():
-                        raise AssertionError("a runnable line without a model")
-                    return
-                if opts.data_parallel:  # pagedinfer/ray: the replicas resolve, run and build the records
-                    self._generate_data_parallel(parser, source, done, progress, fail)
-                    return
-                token_text = TokenText(llm.tokenizer)
-                model_name = opts.model or "pagedinfer-demo"
-                if opts.trace is not None:
-                    llm.engine.enable_trace()
-
-                def on_step(engine) -> None:
-                    progress.on_step(engine)
-                    if self.signals.requested is not None:
-                        raise Interrupted
-
-                stream = llm.stream(jobs(), on_step=on_step, before_step=output.sync)
-                try:
-                    for index, result in stream:
-                        res, position = pending.pop(index)
-                        if result.error:
-                            fail(_failure(res.item, result.error), position)
-                            continue
-                        try:
-                            record = success_record(res, result, token_text, model_name)
-                        except Exception as e:  # noqa: BLE001 - one line's bad output must not end the run
-                            fail(
-                                _failure(res.item, f"could not build the output: {type(e).__name__}: {e}"),
-                                position,
-                            )
-                            continue
-                        outcome.ok += 1
-                        output.write(record, position)
-                        progress.advance()
-                finally:
-                    stream.close()  # the engine drops unfinished requests and frees their blocks
+                items = self._items(done, progress)
+                first = next(items, None)  # the error records of the lines before it are written meanwhile
+                if first is not None:
+                    if self.llm is None:
+                        self._load()
+                    self.signals.generating = True
+                    rows = itertools.chain([first], items)
+                    if opts.data_parallel:
+                        self._run_replicas(rows, progress)
+                    else:
+                        self._run_engine(rows, progress)
         except Interrupted:
             outcome.signal = self.signals.requested
+        except OutputClosed as e:
+            outcome.closed, outcome.write_error = True, str(e)
         except OutputWriteError as e:
             outcome.write_error = str(e)
         finally:
             self.signals.generating = False
-        if isinstance(output, StdoutOutput):
-            output.flush_held()  # interrupted: records that finished ahead of an earlier line
+        if isinstance(self.output, StreamOutput):
+            with contextlib.suppress(OutputWriteError):
+                self.output.flush_held()  # interrupted: records that finished ahead of an earlier line
         else:
             try:
-                output.sync()
+                self.output.sync(self.source.fingerprint())
             except OutputWriteError as e:
                 outcome.write_error = outcome.write_error or str(e)
 
-    def _generate_data_parallel(self, parser, source: InputFile, done: set[str], progress, fail) -> None:
-        """``_generate`` for ``--data-parallel``: each line's record or error as a replica returns it."""
-        engines, outcome = self.llm, self.outcome
+    def _run_engine(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
+        """The lines through `LLM.stream` (the one generation loop), each written as it finishes."""
+        from pagedinfer.lines.records import TokenText, success_record
 
-        def rows():
-            for position, (number, text) in enumerate(read_lines(source.path)):
-                item = parser.parse(number, text)
-                if item.key in done:
-                    outcome.skipped += 1
-                    progress.advance()
-                elif isinstance(item, LineError):
-                    fail(item, position)
-                else:
-                    yield position, item
+        llm, output, outcome = self.llm, self.output, self.outcome
+        token_text = TokenText(llm.tokenizer)
+        model_name = self.opts.model or "pagedinfer-demo"
+        if self.opts.trace is not None:
+            llm.engine.enable_trace()
+        pending: dict[int, tuple[LineRequest, int]] = {}  # LLM.stream's index -> (line, output position)
+
+        def requests():
+            for index, (position, item) in enumerate(rows):
+                pending[index] = (item, position)
+                yield item.prompt, item.params, str(item.id)
+
+        def on_step(engine) -> None:
+            progress.on_step(engine)
+            if self.signals.requested is not None:
+                raise Interrupted
+
+        stream = llm.stream(
+            requests(), on_step=on_step, before_step=lambda: output.sync(self.source.fingerprint())
+        )
+        try:
+            for index, result in stream:
+                item, position = pending.pop(index)
+                if result.error:
+                    self._fail(item.failed(result.error), position, progress)
+                    continue
+                try:
+                    record = success_record(item, result, token_text, model_name)
+                except Exception as e:  # noqa: BLE001 - one line's bad output must not end the run
+                    self._fail(
+                        item.failed(f"could not build the output: {type(e).__name__}: {e}"),
+                        position,
+                        progress,
+                    )
+                    continue
+                outcome.ok += 1
+                output.write(record, position)
+                progress.advance()
+        finally:
+            stream.close()  # the engine drops unfinished requests and frees their blocks
+
+    def _run_replicas(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
+        """``--data-parallel``: each line's record or error as a replica returns it."""
+        engines, outcome = self.llm, self.outcome
 
         def on_progress(samples: int) -> None:  # after every replica reply
             progress.on_step(engines.progress)
             if self.signals.requested is not None:
                 raise Interrupted
 
-        stream = engines.run(rows(), on_progress)
+        stream = engines.run(rows, on_progress)
         try:
             for position, result in stream:
                 if isinstance(result, LineError):
-                    fail(result, position)
+                    self._fail(result, position, progress)
                 else:
                     outcome.ok += 1
                     self.output.write(result, position)
                     progress.advance()
         finally:
             stream.close()
+
+    def _load(self) -> None:
+        self.llm = (
+            _start_replicas(self.opts, self.err) if self.opts.data_parallel else _load(self.opts, self.err)
+        )
+        self.signals.install()  # Ray's driver takes SIGTERM for itself: the run keeps its own handling
 
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -419,58 +442,29 @@ class _Run:
         if stats is not None and (opts.report if opts.report is not None else not opts.quiet):
             report.render(stats, self.out)
             if opts.data_parallel:
-                llm.render_replicas(self.out)
+                report.render_replicas(llm.replica_rows(), self.out)
         if opts.report_json is not None:
             import json
 
-            doc = report.report_dict(stats, _run_summary(opts, outcome, self.out_path))
+            doc = report.report_dict(stats, _run_summary(opts, outcome, self.paths))
             if opts.data_parallel and llm is not None:
                 doc["data_parallel"] = llm.report_dict()
-            opts.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            self.paths.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         if opts.trace is not None and llm is not None:
             from pagedinfer.cli.blocks_view import save_trace
 
-            save_trace(opts.trace, llm.engine)
-        _summary(outcome, self.out_path, stats, self.out, self.on_disk_words())
+            save_trace(self.paths.trace, llm.engine)
+        where = str(self.paths.output) if self.paths.output is not None else "stdout"
+        _summary(outcome, where, stats, self.out, self.on_disk_words())
         if outcome.write_error is not None:
             left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+            tail = "; make room and run again with --resume" if isinstance(self.output, OutputFile) else ""
             self.err.print(
-                f"[bold red]error:[/] {escape(outcome.write_error)}; {self.on_disk_words()}"
-                + (f", {left} not run" if left else "")
-                + "; make room and run again with --resume",
+                f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
+                f"{self.on_disk_words()}" + (f", {left} not run" if left else "") + tail,
                 highlight=False,
                 soft_wrap=True,
             )
-
-
-def _failure(item: LineRequest, reason: str) -> LineError:
-    return LineError(item.line, item.key, item.id, reason, item.openai, item.openai is not None)
-
-
-# -- steps --------------------------------------------------------------------------------------------
-def _output_path(opts: RunOptions) -> Path | None:
-    if opts.output == "-":
-        if opts.resume:
-            raise UsageError("--resume needs an output file, not stdout (-o -)")
-        return None
-    path = Path(opts.output) if opts.output else default_output_path(opts.prompts)
-    _check_can_create(path, opts.prompts, "output file")
-    return path
-
-
-def _check_can_create(path: Path, input_path: Path, what: str) -> None:
-    """Fail early (before the model loads) on a path that cannot be written; creates nothing."""
-    if path.exists() and input_path.exists() and os.path.samefile(path, input_path):
-        raise OutputError(f"{what} {path} is the input file (the same file, through a link or not)")
-    if path.is_dir():
-        raise OutputError(f"{what} {path} is a directory")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"cannot write {what} {path}: directory {parent} does not exist")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise OutputError(f"cannot write {what} {path}: permission denied")
-    if not path.exists() and not os.access(parent, os.W_OK):
-        raise OutputError(f"cannot write {what} {path}: directory {parent} is not writable")
 
 
 def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
@@ -525,8 +519,6 @@ def _start_replicas(opts: RunOptions, err: Console):
     """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``)."""
     from pagedinfer.ray.driver import DataParallelEngines, RayUnavailable, ReplicaSpec
 
-    if opts.trace is not None:
-        raise UsageError("--trace records one engine; it cannot be used with --data-parallel")
     spec = ReplicaSpec(
         opts.model,
         opts.engine,
@@ -544,10 +536,10 @@ def _start_replicas(opts: RunOptions, err: Console):
             raise UsageError(str(e)) from None
 
 
-def _run_summary(opts: RunOptions, outcome: Outcome, out_path: Path | None) -> dict:
+def _run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
     return {
         "input": str(opts.prompts),
-        "output": str(out_path) if out_path is not None else "-",
+        "output": str(paths.output) if paths.output is not None else "-",
         "model": opts.model or "pagedinfer-demo",
         "lines": outcome.lines,
         "skipped": outcome.skipped,
@@ -558,8 +550,7 @@ def _run_summary(opts: RunOptions, outcome: Outcome, out_path: Path | None) -> d
     }
 
 
-def _summary(outcome: Outcome, out_path: Path | None, stats, console: Console, on_disk: str) -> None:
-    where = str(out_path) if out_path is not None else "stdout"
+def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str) -> None:
     failed = sorted(outcome.shown, key=lambda e: e.line)[:SHOW_REASONS]
     parts = [f"[green]{outcome.ok} ok[/]"]
     if outcome.failed:
@@ -567,10 +558,12 @@ def _summary(outcome: Outcome, out_path: Path | None, stats, console: Console, o
         shown = ", ".join(str(n) for n in lines[:SHOW_REASONS]) + (", …" if len(lines) > SHOW_REASONS else "")
         parts.append(f"[red]{outcome.failed} failed[/] (line{'s' if outcome.failed > 1 else ''} {shown})")
     if outcome.skipped:
-        parts.append(f"{outcome.skipped} already done (--resume)")
+        earlier = f", {outcome.kept_errors} of them error records" if outcome.kept_errors else ""
+        parts.append(f"{outcome.skipped} already done (--resume{earlier})")
     tail = ""
     if stats is not None and stats.steps:
-        tail = f" · {stats.generated_tokens:,} tokens generated in {stats.wall_time_s:.2f} s"
+        tokens = stats.generated_tokens
+        tail = f" · {tokens:,} token{'s' if tokens != 1 else ''} generated in {stats.wall_time_s:.2f} s"
     console.print(
         f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(where)}: "
         + ", ".join(parts)

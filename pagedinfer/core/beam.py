@@ -13,7 +13,7 @@ The rules are transformers' (``GenerationMixin._beam_search``), on plain lists, 
   finished, or when the best running beam cannot beat the worst finished one (scored at its current
   length, or at ``max_tokens`` for ``early_stopping == "never"`` with a positive length penalty).
 
-Which physical blocks the beams share is the scheduler's business (``Scheduler.advance_beams``).
+Which physical blocks the beams share is the scheduler's business (``Scheduler._step_beams``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import Candidate
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
@@ -87,7 +88,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        schedule_policy: Literal["fcfs", "lpm"] = "fcfs",
+        schedule_policy: Literal["fcfs", "lpm"] = EngineConfig.schedule_policy,
     ) -> None:
         self.pool = pool
         self.schedule_policy = schedule_policy
@@ -152,6 +153,7 @@ class Scheduler:
         for req in [*self.running, *self.waiting]:
             self._finish(req)
         self.waiting.clear()
+        self._failed.clear()
 
     # -- before the forward pass ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -14,16 +14,17 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
-from pagedinfer.core.sequence import Request, SampleState
+from pagedinfer.core.sequence import Request, RequestState, SampleState
 from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
+from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, sample
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import sample_seed
 
 
@@ -55,6 +56,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.vocab_size: int = loaded.model.get_input_embeddings().num_embeddings
         kv_dtype = config.kv_dtype(loaded.dtype)  # [the pool's dtype]
         per_block = bytes_per_token(loaded.layer_shapes, kv_dtype) * config.block_size
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
@@ -143,43 +145,6 @@ class LLMEngine:
         self.pool.events = []
 
     # -- requests ---------------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self.loaded.model.get_input_embeddings().num_embeddings
-
-    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """A prompt string, or ``{"prompt_token_ids": [...]}`` -> (text, token ids). Raises ValueError."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                vocab = self.vocab_size
-                if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
-                    raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-                text = prompt.get("prompt")
-                if text is not None and (not isinstance(text, str) or unicode_error(text)):
-                    raise ValueError("the prompt text must be a valid Unicode string")
-                return text, list(ids)
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a string or a dict, not {type(prompt).__name__}")
-        if (why := unicode_error(prompt)) is not None:
-            raise ValueError(f"the prompt {why}")
-        if self.loaded.tokenizer is None:
-            raise ValueError(f"model {self.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
-        self.check_text_length(prompt)
-        return prompt, self.loaded.tokenizer(prompt)["input_ids"]
-
-    def check_text_length(self, text: str) -> None:
-        """Refuse, without tokenizing it, a text too long for the context whatever its tokens."""
-        if len(text) > self.max_prompt_chars:
-            raise ValueError(
-                f"the prompt has {len(text):,} characters: more than the model's context of "
-                f"{self.max_model_len} tokens can hold (checked before tokenizing)"
-            )
-
     @functools.cached_property
     def max_prompt_chars(self) -> int:
         """A text longer than this cannot fit the context: no token spans more characters than the
@@ -189,8 +154,9 @@ class LLMEngine:
         longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
         return self.max_model_len * max(longest, 1)
 
-    def params_error(self, params: SamplingParams) -> str | None:
-        """Why ``params`` cannot run on this model (checks `SamplingParams` cannot make alone)."""
+    def params_error(self, params: SamplingParams | BeamSearchParams) -> str | None:
+        """Why ``params`` cannot run on this model (the checks `SamplingParams` cannot make alone);
+        intake calls it once per request."""
         vocab = self.vocab_size
         logprobs = getattr(params, "logprobs", None)  # BeamSearchParams have none
         if logprobs is not None and logprobs > vocab:
@@ -199,74 +165,47 @@ class LLMEngine:
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
         return None
 
-    def add_request(
-        self,
-        prompt: str | dict,
-        params: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        order: int | None = None,
-    ) -> Request:
-        """Queue a request; one that can never run comes back already finished with ``error`` set.
+    def draw_seed(self) -> int:
+        """The base seed of a request that gives none: the next of the engine's seeded stream."""
+        return self._seeds.getrandbits(62)
 
-        With `BeamSearchParams` the request runs ``beam_width`` beams (greedy, no stop strings).
-        Any exception while tokenizing fails this request alone (its ``error`` names the reason).
+    def add_request(self, prepared: EngineRequest | Rejected, order: int) -> Request:
+        """Queue a request intake prepared (`engine.intake.prepare`), as it is: nothing is checked again.
+
+        A `Rejected` one comes back already finished with ``error`` set. ``order`` numbers the
+        request for its caller (outputs are matched back by it).
         """
-        try:
-            text, ids = self.tokenize(prompt)
-            error = self.params_error(params)
-        except ValueError as e:
-            text, ids, error = None, [], str(e) or type(e).__name__
-        except Exception as e:  # noqa: BLE001 - a tokenizer bug on one prompt must not end the others
-            text, ids, error = None, [], f"tokenizing failed: {type(e).__name__}: {e}"
-        order = self._next_id if order is None else order
-        self._next_id += 1
-        error = error or self.request_error(ids, params)
-        beam = None
-        if isinstance(params, BeamSearchParams):
-            beam, params = (
-                params,
-                SamplingParams(
-                    n=params.beam_width,
-                    temperature=0,
-                    max_tokens=params.max_tokens,
-                    ignore_eos=params.ignore_eos,
-                    stop_token_ids=params.stop_token_ids,
-                ),
+        self.stats.requests += 1
+        if isinstance(prepared, Rejected):
+            self.stats.failed_requests += 1
+            req = Request(
+                prepared.request_id, order, prepared.prompt, prepared.prompt_token_ids, SamplingParams(), 0
             )
+            req.error = prepared.reason
+            req.state = RequestState.FINISHED
+            if isinstance(b := prepared.params, BeamSearchParams):  # answered as a beam search
+                req.beam = BeamSearch(b.beam_width, 0, b.length_penalty, b.early_stopping, frozenset())
+            return req
+        params = prepared.params
         req = Request(
-            request_id=str(order if request_id is None else request_id),
+            request_id=prepared.request_id,
             order=order,
-            prompt=text,
-            prompt_token_ids=ids,
+            prompt=prepared.prompt,
+            prompt_token_ids=prepared.prompt_token_ids,
             params=params,
-            max_tokens=self._max_tokens(ids, params),
+            max_tokens=prepared.max_tokens,
         )
-        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        req.sample_state = self._sample_state(req, base_seed)
-        req.error = error
-        if beam is not None:
+        req.sample_state = self._sample_state(req, prepared.seed)
+        if (beam := prepared.beam) is not None:
             stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
             req.beam = BeamSearch(
                 beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
             )
-        self.stats.requests += 1
-        if req.error:
-            self.stats.failed_requests += 1
-        else:
-            self.stats.prompt_tokens += req.num_prompt_tokens
-            self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
-            self.stats.samples += params.n
-            self.scheduler.add(req)
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
+        self.stats.samples += params.n
+        self.scheduler.add(req)
         return req
-
-    def _max_tokens(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> int:
-        return min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
-
-    def request_error(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> str | None:
-        """Why a prompt of these tokens can never run on this model and pool (None if it can)."""
-        max_tokens = self._max_tokens(token_ids, params)
-        beam = isinstance(params, BeamSearchParams)
-        return self.scheduler.rejection_reason(len(token_ids), params.n, max_tokens, beam)
 
     def _sample_state(self, req: Request, base_seed: int) -> SampleState:
         """Sample ``i``'s random source and detokenizer, made when the scheduler creates the sample."""
@@ -316,7 +255,7 @@ class LLMEngine:
         return finished
 
     def _sample(self, logits: torch.Tensor, targets: list[SampleTarget]) -> SampleResult:
-        """One token per target; a request whose rows cannot be sampled fails alone."""
+        """One token per target (a step that raises here is isolated by the generation loop)."""
         rows = [t.row for t in targets]
         if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
             logits = logits[torch.tensor(rows, device=logits.device)]  # [len(targets), V]
@@ -324,22 +263,7 @@ class LLMEngine:
             SampleRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
             for s in (t.seq for t in targets)
         ]
-        try:
-            return sample(logits, inputs, self.loaded.eos_token_ids)
-        except Exception:  # find the rows that fail alone; the others are drawn again one by one
-            result = SampleResult([], [], [])
-            for i, row in enumerate(inputs):
-                try:
-                    one = sample(logits[i : i + 1].clone(), [row], self.loaded.eos_token_ids)
-                except Exception as exc:
-                    self.scheduler.fail(
-                        targets[i].seq.request, f"sampling failed: {type(exc).__name__}: {exc}"
-                    )
-                    one = SampleResult([-1], [None], [None])  # skipped by update: the request is finished
-                result.token_ids += one.token_ids
-                result.logprobs += one.logprobs
-                result.top += one.top
-            return result
+        return sample(logits, inputs, self.loaded.eos_token_ids)
 
     @staticmethod
     def _beam_candidates(logits: torch.Tensor, targets: list[SampleTarget]) -> dict[Request, list[Candidate]]:

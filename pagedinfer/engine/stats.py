@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedinfer.config import PoolSize
+from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.scheduler import SchedulerCounters
 
 
@@ -25,7 +25,7 @@ class EngineStats:
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     kv_cache_dtype: str = ""  # the pool's: the model's dtype, or 16-bit under float32 (--kv-cache-dtype)
     prefix_caching: bool = True
-    schedule_policy: str = "lpm"  # the scheduler's admission order
+    schedule_policy: str = EngineConfig.schedule_policy  # the scheduler's admission order
     # CUDA graphs for decode steps: what ran ("on: ...", "off: why"), the capture time at startup,
     # and how many of this run's steps replayed a graph
     cuda_graphs: str = ""

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from pagedinfer import envs
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
@@ -131,7 +131,7 @@ class DecodeStep:
         activations' dtype or 16-bit under float32, shapes within the decode kernel's limits (the step
         library holds its own copies of the decode kernel and the chains)."""
         lib = _library()
-        if os.environ.get("PAGEDINFER_DECODE_STEP", "1") == "0" or lib is None:
+        if not envs.decode_step() or lib is None:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
+
+from pagedinfer import envs
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt(3) parameters
 MMAP_BYTES = 32 << 20  # allocations below this come from the heap (glibc's upper limit for it)
@@ -25,7 +26,7 @@ TOP_PAD_BYTES = 32 << 20  # each heap growth asks the OS for this much more than
 @functools.cache
 def keep_freed_memory() -> bool:
     """Apply the settings once per process; False where there is no glibc ``mallopt`` or it is turned off."""
-    if os.environ.get("PAGEDINFER_MALLOC_TUNING", "1") == "0":
+    if not envs.malloc_tuning():
         return False
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None

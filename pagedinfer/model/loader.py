@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from pagedinfer import envs
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.model import gguf, llama, packed_linear
@@ -142,10 +143,8 @@ def load_model(
         raise ModelLoadError(
             "quantization int8 needs the CPU panel kernel, which did not build (no C compiler?)"
         )
-    if quantization or (
-        os.environ.get("PAGEDINFER_PACK_WEIGHTS", "1") != "0" and packed_linear.can_pack(model)
-    ):
-        gemm = os.environ.get("PAGEDINFER_CPU_GEMM", "auto")  # panels, onednn, else chosen per CPU
+    if quantization or (envs.pack_weights() and packed_linear.can_pack(model)):
+        gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU
         packed_linear.pack_linears(  # int8: every linear, however small (the run says int8)
             model,
             min_weights=0 if quantization else None,

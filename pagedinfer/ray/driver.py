@@ -14,16 +14,18 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from pagedinfer.cli.jsonl_input import LineError, LineRequest
+from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.ray.actor import EngineReplica, Live, Row
 
 PUMP_S = 0.25  # engine time per pump call: short enough for a live progress bar and quick top-ups
 MAX_ATTEMPTS = 3  # a row held by a replica that died this many times gets an error record
+CONNECT_TIMEOUT_S = 5.0  # how long --ray-address may take to answer
 
 
 class RayUnavailable(Exception):
@@ -50,6 +52,18 @@ def import_ray(command: str):
     except ImportError:
         raise RayUnavailable(f"{command} needs Ray: pip install 'pagedinfer[ray]'") from None
     return ray
+
+
+def _check_reachable(address: str) -> None:
+    """Fail within `CONNECT_TIMEOUT_S` when nothing listens at ``host:port`` (Ray itself retries for minutes)."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if target == "auto" or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise RayUnavailable(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def cpu_share(cpus: float, replicas: int) -> float:
@@ -101,6 +115,8 @@ class DataParallelEngines:
             }
             if spec.address is None:
                 kwargs["num_cpus"] = os.cpu_count() or 1
+            else:
+                _check_reachable(spec.address)
             try:
                 ray.init(address=spec.address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
@@ -247,8 +263,7 @@ class DataParallelEngines:
         for pos, item in sorted(rows.items()):
             attempts[pos] = attempts.get(pos, 0) + 1
             if attempts[pos] >= MAX_ATTEMPTS:
-                reason = f"the replica running this line died {attempts[pos]} times"
-                error = LineError(item.line, item.key, item.id, reason, item.openai, item.openai is not None)
+                error = item.failed(f"the replica running this line died {attempts[pos]} times")
                 failed.append((pos, error, item.params.n))
             else:
                 again.append((pos, item))
@@ -287,11 +302,10 @@ class DataParallelEngines:
         self._collect()
         return self._stats  # None when the replicas were lost before their figures were read
 
-    def render_replicas(self, console) -> None:
-        from pagedinfer.ray.stats import render_replicas
-
+    def replica_rows(self) -> list[dict]:
+        """One row of figures per replica (the report's replica table)."""
         self._collect()
-        render_replicas(self.replicas, console)
+        return self.replicas
 
     def report_dict(self) -> dict:
         """``--report-json``'s ``data_parallel`` section."""

@@ -3,10 +3,11 @@
 Named after vLLM's ``ray.data.llm`` processors (``model``, ``engine_kwargs``, ``concurrency``,
 ``batch_size``, ``accelerator_type``, ``runtime_env``, ``should_continue_on_error``). Each row is a
 request in the CLI's plain-line form (``prompt`` / ``messages`` / ``prompt_token_ids``, optional
-``id`` and sampling fields; other columns pass through untouched) and is validated by the CLI's own
-parser, so a row means what the same JSONL line means, seed included. Every input row comes out,
-with its output columns or, under ``should_continue_on_error``, its ``error``; otherwise the first
-bad row fails the job with its reason. Rows are never dropped.
+``id`` and sampling fields; other columns pass through untouched) and is validated by the line
+parser ``pagedinfer run`` uses (`lines.parse`), so a row means what the same JSONL line means, seed
+included. Every input row comes out, with its output columns or, under
+``should_continue_on_error``, its ``error``; otherwise the first bad row fails the job with its
+reason. Rows are never dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedinfer.cli.jsonl_input import PLAIN_FIELDS, LineError, LineParser, LineRequest
+from pagedinfer.lines.line import LineError, LineRequest
+from pagedinfer.lines.parse import PLAIN_FIELDS, LineParser
 from pagedinfer.ray.driver import cpu_share
 
 OUTPUT_COLUMNS = (

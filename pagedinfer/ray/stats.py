@@ -11,10 +11,6 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from itertools import zip_longest
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
 from pagedinfer.core.scheduler import SchedulerCounters
 from pagedinfer.engine.stats import EngineStats
 
@@ -92,37 +88,3 @@ def replica_rows(replicas: list[EngineStats], infos: list[dict], restarts: list[
             }
         )
     return rows
-
-
-def render_replicas(rows: list[dict], console: Console) -> None:
-    """The per-replica table printed under the (merged) memory report."""
-    from pagedinfer.cli.report import human_bytes
-
-    table = Table(title="replicas", box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 1))
-    for name in (
-        "#",
-        "host:pid",
-        "device",
-        "requests",
-        "steps",
-        "peak blocks",
-        "tokens",
-        "tok/s",
-        "busy s",
-        "restarts",
-    ):
-        table.add_column(name, justify="left" if name in ("host:pid", "device") else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            str(r["replica"]),
-            f"{r['host']}:{r['pid']}",
-            r["device"],
-            f"{r['requests']:,}",
-            f"{r['steps']:,}",
-            f"{r['peak_blocks_used']:,} ({human_bytes(r['peak_kv_bytes'])})",
-            f"{r['generated_tokens']:,}",
-            f"{r['generated_tokens_per_s']:,.1f}",
-            f"{r['busy_s']:.2f}",
-            str(r["restarts"]),
-        )
-    console.print(table)

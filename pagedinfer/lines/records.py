@@ -2,7 +2,9 @@
 
 Plain lines get ``{"id", "line", "prompt"..., "outputs", "usage", "error": null}``; OpenAI batch
 lines get OpenAI batch output lines (``id``, ``custom_id``, ``response``, ``error``) with a
-completions or chat-completions body. A line that failed gets an error record naming its line.
+completions or chat-completions body. A line that failed gets an error record naming its line; one
+that no custom_id can name (in an OpenAI file) carries ``"custom_id": null`` and its ``line``.
+`record_key` reads back the key (`line.line_key`) of the line a record answers.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import time
 
-from pagedinfer.cli.jsonl_input import LineError, OpenAIRequest
-from pagedinfer.cli.resolve import Resolved
+from pagedinfer.lines.line import LineError, LineRequest, OpenAIRequest, line_key
 from pagedinfer.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from pagedinfer.sampling_params import is_int
 
 
 class TokenText:
@@ -59,64 +61,46 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def success_record(
-    res: Resolved, out: RequestOutput | BeamSearchOutput, token_text: TokenText, model: str
+    line: LineRequest, out: RequestOutput | BeamSearchOutput, token_text: TokenText, model: str
 ) -> dict:
     """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed)."""
     if isinstance(out, BeamSearchOutput):
-        return _beam_record(res, out)
-    usage = _usage(res, out)
-    if res.item.openai is not None:
-        k = res.item.params.logprobs or 0
-        return _openai_success(res.item.openai, out, usage, k, token_text, model)
-    item = res.item
-    record = _plain_head(res)
-    k = item.params.logprobs or 0
-    record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
-    record["usage"] = usage
-    record["error"] = None
-    return record
-
-
-def _plain_head(res: Resolved) -> dict:
-    """A plain line's id, line number and prompt, as its input gave it."""
-    item = res.item
-    record: dict = {"id": item.id, "line": item.line}
-    if item.kind == "prompt":
-        record["prompt"] = item.prompt
-    elif item.kind == "messages":
-        record["messages"] = item.prompt
-        record["prompt"] = res.text
-    else:
-        record["prompt_token_ids"] = item.prompt
-    return record
-
-
-def _beam_record(res: Resolved, out: BeamSearchOutput) -> dict:
-    """A beam search line: ``beams`` best first, each with its cumulative log-probability and score."""
-    record = _plain_head(res)
-    record["beams"] = [
-        {
-            "index": i,
-            "text": s.text,
-            "token_ids": s.token_ids,
-            "cumulative_logprob": s.cumulative_logprob,
-            "score": s.score,
-            "finish_reason": s.finish_reason,
+        completions = [s.token_ids for s in out.sequences]
+        return {
+            **_plain_head(line, out),
+            "beams": [_beam(i, s) for i, s in enumerate(out.sequences)],
+            "usage": _usage(out.prompt_token_ids, completions),
+            "error": None,
         }
-        for i, s in enumerate(out.sequences)
-    ]
-    completion = sum(len(s.token_ids) for s in out.sequences)
-    record["usage"] = {
-        "prompt_tokens": len(res.token_ids),
-        "completion_tokens": completion,
-        "total_tokens": len(res.token_ids) + completion,
+    usage = _usage(out.prompt_token_ids, [c.token_ids for c in out.outputs])
+    k = line.params.logprobs or 0
+    if line.openai is not None:
+        return _openai_success(line.openai, out, usage, k, token_text, model)
+    outputs = [_plain_output(c, k, token_text) for c in out.outputs]
+    return {**_plain_head(line, out), "outputs": outputs, "usage": usage, "error": None}
+
+
+def _plain_head(line: LineRequest, out: RequestOutput | BeamSearchOutput) -> dict:
+    """A plain line's id, line number and prompt, as its input gave it (a chat line: and the rendered text)."""
+    head = {"id": line.id, "line": line.line, **line.prompt}
+    if "messages" in line.prompt:
+        head["prompt"] = out.prompt
+    return head
+
+
+def _beam(index: int, s) -> dict:
+    return {
+        "index": index,
+        "text": s.text,
+        "token_ids": s.token_ids,
+        "cumulative_logprob": s.cumulative_logprob,
+        "score": s.score,
+        "finish_reason": s.finish_reason,
     }
-    record["error"] = None
-    return record
 
 
 def error_record(err: LineError) -> dict:
-    if err.openai is not None:
+    if err.openai is not None and err.openai.custom_id is not None:
         rid = _rid(err.openai.custom_id)
         return {
             "id": f"batch_req_{rid}",
@@ -135,15 +119,28 @@ def error_record(err: LineError) -> dict:
             },
             "error": {"code": "invalid_request", "message": err.message},
         }
-    if err.openai_file:  # not even recognisable as a request: no custom_id to answer with
+    if err.openai_file:  # no custom_id can name it: answered by its line
         return {
-            "id": err.id,
+            "id": f"line-{err.line}",
             "custom_id": None,
+            "line": err.line,
             "response": None,
             "error": {"code": "invalid_request", "message": err.message},
         }
     echo = {k: bounded(v) for k, v in err.echo.items()}
     return {"id": err.id, "line": err.line, **echo, "error": err.message}
+
+
+def record_key(record: object) -> str | None:
+    """The key (`line.line_key`) of the input line this output record answers; None if it is not a record."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("custom_id"), str):
+        return line_key(record["custom_id"], None, None)
+    line = record.get("line") if is_int(record.get("line")) else None
+    if "custom_id" in record:  # OpenAI shape without a custom_id: named by its line
+        return line_key(None, None, line) if line is not None else None
+    return line_key(None, record["id"], line) if "id" in record else None
 
 
 ECHO_CHARS = 1000  # an error record echoes at most this much of a prompt string
@@ -199,9 +196,8 @@ def _top_k(top: dict, k: int) -> list:
     return sorted(((tid, lp) for tid, lp in top.items() if lp.rank <= k), key=lambda x: x[1].rank)
 
 
-def _usage(res: Resolved, out: RequestOutput) -> dict:
-    prompt = len(res.token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def _usage(prompt_ids: list[int], completions: list[list[int]]) -> dict:
+    prompt, completion = len(prompt_ids), sum(len(c) for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -1,0 +1,184 @@
+"""Intake: a prompt and its parameters -> an `EngineRequest` the engine runs as given, or a `Rejected`.
+
+The one place a request is tokenized and checked, for every caller (`LLM.generate`, ``pagedinfer
+run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
+prompt added, within a time budget) and tokenized without adding special tokens again; a text too
+long for the context is refused before tokenizing; token ids must be in the vocabulary; the
+parameters must suit the model (`LLMEngine.params_error`); and the request must fit the model's
+context and the pool (`Scheduler.rejection_reason`). Whatever raises while preparing one request
+rejects that request alone. `LLMEngine.add_request` checks nothing again.
+
+Prompt forms: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` (optionally with its
+``"prompt"`` text) or ``{"messages": [{"role": ..., "content": ...}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
+
+if TYPE_CHECKING:
+    from pagedinfer.engine.llm_engine import LLMEngine
+
+TEMPLATE_BUDGET_S = 5.0  # a chat template that renders longer than this fails its request
+
+
+@dataclass
+class EngineRequest:
+    """A request intake has tokenized and checked: the engine runs it as it is."""
+
+    request_id: str
+    prompt: str | None  # the text (a chat prompt: the rendered template), None for token ids alone
+    prompt_token_ids: list[int]
+    params: SamplingParams  # beam search: n = beam_width, greedy
+    max_tokens: int  # params.max_tokens capped by the context
+    seed: int  # the base seed of its samples (drawn once here when params give none)
+    beam: BeamSearchParams | None = None
+
+
+@dataclass
+class Rejected:
+    """A request that can never run, and why."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    reason: str
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its budget."""
+
+
+def prepare(
+    engine: LLMEngine,
+    prompt: str | dict,
+    params: SamplingParams | BeamSearchParams,
+    request_id: str,
+) -> EngineRequest | Rejected:
+    """Tokenize ``prompt`` and check it and ``params`` against ``engine``'s model and pool, once."""
+    text, ids = None, []
+    try:
+        text, ids = _tokenize(engine, prompt)
+        beam = params if isinstance(params, BeamSearchParams) else None
+        max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
+        reason = engine.params_error(params) or engine.scheduler.rejection_reason(
+            len(ids), params.n, max_tokens, beam is not None
+        )
+    except ValueError as e:
+        reason = _first_line(e) or type(e).__name__
+    except Exception as e:  # noqa: BLE001 - a tokenizer failing on one prompt must not end the others
+        reason = f"tokenizing failed: {type(e).__name__}: {_first_line(e)}".rstrip(": ")
+    if reason:
+        return Rejected(request_id, text, ids, params, reason)
+    if beam is not None:
+        params = SamplingParams(
+            n=beam.beam_width,
+            temperature=0,
+            max_tokens=beam.max_tokens,
+            ignore_eos=beam.ignore_eos,
+            stop_token_ids=beam.stop_token_ids,
+        )
+    seed = params.seed if params.seed is not None else engine.draw_seed()
+    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam)
+
+
+def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[int]]:
+    """(text, token ids) of any prompt form; raises ValueError naming what is wrong."""
+    if isinstance(prompt, dict):
+        if "messages" in prompt:
+            text = _render_chat(engine, prompt["messages"])
+            return text, _text_ids(engine, text, add_special_tokens=False)
+        if "prompt_token_ids" in prompt:
+            ids, vocab = prompt["prompt_token_ids"], engine.vocab_size
+            if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
+            text = prompt.get("prompt")
+            if text is not None and (not isinstance(text, str) or unicode_error(text)):
+                raise ValueError("the prompt text must be a valid Unicode string")
+            return text, list(ids)
+        if "prompt" not in prompt:
+            raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
+        prompt = prompt["prompt"]
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be a string or a dict, not {type(prompt).__name__}")
+    return prompt, _text_ids(engine, prompt, add_special_tokens=True)
+
+
+def _text_ids(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[int]:
+    if (why := unicode_error(text)) is not None:
+        raise ValueError(f"the prompt {why}")
+    tok = engine.loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"model {engine.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
+    if len(text) > engine.max_prompt_chars:
+        raise ValueError(
+            f"the prompt has {len(text):,} characters: more than the model's context of "
+            f"{engine.max_model_len} tokens can hold (checked before tokenizing)"
+        )
+    return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _render_chat(engine: LLMEngine, messages: list[dict]) -> str:
+    tok = engine.loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"model {engine.loaded.name} has no tokenizer, so chat messages cannot be rendered")
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer of model {engine.loaded.name} has no chat template")
+    try:
+        with time_budget(TEMPLATE_BUDGET_S):
+            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateTimeout:
+        raise ValueError(
+            f"the chat template ran longer than {TEMPLATE_BUDGET_S:g} s for these messages"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - template errors (e.g. an unsupported role) are the line's fault
+        raise ValueError(f"the chat template rejected the messages: {_first_line(e) or repr(e)}") from None
+
+
+@contextlib.contextmanager
+def time_budget(seconds: float):
+    """Raise `TemplateTimeout` inside the block once it has run ``seconds``.
+
+    On the main thread a real-time timer interrupts even a tight loop; elsewhere (a Ray actor's
+    thread) a trace function checks the clock on every line the block runs.
+    """
+    if threading.current_thread() is threading.main_thread():
+
+        def expire(signum, frame):
+            raise TemplateTimeout
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return
+    deadline = time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeout
+        return trace
+
+    previous_trace = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous_trace)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

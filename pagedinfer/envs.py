@@ -1,0 +1,65 @@
+"""Every ``PAGEDINFER_*`` environment switch, read here and nowhere else (vLLM's ``envs`` shape).
+
+Each is read when it is needed, not at import, so a test can set one with ``monkeypatch.setenv``.
+docs/development.md lists them with the test suite's own switches.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _off(name: str) -> bool:
+    return os.environ.get(name, "1") == "0"
+
+
+def kernel_cache() -> Path:
+    """``PAGEDINFER_CACHE``: where compiled kernels are kept (C kernels, and the CUDA kernels built for
+    the CPU under ``cuda_cpu/``). Default: ``<tmp>/pagedinfer-kernels``."""
+    return Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
+
+
+def c_compiler() -> str:
+    """``CC``: the C compiler that builds the CPU kernels (default ``cc``)."""
+    return os.environ.get("CC", "cc")
+
+
+def cpu_kernels() -> bool:
+    """``PAGEDINFER_CPU_KERNEL=0``: no C kernels at all (torch's attention path; debugging)."""
+    return not _off("PAGEDINFER_CPU_KERNEL")
+
+
+def decode_step() -> bool:
+    """``PAGEDINFER_DECODE_STEP=0``: decode steps layer by layer instead of one C call (same bits)."""
+    return not _off("PAGEDINFER_DECODE_STEP")
+
+
+def pack_weights() -> bool:
+    """``PAGEDINFER_PACK_WEIGHTS=0``: leave float linears as torch modules (no packed GEMM weights)."""
+    return not _off("PAGEDINFER_PACK_WEIGHTS")
+
+
+def cpu_gemm() -> str:
+    """``PAGEDINFER_CPU_GEMM=panels|onednn``: force one CPU GEMM layout (default: chosen per CPU)."""
+    return os.environ.get("PAGEDINFER_CPU_GEMM", "auto")
+
+
+def malloc_tuning() -> bool:
+    """``PAGEDINFER_MALLOC_TUNING=0``: leave glibc malloc's defaults (step buffers returned to the OS)."""
+    return not _off("PAGEDINFER_MALLOC_TUNING")
+
+
+def cuda_cpu_cxxflags() -> list[str]:
+    """``PAGEDINFER_CPU_CXXFLAGS``: compiler flags of the CUDA kernels built for the CPU (default ``-O2``;
+    e.g. ``-O1 -fsanitize=address``)."""
+    return os.environ.get("PAGEDINFER_CPU_CXXFLAGS", "-O2").split()
+
+
+def cuda_cpu_probes() -> int:
+    """``PAGEDINFER_CPU_REVERSE=1`` / ``PAGEDINFER_CPU_EAGER_COPIES=1``: the CUDA-on-CPU shim runs a
+    block's threads in reverse order / makes asynchronous copies eager (tests: races show up)."""
+    return int(os.environ.get("PAGEDINFER_CPU_REVERSE") == "1") | 2 * int(
+        os.environ.get("PAGEDINFER_CPU_EAGER_COPIES") == "1"
+    )

@@ -1,0 +1,152 @@
+"""The Python side of every C entry point matches its C declaration, so the two cannot drift apart.
+
+Each kernel library's sources are expanded by the C preprocessor with the flags they are built with
+(so the functions made by macros, one per dtype, are checked like the others). Then every function
+a module gave ``argtypes`` must take, in order, arguments of the kinds its C definition declares
+and return what it returns; every ``ctypes.Structure`` passed to C must have the fields of its C
+struct, in order, of the same kinds. The CUDA launch constants are read from the ``.cu`` source
+itself (`cuda_kernels.CU_CONSTANTS`), and are checked here against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from pagedinfer import envs
+from pagedinfer.attention import cpu_kernel, cuda_kernels
+from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.model import decode_step, fused_ops, packed_linear
+
+LIBRARIES = {  # a module's compiled library, and the source it is built from
+    "cpu_kernel": (cpu_kernel._library, cpu_kernel.SOURCE),
+    "fused_ops": (fused_ops._library, fused_ops.SOURCE),
+    "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
+    "decode_step": (decode_step._library, decode_step.SOURCE),
+}
+STRUCTS = {"step_layer": decode_step.StepLayer, "step_meta": decode_step.StepMeta}
+_DEFINITION = re.compile(r"(?m)^([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^()]*)\)\s*\{")
+_CTYPE_KINDS = {
+    ctypes.c_void_p: "ptr",
+    ctypes.c_int: "i32",
+    ctypes.c_int64: "i64",
+    ctypes.c_float: "f32",
+    ctypes.c_double: "f64",
+    ctypes.c_uint: "u32",
+}
+
+
+def c_kind(declaration: str) -> str:
+    """The ABI kind of a C parameter, field or return type ('const float *x' -> 'ptr')."""
+    if "*" in declaration or "[" in declaration:
+        return "ptr"
+    words = set(re.findall(r"\w+", declaration))
+    for kind, names in (
+        ("void", {"void"}),
+        ("i64", {"int64_t", "long", "size_t", "ptrdiff_t"}),
+        ("u32", {"uint32_t", "unsigned"}),
+        ("i32", {"int", "int32_t"}),
+        ("f32", {"float"}),
+        ("f64", {"double"}),
+    ):
+        if words & names:
+            return kind
+    raise AssertionError(f"no ABI kind for {declaration!r}")
+
+
+def py_kind(t) -> str:
+    if t is None:
+        return "void"
+    if isinstance(t, type) and issubclass(t, ctypes._Pointer):
+        return "ptr"
+    return _CTYPE_KINDS[t]
+
+
+@cache
+def expanded(source: Path) -> str:
+    compiler = shutil.which(envs.c_compiler())
+    flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = [compiler, "-E", "-P", *flags, "-fopenmp", "-I", str(KERNELS_DIR), str(source)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def definitions(source: Path) -> dict[str, tuple[str, list[str]]]:
+    """Every exported (not static) function defined in ``source``: name -> (result kind, argument kinds)."""
+    found = {}
+    for result, name, params in _DEFINITION.findall(expanded(source)):
+        if "static" in result or "inline" in result:
+            continue
+        kinds = [] if params.strip() in ("", "void") else [c_kind(p) for p in params.split(",")]
+        found[name] = (c_kind(result), kinds)
+    return found
+
+
+def struct_fields(source: Path, name: str) -> list[tuple[str, str]]:
+    body = re.search(r"typedef\s+struct\s*\w*\s*\{([^{}]*)\}\s*" + name + r"\s*;", expanded(source))
+    assert body, f"struct {name} not found in {source.name}"
+    fields = []
+    for declaration in body.group(1).split(";"):
+        if not declaration.strip():
+            continue
+        first, *others = declaration.split(",")
+        base, stars, name = re.match(r"\s*(.*?)(\**)\s*(\w+)\s*$", first).groups()
+        fields.append((name, "ptr" if stars else c_kind(base)))
+        for other in others:
+            stars, name = re.match(r"\s*(\**)\s*(\w+)\s*$", other).groups()
+            fields.append((name, "ptr" if stars else c_kind(base)))
+    return fields
+
+
+def registered(dll: ctypes.CDLL) -> dict[str, object]:
+    """The functions of ``dll`` a module declared (``argtypes`` set)."""
+    return {n: f for n, f in vars(dll).items() if isinstance(f, dll._FuncPtr) and f.argtypes is not None}
+
+
+@pytest.mark.parametrize("module", sorted(LIBRARIES))
+def test_every_declared_function_matches_its_c_definition(module):
+    load, source = LIBRARIES[module]
+    dll = load()
+    if dll is None:
+        pytest.skip("the C kernels are turned off (PAGEDINFER_CPU_KERNEL=0)")
+    functions = registered(dll)
+    assert functions, f"{module} declares no function"
+    defined = definitions(source)
+    for name, fn in functions.items():
+        assert name in defined, f"{module} declares {name}, which {source.name} does not define"
+        result, args = defined[name]
+        assert [py_kind(t) for t in fn.argtypes] == args, f"{name}: argtypes differ from {source.name}"
+        assert py_kind(fn.restype) == result or (result == "i32" and fn.restype is ctypes.c_int), name
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTS))
+def test_structures_match_their_c_structs(name):
+    python = [(field, py_kind(t)) for field, t in STRUCTS[name]._fields_]
+    assert python == struct_fields(decode_step.SOURCE, name)
+
+
+def test_cuda_launch_constants_come_from_the_cu_source():
+    text = (KERNELS_DIR / "paged_attention.cu").read_text()
+    assert "constexpr int NUM_THREADS = 128;" in text  # the parse below reads these lines
+    assert cuda_kernels.CU_CONSTANTS["NUM_THREADS"] == 128
+    assert cuda_kernels.CU_CONSTANTS["PREFILL_ROWS"] == (
+        cuda_kernels.CU_CONSTANTS["NUM_WARPS"] * cuda_kernels.CU_CONSTANTS["ROWS_PER_WARP"]
+    )
+    assert set(cuda_kernels.CU_CONSTANTS) >= {"NUM_THREADS", "MAX_GROUP", "PREFILL_ROWS"}
+
+
+def test_the_check_sees_a_drift():
+    """A declaration one argument short, or a field of the wrong kind, is caught."""
+    defined = definitions(fused_ops.SOURCE)
+    result, args = defined["silu_mul_f32"]
+    assert result == "void" and args[:-1] != args and len(args) == 4
+
+    class Wrong(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_int) for f, _ in decode_step.StepLayer._fields_]
+
+    assert [(f, py_kind(t)) for f, t in Wrong._fields_] != struct_fields(decode_step.SOURCE, "step_layer")
