@@ -229,3 +229,33 @@ def test_replica_error_becomes_one_line_without_the_class_path():
 
     text = "ActorDiedError: ...\nTraceback:\n  ...\npagedinfer.model.loader.ModelLoadError: model directory /x does not exist"
     assert _first_line(RuntimeError(text)) == "model directory /x does not exist"
+
+
+def test_sigterm_to_a_data_parallel_driver_finishes_like_a_single_run(model, ray_env, tmp_path):
+    """Ray's driver takes SIGTERM for itself at ray.init; the run takes it back: the step ends, the
+    finished lines are on disk, the summary is printed, exit 143 (no stack dump)."""
+    import subprocess
+    import time
+
+    lines = [{"id": f"s{i}", "prompt_token_ids": [3, 4 + i], "max_tokens": 2} for i in range(4)]
+    lines += [
+        {"id": f"l{i}", "prompt_token_ids": [5, 6 + i], "max_tokens": 100, "ignore_eos": True}
+        for i in range(40)
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", lines)
+    out = tmp_path / "t.out.jsonl"
+    cmd = [sys.executable, "-m", "pagedinfer", "run", str(path), "--model", model, "-o", str(out), "-q"]
+    cmd += ["--device", "cpu", "--data-parallel", "2", "--no-report"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - start < 600
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    kept = read_jsonl(out)
+    summary = " ".join(stdout.split())
+    assert f"interrupted by SIGTERM: {len(kept)} lines on disk in {out}" in summary, summary
+    assert "Traceback" not in stderr and len(kept) < len(lines)
