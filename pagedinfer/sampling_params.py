@@ -8,6 +8,7 @@ that need the model (``logprobs`` against the vocabulary) live in `LLMEngine.par
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,119 @@ def unicode_error(text: str) -> str | None:
     return None
 
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
+# the ways to constrain an output, vLLM's names; exactly one is given
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain every sample of a request to a JSON schema, a regex, a choice or a grammar (vLLM's names).
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object; ``regex``: the
+    whole output matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
+    (EBNF) or llama.cpp GBNF grammar. ``disable_any_whitespace``: JSON without whitespace between
+    tokens (shorter outputs, and no sample can spend its tokens on blank space). Plain data, so it
+    crosses to Ray replicas; the grammar is compiled by the engine (`LLMEngine.params_error`).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            got = f" (got {', '.join(given)})" if given else ""
+            raise ValueError(
+                f"structured_outputs must give exactly one of {', '.join(STRUCTURED_KINDS)}{got}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"structured_outputs.json is not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
+        checks = [
+            ("json", self.json is None or isinstance(self.json, dict), "must be a JSON schema object"),
+            ("regex", self.regex is None or isinstance(self.regex, str) and self.regex, "must be a string"),
+            (
+                "choice",
+                self.choice is None
+                or isinstance(self.choice, (list, tuple))
+                and self.choice
+                and all(isinstance(c, str) and c for c in self.choice),
+                "must be a non-empty list of non-empty strings",
+            ),
+            (
+                "grammar",
+                self.grammar is None or isinstance(self.grammar, str) and self.grammar,
+                "must be a string",
+            ),
+            ("json_object", self.json_object in (None, True, False), "must be true or false"),
+            (
+                "disable_any_whitespace",
+                isinstance(self.disable_any_whitespace, bool),
+                "must be true or false",
+            ),
+        ]
+        for name, ok, reason in checks:
+            if not ok:
+                raise ValueError(f"structured_outputs.{name} {reason}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", *([] if self.choice is None else ["choice"])):
+            for text in [getattr(self, name)] if name != "choice" else self.choice:
+                if isinstance(text, str) and (why := unicode_error(text)) is not None:
+                    raise ValueError(f"structured_outputs.{name} {why}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """The same text for equal constraints: what the engine's compile cache is keyed by."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+
+
+def _structured(value: object) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as given (an object, a JSON dict of its fields, or None) -> the object."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+    unknown = sorted(set(value) - {*STRUCTURED_KINDS, "disable_any_whitespace"})
+    if unknown:
+        raise ValueError(
+            f"structured_outputs has unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+        )
+    return StructuredOutputsParams(**value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` (string keys from JSON) or ``{id: bias}`` -> ``{int: float}``."""
+    if value is None:
+        return None
+    words = f"logit_bias must map token ids to numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+    if not isinstance(value, dict):
+        raise ValueError(f"{words}, not {type(value).__name__}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_int(token) or token < 0:
+            raise ValueError(f"{words}, not the key {key!r}")
+        if not is_number(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+            raise ValueError(f"{words}, not {bias!r} for token {token}")
+        out[token] = float(bias)
+    return out
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (the names and defaults vLLM users know).
@@ -64,6 +178,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs per generated token (0: the sampled token only)
     skip_special_tokens: bool = True
+    # top-k logprobs of every prompt token but the first (0: the token itself), vLLM's meaning
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to these tokens' logits
+    allowed_token_ids: list[int] | None = None  # only these tokens can be generated
+    bad_words: list[str] | None = None  # words never generated (tokenized with and without a leading space)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +197,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         for message in self._errors():
+            raise ValueError(message)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.structured_outputs = _structured(self.structured_outputs)
+        for message in _logit_control_errors(self):
             raise ValueError(message)
 
     def _errors(self):
@@ -99,6 +223,7 @@ class SamplingParams:
             "min_tokens": False,
             "seed": True,
             "logprobs": True,
+            "prompt_logprobs": True,
         }
         for name, nullable in ints.items():
             value = getattr(self, name)
@@ -132,6 +257,7 @@ class SamplingParams:
                 "stop_token_ids must be non-negative integers",
             ),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0"),
             (
                 self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
                 f"seed must be an integer from -2**63 to 2**64 - 1, not {self.seed}",
@@ -150,8 +276,40 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether anything besides temperature and the top-k/top-p/min-p filters changes its logits."""
+        return bool(
+            self.penalized
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
+            or self.structured_outputs
+        )
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_control_errors(p: SamplingParams):
+    """Checks of the logit controls that need no model (those against the vocabulary: `LLMEngine.params_error`)."""
+    for name in ("allowed_token_ids", "bad_words"):
+        value = getattr(p, name)
+        if value is not None and not isinstance(value, (list, tuple)):
+            yield f"{name} must be a list, not {type(value).__name__}"
+            return
+    if p.allowed_token_ids is not None:
+        p.allowed_token_ids = list(p.allowed_token_ids)
+        if not p.allowed_token_ids or not all(is_int(t) and t >= 0 for t in p.allowed_token_ids):
+            yield "allowed_token_ids must be a non-empty list of non-negative integers"
+    if p.bad_words is not None:
+        p.bad_words = list(p.bad_words)
+        if not all(isinstance(w, str) and w.strip() for w in p.bad_words):
+            yield "bad_words must be a list of non-blank strings"
+        for w in p.bad_words:
+            if (why := unicode_error(w)) is not None:
+                yield f"bad_words string {why}"
 
 
 @dataclass
@@ -172,9 +330,11 @@ class BeamSearchParams:
     early_stopping: bool | str = False
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # every beam follows the constraint
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured_outputs = _structured(self.structured_outputs)
         checks = [
             (isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width must be an integer >= 1"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
@@ -189,3 +349,14 @@ class BeamSearchParams:
     def n(self) -> int:
         """Sequences the request returns (and occupies): one per beam."""
         return self.beam_width
+
+    def sampling_params(self) -> SamplingParams:
+        """The greedy settings its beams run with (one sequence per beam)."""
+        return SamplingParams(
+            n=self.beam_width,
+            temperature=0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            structured_outputs=self.structured_outputs,
+        )

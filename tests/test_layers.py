@@ -19,6 +19,7 @@ RANKS = {
     "engine": 4,
     "core": 3,
     "model": 2,
+    "logits": 2,
     "attention": 1,
     "kernels": 0,
 }
