@@ -23,7 +23,13 @@ RANKS = {
     "attention": 1,
     "kernels": 0,
 }
-LEAVES = {"config", "sampling_params", "outputs", "seeding"}  # plain records any layer may import
+LEAVES = {
+    "config",
+    "sampling_params",
+    "outputs",
+    "seeding",
+    "openai_params",
+}  # plain records any layer may import
 
 
 def layer_of(dotted: str) -> str:
