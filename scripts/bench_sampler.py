@@ -53,6 +53,7 @@ def baseline(rev: str):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("sampler_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedinfer.openai_params import openai_echo, openai_logit_bias, openai_response_format
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 from pagedinfer.seeding import line_seed
 
@@ -52,6 +53,11 @@ SAMPLING_FIELDS: dict[str, tuple[str, ...]] = {
     "ignore_eos": ("bool",),
     "logprobs": ("int", "null"),
     "skip_special_tokens": ("bool",),
+    "prompt_logprobs": ("int", "null"),
+    "logit_bias": ("object", "null"),
+    "allowed_token_ids": ("ints", "null"),
+    "bad_words": ("strs", "null"),
+    "structured_outputs": ("object", "null"),
 }
 # Beam search (plain lines): a line with beam_width > 0 (or --beam-width) returns that many beams.
 BEAM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -59,7 +65,20 @@ BEAM_FIELDS: dict[str, tuple[str, ...]] = {
     "length_penalty": ("float",),
     "early_stopping": ("bool", "str"),
 }
-NOT_FOR_BEAMS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "logprobs", "seed")
+NOT_FOR_BEAMS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "logprobs",
+    "seed",
+    "prompt_logprobs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
 
@@ -90,6 +109,14 @@ OPENAI_BODY_FIELDS = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "response_format",
+    "logit_bias",
+    "echo",
+    # vLLM's extensions
+    "structured_outputs",
+    "allowed_token_ids",
+    "bad_words",
+    "prompt_logprobs",
 }
 MESSAGE_FIELDS = {"role", "content", "name"}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat body's top_logprobs
@@ -102,6 +129,7 @@ _TYPE_WORDS = {
     "str": "a string",
     "strs": "a list of strings",
     "ints": "a list of integers",
+    "object": "an object",
     "null": "null",
 }
 
@@ -114,6 +142,7 @@ class OpenAIRequest:
     url: str  # COMPLETIONS_URL or CHAT_URL
     model: str | None
     logprobs_style: str | None = None  # "completions", "chat" or None (not asked)
+    echo: bool = False  # completions: the prompt is put before each choice's text (and logprobs)
 
     @property
     def chat(self) -> bool:
@@ -388,6 +417,7 @@ def _parse_openai(number: int, obj: dict, defaults: dict, base_seed: int) -> Ite
             raise _Bad("body.user must be a string")
         kind, prompt = _openai_prompt(body, info.chat)
         overrides, info.logprobs_style = _openai_sampling(body, info.chat)
+        info.echo = body.get("echo") is True
         params = _sampling(defaults, overrides, base_seed, key)
     except _Bad as e:
         return LineError(number, key, cid, str(e), info, True, echo)
@@ -416,8 +446,20 @@ def _openai_prompt(body: dict, chat: bool) -> tuple[str, object]:
 
 
 def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
-    names = set(SAMPLING_FIELDS) - {"logprobs"}
+    names = set(SAMPLING_FIELDS) - {"logprobs", "logit_bias"}
     overrides = {k: _check_field(f"body.{k}", body[k], SAMPLING_FIELDS[k]) for k in names if k in body}
+    try:
+        if "response_format" in body:
+            if "structured_outputs" in body:
+                raise ValueError("response_format and structured_outputs cannot both be given")
+            overrides.update(openai_response_format(body["response_format"]))
+        overrides.update(openai_logit_bias(body.get("logit_bias")))
+        if "echo" in body:
+            if chat:
+                raise ValueError("echo belongs to completions; chat completions do not echo the prompt")
+            overrides.update(openai_echo(body["echo"], body.get("logprobs")))
+    except ValueError as e:
+        raise _Bad(f"body.{e}") from None
     if "max_completion_tokens" in body:
         if "max_tokens" in body:
             raise _Bad("give body.max_tokens or body.max_completion_tokens, not both")
@@ -463,6 +505,7 @@ def _beam_params(width: int, beam: dict, defaults: dict, overrides: dict) -> Bea
             max_tokens=max_tokens,
             ignore_eos=overrides.get("ignore_eos", False),
             stop_token_ids=overrides.get("stop_token_ids"),
+            structured_outputs=overrides.get("structured_outputs"),
             **beam,
         )
     except ValueError as e:
@@ -527,6 +570,7 @@ def _check_field(name: str, value: object, kinds: tuple[str, ...]) -> object:
         "str": isinstance(value, str),
         "strs": isinstance(value, list) and all(isinstance(s, str) for s in value),
         "ints": isinstance(value, list) and all(is_int(t) for t in value),
+        "object": isinstance(value, dict),
         "null": value is None,
     }
     if not any(ok[k] for k in kinds):

@@ -67,10 +67,16 @@ def success_record(
     usage = _usage(res, out)
     if res.item.openai is not None:
         k = res.item.params.logprobs or 0
-        return _openai_success(res.item.openai, out, usage, k, token_text, model)
+        return _openai_success(res, out, usage, k, token_text, model)
     item = res.item
     record = _plain_head(res)
     k = item.params.logprobs or 0
+    if out.prompt_logprobs is not None:  # per prompt token (the first has none), top prompt_logprobs
+        kp = item.params.prompt_logprobs
+        record["prompt_logprobs"] = [
+            None if top is None else _plain_logprobs(tid, top, kp, token_text)
+            for tid, top in zip(res.token_ids, out.prompt_logprobs, strict=True)
+        ]
     record["outputs"] = [_plain_output(c, k, token_text) for c in out.outputs]
     record["usage"] = usage
     record["error"] = None
@@ -211,8 +217,9 @@ def _rid(custom_id: str) -> str:
 
 
 def _openai_success(
-    info: OpenAIRequest, out: RequestOutput, usage: dict, k: int, token_text: TokenText, model: str
+    res: Resolved, out: RequestOutput, usage: dict, k: int, token_text: TokenText, model: str
 ) -> dict:
+    info = res.item.openai
     rid = _rid(info.custom_id)
     choices = []
     for c in out.outputs:
@@ -220,8 +227,8 @@ def _openai_success(
         if info.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
-            choice["text"] = c.text
-        choice["logprobs"] = _openai_logprobs(c, info, k, token_text)
+            choice["text"] = (res.text or "") + c.text if info.echo else c.text
+        choice["logprobs"] = _openai_logprobs(c, info, k, token_text, _echoed(res, out))
         choice["finish_reason"] = c.finish_reason
         choices.append(choice)
     body = {
@@ -240,10 +247,19 @@ def _openai_success(
     }
 
 
-def _openai_logprobs(c: CompletionOutput, info: OpenAIRequest, k: int, token_text: TokenText) -> dict | None:
+def _echoed(res: Resolved, out: RequestOutput) -> list[tuple[int, dict | None]]:
+    """The prompt's (token, logprobs entry) steps a completions ``echo`` puts before each choice's."""
+    if not res.item.openai.echo or out.prompt_logprobs is None:
+        return []
+    return list(zip(res.token_ids, out.prompt_logprobs, strict=True))
+
+
+def _openai_logprobs(
+    c: CompletionOutput, info: OpenAIRequest, k: int, token_text: TokenText, echoed: list
+) -> dict | None:
     if c.logprobs is None or info.logprobs_style is None:
         return None
-    steps = list(zip(c.token_ids, c.logprobs, strict=False))
+    steps = echoed + list(zip(c.token_ids, c.logprobs, strict=False))
     if info.logprobs_style == "chat":
         content = []
         for tid, top in steps:
@@ -265,8 +281,10 @@ def _openai_logprobs(c: CompletionOutput, info: OpenAIRequest, k: int, token_tex
     for tid, top in steps:
         text = token_text(tid)[0]
         tokens.append(text)
-        token_logprobs.append(top[tid].logprob)
-        top_logprobs.append({token_text(t)[0]: lp.logprob for t, lp in _top_k(top, k)})
+        token_logprobs.append(None if top is None else top[tid].logprob)  # the prompt's first token: null
+        top_logprobs.append(
+            None if top is None else {token_text(t)[0]: lp.logprob for t, lp in _top_k(top, k)}
+        )
         offsets.append(offset)
         offset += len(text)
     return {
