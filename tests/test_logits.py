@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import ENGINE
-from models import _hf_model
+from models import _hf_model, hf_greedy
 
 from pagedinfer import LLM, BeamSearchParams, SamplingParams
 from pagedinfer.openai_params import openai_echo, openai_logit_bias, openai_response_format
@@ -35,19 +35,9 @@ def text_prompts(text_llm) -> list[list[int]]:
     ]
 
 
-def hf_generate(path, prompt: list[int], **kwargs) -> list[int]:
-    """transformers' greedy ``generate`` with its own logits processors (``kwargs``), EOS ignored."""
-    ids = torch.tensor([prompt])
-    out = _hf_model(str(path)).generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=MAX_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        **kwargs,
-    )
-    return out[0, len(prompt) :].tolist()
+def hf_generate(path, prompt: list[int], **processors) -> list[int]:
+    """transformers' greedy ``generate`` with its own logits processors, EOS ignored."""
+    return hf_greedy(path, prompt, MAX_TOKENS, **processors)
 
 
 def greedy(llm: LLM, prompts: list[list[int]], **fields) -> list[list[int]]:

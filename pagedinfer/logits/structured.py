@@ -187,9 +187,7 @@ class GrammarProcessor(LogitsProcessor):
     def prepare(self, rows: list[Row]) -> None:
         """Start filling the step's bitmask rows in the worker thread (it overlaps the forward pass)."""
         states = [r.state.get(self.name) for r in rows if self.wants(r.params) and r.state is not None]
-        if not states:
-            return
-        self._pending = self._start(states)
+        self._pending = self._start(states) if states else None
 
     def _start(self, states: list[MatcherState]) -> _Masks:
         import llguidance
