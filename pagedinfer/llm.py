@@ -123,6 +123,18 @@ class LLM:
             results[index] = output
         return results  # type: ignore[return-value]
 
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's name: answer one conversation (a list of ``{"role", "content"}`` messages) or a list
+        of them, each rendered with the tokenizer's chat template (generation prompt added) and run
+        as a ``{"messages": ...}`` prompt of `generate` (a chat line of ``pagedinfer run``)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([{"messages": list(m)} for m in conversations], sampling_params, use_tqdm)
+
     def beam_search(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -31,6 +31,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     error: str | None = None  # set when the request could not run (e.g. prompt too long)
+    # with SamplingParams.prompt_logprobs: per prompt token, its logprob and the top k (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ vocabulary) live in `LLMEngine.params_error`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ _KIND_WORDS = {
     "str": "a string",
     "strs": "a list of strings",
     "ints": "a list of integers",
+    "object": "an object",
     "null": "null",
 }
 
@@ -98,6 +100,8 @@ def _is_kind(value: object, kind: str) -> bool:
         return isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)
     if kind == "ints":
         return isinstance(value, (list, tuple)) and all(is_int(t) for t in value)
+    if kind == "object":  # a JSON object, or the params dataclass it stands for
+        return isinstance(value, dict) or dataclasses.is_dataclass(value)
     return value is None  # "null"
 
 
@@ -117,6 +121,118 @@ def check_kinds(params: object) -> None:
 def line_fields(cls: type) -> dict[str, tuple[str, ...]]:
     """The fields a JSONL line may set on ``cls`` (a params dataclass), with their JSON kinds."""
     return {f.name: f.metadata["json"] for f in dataclasses.fields(cls) if f.metadata.get("line", False)}
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
+# the ways to constrain an output, vLLM's names; exactly one is given
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain every sample of a request to a JSON schema, a regex, a choice or a grammar (vLLM's names).
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object; ``regex``: the
+    whole output matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
+    (EBNF) or llama.cpp GBNF grammar. ``disable_any_whitespace``: JSON without whitespace between
+    tokens (shorter outputs, and no sample can spend its tokens on blank space). Plain data, so it
+    crosses to Ray replicas; the grammar is compiled by the engine (`LLMEngine.params_error`).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            got = f" (got {', '.join(given)})" if given else ""
+            raise ParamError(
+                "structured_outputs", f"must give exactly one of {', '.join(STRUCTURED_KINDS)}{got}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ParamError(
+                    "structured_outputs.json", f"is not valid JSON ({e.msg} at character {e.pos + 1})"
+                ) from None
+        checks = [
+            ("json", self.json is None or isinstance(self.json, dict), "must be a JSON schema object"),
+            ("regex", self.regex is None or isinstance(self.regex, str) and self.regex, "must be a string"),
+            (
+                "choice",
+                self.choice is None
+                or isinstance(self.choice, (list, tuple))
+                and self.choice
+                and all(isinstance(c, str) and c for c in self.choice),
+                "must be a non-empty list of non-empty strings",
+            ),
+            (
+                "grammar",
+                self.grammar is None or isinstance(self.grammar, str) and self.grammar,
+                "must be a string",
+            ),
+            ("json_object", self.json_object in (None, True, False), "must be true or false"),
+            (
+                "disable_any_whitespace",
+                isinstance(self.disable_any_whitespace, bool),
+                "must be true or false",
+            ),
+        ]
+        for name, ok, reason in checks:
+            if not ok:
+                raise ParamError(f"structured_outputs.{name}", reason)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", *([] if self.choice is None else ["choice"])):
+            for text in [getattr(self, name)] if name != "choice" else self.choice:
+                if isinstance(text, str) and (why := unicode_error(text)) is not None:
+                    raise ParamError(f"structured_outputs.{name}", why)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """The same text for equal constraints: what the engine's compile cache is keyed by."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+
+
+def _structured(value: object) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as given (an object, a JSON dict of its fields, or None) -> the object."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ParamError("structured_outputs", f"must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+    unknown = sorted(set(value) - {*STRUCTURED_KINDS, "disable_any_whitespace"})
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        raise ParamError("structured_outputs", f"has unknown field{s} {', '.join(map(repr, unknown))}")
+    return StructuredOutputsParams(**value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` (string keys from JSON) or ``{id: bias}`` -> ``{int: float}``."""
+    if value is None:
+        return None
+    words = f"must map token ids to numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+    if not isinstance(value, dict):
+        raise ParamError("logit_bias", f"{words}, not {describe(value)}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_int(token) or token < 0:
+            raise ParamError("logit_bias", f"{words}, not the key {key!r}")
+        if not is_number(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+            raise ParamError("logit_bias", f"{words}, not {bias!r} for token {token}")
+        out[token] = float(bias)
+    return out
 
 
 @dataclass
@@ -146,6 +262,14 @@ class SamplingParams:
     # top-k logprobs per generated token (0: the sampled token only)
     logprobs: int | None = field(default=None, metadata=kinds("int", "null"))
     skip_special_tokens: bool = field(default=True, metadata=kinds("bool"))
+    # top-k logprobs of every prompt token but the first (0: the token itself), vLLM's meaning
+    prompt_logprobs: int | None = field(default=None, metadata=kinds("int", "null"))
+    # OpenAI's {token id: bias}, added to these tokens' logits (JSON's string keys become ints)
+    logit_bias: dict[int, float] | None = field(default=None, metadata=kinds("object", "null"))
+    allowed_token_ids: list[int] | None = field(default=None, metadata=kinds("ints", "null"))
+    # words never generated (tokenized with and without a leading space, as vLLM does)
+    bad_words: list[str] | None = field(default=None, metadata=kinds("strs", "null"))
+    structured_outputs: StructuredOutputsParams | None = field(default=None, metadata=kinds("object", "null"))
 
     def __post_init__(self) -> None:
         check_kinds(self)
@@ -187,6 +311,7 @@ class SamplingParams:
             ("stop", all(s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
             (
                 "seed",
                 self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
@@ -199,14 +324,45 @@ class SamplingParams:
         for s in self.stop:
             if (why := unicode_error(s)) is not None:
                 raise ParamError("stop", f"string {why}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.structured_outputs = _structured(self.structured_outputs)
+        _check_logit_controls(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether anything besides temperature and the top-k/top-p/min-p filters changes its logits."""
+        return bool(
+            self.penalized
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
+            or self.structured_outputs
+        )
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_logit_controls(p: SamplingParams) -> None:
+    """The logit controls' checks that need no model (those against the vocabulary:
+    `LLMEngine.params_error`); their types are checked with the other fields'."""
+    if p.allowed_token_ids is not None:
+        p.allowed_token_ids = list(p.allowed_token_ids)
+        if not p.allowed_token_ids or not all(t >= 0 for t in p.allowed_token_ids):
+            raise ParamError("allowed_token_ids", "must be a non-empty list of non-negative integers")
+    if p.bad_words is not None:
+        p.bad_words = list(p.bad_words)
+        if not all(w.strip() for w in p.bad_words):
+            raise ParamError("bad_words", "must be a list of non-blank strings")
+        for w in p.bad_words:
+            if (why := unicode_error(w)) is not None:
+                raise ParamError("bad_words", f"string {why}")
 
 
 @dataclass
@@ -228,10 +384,15 @@ class BeamSearchParams:
     early_stopping: bool | str = field(default=False, metadata=kinds("bool", "str"))
     ignore_eos: bool = field(default=False, metadata=kinds("bool", line=False))
     stop_token_ids: list[int] | None = field(default=None, metadata=kinds("ints", "null", line=False))
+    # every beam follows the constraint (a JSONL line gives it as SamplingParams' field)
+    structured_outputs: StructuredOutputsParams | None = field(
+        default=None, metadata=kinds("object", "null", line=False)
+    )
 
     def __post_init__(self) -> None:
         check_kinds(self)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured_outputs = _structured(self.structured_outputs)
         checks = [
             ("beam_width", self.beam_width >= 1, "must be an integer >= 1"),
             ("max_tokens", self.max_tokens >= 1, "must be an integer >= 1"),
@@ -251,3 +412,14 @@ class BeamSearchParams:
     def n(self) -> int:
         """Sequences the request returns (and occupies): one per beam."""
         return self.beam_width
+
+    def sampling_params(self) -> SamplingParams:
+        """The greedy settings its beams run with (one sequence per beam)."""
+        return SamplingParams(
+            n=self.beam_width,
+            temperature=0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            structured_outputs=self.structured_outputs,
+        )

@@ -75,8 +75,9 @@ def save_model(family: str, root: Path, seed: int = 0) -> Path:
     return path
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The reference: transformers' own ``generate`` with greedy decoding, one prompt at a time."""
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """The reference: transformers' own ``generate`` with greedy decoding, one prompt at a time
+    (``processors``: its logits processors' arguments, e.g. ``bad_words_ids``)."""
     model = _hf_model(str(path))
     ids = torch.tensor([prompt])
     out = model.generate(
@@ -86,6 +87,7 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        **processors,
     )
     return out[0, len(prompt) :].tolist()
 

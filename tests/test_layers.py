@@ -15,16 +15,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pagedinfer"
 # rank of each top-level name inside pagedinfer/; a module may import its own package or lower ranks
 RANKS = {
-    "__main__": 11,
-    "cli": 10,  # the command line: runs, blocks, bench; reaches Ray through ray/
-    "bench": 9,
-    "ray": 8,  # data-parallel replicas and the Ray Data processor
-    "lines": 7,  # JSONL lines: input, parsing, records (shared by cli and ray)
-    "__init__": 6,  # the package's public names (LLM, SamplingParams, ...)
-    "llm": 5,
-    "engine": 4,
-    "core": 3,
-    "model": 2,
+    "__main__": 12,
+    "cli": 11,  # the command line: runs, blocks, bench; reaches Ray through ray/
+    "bench": 10,
+    "ray": 9,  # data-parallel replicas and the Ray Data processor
+    "lines": 8,  # JSONL lines: input, parsing, records (shared by cli and ray)
+    "__init__": 7,  # the package's public names (LLM, SamplingParams, ...)
+    "llm": 6,
+    "engine": 5,
+    "core": 4,
+    "model": 3,
+    "logits": 2,  # what shapes a step's logits: the processors the sampler applies
     "attention": 1,
     "kernels": 0,
 }

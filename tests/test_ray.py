@@ -45,6 +45,9 @@ LINES = [
     },  # no logprobs: their last digits vary with the batch
     {"id": "d", "prompt": "x", "n": 0},
     {"id": "long", "prompt": "the quick brown fox " * 60},  # too long for the context: fails on a replica
+    # structured outputs: compiled inside each replica (a bad schema fails there)
+    {"id": "s", "prompt": "To be", "n": 2, "seed": 4, "structured_outputs": {"regex": "[a-z]{2,5}!"}},
+    {"id": "bad-schema", "prompt": "x", "structured_outputs": {"json": {"type": "nonsense"}}},
     *[
         {"id": f"r{i}", "prompt": CORPUS[i % 5][:20], "max_tokens": 4 + 8 * i, "ignore_eos": True}
         for i in range(12)

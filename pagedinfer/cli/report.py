@@ -206,6 +206,15 @@ def render(stats: EngineStats, console: Console) -> None:
         f"prompt {t['prompt_tokens_per_s']:,.1f} tok/s · generated [bold]{t['generated_tokens_per_s']:,.1f}[/] tok/s "
         f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s",
     )
+    s = stats.structured
+    if s.compiles or s.cache_hits:  # structured outputs ran
+        rest.add_row(
+            "Grammars",
+            f"[bold]{s.compiles:,}[/] compiled in {s.compile_s:.2f} s · {s.cache_hits:,} cache hits · "
+            f"{s.masks:,} token masks: {s.mask_s:.2f} s filling (beside the forward pass), "
+            f"{s.mask_wait_s:.2f} s waited, {s.apply_s:.2f} s applying · "
+            f"[bold]{_pct(stats.mask_share)}[/] of the wall time",
+        )
     parts.append(rest)
     parts.append(_prefix_cache_block(stats))
     console.print(

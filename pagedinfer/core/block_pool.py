@@ -61,6 +61,8 @@ class BlockPool:
     hashes: list[bytes | None] = field(init=False)  # chained hash of each full computed block, else None
     cached: dict[bytes, int] = field(init=False)  # hash -> the block that serves hits for it
     evictable: OrderedDict[int, None] = field(init=False)  # cached, unreferenced; least recently used first
+    # hash -> (k, the prompt logprobs of the block's tokens with their top k): kept while the hash is cached
+    kept_prompt_logprobs: dict[bytes, tuple[int, list]] = field(init=False)
     num_filled_slots: int = field(init=False, default=0)  # filled slots of referenced blocks
     num_cow_copies: int = field(init=False, default=0)
     prefix_queries: int = field(init=False, default=0)  # prompt tokens looked up in the cache
@@ -78,6 +80,7 @@ class BlockPool:
         self.hashes = [None] * self.num_blocks
         self.cached = {}
         self.evictable = OrderedDict()
+        self.kept_prompt_logprobs = {}
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -148,6 +151,7 @@ class BlockPool:
         digest = self.hashes[block]
         if digest is not None and self.cached.get(digest) == block:
             del self.cached[digest]
+            self.kept_prompt_logprobs.pop(digest, None)
         self.hashes[block] = None
         self.filled[block] = 0
 
@@ -276,6 +280,18 @@ class BlockPool:
             parent = _chain(parent, token_ids[logical * bs : (logical + 1) * bs])
             self.hashes[block] = parent
             self.cached.setdefault(parent, block)
+
+    def keep_prompt_logprobs(self, digest: bytes, k: int, entries: list) -> None:
+        """Keep a cached block's prompt logprobs (top ``k``) beside its hash, for later hits."""
+        if digest in self.cached and self.kept_prompt_logprobs.get(digest, (-1,))[0] < k:
+            self.kept_prompt_logprobs[digest] = (k, list(entries))
+
+    def prompt_logprobs_prefix(self, hashes: list[bytes], k: int) -> int:
+        """How many leading ``hashes`` have prompt logprobs kept with at least the top ``k``."""
+        n = 0
+        while n < len(hashes) and self.kept_prompt_logprobs.get(hashes[n], (-1,))[0] >= k:
+            n += 1
+        return n
 
     def slot(self, table: list[int], position: int) -> int:
         """Flat slot index (block * block_size + offset) of a token position: the seeds' lookup."""

@@ -12,6 +12,13 @@ The plan names, for every sequence that receives a token this step, the logits r
 from; the engine only runs the model and the sampler in between. ``update`` then marks tokens
 computed, forks finished prompts into their samples, appends the sampled tokens, detects stops and
 frees what finished. No other module writes a sequence's state.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): a prompt chunk of such a request returns the
+logits of every position it computes (at most `MAX_PROMPT_LOGPROB_ROWS` rows a step, so memory
+stays bounded for any prompt length); ``update`` takes each position's entry for the token after it.
+The entries of a full block are kept in the pool beside its hash, so a later request with the same
+prefix takes them with the cached block; it then computes again only the last cached position (the
+one whose logits give the first uncached token's entry).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
 from pagedinfer.core.sequence import Request, RequestState, Sequence
 from pagedinfer.outputs import Logprob
 
+MAX_PROMPT_LOGPROB_ROWS = 512  # logits rows prompt-logprob chunks return in one step (bounds memory)
+
 
 @dataclass
 class ScheduledSeq:
@@ -36,6 +45,18 @@ class ScheduledSeq:
     start: int  # first position computed this step (= tokens already in the pool)
     num_tokens: int
     sample: bool  # the chunk ends the sequence's pending tokens: its last position's logits are kept
+    num_logits: int = 0  # logits rows returned: its last num_logits positions (1 when it only samples)
+
+
+@dataclass
+class PromptRows:
+    """A prompt chunk's logits rows: row ``first_row + i`` is position ``start + i``'s, which gives the
+    entry of prompt token ``start + i + 1``."""
+
+    request: Request
+    first_row: int
+    start: int
+    num_tokens: int
 
 
 @dataclass
@@ -53,7 +74,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     targets: list[SampleTarget] = field(default_factory=list)
     beam_targets: list[SampleTarget] = field(default_factory=list)  # live beams, all of a request together
-    num_rows: int = 0  # logits rows the runner returns: one per scheduled seq with ``sample``
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # chunks computing prompt logprobs
+    num_rows: int = 0  # logits rows the runner returns: the scheduled seqs' num_logits
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +122,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.counters = SchedulerCounters()
         self._failed: list[Request] = []  # failed since the last update(), which reports them
+        self._logit_rows_left = MAX_PROMPT_LOGPROB_ROWS  # in the step being scheduled
 
     # -- requests -------------------------------------------------------------------------
     def rejection_reason(self, n_prompt: int, n: int, max_tokens: int, beam: bool = False) -> str | None:
@@ -159,23 +182,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._logit_rows_left = MAX_PROMPT_LOGPROB_ROWS
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
-            mark = (len(out.batch), len(out.copies), len(out.targets), len(out.beam_targets), out.num_rows)
+            mark = (
+                len(out.batch),
+                len(out.copies),
+                len(out.targets),
+                len(out.beam_targets),
+                out.num_rows,
+                len(out.prompt_rows),
+                self._logit_rows_left,
+            )
             seqs = req.live_seqs()
             beams = req.beam is not None and req.prompt_seq is None
             together = beams and sum(s.num_pending for s in seqs) <= budget
             for seq in seqs:
-                n = min(seq.num_pending, budget)
+                n = self._chunk(seq, budget)
                 if beams and not together:  # the beams' last tokens must run in one step
                     n = min(n, seq.num_pending - 1)
                 if n <= 0:
                     continue
                 if not self._reserve(seq, n, req, out):  # req preempted itself: drop its share
                     del out.batch[mark[0] :], out.copies[mark[1] :], out.targets[mark[2] :]
-                    del out.beam_targets[mark[3] :]
-                    out.num_rows = mark[4]
+                    del out.beam_targets[mark[3] :], out.prompt_rows[mark[5] :]
+                    out.num_rows, self._logit_rows_left = mark[4], mark[6]
                     break
                 self._schedule(out, seq, n)
                 budget -= n
@@ -183,16 +215,30 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` this step can compute: its pending ones within the budget (and, for a
+        prompt computing its logprobs, within the step's logits rows)."""
+        n = min(seq.num_pending, budget)
+        if seq.is_prompt and seq.request.needs_prompt_logprobs:
+            n = min(n, self._logit_rows_left)
+        return n
+
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Add ``n`` tokens of ``seq`` to the plan, with the targets its logits row feeds."""
+        req = seq.request
         ends = seq.num_computed + n == len(seq.token_ids)
-        targets = [seq] if not seq.is_prompt else [] if seq.request.sampled_yet else seq.request.samples
+        targets = [seq] if not seq.is_prompt else [] if req.sampled_yet else req.samples
         sample = ends and bool(targets)  # a resumed request's samples recompute before they sample
-        out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample))
+        rows = int(sample)
+        if seq.is_prompt and req.needs_prompt_logprobs:  # every position's logits, the last one sampled
+            rows = n
+            out.prompt_rows.append(PromptRows(req, out.num_rows, seq.num_computed, n))
+            self._logit_rows_left -= n
+        out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample, rows))
         if sample:
-            dest = out.targets if seq.request.beam is None else out.beam_targets
-            dest += [SampleTarget(t, out.num_rows) for t in targets]
-            out.num_rows += 1
+            dest = out.targets if req.beam is None else out.beam_targets
+            dest += [SampleTarget(t, out.num_rows + rows - 1) for t in targets]
+        out.num_rows += rows
 
     def _reserve(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> bool:
         """Make room for ``seq``'s next ``n`` tokens, preempting the latest admitted requests as needed.
@@ -234,11 +280,17 @@ class Scheduler:
             if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
                 break
             hashes = self._prompt_hashes(req) if caching else []
+            if req.needs_prompt_logprobs:  # only blocks whose prompt logprobs are kept beside them
+                hashes = hashes[: pool.prompt_logprobs_prefix(hashes, req.params.prompt_logprobs)]
             hits = pool.cached_prefix(hashes)
             if len(hits) < len(hashes) and hashes[len(hits)] in in_prefill:
                 continue
-            if pool.admission_blocks(hits, req.num_prompt_tokens) > pool.num_free:
+            rewrite = req.needs_prompt_logprobs and 0 < len(hits) * pool.block_size < req.num_prompt_tokens
+            copy = rewrite and pool.ref_counts[hits[-1]] > 0  # the last hit block, shared, is written
+            if pool.admission_blocks(hits, req.num_prompt_tokens) + copy > pool.num_free:
                 break
+            if req.needs_prompt_logprobs and self._logit_rows_left <= 0:
+                continue
             self.waiting.remove(req)
             admitted.append(pos)
             req.state = RequestState.RUNNING
@@ -253,7 +305,11 @@ class Scheduler:
             req.prompt_seq = seq
             seq.block_table = pool.match_prefix(seq.token_ids, hashes)
             seq.num_computed = min(len(seq.block_table) * pool.block_size, req.num_prompt_tokens - 1)
-            n = min(seq.num_pending, budget)
+            if req.needs_prompt_logprobs:
+                self._take_prompt_logprobs(req, hashes[: len(seq.block_table)])
+                if rewrite:  # the last cached position's logits give the first uncached token's entry
+                    seq.num_computed -= 1
+            n = self._chunk(seq, budget)
             out.copies += pool.reserve(seq.block_table, seq.num_computed, n)
             self._schedule(out, seq, n)
             budget -= n
@@ -263,6 +319,28 @@ class Scheduler:
             for pos, req in order:
                 if req.state is RequestState.WAITING:  # passed over by every later arrival admitted now
                     req.num_overtaken += len(admitted) - bisect_right(admitted, pos)
+
+    def _take_prompt_logprobs(self, req: Request, hashes: list[bytes]) -> None:
+        """Fill ``req``'s prompt logprobs from the entries kept beside its cached blocks."""
+        bs, k = self.pool.block_size, req.params.prompt_logprobs
+        for b, digest in enumerate(hashes):
+            for j, entry in enumerate(self.pool.kept_prompt_logprobs[digest][1]):
+                pos = b * bs + j
+                if entry is not None and req.prompt_logprobs[pos] is None:  # kept with k or more: cut to k
+                    token = req.prompt_token_ids[pos]
+                    req.prompt_logprobs[pos] = {
+                        t: lp for t, lp in entry.items() if lp.rank <= k or t == token
+                    }
+        req.prompt_logprobs_upto = max(req.prompt_logprobs_upto, len(hashes) * bs)
+
+    def _keep_prompt_logprobs(self, seq: Sequence, start: int, end: int) -> None:
+        """Keep the entries of the blocks of ``seq`` completed by computing positions [start, end)."""
+        req, pool, bs = seq.request, self.pool, self.pool.block_size
+        k = req.params.prompt_logprobs
+        for b in range(start // bs, min(end, req.prompt_logprobs_upto) // bs):
+            digest = pool.hashes[seq.block_table[b]] if b < len(seq.block_table) else None
+            if digest is not None:
+                pool.keep_prompt_logprobs(digest, k, req.prompt_logprobs[b * bs : (b + 1) * bs])
 
     def _admission_order(self) -> list[tuple[int, Request]]:
         """Waiting requests with their queue positions, in the order admission considers them.
@@ -294,7 +372,7 @@ class Scheduler:
 
     @staticmethod
     def _new_sample(req: Request, index: int) -> Sequence:
-        generator, detok = req.sample_state(index) if req.sample_state else (None, None)
+        generator, detok, state = req.sample_state(index) if req.sample_state else (None, None, None)
         return Sequence(
             request=req,
             index=index,
@@ -303,6 +381,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             generator=generator,
             detok=detok,
+            logits_state=state,
             logprobs=[] if req.params.logprobs is not None else None,
         )
 
@@ -325,18 +404,31 @@ class Scheduler:
         plan: SchedulerOutput,
         sampled: Sampled | None,
         beams: dict[Request, list[Candidate]] | None = None,
+        prompt_logprobs: list[list[dict[int, Logprob]]] | None = None,
     ) -> list[Request]:
         """Apply one step's result; return the requests that finished in it (failed ones included).
 
         ``beams``: each beam search's candidates of this step (from its live beams' logits rows).
+        ``prompt_logprobs``: per entry of ``plan.prompt_rows``, the entries of the prompt tokens after
+        its positions (the prompt's last position gives none).
         """
         finished: list[Request] = []
+        for chunk, entries in zip(plan.prompt_rows, prompt_logprobs or [], strict=False):
+            req = chunk.request
+            if req.state is RequestState.FINISHED:
+                continue
+            for j, entry in enumerate(entries):
+                if req.prompt_logprobs[chunk.start + 1 + j] is None:
+                    req.prompt_logprobs[chunk.start + 1 + j] = entry
+            req.prompt_logprobs_upto = max(req.prompt_logprobs_upto, chunk.start + 1 + len(entries))
         for s in plan.batch:
             seq, req = s.seq, s.seq.request
             if req.state is RequestState.FINISHED:
                 continue  # failed after it was scheduled
             seq.num_computed += s.num_tokens
             self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            if seq.is_prompt and req.params.prompt_logprobs is not None and self.pool.enable_prefix_caching:
+                self._keep_prompt_logprobs(seq, s.start, seq.num_computed)
             if seq.is_prompt:
                 self.counters.prompt_tokens_computed += s.num_tokens
                 if seq.num_pending == 0:
@@ -392,15 +484,20 @@ class Scheduler:
                     req.num_prompt_tokens,
                     block_table=self.pool.fork(parent.block_table),
                     num_computed=parent.num_computed,
+                    logits_state=None if parent.logits_state is None else parent.logits_state.fork(),
                 )
+                if child.logits_state is not None:
+                    child.logits_state.accept(c.token)
             else:
                 taken[c.beam] = True
                 child = parent
                 extend.append((parent, c.token))
             child.cumulative_logprob = c.cumulative_logprob
             children.append(child)
-        for parent, token in extend:  # after the forks, which copy the parents' tokens
+        for parent, token in extend:  # after the forks, which copy the parents' tokens and states
             parent.token_ids.append(token)
+            if parent.logits_state is not None:
+                parent.logits_state.accept(token)
         for parent, kept in zip(parents, taken, strict=True):
             if not kept:
                 self.pool.free(parent.block_table)
@@ -436,6 +533,8 @@ class Scheduler:
         """Append one sampled token and decide whether it ends the sequence (and why)."""
         p = seq.request.params
         seq.token_ids.append(token)
+        if seq.logits_state is not None:
+            seq.logits_state.accept(token)  # raises if its grammar refuses the token: the request fails
         if seq.logprobs is not None:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)
@@ -446,6 +545,8 @@ class Scheduler:
             seq.finish_reason = "stop"
         elif seq.detok is not None and (stop := seq.detok.step(token)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.logits_state is not None and seq.logits_state.finished:  # a complete grammar
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.request.max_tokens:
             seq.finish_reason = "length"
 

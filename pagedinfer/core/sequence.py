@@ -1,8 +1,9 @@
 """Requests and their sequences: the prompt sequence that is prefilled once, and the n samples forked from it.
 
 Only the scheduler changes a sequence's state (tokens computed, tokens appended, finished); the
-engine reads them to build outputs. No tensors here: a sample's random source and its incremental
-detokenizer are made by the engine and held as opaque objects.
+engine reads them to build outputs. No tensors here: a sample's random source, its incremental
+detokenizer and its logits processors' state (a grammar matcher) are made by the engine and held
+as opaque objects.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class TextStream(Protocol):
     def step(self, token_id: int) -> str | None: ...
 
 
+class LogitsStateLike(Protocol):
+    """A sample's logits processors' state (`pagedinfer.logits.processor.LogitsState`)."""
+
+    finished: bool  # its grammar is complete: the sample stops
+
+    def accept(self, token: int) -> None: ...
+
+    def fork(self) -> LogitsStateLike: ...
+
+
 @dataclass(eq=False)
 class Sequence:
     """One row of K/V in the pool: the prompt sequence, or one sample after the fork.
@@ -49,6 +60,7 @@ class Sequence:
     num_computed: int = 0
     generator: Any = None  # the sampler's random source for this sample (opaque here)
     detok: TextStream | None = None
+    logits_state: LogitsStateLike | None = None  # forked with the sequence, told every appended token
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
@@ -87,7 +99,8 @@ class Sequence:
         )
 
 
-SampleState = Callable[[int], tuple[Any, "TextStream | None"]]  # sample index -> (generator, detokenizer)
+# sample index -> (generator, detokenizer, logits state)
+SampleState = Callable[[int], tuple[Any, "TextStream | None", "LogitsStateLike | None"]]
 
 
 @dataclass(eq=False)
@@ -109,6 +122,18 @@ class Request:
     num_overtaken: int = 0  # later arrivals admitted before it (the ``lpm`` policy's starvation bound)
     prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
     beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams, best first
+    # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_upto: int = 1  # positions below this have their entry
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still lack their logprobs (its prompt chunks return every row)."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs_upto < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -145,4 +170,5 @@ class Request:
             outputs=[s.to_output() for s in self.samples],
             finished=self.finished,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -80,13 +80,7 @@ def prepare(
     if reason:
         return Rejected(request_id, text, ids, params, reason)
     if beam is not None:
-        params = SamplingParams(
-            n=beam.beam_width,
-            temperature=0,
-            max_tokens=beam.max_tokens,
-            ignore_eos=beam.ignore_eos,
-            stop_token_ids=beam.stop_token_ids,
-        )
+        params = beam.sampling_params()
     seed = params.seed if params.seed is not None else engine.draw_seed()
     return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam)
 

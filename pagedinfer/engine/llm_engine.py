@@ -13,19 +13,40 @@ from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.scheduler import SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
+from pagedinfer.core.scheduler import PromptRows, SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState, SampleState
 from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.stats import EngineStats
+from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
+from pagedinfer.logits.processor import LogitsPipeline, LogitsState
+from pagedinfer.logits.structured import GrammarCompiler, GrammarProcessor
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, sample
-from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, logprob_entries, sample
+from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import sample_seed
+
+PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
+
+
+def _row(seq) -> SampleRow:
+    """What the processors and the sampler read of a sequence that receives a token this step."""
+    return SampleRow(
+        seq.request.params, seq.token_ids, seq.num_prompt_tokens, seq.logits_state, seq.generator
+    )
+
+
+def _no_token_reason(params: SamplingParams) -> str:
+    given = [
+        name
+        for name in ("allowed_token_ids", "bad_words", "min_tokens", "structured_outputs")
+        if getattr(params, name)
+    ]
+    return f"no token can be generated here: {', '.join(given)} exclude every token of the vocabulary"
 
 
 def graph_plan(
@@ -81,6 +102,18 @@ class LLMEngine:
             config.schedule_policy,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
+        vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
+        self.grammars = GrammarCompiler(tok, vocab, eos)
+        self.logits = LogitsPipeline(  # vLLM's order
+            [
+                AllowedTokens(vocab),
+                BadWords(tok, vocab),
+                MinTokens(eos, vocab),
+                LogitBias(vocab),
+                Penalties(),
+                GrammarProcessor(self.grammars),
+            ]
+        )
         if graphs:
             self._start_graphs(num_blocks)
         self._seeds = random.Random(config.seed)
@@ -134,6 +167,7 @@ class LLMEngine:
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
         )
         self.scheduler.counters = self.stats.counters
+        self.grammars.counters = self.stats.structured
         self._pool_base = self._pool_counts()
 
     def _pool_counts(self) -> tuple[int, ...]:
@@ -156,14 +190,18 @@ class LLMEngine:
 
     def params_error(self, params: SamplingParams | BeamSearchParams) -> str | None:
         """Why ``params`` cannot run on this model (the checks `SamplingParams` cannot make alone);
-        intake calls it once per request."""
+        intake calls it once per request, and a grammar is compiled here (cached for its samples)."""
         vocab = self.vocab_size
-        logprobs = getattr(params, "logprobs", None)  # BeamSearchParams have none
-        if logprobs is not None and logprobs > vocab:
-            return f"logprobs={logprobs} exceeds the model's vocabulary of {vocab} tokens"
+        if isinstance(params, BeamSearchParams):
+            if params.structured_outputs is not None and (params.ignore_eos or not self.loaded.eos_token_ids):
+                return "structured_outputs in beam search needs the model's EOS (and no ignore_eos): beams end there"
+            params = params.sampling_params()
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > vocab:
+                return f"{name}={k} exceeds the model's vocabulary of {vocab} tokens"
         if any(t >= vocab for t in params.stop_token_ids):
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
-        return None
+        return self.logits.validate(params)
 
     def draw_seed(self) -> int:
         """The base seed of a request that gives none: the next of the engine's seeded stream."""
@@ -208,14 +246,16 @@ class LLMEngine:
         return req
 
     def _sample_state(self, req: Request, base_seed: int) -> SampleState:
-        """Sample ``i``'s random source and detokenizer, made when the scheduler creates the sample."""
+        """Sample ``i``'s random source, detokenizer and processor states (a grammar matcher), made when
+        the scheduler creates the sample."""
         tok, p = self.loaded.tokenizer, req.params
 
-        def make(index: int) -> tuple[torch.Generator, IncrementalDetokenizer | None]:
+        def make(index: int) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
             gen = torch.Generator()
             gen.manual_seed(sample_seed(base_seed, index, req.prompt_token_ids))
+            state = self.logits.new_state(p)
             if tok is None:
-                return gen, None
+                return gen, None, state
             detok = IncrementalDetokenizer(
                 tok.backend_tokenizer,
                 req.prompt_token_ids,
@@ -223,7 +263,7 @@ class LLMEngine:
                 p.stop,
                 p.include_stop_str_in_output,
             )
-            return gen, detok
+            return gen, detok, state
 
         return make
 
@@ -240,43 +280,72 @@ class LLMEngine:
         """Run one batch; return the requests that finished in it (failed ones included)."""
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
         self._record(plan)
-        sampled, beams = None, None
+        sampled, beams, prompt = None, None, None
         if plan.batch:
+            rows = [_row(t.seq) for t in plan.targets]
+            beam_rows = [_row(t.seq) for t in plan.beam_targets]
+            self.logits.prepare(rows + beam_rows)  # grammar masks, overlapping the forward pass
             logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
             self.stats.graph_steps += self.runner.last_step_graphed
             if plan.targets:
-                sampled = self._sample(logits, plan.targets)
+                sampled = self._sample(logits, plan.targets, rows)
             if plan.beam_targets:
-                beams = self._beam_candidates(logits, plan.beam_targets)
-        finished = self.scheduler.update(plan, sampled, beams)  # computed, forks, appends, stops, frees
+                beams = self._beam_candidates(logits, plan.beam_targets, beam_rows)
+            if plan.prompt_rows:
+                prompt = self._prompt_logprobs(logits, plan.prompt_rows)
+        finished = self.scheduler.update(plan, sampled, beams, prompt)  # computed, forks, appends, stops
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()
         return finished
 
-    def _sample(self, logits: torch.Tensor, targets: list[SampleTarget]) -> SampleResult:
-        """One token per target (a step that raises here is isolated by the generation loop)."""
-        rows = [t.row for t in targets]
-        if rows != list(range(logits.shape[0])):  # forked samples share their prompt's row
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [len(targets), V]
-        inputs = [
-            SampleRow(s.request.params, s.generator, s.token_ids, s.num_prompt_tokens)
-            for s in (t.seq for t in targets)
-        ]
-        return sample(logits, inputs, self.loaded.eos_token_ids)
+    def _sample(
+        self, logits: torch.Tensor, targets: list[SampleTarget], rows: list[SampleRow]
+    ) -> SampleResult:
+        """One token per target (a step that raises here is isolated by the generation loop); a row a
+        constraint leaves no token fails its request alone."""
+        at = [t.row for t in targets]
+        if at != list(range(logits.shape[0])):  # forked samples share their prompt's row
+            logits = logits[torch.tensor(at, device=logits.device)]  # [len(targets), V]
+        result = sample(logits, rows, self.logits)
+        for i in result.no_token:
+            self.scheduler.fail(targets[i].seq.request, _no_token_reason(rows[i].params))
+        return result
 
     @staticmethod
-    def _beam_candidates(logits: torch.Tensor, targets: list[SampleTarget]) -> dict[Request, list[Candidate]]:
+    @torch.inference_mode()
+    def _prompt_logprobs(logits: torch.Tensor, chunks: list[PromptRows]) -> list[list[dict[int, Logprob]]]:
+        """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``."""
+        out = []
+        for c in chunks:
+            req = c.request
+            m = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)  # the prompt's last row gives none
+            entries: list[dict[int, Logprob]] = []
+            for lo in range(0, max(m, 0), PROMPT_LOGPROB_SLICE):  # log-softmax temporaries of a few rows
+                hi = min(m, lo + PROMPT_LOGPROB_SLICE)
+                tokens = req.prompt_token_ids[c.start + 1 + lo : c.start + 1 + hi]
+                rows = logits[c.first_row + lo : c.first_row + hi]  # [hi - lo, V]
+                ids = torch.tensor(tokens, device=logits.device)  # [hi - lo]
+                entries += logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
+            out.append(entries)
+        return out
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, targets: list[SampleTarget], rows: list[SampleRow]
+    ) -> dict[Request, list[Candidate]]:
         """Each beam search's best continuations over all its live beams (their rows are in ``targets``)."""
-        rows: dict[Request, list[SampleTarget]] = {}
-        for t in targets:
-            rows.setdefault(t.seq.request, []).append(t)
+        groups: dict[Request, list[int]] = {}
+        for i, t in enumerate(targets):
+            groups.setdefault(t.seq.request, []).append(i)
         out = {}
-        for req, beam_rows in rows.items():
+        for req, members in groups.items():
+            beam_rows = [rows[i] for i in members]
+            shaped = req.params.shapes_logits
             found = beam_candidates(
-                logits[torch.tensor([t.row for t in beam_rows], device=logits.device)],  # [beams, V]
-                [t.seq.cumulative_logprob for t in beam_rows],
+                logits[torch.tensor([targets[i].row for i in members], device=logits.device)],  # [beams, V]
+                [targets[i].seq.cumulative_logprob for i in members],
                 req.beam.num_candidates,
+                (lambda scores, r=beam_rows: self.logits.apply(scores, r)) if shaped else None,
             )
             out[req] = [Candidate(*c) for c in found]
         return out

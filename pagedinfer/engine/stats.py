@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.scheduler import SchedulerCounters
+from pagedinfer.logits.structured import StructuredCounters
 
 
 @dataclass
@@ -54,6 +55,8 @@ class EngineStats:
     wall_time_s: float = 0.0
     # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    # structured outputs: the grammar compile cache and the token masks (counted as they happen)
+    structured: StructuredCounters = field(default_factory=StructuredCounters)
 
     def record_step(
         self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
@@ -169,6 +172,12 @@ class EngineStats:
         """Prompt tokens the n samples (or beams) of a request did not compute again."""
         return self.prompt_tokens_requested - self.prompt_tokens
 
+    @property
+    def mask_share(self) -> float:
+        """The grammar masks' share of the run: filling them (overlapping the forward pass) and applying them."""
+        s = self.structured
+        return (s.mask_s + s.apply_s) / self.wall_time_s if self.wall_time_s else 0.0
+
     def to_dict(self) -> dict:
         """The report's figures under stable keys (documented in docs/report.md)."""
         mb = self.mean_blocks_used
@@ -236,6 +245,16 @@ class EngineStats:
                 "preemptions": self.preemptions,
                 "peak_running_seqs": self.peak_running_seqs,
                 "naive_max_seqs": self.naive_max_seqs,
+            },
+            "structured_outputs": {
+                "grammars_compiled": self.structured.compiles,
+                "grammar_cache_hits": self.structured.cache_hits,
+                "compile_s": round(self.structured.compile_s, 4),
+                "masks": self.structured.masks,
+                "mask_s": round(self.structured.mask_s, 4),
+                "mask_wait_s": round(self.structured.mask_wait_s, 4),
+                "mask_apply_s": round(self.structured.apply_s, 4),
+                "mask_share_of_wall": round(self.mask_share, 6),
             },
             "throughput": {
                 "wall_time_s": round(self.wall_time_s, 4),

@@ -39,6 +39,7 @@ class OpenAIRequest:
     url: str  # COMPLETIONS_URL or CHAT_URL
     model: str | None = None
     logprobs_style: str | None = None  # "completions", "chat" or None (not asked)
+    echo: bool = False  # completions: the prompt is put before each choice's text (and logprobs)
 
     @property
     def chat(self) -> bool:

@@ -30,6 +30,7 @@ from pagedinfer.lines.line import (
     OpenAIRequest,
     line_key,
 )
+from pagedinfer.lines.openai_params import openai_echo, openai_response_format
 from pagedinfer.lines.source import InputLines, LineDecodeError
 from pagedinfer.sampling_params import (
     BeamSearchParams,
@@ -47,7 +48,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat body's top_logprobs
 
 SAMPLING_FIELDS = line_fields(SamplingParams)
 BEAM_FIELDS = line_fields(BeamSearchParams)
-BEAM_SHARED = ("max_tokens", "ignore_eos", "stop_token_ids")  # SamplingParams fields a beam line keeps
+# SamplingParams fields a beam line keeps
+BEAM_SHARED = ("max_tokens", "ignore_eos", "stop_token_ids", "structured_outputs")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
 OPENAI_LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -60,6 +62,8 @@ OPENAI_BODY_FIELDS = {
     "top_logprobs",
     "user",
     "stream",
+    "response_format",  # -> structured_outputs
+    "echo",  # completions: with logprobs -> prompt_logprobs
 }
 MESSAGE_FIELDS = {"role", "content", "name"}
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate can enter valid UTF-8 JSON
@@ -237,7 +241,7 @@ class LineParser:
         try:
             return SamplingParams(**{k: v for k, v in values.items() if k in SAMPLING_FIELDS})
         except ParamError as e:
-            raise _Bad(f"{prefix if e.field in given else ''}{e}") from None
+            raise _Bad(f"{prefix if e.field.split('.')[0] in given else ''}{e}") from None
 
     # -- OpenAI batch lines ---------------------------------------------------------------------
     def _openai(self, number: int, obj: dict) -> LineRequest | LineError:
@@ -268,6 +272,7 @@ class LineParser:
                 raise _Bad(f"body.user must be a string, not {describe(body['user'])}")
             prompt = _openai_prompt(body, info.chat)
             given, info.logprobs_style = _openai_sampling(body, info.chat)
+            info.echo = body.get("echo") is True
             params = self._sampling(given, True, key, "body.")
         except _Bad as e:
             return LineError(number, key, cid, str(e), info, True, echo)
@@ -319,6 +324,17 @@ def _openai_prompt(body: dict, chat: bool) -> dict:
 def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
     """The body's SamplingParams fields (OpenAI's names mapped), and how logprobs are to be answered."""
     given = {k: body[k] for k in SAMPLING_FIELDS if k in body and k != "logprobs"}
+    try:
+        if "response_format" in body:
+            if "structured_outputs" in body:
+                raise ValueError("response_format and structured_outputs cannot both be given")
+            given.update(openai_response_format(body["response_format"]))
+        if "echo" in body:
+            if chat:
+                raise ValueError("echo belongs to completions; chat completions do not echo the prompt")
+            given.update(openai_echo(body["echo"], body.get("logprobs")))
+    except ValueError as e:
+        raise _Bad(f"body.{e}") from None
     if "max_completion_tokens" in body:
         if "max_tokens" in body:
             raise _Bad("give body.max_tokens or body.max_completion_tokens, not both")

@@ -76,8 +76,15 @@ def success_record(
     k = line.params.logprobs or 0
     if line.openai is not None:
         return _openai_success(line.openai, out, usage, k, token_text, model)
+    record = _plain_head(line, out)
+    if out.prompt_logprobs is not None:  # per prompt token (the first has none), top prompt_logprobs
+        kp = line.params.prompt_logprobs
+        record["prompt_logprobs"] = [
+            None if top is None else _plain_logprobs(tid, top, kp, token_text)
+            for tid, top in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+        ]
     outputs = [_plain_output(c, k, token_text) for c in out.outputs]
-    return {**_plain_head(line, out), "outputs": outputs, "usage": usage, "error": None}
+    return {**record, "outputs": outputs, "usage": usage, "error": None}
 
 
 def _plain_head(line: LineRequest, out: RequestOutput | BeamSearchOutput) -> dict:
@@ -216,8 +223,8 @@ def _openai_success(
         if info.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
-            choice["text"] = c.text
-        choice["logprobs"] = _openai_logprobs(c, info, k, token_text)
+            choice["text"] = (out.prompt or "") + c.text if info.echo else c.text
+        choice["logprobs"] = _openai_logprobs(c, info, k, token_text, _echoed(info, out))
         choice["finish_reason"] = c.finish_reason
         choices.append(choice)
     body = {
@@ -236,10 +243,19 @@ def _openai_success(
     }
 
 
-def _openai_logprobs(c: CompletionOutput, info: OpenAIRequest, k: int, token_text: TokenText) -> dict | None:
+def _echoed(info: OpenAIRequest, out: RequestOutput) -> list[tuple[int, dict | None]]:
+    """The prompt's (token, logprobs entry) steps a completions ``echo`` puts before each choice's."""
+    if not info.echo or out.prompt_logprobs is None:
+        return []
+    return list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+
+
+def _openai_logprobs(
+    c: CompletionOutput, info: OpenAIRequest, k: int, token_text: TokenText, echoed: list
+) -> dict | None:
     if c.logprobs is None or info.logprobs_style is None:
         return None
-    steps = list(zip(c.token_ids, c.logprobs, strict=False))
+    steps = echoed + list(zip(c.token_ids, c.logprobs, strict=False))
     if info.logprobs_style == "chat":
         content = []
         for tid, top in steps:
@@ -261,8 +277,10 @@ def _openai_logprobs(c: CompletionOutput, info: OpenAIRequest, k: int, token_tex
     for tid, top in steps:
         text = token_text(tid)[0]
         tokens.append(text)
-        token_logprobs.append(top[tid].logprob)
-        top_logprobs.append({token_text(t)[0]: lp.logprob for t, lp in _top_k(top, k)})
+        token_logprobs.append(None if top is None else top[tid].logprob)  # the prompt's first token: null
+        top_logprobs.append(
+            None if top is None else {token_text(t)[0]: lp.logprob for t, lp in _top_k(top, k)}
+        )
         offsets.append(offset)
         offset += len(text)
     return {

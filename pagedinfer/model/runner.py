@@ -24,7 +24,7 @@ class ScheduledChunk(Protocol):
     seq: _Tokens
     start: int  # first position computed this step
     num_tokens: int
-    sample: bool  # its last position's logits are returned
+    num_logits: int  # the logits of its last num_logits positions are returned (1: the sampled one)
 
 
 class ModelRunner:
@@ -104,20 +104,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run the step; return float32 logits ``[R, vocab]`` for the scheduled seqs that sample, in order."""
+        """Run the step; return float32 logits ``[R, vocab]``: each scheduled seq's last ``num_logits``
+        positions, in order (R = their sum: one row per sampling seq, a chunk's every row for prompt
+        logprobs; never more than the step's tokens)."""
         self._copy_blocks(copies)  # copy-on-write before this step's writes land
         self.last_step_graphed = self.graphs is not None and self.graphs.fits(batch)
         if self.last_step_graphed:
             logits = self.graphs.run(batch)  # [S, vocab]: every row, sampling or not
-            if all(s.sample for s in batch):
+            if all(s.num_logits for s in batch):
                 return logits
-            return logits[torch.tensor([i for i, s in enumerate(batch) if s.sample], device=logits.device)]
+            return logits[
+                torch.tensor([i for i, s in enumerate(batch) if s.num_logits], device=logits.device)
+            ]
         ids, positions, meta = self.build_metadata(batch)
-        if meta.max_query_len == 1 and all(s.sample for s in batch):
+        if meta.max_query_len == 1 and all(s.num_logits for s in batch):
             keep: torch.Tensor | int = 0  # every row samples: HF's "keep all"
-        else:
+        elif all(s.num_logits <= 1 for s in batch):
             ends = torch.cumsum(torch.tensor(meta.query_lens), 0) - 1  # [S]
-            keep = ends[torch.tensor([s.sample for s in batch], dtype=torch.bool)].to(self.device)  # [R]
+            keep = ends[torch.tensor([s.num_logits == 1 for s in batch], dtype=torch.bool)].to(
+                self.device
+            )  # [R]
+        else:  # some chunks return several rows (prompt logprobs)
+            rows, end = [], -1
+            for s in batch:
+                end += s.num_tokens
+                rows += range(end - s.num_logits + 1, end + 1)
+            keep = torch.tensor(rows, device=self.device)  # [R]
         attention.set_context(attention.StepContext(meta, self.kv, self.use_cuda_kernels))
         try:
             out = self.model(

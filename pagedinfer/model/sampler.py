@@ -1,31 +1,31 @@
 """Turn one step's logits into next tokens for every sampling sequence, vectorised across the batch.
 
-Greedy rows take the argmax. Sampled rows are tempered, filtered (top-k, top-p, min-p) and drawn
-by inverting their CDF at one uniform number from each sample's own generator: the draw depends
-only on that sample's generator and logits, never on its neighbours, and costs one scalar of
-randomness per row. Only rows with penalties, min_tokens or logprobs take extra (tensor) work;
-the log-normaliser over the vocabulary is computed only for rows that asked for logprobs.
+First the logits processors shape the rows that use them (`pagedinfer.logits`: penalties, min_tokens,
+logit_bias, bad_words, allowed_token_ids, grammars). Then greedy rows take the argmax, and sampled
+rows are tempered, filtered (top-k, top-p, min-p) and drawn by inverting their CDF at one uniform
+number from each sample's own generator: the draw depends only on that sample's generator and
+logits, never on its neighbours, and costs one scalar of randomness per row. Only rows with a
+processor or logprobs take extra (tensor) work; the log-normaliser over the vocabulary is computed
+only for rows that asked for logprobs, over the model's own logits (before any processor).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from pagedinfer.logits.processor import LogitsPipeline, Row
 from pagedinfer.model import fused_ops
 from pagedinfer.outputs import Logprob
-from pagedinfer.sampling_params import SamplingParams
 
 
 @dataclass
-class SampleRow:
-    """What the sampler needs of one logits row: its settings, its random source, its tokens so far."""
+class SampleRow(Row):
+    """What the sampler needs of one logits row: a processor row plus the sample's random source."""
 
-    params: SamplingParams
-    generator: torch.Generator | None  # None only for greedy rows
-    token_ids: list[int]  # prompt + generated tokens (penalties, min_tokens)
-    num_prompt_tokens: int
+    generator: torch.Generator | None = None  # None only for greedy rows
 
 
 @dataclass
@@ -33,10 +33,11 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]  # of each sampled token under the model's raw distribution, if asked
     top: list[dict[int, Logprob] | None]  # per row, when logprobs were asked for
+    no_token: list[int] = field(default_factory=list)  # rows the processors left without any token
 
 
 @torch.inference_mode()  # the step's logits are inference tensors, updated in place
-def sample(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], pipeline: LogitsPipeline) -> SampleResult:
     """``logits [R, V]`` float32, one row per entry of ``rows``.
 
     ``logits`` may be modified in place: the caller hands over the step's own tensor.
@@ -44,11 +45,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> Sa
     params = [r.params for r in rows]
     dev = logits.device
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    # [Rw, V] reported logprobs are the model's own, before penalties and temperature
+    # [Rw, V] reported logprobs are the model's own, before every processor and temperature
     raw = logits[torch.tensor(want, device=dev)] if want else None
-    if any(p.penalized or p.min_tokens for p in params):
-        _apply_penalties(logits, rows)
-        _suppress_early_stop(logits, rows, eos_ids)
+    no_token = pipeline.apply(logits, rows)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     all_sampled = len(sampled) == len(rows)  # then no argmax and no row gather are needed
     # [R]: the greedy rows' argmax; sampled rows are filled in below
@@ -69,18 +68,29 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> Sa
     chosen: list[float | None] = [None] * len(rows)
     top: list[dict[int, Logprob] | None] = [None] * len(rows)
     if want:
-        k = max(params[i].logprobs for i in want)
-        logprobs = raw - torch.logsumexp(raw, dim=-1, keepdim=True)  # [Rw, V]
-        picked_lp = logprobs.gather(1, tokens[want].unsqueeze(1))  # [Rw, 1]
-        values, ids = logprobs.topk(max(k, 1), dim=-1)  # [Rw, k]
-        ranks = (logprobs > picked_lp).sum(dim=1) + 1  # [Rw]
-        for j, i in enumerate(want):
-            chosen[i] = float(picked_lp[j])
-            entry = {int(tokens[i]): Logprob(chosen[i], int(ranks[j]))}
-            for r in range(params[i].logprobs):
-                entry.setdefault(int(ids[j, r]), Logprob(float(values[j, r]), r + 1))
+        picked = tokens[want]  # [Rw]
+        for j, (i, entry) in enumerate(
+            zip(want, logprob_entries(raw, picked, [params[i].logprobs for i in want]), strict=True)
+        ):
             top[i] = entry
-    return SampleResult(tokens.tolist(), chosen, top)
+            chosen[i] = entry[int(picked[j])].logprob
+    return SampleResult(tokens.tolist(), chosen, top, no_token)
+
+
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``logits [R, V]``: the log-probability and rank of ``tokens[r]`` and the ``ks[r]`` most
+    likely tokens (vLLM's logprobs entries), under the rows' own distributions."""
+    logprobs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, V]
+    picked = logprobs.gather(1, tokens.unsqueeze(1))  # [R, 1]
+    values, ids = logprobs.topk(max(max(ks), 1), dim=-1)  # [R, k]
+    ranks = (logprobs > picked).sum(dim=1) + 1  # [R]
+    out = []
+    for r, k in enumerate(ks):
+        entry = {int(tokens[r]): Logprob(float(picked[r]), int(ranks[r]))}
+        for j in range(k):
+            entry.setdefault(int(ids[r, j]), Logprob(float(values[r, j]), j + 1))
+        out.append(entry)
+    return out
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -105,44 +115,27 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return probs
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """vLLM's penalties: repetition over prompt + output, presence and frequency over the output."""
-    for i, r in enumerate(rows):
-        p = r.params
-        if not p.penalized:
-            continue
-        row = logits[i]
-        out_ids = torch.tensor(r.token_ids[r.num_prompt_tokens :], dtype=torch.int64, device=row.device)
-        counts = torch.bincount(out_ids, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)  # [V]
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen[torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.int64, device=row.device)] = (
-                True
-            )
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalised, row))
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def _suppress_early_stop(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> None:
-    """Below min_tokens, EOS and stop tokens cannot be drawn."""
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
-            ids = [t for t in banned if t < logits.shape[1]]
-            if ids:
-                logits[i, ids] = float("-inf")
-
-
 @torch.inference_mode()
-def beam_candidates(logits: torch.Tensor, cumulative: list[float], k: int) -> list[tuple[int, int, float]]:
+def beam_candidates(
+    logits: torch.Tensor,
+    cumulative: list[float],
+    k: int,
+    shape: Callable[[torch.Tensor], object] | None = None,
+) -> list[tuple[int, int, float]]:
     """The ``k`` best (beam, token, cumulative log-probability) continuations of ``logits [B, V]``.
 
-    Computed in float32 like transformers' beam search, so the same candidates win.
+    Computed in float32 like transformers' beam search, so the same candidates win. ``shape`` (a
+    grammar) sets excluded tokens' log-probabilities to -inf in place, as transformers' logits
+    processors act on the scores; such tokens are never candidates.
     """
     vocab = logits.shape[1]
     scores = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    if shape is not None:
+        shape(scores)
     scores += torch.tensor(cumulative, dtype=torch.float32, device=logits.device).unsqueeze(1)
     values, flat = scores.flatten().topk(min(k, scores.numel()))  # [k]
-    return [(i // vocab, i % vocab, v) for i, v in zip(flat.tolist(), values.tolist(), strict=True)]
+    return [
+        (i // vocab, i % vocab, v)
+        for i, v in zip(flat.tolist(), values.tolist(), strict=True)
+        if v != float("-inf")
+    ]

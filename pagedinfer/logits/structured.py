@@ -1,0 +1,238 @@
+"""Structured outputs: every sample of a request follows a JSON schema, a regex, a choice or a grammar.
+
+Grammars are compiled by llguidance (Earley parser over a lazily built lexer; no dependencies, the
+library vLLM's ``guidance`` backend and llama.cpp use): JSON schemas, ``json_object``, regexes, choices,
+and Lark (EBNF) or llama.cpp GBNF grammars. scripts/bench_grammar_libs.py measured it against xgrammar
+on the CPU (docs/bench.md): xgrammar's masks cost less per step, llguidance compiles a schema ~10x
+faster and brings no dependency (xgrammar pulls triton); at batch 64 its masks are a few percent of
+a step and are computed while the forward pass runs.
+
+* `GrammarCompiler`: one compiled matcher per distinct constraint (`StructuredOutputsParams.key`) in
+  a bounded LRU cache; every sequence starts from a copy of it. Compiled in `LLMEngine.params_error`
+  (so an invalid or unsupported schema is that request's error, naming the problem), reused when the
+  request's samples start.
+* `MatcherState`: one sequence's matcher, told every appended token, forked with a beam. When its
+  grammar is complete the sequence stops (finish reason ``stop``); ``max_tokens`` reached before that
+  gives ``length``, as OpenAI does.
+* `GrammarProcessor`: before the forward pass, one bitmask row per constrained sequence is filled
+  by llguidance's thread pool in a worker thread (the GIL is released), overlapping the forward pass;
+  the sampler then sets every disallowed token's logit to -inf. EOS is allowed only where the grammar
+  can end. A model without an EOS token gets a virtual one past its vocabulary (never drawn).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from pagedinfer.logits.processor import LogitsProcessor, Row
+from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
+
+CACHE_SIZE = 256  # distinct compiled constraints kept
+ERROR_CHARS = 300  # a grammar error is cut to this much in a request's error
+
+
+@dataclass
+class StructuredCounters:
+    """Figures of structured outputs since the last reset (`EngineStats.structured`)."""
+
+    compiles: int = 0  # constraints compiled (cache misses)
+    cache_hits: int = 0  # requests (or samples) that found their constraint compiled
+    compile_s: float = 0.0
+    masks: int = 0  # bitmask rows filled
+    mask_s: float = 0.0  # llguidance filling them (in the worker, overlapping the forward pass)
+    mask_wait_s: float = 0.0  # the sampler waiting for them after the forward pass
+    apply_s: float = 0.0  # setting the disallowed logits to -inf
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message names the field and the problem."""
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not checked yet: the matcher compiles it)."""
+    import llguidance
+
+    kind = so.kind
+    if kind in ("json", "json_object"):
+        schema = so.json if kind == "json" else {"type": "object"}
+        options = {"whitespace_flexible": not so.disable_any_whitespace}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:
+            raise GrammarError(f"structured_outputs.{kind}: {_first_line(e)}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(so.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", so.choice)
+    try:
+        return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise GrammarError(f"structured_outputs.grammar: {_first_line(e)}") from None
+
+
+def _first_line(e: object) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "…"
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer; keeps the last `CACHE_SIZE` distinct ones."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int] | frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.counters = StructuredCounters()
+        self._cache: OrderedDict[str, object] = OrderedDict()  # key -> a matcher that never moves
+        self._ll_tokenizer = None
+
+    @property
+    def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (about a second to build: once per engine)."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            if self.eos_ids:
+                n_vocab, eos = self.vocab_size, self.eos_ids
+            else:  # a virtual EOS past the logits: never drawn, it only lets a grammar end
+                n_vocab, eos = self.vocab_size + 1, self.vocab_size
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=eos)
+        return self._ll_tokenizer
+
+    def template(self, so: StructuredOutputsParams, request: bool = True):
+        """The compiled matcher of ``so`` (from the cache, else compiled now). Raises GrammarError.
+
+        ``request``: a request's lookup (counted as a hit); a sample's start looks up quietly.
+        """
+        key = so.key
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            self.counters.cache_hits += request
+            return found
+        import llguidance
+
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(so), log_level=0)
+        self.counters.compile_s += time.perf_counter() - start
+        self.counters.compiles += 1
+        if matcher.is_error():
+            raise GrammarError(f"structured_outputs.{so.kind}: {_first_line(matcher.get_error())}")
+        self._cache[key] = matcher
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return matcher
+
+
+class MatcherState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(
+                f"structured_outputs: token {token} is not allowed here ({self.matcher.get_error()})"
+            )
+
+    def fork(self) -> MatcherState:
+        return MatcherState(self.matcher.deep_copy())
+
+    @property
+    def finished(self) -> bool:
+        """Nothing can follow (the grammar is complete, or only EOS may come)."""
+        return self.matcher.is_stopped()
+
+
+@dataclass
+class _Masks:
+    states: list[MatcherState]  # the rows' states, in row order
+    bitmask: torch.Tensor  # [len(states), ceil(V' / 32)] int32, bit t of row i: token t allowed
+    done: Future
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks every token the row's grammar does not allow at this point."""
+
+    name, masks = "structured_outputs", True
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._executor = None  # llguidance's thread pool, made on first use
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: _Masks | None = None
+        self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
+
+    def wants(self, params: SamplingParams) -> bool:
+        return params.structured_outputs is not None
+
+    def validate(self, params: SamplingParams) -> str | None:
+        if self.compiler.tokenizer is None:
+            return "structured_outputs needs the model's tokenizer (this model has none)"
+        try:
+            self.compiler.template(params.structured_outputs)
+        except GrammarError as e:
+            return str(e)
+        return None
+
+    def new_state(self, params: SamplingParams) -> MatcherState:
+        return MatcherState(self.compiler.template(params.structured_outputs, request=False).deep_copy())
+
+    def prepare(self, rows: list[Row]) -> None:
+        """Start filling the step's bitmask rows in the worker thread (it overlaps the forward pass)."""
+        states = [r.state.get(self.name) for r in rows if self.wants(r.params) and r.state is not None]
+        self._pending = self._start(states) if states else None
+
+    def _start(self, states: list[MatcherState]) -> _Masks:
+        import llguidance
+        import llguidance.torch
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        width = (self.compiler.ll_tokenizer.vocab_size + 31) // 32
+        bitmask = torch.empty(len(states), width, dtype=torch.int32)  # [S, W]
+        pairs = [(s.matcher, i) for i, s in enumerate(states)]
+        counters = self.compiler.counters
+
+        def fill() -> None:
+            start = time.perf_counter()
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+            counters.mask_s += time.perf_counter() - start
+            counters.masks += len(pairs)
+
+        return _Masks(states, bitmask, self._worker.submit(fill))
+
+    def apply(self, logits: torch.Tensor, index: list[int], rows: list[Row]) -> None:
+        states = [r.state.get(self.name) for r in rows]
+        masks = self._pending
+        where = {id(s): j for j, s in enumerate(masks.states)} if masks is not None else {}
+        if not all(id(s) in where for s in states):  # not prepared for these rows (a retried step)
+            masks = self._start(states)
+            where = {id(s): j for j, s in enumerate(states)}
+        counters = self.compiler.counters
+        start = time.perf_counter()
+        masks.done.result()
+        counters.mask_wait_s += time.perf_counter() - start
+        start = time.perf_counter()
+        picks = [where[id(s)] for s in states]
+        bitmask = masks.bitmask if picks == list(range(len(masks.states))) else masks.bitmask[picks]
+        apply_bitmask(logits, index, bitmask, self._shifts)
+        counters.apply_s += time.perf_counter() - start
+
+
+def apply_bitmask(
+    logits: torch.Tensor, index: list[int], bitmask: torch.Tensor, shifts: torch.Tensor
+) -> None:
+    """``logits[index[i], t] = -inf`` wherever bit ``t`` of ``bitmask[i]`` is 0."""
+    vocab = logits.shape[1]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [S, W, 32]
+    allowed = bits.view(len(index), -1)[:, :vocab].to(device=logits.device, dtype=torch.bool)  # [S, V]
+    rows = torch.tensor(index, device=logits.device)  # [S]
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
