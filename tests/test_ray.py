@@ -241,14 +241,16 @@ def test_sigterm_to_a_data_parallel_driver_finishes_like_a_single_run(model, ray
     import time
 
     lines = [{"id": f"s{i}", "prompt_token_ids": [3, 4 + i], "max_tokens": 2} for i in range(4)]
+    # far more work than a fast machine finishes between the first record and the signal (8 running per
+    # replica, 400 x 200 tokens); the run stops early, so the size costs nothing
     lines += [
-        {"id": f"l{i}", "prompt_token_ids": [5, 6 + i], "max_tokens": 100, "ignore_eos": True}
-        for i in range(40)
+        {"id": f"l{i}", "prompt_token_ids": [5, 6 + i % 200], "max_tokens": 200, "ignore_eos": True}
+        for i in range(400)
     ]
     path = write_jsonl(tmp_path / "t.jsonl", lines)
     out = tmp_path / "t.out.jsonl"
     cmd = [sys.executable, "-m", "pagedinfer", "run", str(path), "--model", model, "-o", str(out), "-q"]
-    cmd += ["--device", "cpu", "--data-parallel", "2", "--no-report"]
+    cmd += ["--device", "cpu", "--data-parallel", "2", "--max-num-seqs", "8", "--no-report"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = time.monotonic()
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
