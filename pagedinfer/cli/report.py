@@ -95,7 +95,9 @@ def describe_source(size: PoolSize) -> str:
     if size.origin == "num_blocks":
         return f"--num-blocks {size.num_blocks}"
     if size.origin == "kv_cache_memory":
-        return f"--kv-memory ({human_bytes(size.kv_cache_memory)})"
+        return f"--kv-cache-memory ({human_bytes(size.kv_cache_memory)})"
+    if size.origin == "gpu_memory_utilization":
+        return f"--gpu-memory-utilization {size.gpu_memory_utilization} (of free GPU memory)"
     return f"the default ({str(size)[len('default: ') :].replace(' x ', ' × ')})"
 
 

@@ -236,7 +236,8 @@ class _Run:
         except ValueError as e:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
-        keys = ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
+        keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
+        keys += ("max_num_batched_tokens",)
         try:
             EngineConfig(**{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
@@ -480,11 +481,12 @@ def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
 def _option_words(message: str) -> str:
     """Engine setting names -> the command-line options that set them."""
     for name, option in (
-        ("kv_cache_memory", "--kv-memory"),
+        ("kv_cache_memory", "--kv-cache-memory"),
+        ("gpu_memory_utilization", "--gpu-memory-utilization"),
         ("kv_cache_dtype", "--kv-cache-dtype"),
         ("num_blocks", "--num-blocks"),
         ("block_size", "--block-size"),
-        ("max_num_batched_tokens", "--max-batched-tokens"),
+        ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("max_num_seqs", "--max-num-seqs"),
         ("max_model_len", "--max-model-len"),
     ):

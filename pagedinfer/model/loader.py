@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from pagedinfer import envs
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
+from pagedinfer.chat_template import template_error
 from pagedinfer.model import gguf, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
@@ -98,6 +99,7 @@ def load_model(
     model_impl: str = "auto",
     load_format: str = "auto",
     quantization: str | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
     every failure is a ModelLoadError with a one-line reason.
@@ -105,7 +107,7 @@ def load_model(
     ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
     no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``).
     ``quantization="int8"``: every packed linear's weight in int8 per output channel (float32
-    activations; the CPU and float32 only)."""
+    activations; the CPU and float32 only). ``chat_template``: Jinja text replacing the tokenizer's."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -159,9 +161,12 @@ def load_model(
             f"model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
+    tokenizer = _load_tokenizer(folder, kwargs)
+    if chat_template is not None:
+        _set_chat_template(tokenizer, chat_template, name)
     return LoadedModel(
         model=model,
-        tokenizer=_load_tokenizer(folder, kwargs),
+        tokenizer=tokenizer,
         layer_shapes=shapes,
         max_model_len=context_length(config),
         eos_token_ids=_eos_ids(config, model),
@@ -247,6 +252,16 @@ def _load_tokenizer(folder: str, kwargs: dict):
     except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
         return None
     return tok if getattr(tok, "is_fast", False) else None
+
+
+def _set_chat_template(tokenizer, template: str, name: str) -> None:
+    """Chat prompts render with ``template`` instead of the tokenizer's own (vLLM's ``--chat-template``)."""
+    if tokenizer is None:
+        raise ModelLoadError(f"a chat template needs a tokenizer; model {name!r} has none (token-id prompts only)")
+    error = template_error(template)
+    if error is not None:
+        raise ModelLoadError(f"the chat template does not compile: {error}")
+    tokenizer.chat_template = template
 
 
 def _generation_config(folder: str, config) -> GenerationConfig:
