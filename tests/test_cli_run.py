@@ -420,6 +420,7 @@ REPORT_KEYS = {
     "scheduling.naive_max_seqs",
     "throughput",
     "throughput.wall_time_s",
+    "throughput.kernel_compile_s",
     "throughput.prompt_tokens_per_s",
     "throughput.generated_tokens",
     "throughput.generated_tokens_per_s",

@@ -206,7 +206,12 @@ def render(stats: EngineStats, console: Console) -> None:
     rest.add_row(
         "Throughput",
         f"prompt {t['prompt_tokens_per_s']:,.1f} tok/s · generated [bold]{t['generated_tokens_per_s']:,.1f}[/] tok/s "
-        f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s",
+        f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s"
+        + (
+            f" · CPU kernels compiled before it in {stats.kernel_compile_s:.1f} s (once)"
+            if stats.kernel_compile_s
+            else ""
+        ),
     )
     parts.append(rest)
     parts.append(_prefix_cache_block(stats))

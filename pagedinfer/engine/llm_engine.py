@@ -132,6 +132,7 @@ class LLMEngine:
             kv_cache_dtype=str(self.kv.dtype).removeprefix("torch."),
             cuda_graphs=self.graph_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
+            kernel_compile_s=self.loaded.kernel_compile_s,
         )
         self.scheduler.counters = self.stats.counters
         self._pool_base = self._pool_counts()

@@ -52,6 +52,7 @@ class EngineStats:
     prefix_cache_blocks_reused: int = 0  # blocks handed to a new sequence by a hit
     prefix_cache_evictions: int = 0  # cached blocks reclaimed for new contents
     wall_time_s: float = 0.0
+    kernel_compile_s: float = 0.0  # compiling the CPU kernels when the model loaded: not in wall_time_s
     # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
 
@@ -239,6 +240,7 @@ class EngineStats:
             },
             "throughput": {
                 "wall_time_s": round(self.wall_time_s, 4),
+                "kernel_compile_s": round(self.kernel_compile_s, 3),
                 "prompt_tokens_per_s": round(self.prompt_tokens_computed / self.wall_time_s, 3)
                 if self.wall_time_s
                 else 0.0,

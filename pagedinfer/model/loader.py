@@ -10,10 +10,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pagedinfer import envs
+from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
-from pagedinfer.model import gguf, llama, packed_linear
+from pagedinfer.model import decode_step, fused_ops, gguf, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
 
@@ -54,6 +55,7 @@ class LoadedModel:
     name: str
     dtype_reason: str = ""  # why this dtype: "--dtype bfloat16", or what --dtype auto found
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
+    kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -124,6 +126,9 @@ def load_model(
         choice = choose_dtype(dtype, config, dev, quantization)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
+    # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
+    sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
+    compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     dummy = load_format == "dummy"
     own_files = own_implementation_files(name, config, model_impl, dev) if not (kwargs or dummy) else []
     try:
@@ -175,6 +180,7 @@ def load_model(
         name=name,
         dtype_reason=choice.reason,
         impl="pagedinfer" if own_files else "transformers",
+        kernel_compile_s=compile_s,
     )
 
 
@@ -257,7 +263,9 @@ def _load_tokenizer(folder: str, kwargs: dict):
 def _set_chat_template(tokenizer, template: str, name: str) -> None:
     """Chat prompts render with ``template`` instead of the tokenizer's own (vLLM's ``--chat-template``)."""
     if tokenizer is None:
-        raise ModelLoadError(f"a chat template needs a tokenizer; model {name!r} has none (token-id prompts only)")
+        raise ModelLoadError(
+            f"a chat template needs a tokenizer; model {name!r} has none (token-id prompts only)"
+        )
     error = template_error(template)
     if error is not None:
         raise ModelLoadError(f"the chat template does not compile: {error}")
