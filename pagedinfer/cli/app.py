@@ -435,6 +435,13 @@ def run(
         _usage_error(
             "--threads sets this process's threads; --data-parallel splits the CPUs among its replicas"
         )
+    if model is not None and not data_parallel:  # a hub id without a network: said now, not in 50 s
+        from pagedinfer.model.hub import HubUnavailable, local_only
+
+        try:
+            local_only(model)
+        except HubUnavailable as e:
+            _usage_error(str(e))
     template = None
     if chat_template is not None:
         from pagedinfer.chat_template import ChatTemplateError, read_chat_template

@@ -184,14 +184,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
 
 
-def checkpoint_files(name: str) -> list[Path]:
-    """The safetensors files of a model directory (or of a hub id already in the local cache)."""
+def checkpoint_files(name: str, local_files_only: bool = False) -> list[Path]:
+    """The safetensors files of a model directory or a hub id (``local_files_only``: from the cache)."""
     path = Path(name).expanduser()
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
         try:
-            path = Path(snapshot_download(name, allow_patterns=["*.safetensors"]))
+            path = Path(
+                snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=local_files_only)
+            )
         except Exception:  # noqa: BLE001 - no safetensors to be had: the caller falls back
             return []
     return sorted(path.glob("*.safetensors"))

@@ -14,7 +14,7 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
-from pagedinfer.model import decode_step, fused_ops, gguf, llama, packed_linear
+from pagedinfer.model import decode_step, fused_ops, gguf, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
 
@@ -116,8 +116,9 @@ def load_model(
         raise ModelLoadError(f"unknown quantization {quantization!r}: use {' or '.join(QUANTIZATIONS)}")
     name = str(name_or_path or DEMO_MODEL)
     folder, kwargs = _source(name)
+    cache_only = _cache_only(name) if not kwargs else {}
     try:
-        config = AutoConfig.from_pretrained(folder, **kwargs)
+        config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
         raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
     check_family(config)
@@ -130,16 +131,16 @@ def load_model(
     sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
     compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     dummy = load_format == "dummy"
-    own_files = own_implementation_files(name, config, model_impl, dev) if not (kwargs or dummy) else []
+    own_files = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
     try:
         if dummy:
             model = random_model(config, 0, choice.dtype, dev, attn_implementation=attention.ATTN_NAME)
         elif own_files:
             model = llama.load(config, own_files, choice.dtype, dev)
-            model.generation_config = _generation_config(folder, config)  # what transformers' models carry
+            model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs
+                folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs, **cache_only
             )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
@@ -166,7 +167,7 @@ def load_model(
             f"model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
-    tokenizer = _load_tokenizer(folder, kwargs)
+    tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
     if chat_template is not None:
         _set_chat_template(tokenizer, chat_template, name)
     return LoadedModel(
@@ -203,7 +204,9 @@ def _check_quantized(model: torch.nn.Module, family: str) -> None:
         )
 
 
-def own_implementation_files(name: str, config, impl: str, device: torch.device) -> list[Path]:
+def own_implementation_files(
+    name: str, config, impl: str, device: torch.device, cache_only: dict | None = None
+) -> list[Path]:
     """The safetensors files our own implementation loads, or [] when transformers' modeling runs.
 
     ``auto`` takes ours for the families it covers, on the CPU (where it is measured and faster);
@@ -214,7 +217,7 @@ def own_implementation_files(name: str, config, impl: str, device: torch.device)
     if impl == "transformers" or (impl == "auto" and device.type != "cpu"):
         return []
     reason = llama.unsupported_reason(config)
-    files = [] if reason else llama.checkpoint_files(name)
+    files = [] if reason else llama.checkpoint_files(name, **(cache_only or {}))
     if impl == "pagedinfer" and not files:
         raise ModelLoadError(
             f"model implementation 'pagedinfer' cannot serve {name!r}: {reason or 'it has no safetensors weights'}"
@@ -237,6 +240,14 @@ def _source(name: str) -> tuple[str, dict]:
     if path.exists() and not path.is_dir():
         raise ModelLoadError(f"model path {name} is a file; give a model directory, a .gguf file or a hub id")
     return name, {}
+
+
+def _cache_only(name: str) -> dict:
+    """``from_pretrained``'s keywords for ``name``: ``local_files_only`` for a hub id without a network."""
+    try:
+        return {"local_files_only": True} if hub.local_only(name) else {}
+    except hub.HubUnavailable as e:
+        raise ModelLoadError(str(e)) from None
 
 
 @torch.inference_mode()
@@ -272,10 +283,10 @@ def _set_chat_template(tokenizer, template: str, name: str) -> None:
     tokenizer.chat_template = template
 
 
-def _generation_config(folder: str, config) -> GenerationConfig:
+def _generation_config(folder: str, config, cache_only: dict) -> GenerationConfig:
     """The checkpoint's generation_config.json, else one derived from the model config."""
     try:
-        return GenerationConfig.from_pretrained(folder)
+        return GenerationConfig.from_pretrained(folder, **cache_only)
     except Exception:  # noqa: BLE001 - no generation_config.json
         return GenerationConfig.from_model_config(config)
 
