@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ UNSUPPORTED = {
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
 MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
+# the files a tokenizer loads from, the one it reads first first (named when loading fails)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 QUANTIZATIONS = ("int8",)  # --quantization: weight-only int8 per output channel (CPU, float32 models)
 
 
@@ -134,14 +137,24 @@ def load_model(
     own_files = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
     try:
         if dummy:
-            model = random_model(config, 0, choice.dtype, dev, attn_implementation=attention.ATTN_NAME)
+            model = random_model(
+                config, 0, choice.dtype, dev, attn_implementation=attention.transformers_name()
+            )
         elif own_files:
             model = llama.load(config, own_files, choice.dtype, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs, **cache_only
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder,
+                dtype=choice.dtype,
+                attn_implementation=attention.transformers_name(),
+                output_loading_info=True,
+                **kwargs,
+                **cache_only,
             )
+            _check_complete(info["missing_keys"], name, folder, kwargs)
+    except ModelLoadError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
@@ -182,6 +195,21 @@ def load_model(
         dtype_reason=choice.reason,
         impl="pagedinfer" if own_files else "transformers",
         kernel_compile_s=compile_s,
+    )
+
+
+def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> None:
+    """Refuse a checkpoint that lacks a tensor its config names (transformers would fill it with random
+    values and warn; a run would then write noise as if it were the model's answer)."""
+    if not missing:
+        return
+    first, *rest = sorted(missing)
+    path = Path(folder).expanduser()
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    where = name if kwargs.get("gguf_file") else llama.weight_files(files) if files else folder
+    more = f" and {len(rest)} more" if rest else ""
+    raise ModelLoadError(
+        f"cannot load model {folder!r}: the weights have no tensor {first!r}{more} ({where})"
     )
 
 
@@ -264,9 +292,21 @@ def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, Laye
 
 
 def _load_tokenizer(folder: str, kwargs: dict):
+    """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
+    are there but do not load are refused now, naming the file, rather than failing every text line."""
     try:
         tok = AutoTokenizer.from_pretrained(folder, **kwargs)
-    except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
+    except Exception as e:  # noqa: BLE001 - any failure: missing files (fine) or broken ones (refused)
+        present = [Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
+        if present:
+            reason = (
+                f"not valid JSON ({e})"
+                if isinstance(e, json.JSONDecodeError)
+                else f"missing key {e}"
+                if isinstance(e, KeyError)
+                else _first_line(e)
+            )
+            raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
     return tok if getattr(tok, "is_fast", False) else None
 
