@@ -423,6 +423,7 @@ REPORT_KEYS = {
     "throughput.kernel_compile_s",
     "throughput.prompt_tokens_per_s",
     "throughput.generated_tokens",
+    "throughput.completion_tokens",
     "throughput.generated_tokens_per_s",
     "derived",
     "derived.empty_bytes_at_peak",

@@ -564,8 +564,8 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
         parts.append(f"{outcome.skipped} already done (--resume{earlier})")
     tail = ""
     if stats is not None and stats.steps:
-        tokens = stats.generated_tokens
-        tail = f" · {tokens:,} token{'s' if tokens != 1 else ''} generated in {stats.wall_time_s:.2f} s"
+        n = stats.completion_tokens  # what the records hold (beam search samples more than it returns)
+        tail = f" · {n:,} token{'s' if n != 1 else ''} generated in {stats.wall_time_s:.2f} s"
     console.print(
         f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(where)}: "
         + ", ".join(parts)

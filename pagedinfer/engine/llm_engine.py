@@ -250,6 +250,7 @@ class LLMEngine:
             if plan.beam_targets:
                 beams = self._beam_candidates(logits, plan.beam_targets)
         finished = self.scheduler.update(plan, sampled, beams)  # computed, forks, appends, stops, frees
+        self.stats.completion_tokens += sum(r.completion_tokens() for r in finished if not r.error)
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()

@@ -25,9 +25,11 @@ class HubUnavailable(ValueError):
 
 
 def local_only(name: str) -> bool:
-    """Whether model ``name`` must be read from the local cache alone: a hub id (not a local path, not a
-    GGUF file) with no network to fetch it. Raises `HubUnavailable` when the cache has no copy either."""
+    """Whether model ``name`` must be read from the local cache alone: a hub id (``org/name``, not a
+    path, not a GGUF file) with no network to fetch it. Raises `HubUnavailable` when the cache has no copy either."""
     if Path(name).expanduser().exists() or name.lower().endswith(".gguf"):
+        return False
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path (the loader says it is missing)
         return False
     reason = offline_reason()
     if reason is None:

@@ -27,6 +27,7 @@ TOTALS = (
     "prefix_cache_hits",
     "prefix_cache_blocks_reused",
     "prefix_cache_evictions",
+    "completion_tokens",
 )
 
 
