@@ -1,0 +1,117 @@
+"""The documentation is true where a test can tell: every relative link and #anchor of README.md and
+docs/*.md resolves (anchors as GitHub renders headings), the README's Python example runs, and the
+README's first record is what `pagedinfer run prompts/example.jsonl` writes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedinfer.cli.app import app
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")  # [text](target), not images
+
+
+def prose(text: str) -> str:
+    """``text`` without its fenced code blocks and inline code (links there are examples, not links)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(path: Path) -> set[str]:
+    """The #anchors GitHub gives the headings of ``path``: lowercased, punctuation dropped (hyphens and
+    underscores kept), spaces to hyphens, a repeated one suffixed -1, -2, ..."""
+    seen: dict[str, int] = {}
+    found = set()
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M):
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", plain.lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def links() -> list[tuple[Path, str]]:
+    return [
+        (page, target)
+        for page in PAGES
+        for target in LINK.findall(prose(page.read_text(encoding="utf-8")))
+        if not re.match(r"[a-z]+:", target)  # http(s), mailto: not checked offline
+    ]
+
+
+def test_the_anchor_rules_are_githubs(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "# The command line\n## `pagedinfer run PROMPTS.jsonl`\n### Ctrl-C, SIGTERM, crashes and `--resume`\n"
+        "## Results\n```\n# not a heading\n```\n## Results\n## [Link](x.md) in a heading\n",
+        encoding="utf-8",
+    )
+    assert anchors(page) == {
+        "the-command-line",
+        "pagedinfer-run-promptsjsonl",
+        "ctrl-c-sigterm-crashes-and---resume",
+        "results",
+        "results-1",
+        "link-in-a-heading",
+    }
+
+
+@pytest.mark.parametrize(("page", "target"), links(), ids=lambda x: x.name if isinstance(x, Path) else x)
+def test_every_relative_link_and_anchor_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    resolved = (page.parent / path).resolve() if path else page
+    assert resolved.exists(), f"{page.relative_to(ROOT)}: {target} -> {resolved} does not exist"
+    if anchor:
+        assert resolved.suffix == ".md", target
+        assert anchor in anchors(resolved), (
+            f"{page.relative_to(ROOT)}: no heading #{anchor} in {resolved.name}"
+        )
+
+
+def _block(language: str, after: str = "") -> str:
+    """The first ```language block of README.md after the line ``after``."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index(after) if after else 0
+    return re.search(rf"^```{language}\n(.*?)^```", text[start:], flags=re.S | re.M).group(1)
+
+
+def test_the_readme_python_example_runs(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", _block("python")], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    romeo, juliet, beams, sharing = run.stdout.splitlines()
+    assert len(ast.literal_eval(romeo)) == len(ast.literal_eval(juliet)) == 4  # n=4 completions each
+    assert len(ast.literal_eval(beams)) == 4  # beam_width=4, best first
+    assert set(ast.literal_eval(sharing)) == {
+        "peak_logical_blocks",
+        "blocks_saved_by_sharing",
+        "cow_copies",
+        "prompt_tokens",
+        "prompt_tokens_requested",
+        "prompt_tokens_computed",
+        "prompt_tokens_saved_by_sharing",
+        "prompt_tokens_saved_by_prefix_cache",
+        "prompt_tokens_readmitted",
+        "output_tokens_recomputed",
+        "output_tokens_restored",
+    }
+
+
+def test_the_readme_record_is_the_first_record_of_the_example_run(tmp_path):
+    out = tmp_path / "example.out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(ROOT / "prompts" / "example.jsonl"), "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    first = json.loads(out.read_text(encoding="utf-8").splitlines()[0])
+    assert json.loads(_block("json", after="## One run")) == first
