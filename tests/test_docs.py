@@ -5,8 +5,11 @@ README's first record is what `pagedinfer run prompts/example.jsonl` writes."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,9 +112,71 @@ def test_the_readme_python_example_runs(tmp_path):
     }
 
 
-def test_the_readme_record_is_the_first_record_of_the_example_run(tmp_path):
-    out = tmp_path / "example.out.jsonl"
-    result = CliRunner().invoke(app, ["run", str(ROOT / "prompts" / "example.jsonl"), "-o", str(out), "-q"])
+def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:
+    """``pagedinfer COMMAND prompts/example.jsonl ARGS`` as the docs ran it (in a folder holding
+    prompts/, at 80 columns): its stdout."""
+    (tmp_path / "prompts").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "prompts" / "example.jsonl", tmp_path / "prompts")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        argv = [command, "prompts/example.jsonl", *args] if command == "run" else [command, *args]
+        result = CliRunner(env={"COLUMNS": "80" if command == "run" else "100"}).invoke(app, argv)
+    finally:
+        os.chdir(cwd)
     assert result.exit_code == 0, result.output
-    first = json.loads(out.read_text(encoding="utf-8").splitlines()[0])
+    return result.stdout
+
+
+def timeless(report: str) -> str:
+    """A report without what depends on the machine's speed: the Throughput row, the summary's seconds."""
+    text = re.sub(r"│ Throughput .*?(?=│ \S)", "│ Throughput …\n", report, flags=re.S)
+    return re.sub(r"generated in [\d.]+ s", "generated in … s", text)
+
+
+def _console(page: Path, after: str) -> str:
+    """The ```console block of ``page`` that holds the command line ``after`` (what it printed), or that
+    follows the line ``after``."""
+    text = page.read_text(encoding="utf-8")
+    at = text.index(after)
+    start = text.rindex("```console\n", 0, at) if after.startswith("$ ") else text.index("```console\n", at)
+    body = re.match(r"```console\n(.*?)^```", text[start:], flags=re.S | re.M).group(1)
+    return body.split(after + "\n", 1)[1] if after.startswith("$ ") else body
+
+
+def test_the_readme_record_and_report_are_those_of_the_example_run(tmp_path):
+    shown = example_run(tmp_path)
+    first = json.loads(
+        (tmp_path / "prompts" / "example.out.jsonl").read_text(encoding="utf-8").splitlines()[0]
+    )
     assert json.loads(_block("json", after="## One run")) == first
+    assert timeless(_console(ROOT / "README.md", "and prints the memory-usage report:")) == timeless(shown)
+
+
+def test_the_report_page_samples_are_real_runs(tmp_path):
+    page = ROOT / "docs" / "report.md"
+    command = "$ pagedinfer run prompts/example.jsonl -n 4 --max-tokens 48 --num-blocks 128 --seed 1"
+    shown = example_run(tmp_path, *command.split()[4:])
+    assert timeless(_console(page, command)) == timeless(shown)
+    assert _console(page, "$ pagedinfer blocks") == example_run(tmp_path, command="blocks")
+
+
+def test_the_api_page_gives_llms_signature():
+    from pagedinfer.llm import LLM
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = re.search(r"^`LLM\((.*?)\)`:", text, flags=re.S | re.M).group(1)
+    pairs = [p.strip() for p in " ".join(documented.split()).split(",") if p.strip() != "*"]
+    params = list(inspect.signature(LLM.__init__).parameters.values())[1:]
+
+    def shown(p: inspect.Parameter) -> str:
+        value = p.default
+        return (
+            p.name
+            if value is inspect.Parameter.empty
+            else f"{p.name}={json.dumps(value) if isinstance(value, str) else value}"
+        )
+
+    assert pairs == [shown(p) for p in params]
+    table = {m for m in re.findall(r"^\| `(\w+)`", text, flags=re.M)}
+    assert {p.name for p in params} - {"kv_cache_memory"} <= table  # each explained (with num_blocks)

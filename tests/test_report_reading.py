@@ -74,6 +74,12 @@ def test_the_sharing_row_says_what_shared_the_blocks(model):
     assert f"3 blocks ({saved}) saved by sharing · through the prefix cache" in row and "samples" not in row
 
     llm = LLM(model, device="cpu", block_size=4, num_blocks=64, enable_prefix_caching=False)
+    llm.generate(prompts, SamplingParams(n=1, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert (
+        "0 blocks (0 B) saved by sharing · nothing to share: n = 1 and no prefix-cache hit"
+        in _sharing_row(llm.stats)
+    )
+
     llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=1), use_tqdm=False)
     assert llm.stats.blocks_saved_by_sharing == 3
     assert "saved by sharing · among a prompt's samples" in _sharing_row(llm.stats)

@@ -149,11 +149,13 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
 
 def _shared_by(stats: EngineStats) -> str:
     """What the blocks saved by sharing were shared by: a prompt's samples (n > 1 or beams), requests
-    through the prefix cache, or both. The engine counts the saving once (logical - physical blocks)."""
+    through the prefix cache, both, or nothing. The engine counts the saving once (logical - physical blocks)."""
     samples = stats.samples > stats.requests - stats.failed_requests
     cache = stats.prefix_cache_blocks_reused > 0
     if samples and cache:
         return "among samples and through the prefix cache"
+    if not (samples or cache):
+        return "nothing to share: n = 1 and no prefix-cache hit"
     return "through the prefix cache" if cache else "among a prompt's samples"
 
 
