@@ -129,9 +129,10 @@ def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:
 
 
 def timeless(report: str) -> str:
-    """A report without what depends on the machine's speed: the Throughput row, the summary's seconds."""
+    """A report without what depends on the machine: the Throughput row, the summary's seconds, the folder."""
     text = re.sub(r"│ Throughput .*?(?=│ \S)", "│ Throughput …\n", report, flags=re.S)
-    return re.sub(r"generated in [\d.]+ s", "generated in … s", text)
+    text = re.sub(r"generated in [\d.]+ s", "generated in … s", text)
+    return re.sub(r"→ /\S*/prompts/", "→ …/prompts/", text)  # the summary names the output's full path
 
 
 def _console(page: Path, after: str) -> str:

@@ -28,7 +28,14 @@ RANKS = {
     "attention": 1,
     "kernels": 0,
 }
-LEAVES = {"config", "sampling_params", "outputs", "seeding", "envs", "chat_template"}  # plain records any layer may import
+LEAVES = {
+    "config",
+    "sampling_params",
+    "outputs",
+    "seeding",
+    "envs",
+    "chat_template",
+}  # plain records any layer may import
 
 
 def layer_of(dotted: str) -> str:
