@@ -7,11 +7,9 @@ import json
 
 import pytest
 import torch
-from cli_helpers import read_jsonl, tiny_model, tiny_model_no_tokenizer, write_jsonl
-from typer.testing import CliRunner
+from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, tiny_model_no_tokenizer, write_jsonl
 
 from pagedinfer import SamplingParams
-from pagedinfer.cli.app import app
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.llm import LLM
 
@@ -24,18 +22,7 @@ def model() -> str:
 
 
 def run(model: str, *args, device: str = "cpu"):
-    result = CliRunner().invoke(
-        app, ["run", *map(str, args), "--model", model, "--device", device, "--quiet"]
-    )
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
-
-
-def one_line_error(result, message: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0] == f"error: {message}", result.stderr
+    return invoke("run", *args, "--model", model, "--device", device, "--quiet")
 
 
 def test_the_old_option_names_still_work_hidden(model, tmp_path):

@@ -7,11 +7,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from cli_helpers import tiny_model, write_jsonl
+from cli_helpers import invoke, tiny_model, write_jsonl
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from pagedinfer.cli.app import app
 from pagedinfer.llm import LLM
 from pagedinfer.model.loader import ModelLoadError
 
@@ -40,7 +38,7 @@ def test_a_broken_tokenizer_is_refused_at_load_naming_the_file(tmp_path, text, r
         LLM(str(path), device="cpu")
     assert str(raised.value) == message
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be"}])
-    result = CliRunner().invoke(app, ["run", str(prompts), "--model", str(path), "--quiet"])
+    result = invoke("run", prompts, "--model", path, "--quiet")
     assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: {message}"]
 
 

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from cli_helpers import read_jsonl, tiny_model, write_jsonl
+from cli_helpers import invoke, read_jsonl, tiny_model, write_jsonl
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -21,13 +21,6 @@ from pagedinfer.cli.app import app
 @pytest.fixture(scope="module")
 def model() -> str:
     return str(tiny_model())
-
-
-def invoke(*args):
-    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
 
 
 def rendered(stats, width: int) -> list[str]:
