@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype or a device is used: the CLI's options need none
+    import torch
 
 CPU_DEFAULT_KV_BYTES = 2 << 30  # like vLLM's CPU default space, capped by what the run can use
 GPU_MEMORY_FRACTION = 0.85
@@ -30,8 +31,9 @@ class PoolSize:
     """How many KV blocks the pool has, and what decided it (shown in the memory report)."""
 
     num_blocks: int
-    origin: Literal["num_blocks", "kv_cache_memory", "default_cpu", "default_gpu"]
+    origin: Literal["num_blocks", "kv_cache_memory", "gpu_memory_utilization", "default_cpu", "default_gpu"]
     kv_cache_memory: int | None = None  # the byte budget, when it decided
+    gpu_memory_utilization: float = GPU_MEMORY_FRACTION  # the share of free GPU memory, on CUDA
 
     def __str__(self) -> str:
         """The ``pool.source`` value of ``--report-json`` (documented)."""
@@ -39,22 +41,34 @@ class PoolSize:
             return f"num_blocks={self.num_blocks}"
         if self.origin == "kv_cache_memory":
             return f"kv_cache_memory={self.kv_cache_memory} bytes"
+        if self.origin == "gpu_memory_utilization":
+            return (
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: {self.gpu_memory_utilization:.0%} of "
+                "free GPU memory, capped at max_num_seqs x max_model_len"
+            )
         if self.origin == "default_gpu":
             return f"default: {GPU_MEMORY_FRACTION:.0%} of free GPU memory, capped at max_num_seqs x max_model_len"
         return "default: 2 GiB on the CPU, capped at max_num_seqs x max_model_len"
 
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
-# the dtype names --dtype and --kv-cache-dtype take (with the usual aliases)
+# the dtype names --dtype and --kv-cache-dtype take (with the usual aliases) -> torch's name of the dtype
 DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
 }
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype a `DTYPE_NAMES` name stands for (None for any other name)."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name]) if name in DTYPE_NAMES else None
 
 
 @dataclass
@@ -62,6 +76,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # exact pool size; else from kv_cache_memory; else a default
     kv_cache_memory: int | str | None = None  # bytes or '512MiB'
+    # CUDA: the share of free GPU memory (after the weights) the pool takes (vLLM's name); None: the default
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # default: the model's context length
@@ -81,6 +97,13 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 1")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.gpu_memory_utilization is not None:
+            if self.num_blocks is not None or self.kv_cache_memory is not None:
+                which = "num_blocks" if self.num_blocks is not None else "kv_cache_memory"
+                raise ValueError(f"give {which} or gpu_memory_utilization, not both")
+            fraction = self.gpu_memory_utilization
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], not {fraction!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
@@ -95,9 +118,11 @@ class EngineConfig:
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The pool's dtype: the model's (``auto``), or a 16-bit one under float32 activations (half the
         K/V bytes to hold and to read per decode step; keys and values rounded as they are written)."""
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return model_dtype
-        kv = DTYPE_NAMES[self.kv_cache_dtype]
+        kv = torch_dtype(self.kv_cache_dtype)
         if kv != model_dtype and model_dtype != torch.float32:
             model = str(model_dtype).removeprefix("torch.")
             raise ValueError(
@@ -140,15 +165,26 @@ class EngineConfig:
             return PoolSize(blocks, "kv_cache_memory", self.kv_cache_memory)
         useful = -(-max_model_len // self.block_size) * self.max_num_seqs  # more can never be used
         if device.type == "cuda":
+            import torch
+
+            fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * GPU_MEMORY_FRACTION)  # weights are loaded; the rest is for activations
-            return PoolSize(max(1, min(useful, budget // bytes_per_block)), "default_gpu")
+            budget = int(free * fraction)  # weights are loaded; the rest is for activations
+            origin = "default_gpu" if self.gpu_memory_utilization is None else "gpu_memory_utilization"
+            return PoolSize(max(1, min(useful, budget // bytes_per_block)), origin, None, fraction)
+        if self.gpu_memory_utilization is not None:
+            raise ValueError(
+                "gpu_memory_utilization sizes the KV pool on CUDA only; on the CPU give kv_cache_memory or "
+                "num_blocks"
+            )
         return PoolSize(max(1, min(useful, CPU_DEFAULT_KV_BYTES // bytes_per_block)), "default_cpu")
 
 
 def _free_memory(device: torch.device) -> int:
     """Bytes the device can still give (the model's weights are loaded by now)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     import psutil
 

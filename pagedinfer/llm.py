@@ -25,8 +25,9 @@ class LLM:
     ``model``: a local Hugging Face model directory, a hub id or a ``.gguf`` file (default: the embedded
     demo model).
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
-    ``kv_cache_memory`` bytes (``'512MiB'`` works too), or a default (2 GiB on the CPU, 85% of free
-    GPU memory), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+    ``kv_cache_memory`` bytes (``'512MiB'`` works too), or a default (2 GiB on the CPU; on CUDA
+    ``gpu_memory_utilization`` of the free GPU memory, 0.85 by default), never more than ``max_num_seqs``
+    sequences of ``max_model_len`` tokens can use.
     ``model_impl``: ``auto`` (pagedinfer's own Llama-family modeling on the CPU, else transformers'),
     ``pagedinfer`` or ``transformers``.
     ``enable_prefix_caching``: prompts that start with the same full blocks of tokens reuse their
@@ -45,6 +46,7 @@ class LLM:
     float32 activations: the pool holds twice the tokens per byte and decode attention reads half the
     bytes; keys and values are rounded as they are written, so outputs are close to, not equal to,
     a float32 pool's. (``float32`` names the float32 pool of a float32 model.)
+    ``chat_template``: a Jinja chat template (its text) that replaces the tokenizer's for chat prompts.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class LLM:
         block_size: int = EngineConfig.block_size,
         num_blocks: int | None = None,
         kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = EngineConfig.max_num_seqs,
         max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int | None = None,
@@ -68,11 +71,13 @@ class LLM:
         load_format: str = "auto",
         quantization: str | None = None,
         kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
+        chat_template: str | None = None,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
             num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -89,6 +94,7 @@ class LLM:
             model_impl=model_impl,
             load_format=load_format,
             quantization=quantization,
+            chat_template=chat_template,
         )
         self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
 

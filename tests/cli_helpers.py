@@ -119,3 +119,23 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def invoke(*args, env: dict | None = None):
+    """``pagedinfer ARGS`` in this process (Typer's CliRunner); an exception other than an exit is raised."""
+    from typer.testing import CliRunner
+
+    from pagedinfer.cli.app import app
+
+    result = CliRunner(env=env).invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def one_line_error(result, message: str) -> None:
+    """Exit 2 with one line on stderr, ``error: ...`` holding ``message``, and no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in " ".join(result.stderr.split()), result.stderr

@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import CHAT_TEMPLATE, read_jsonl, tiny_model, write_jsonl
-from typer.testing import CliRunner
+from cli_helpers import CHAT_TEMPLATE, invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
 
-from pagedinfer.cli.app import app
 from pagedinfer.engine import intake
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,20 +33,7 @@ def model() -> str:
 
 
 def run(model: str | None, path: Path | str, *args) -> object:
-    argv = ["run", str(path), "-q", "--device", "cpu", *map(str, args)]
-    if model is not None:
-        argv += ["--model", model]
-    result = CliRunner().invoke(app, argv)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result
-
-
-def one_line_error(result, message: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert message in " ".join(result.stderr.split()), result.stderr
+    return invoke("run", path, "-q", "--device", "cpu", *args, *(["--model", model] if model else []))
 
 
 def line(i: int, **extra) -> dict:
@@ -290,8 +275,8 @@ def test_a_closed_pipe_stops_the_run_with_one_line(model, tmp_path):
     ("args", "message"),
     [
         (
-            ("--kv-memory", "500TB"),
-            "--kv-memory=500,000,000,000,000 bytes needs 465,661.3 GiB of KV cache but only",
+            ("--kv-cache-memory", "500TB"),
+            "--kv-cache-memory=500,000,000,000,000 bytes needs 465,661.3 GiB of KV cache but only",
         ),
         (("--num-blocks", str(10**12)), "--num-blocks=1,000,000,000,000 needs"),
     ],

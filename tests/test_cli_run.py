@@ -201,7 +201,7 @@ def _one_line_error(result, message: str) -> None:
         ("output-is-input", "is the input file"),
         ("unknown-model", "model directory /no/such/model does not exist"),
         ("model-is-file", "is a file"),
-        ("both-pool-sizes", "give --num-blocks or --kv-memory, not both"),
+        ("both-pool-sizes", "give --num-blocks or --kv-cache-memory, not both"),
         ("bad-kv-memory", "cannot read 'lots' as a size"),
         ("bad-block-size", "--block-size must be a power of two"),
         ("bad-temperature", "temperature must be >= 0"),
@@ -220,8 +220,8 @@ def test_unusable_invocations_exit_2_with_one_line(model, tmp_path, case, messag
         "output-is-input": [good, "-o", good],
         "unknown-model": [good, "--model", "/no/such/model"],
         "model-is-file": [good, "--model", good],
-        "both-pool-sizes": [good, "--num-blocks", "4", "--kv-memory", "1MiB"],
-        "bad-kv-memory": [good, "--kv-memory", "lots"],
+        "both-pool-sizes": [good, "--num-blocks", "4", "--kv-cache-memory", "1MiB"],
+        "bad-kv-memory": [good, "--kv-cache-memory", "lots"],
         "bad-block-size": [good, "--block-size", "3"],
         "bad-temperature": [good, "--temperature", "-1"],
         "resume-stdout": [good, "-o", "-", "--resume"],
@@ -429,8 +429,10 @@ REPORT_KEYS = {
     "structured_outputs.mask_apply_s",
     "structured_outputs.mask_share_of_wall",
     "throughput.wall_time_s",
+    "throughput.kernel_compile_s",
     "throughput.prompt_tokens_per_s",
     "throughput.generated_tokens",
+    "throughput.completion_tokens",
     "throughput.generated_tokens_per_s",
     "derived",
     "derived.empty_bytes_at_peak",
@@ -529,7 +531,7 @@ def test_version_and_help_everywhere():
     )
     options = (
         "--model -m -n --max-tokens --temperature --top-p --top-k --min-p --seed --stop --output -o --block-size "
-        "--num-blocks --kv-memory --max-num-seqs --max-batched-tokens --max-model-len --device --dtype --report "
+        "--num-blocks --kv-cache-memory --max-num-seqs --max-num-batched-tokens --max-model-len --device --dtype --report "
         "--no-report --report-json --trace --resume --strict --quiet"
     )
     for option in options.split():

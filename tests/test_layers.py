@@ -29,7 +29,14 @@ RANKS = {
     "attention": 1,
     "kernels": 0,
 }
-LEAVES = {"config", "sampling_params", "outputs", "seeding", "envs"}  # plain records any layer may import
+LEAVES = {
+    "config",
+    "sampling_params",
+    "outputs",
+    "seeding",
+    "envs",
+    "chat_template",
+}  # plain records any layer may import
 
 
 def layer_of(dotted: str) -> str:

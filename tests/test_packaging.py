@@ -31,12 +31,22 @@ def test_wheel_carries_the_kernels_and_runs_the_c_kernel(tmp_path):
     )
     (wheel,) = wheels.glob("pagedinfer-*.whl")
     env_dir = tmp_path / "venv"
-    venv.create(
-        env_dir, system_site_packages=True
-    )  # torch and friends from the host, pagedinfer from the wheel
+    venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
+    # torch and friends from the environment running the tests (a venv or not; its .pth files, such as
+    # the checkout's editable install, are not run), pagedinfer from the wheel, whose site comes first
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    host = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (Path(site) / "_host_packages.pth").write_text("".join(f"{p}\n" for p in host))
     subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, capture_output=True
+        [python, "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
     )
     probe = (
         "import pagedinfer, torch\n"

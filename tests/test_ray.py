@@ -102,7 +102,7 @@ def test_two_local_replicas_write_the_same_bytes(model, job, ray_env, tmp_path):
     result = cli(model, path, "-o", out, "--data-parallel", 2, "--report-json", report)
     assert result.exit_code == 1, result.output
     assert out.read_bytes() == reference
-    assert "3 failed (lines 2, 5, 6)" in result.output
+    assert "4 failed (lines 2, 5, 6, 8)" in result.output
     doc = json.loads(report.read_text())
     replicas = doc["data_parallel"]["replicas"]
     assert len(replicas) == 2 and all(r["requests"] > 0 for r in replicas)  # both replicas ran lines

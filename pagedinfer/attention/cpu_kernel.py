@@ -6,8 +6,8 @@ half the bytes of a float32 one, which is what decode attention is bound by.
 
 Decode is where the torch path would gather every sequence's whole history into a padded copy in
 every layer of every step; this kernel reads K/V in place through the block table instead. It is
-built with the system C compiler on first use (about a second) and cached by source and CPU; if no
-compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead. Its threads are
+built with the system C compiler on first use (about a second; `prebuild` builds every CPU kernel at
+once when a model loads, saying so in one line) and cached by source and CPU; if no compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead. Its threads are
 OpenMP's: the library names libgomp by soname and so gets the copy torch loaded, whose workers are
 already awake after each op; a pool of our own would fight them for the cores (measured in W1: two
 Python threads were no faster than one).
@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -84,6 +85,46 @@ def local_includes(source: Path) -> list[Path]:
     return found
 
 
+def _compiler() -> str | None:
+    """The C compiler's path; None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path. Raises
+    `KernelUnavailable` when there is none."""
+    if not envs.cpu_kernels():
+        return None
+    compiler = shutil.which(envs.c_compiler())
+    if compiler is None:
+        raise KernelUnavailable(f"no C compiler ({envs.c_compiler()}) on PATH")
+    return compiler
+
+
+def _targets(source: Path) -> list[tuple[list[str], Path]]:
+    """(flags, cached library) of each way to build ``source``, best first: the cache key is its text
+    (with every local file it includes), the flags and the CPU."""
+    code = b"".join(path.read_bytes() for path in local_includes(source))
+    flags_line = _cpuinfo_field("flags").encode()
+    targets = []
+    for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
+        flags = FLAGS + threading
+        key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
+        targets.append((flags, envs.kernel_cache() / f"{source.stem}-{key}.so"))
+    return targets
+
+
+def _start(compiler: str, source: Path, flags: list[str], lib: Path) -> tuple[subprocess.Popen, Path]:
+    """Start compiling ``source`` into a temporary file beside ``lib`` (renamed over it once it built)."""
+    _say_compiling()
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [compiler, *flags, str(source), "-o", str(tmp), "-lm"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), tmp
+
+
+@functools.cache
+def _say_compiling() -> None:
+    """One line, once per process, before the first compiler runs: the first run waits for it."""
+    sys.stderr.write(f"pagedinfer: compiling CPU kernels (once; cached in {envs.kernel_cache()})\n")
+    sys.stderr.flush()
+
+
 def compile_library(source: Path) -> Path | None:
     """Build ``source`` into a shared library once, cached by its text (with every local file it
     includes), flags and CPU.
@@ -91,29 +132,45 @@ def compile_library(source: Path) -> Path | None:
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
     it cannot be built.
     """
-    if not envs.cpu_kernels():
-        return None
-    compiler = shutil.which(envs.c_compiler())
+    compiler = _compiler()
     if compiler is None:
-        raise KernelUnavailable(f"no C compiler ({envs.c_compiler()}) on PATH")
-    code = b"".join(path.read_bytes() for path in local_includes(source))
-    flags_line = _cpuinfo_field("flags").encode()
-    cache = envs.kernel_cache()
-    for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
-        flags = FLAGS + threading
-        key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
-        lib = cache / f"{source.stem}-{key}.so"
-        if lib.exists():
-            return lib
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(tmp), "-lm"], capture_output=True)
-        if result.returncode == 0:
+        return None
+    targets = _targets(source)
+    cached = [lib for _, lib in targets if lib.exists()]
+    if cached:
+        return cached[0]
+    for flags, lib in targets:
+        proc, tmp = _start(compiler, source, flags, lib)
+        _, stderr = proc.communicate()
+        if proc.returncode == 0:
             os.replace(tmp, lib)
             return lib
-    raise KernelUnavailable(
-        f"{compiler} could not build {source.name}: {result.stderr.decode()[-300:].strip()}"
-    )
+    raise KernelUnavailable(f"{compiler} could not build {source.name}: {stderr.decode()[-300:].strip()}")
+
+
+def prebuild(sources: list[Path]) -> float:
+    """Compile every source not in the cache yet, all at once (one compiler each, in parallel), so that
+    no compile lands inside a timed generation; the seconds it took (0.0 when every one was cached).
+
+    A source that fails here is left to `compile_library`, which tries the serial build and says why.
+    """
+    try:
+        compiler = _compiler()
+    except KernelUnavailable:
+        return 0.0  # said once, by the first kernel that is asked for
+    missing = [(s, _targets(s)) for s in sources] if compiler is not None else []
+    missing = [(s, targets[0]) for s, targets in missing if not any(lib.exists() for _, lib in targets)]
+    if not missing:
+        return 0.0
+    start = time.perf_counter()
+    builds = [(lib, *_start(compiler, source, flags, lib)) for source, (flags, lib) in missing]
+    for lib, proc, tmp in builds:
+        proc.communicate()
+        if proc.returncode == 0:
+            os.replace(tmp, lib)
+        else:
+            tmp.unlink(missing_ok=True)
+    return time.perf_counter() - start
 
 
 @functools.cache

@@ -1,6 +1,8 @@
 """The attention function every Hugging Face layer calls: write new K/V into the pool, read per block table.
 
-Registered once through ``transformers.AttentionInterface`` under the name ``"pagedinfer"``. The
+Registered through ``transformers.AttentionInterface`` under the name ``"pagedinfer"`` when a model runs on
+transformers' modules (`transformers_name`; pagedinfer's own layers call `attend` and never import
+transformers' modeling code, a second of start-up). The
 model runner sets a `StepContext` for the duration of one forward pass; each layer finds its pool
 tensors by ``module.layer_idx``. The model passes RoPE'd ``query [1, Hq, T, D]`` and un-repeated
 ``key``/``value [1, Hkv, T, D]`` of ALL tokens packed in one row; masking is ours (per-sequence
@@ -9,10 +11,10 @@ causal, sliding window), and so are softcap, attention sinks and the model's ``s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache, LayerShape
@@ -132,4 +134,11 @@ def use_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     )
 
 
-AttentionInterface.register(ATTN_NAME, paged_attention)
+@functools.cache
+def transformers_name() -> str:
+    """`ATTN_NAME`, registered with transformers' attention interface (``attn_implementation=`` of a
+    transformers model); imported and registered on first use."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    return ATTN_NAME

@@ -18,7 +18,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.cli.help import HelpCommand
+from pagedinfer.config import GPU_MEMORY_FRACTION, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
 
 
@@ -91,11 +92,12 @@ def main(
 SAMPLING = "Sampling (defaults; per-line fields override)"
 POOL = "KV cache and scheduling"
 OUTPUT = "Output and reporting"
-SCALE = "Data parallel on Ray (pip install 'pagedinfer[ray]')"
+SCALE = r"Data parallel on Ray (pip install 'pagedinfer\[ray]')"  # \[: not rich markup
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def run(
+    ctx: typer.Context,
     prompts: Annotated[
         Path,
         typer.Argument(
@@ -110,6 +112,7 @@ def run(
         typer.Option(
             "--model",
             "-m",
+            metavar="MODEL",
             help="Hugging Face hub id, local model directory or .gguf file. Default: the embedded demo model.",
             show_default=False,
         ),
@@ -187,12 +190,25 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = None,
-    kv_memory: Annotated[
+    kv_cache_memory: Annotated[
         str | None,
         typer.Option(
-            "--kv-memory",
-            help="KV pool size in bytes, e.g. 512MiB, 2GB. Default: 2 GiB on the CPU, 85% of free GPU memory "
-            "(capped at what --max-num-seqs sequences of the model's context can use).",
+            "--kv-cache-memory",
+            metavar="SIZE",
+            help="KV pool size in bytes, e.g. 512MiB, 2GB. Default: 2 GiB on the CPU, "
+            "--gpu-memory-utilization of free GPU memory (both capped at what --max-num-seqs sequences "
+            "of the model's context can use).",
+            show_default=False,
+            rich_help_panel=POOL,
+        ),
+    ] = None,
+    kv_memory: Annotated[str | None, typer.Option("--kv-memory", hidden=True)] = None,  # the old name
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory-utilization",
+            help=f"CUDA only: the fraction of free GPU memory (after the weights) the KV pool takes. "
+            f"Default: {GPU_MEMORY_FRACTION}.",
             show_default=False,
             rich_help_panel=POOL,
         ),
@@ -200,12 +216,15 @@ def run(
     max_num_seqs: Annotated[
         int, typer.Option("--max-num-seqs", help="Most sequences running at once.", rich_help_panel=POOL)
     ] = _default(EngineConfig, "max_num_seqs"),
-    max_batched_tokens: Annotated[
+    max_num_batched_tokens: Annotated[
         int,
         typer.Option(
-            "--max-batched-tokens", help="Most tokens computed per engine step.", rich_help_panel=POOL
+            "--max-num-batched-tokens", help="Most tokens computed per engine step.", rich_help_panel=POOL
         ),
     ] = _default(EngineConfig, "max_num_batched_tokens"),
+    max_batched_tokens: Annotated[
+        int | None, typer.Option("--max-batched-tokens", hidden=True)  # the old name
+    ] = None,
     max_model_len: Annotated[
         int | None,
         typer.Option(
@@ -282,11 +301,31 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = ModelImpl.auto,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "--threads",
+            help="Torch threads (and the C kernels' OpenMP threads). Default: torch's, one per core.",
+            show_default=False,
+            rich_help_panel=POOL,
+        ),
+    ] = None,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(
+            "--chat-template",
+            help="A Jinja chat template file for chat lines, instead of the tokenizer's.",
+            show_default=False,
+            metavar="FILE",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
     output: Annotated[
         str | None,
         typer.Option(
             "--output",
             "-o",
+            metavar="FILE",
             help="Output JSONL. Default: next to the input (prompts.jsonl -> prompts.out.jsonl); '-' for stdout.",
             show_default=False,
             rich_help_panel=OUTPUT,
@@ -305,6 +344,7 @@ def run(
         Path | None,
         typer.Option(
             "--report-json",
+            metavar="FILE",
             help="Also write the report's figures as JSON to FILE.",
             show_default=False,
             rich_help_panel=OUTPUT,
@@ -314,6 +354,7 @@ def run(
         Path | None,
         typer.Option(
             "--trace",
+            metavar="FILE",
             help="Record every step's pool and block tables to FILE (small runs; view with `pagedinfer blocks FILE`).",
             show_default=False,
             rich_help_panel=OUTPUT,
@@ -355,6 +396,7 @@ def run(
         str | None,
         typer.Option(
             "--ray-address",
+            metavar="ADDR",
             help="Join this Ray cluster (host:port, or 'auto') instead of starting a local Ray for the run.",
             show_default=False,
             rich_help_panel=SCALE,
@@ -378,6 +420,36 @@ def run(
         _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
     if ray_address is not None and not data_parallel:
         _usage_error("--ray-address needs --data-parallel N")
+    kv_cache_memory = _renamed(ctx, "kv_cache_memory", kv_memory, "--kv-memory")
+    max_num_batched_tokens = _renamed(
+        ctx, "max_num_batched_tokens", max_batched_tokens, "--max-batched-tokens"
+    )
+    if gpu_memory_utilization is not None and device == Device.cpu:
+        _usage_error(
+            "--gpu-memory-utilization sizes the KV pool on CUDA only; on the CPU use --kv-cache-memory "
+            "or --num-blocks"
+        )
+    if threads is not None and threads < 1:
+        _usage_error(f"--threads takes a number of threads (1 or more), not {threads}")
+    if threads is not None and data_parallel:
+        _usage_error(
+            "--threads sets this process's threads; --data-parallel splits the CPUs among its replicas"
+        )
+    if model is not None and not data_parallel:  # a hub id without a network: said now, not in 50 s
+        from pagedinfer.model.hub import HubUnavailable, local_only
+
+        try:
+            local_only(model)
+        except HubUnavailable as e:
+            _usage_error(str(e))
+    template = None
+    if chat_template is not None:
+        from pagedinfer.chat_template import ChatTemplateError, read_chat_template
+
+        try:
+            template = read_chat_template(chat_template)
+        except ChatTemplateError as e:
+            _usage_error(str(e))
     opts = RunOptions(
         prompts=prompts,
         output=output,
@@ -396,9 +468,10 @@ def run(
         engine={
             "block_size": block_size,
             "num_blocks": num_blocks,
-            "kv_cache_memory": kv_memory,
+            "kv_cache_memory": kv_cache_memory,
+            "gpu_memory_utilization": gpu_memory_utilization,
             "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_batched_tokens,
+            "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max_model_len,
             "enable_prefix_caching": prefix_caching,
             "schedule_policy": schedule_policy.value,
@@ -408,6 +481,7 @@ def run(
             "quantization": None if quantization is None else quantization.value,
             "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
+            "chat_template": template,
         },
         report=report,
         report_json=report_json,
@@ -418,12 +492,16 @@ def run(
         data_parallel=data_parallel,
         ray_address=ray_address,
     )
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
     raise typer.Exit(execute(opts, out, err))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def blocks(
     trace_file: Annotated[
         Path | None,
@@ -445,6 +523,7 @@ def blocks(
         str | None,
         typer.Option(
             "--model",
+            metavar="MODEL",
             help="Built-in example: run on this model (default: a tiny random Llama built in a temp dir, offline).",
             show_default=False,
         ),
@@ -488,13 +567,14 @@ def blocks(
     blocks_view.render(doc, console, max_steps)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def bench(
     workloads: Annotated[
         str | None,
         typer.Option(
             "--workloads",
             "-w",
+            metavar="LIST",
             help="Comma list: W0 overhead-bound, W1 parallel sampling, W2 mixed lengths, W3 shared prefix, "
             "W4 beam search, W5 Llama-3.2-1B shape (bfloat16 and float32); with --device cuda G1 "
             "Llama-3.2-1B shape, G2 Llama-3.1-8B shape. Default: W0,W1,W2 (cuda: G1,G2).",
@@ -513,6 +593,7 @@ def bench(
         str | None,
         typer.Option(
             "--systems",
+            metavar="LIST",
             help="Comma list of pagedinfer, pagedinfer_no_prefix_cache, hf_generate, hf_generate_batch "
             "(default: every system each workload names).",
             show_default=False,
@@ -522,6 +603,7 @@ def bench(
         str | None,
         typer.Option(
             "--dtype",
+            metavar="LIST",
             help="Comma list of float32, bfloat16, float16: run each workload in each, every system in "
             "that dtype (default: float32; W5 bfloat16,float32).",
             show_default=False,
@@ -594,7 +676,10 @@ def bench(
     model_cache: Annotated[
         Path | None,
         typer.Option(
-            "--model-cache", help="Save the random models here once and reuse them.", show_default=False
+            "--model-cache",
+            metavar="DIR",
+            help="Save the random models here once and reuse them.",
+            show_default=False,
         ),
     ] = None,
     in_process: Annotated[
@@ -602,7 +687,9 @@ def bench(
     ] = False,
     json_file: Annotated[
         Path | None,
-        typer.Option("--json", help="Also write the results as JSON to FILE.", show_default=False),
+        typer.Option(
+            "--json", metavar="FILE", help="Also write the results as JSON to FILE.", show_default=False
+        ),
     ] = None,
 ) -> None:
     """Throughput: pagedinfer vs transformers generate and generate_batch, same prompts and model.
@@ -656,6 +743,15 @@ def bench(
             f"[bold red]error:[/] systems failed: {'; '.join(failed)}", highlight=False
         )
         raise typer.Exit(1)
+
+
+def _renamed(ctx: typer.Context, name: str, old_value, old: str):
+    """The value of option ``name``, or of ``old``, its former name (hidden, kept so that scripts still run)."""
+    if old_value is None:
+        return ctx.params[name]
+    if ctx.get_parameter_source(name).name == "COMMANDLINE":
+        _usage_error(f"{old} is the old name of --{name.replace('_', '-')}: give one of them")
+    return old_value
 
 
 def _interrupted_at_start() -> None:

@@ -248,12 +248,18 @@ def _describe_events(events: list[dict], tables: dict) -> list[Text]:
             )
     if allocs:
         out.append(Text(f"  + allocated  {', '.join(f'P{b}' for b in allocs)}", style="green"))
-    if forks:
-        table = "[" + ", ".join(f"P{b}" for b in forks[0].get("table") or []) + "]"
+    by_table: dict[tuple[int, ...], int] = {}  # one prompt's forks share its table: one line per prompt
+    for e in forks:
+        key = tuple(e.get("table") or [])
+        by_table[key] = by_table.get(key, 0) + 1
+    for table, count in by_table.items():
+        requests = sorted({name.split("/")[0] for name in owners.get(table[-1], [])}) if table else []
+        whose = f"{', '.join(requests)}: " if requests else ""
+        blocks = "[" + ", ".join(f"P{b}" for b in table) + "]"
         out.append(
             Text(
-                f"  ⑂ fork       {len(forks)} sample{'s' if len(forks) > 1 else ''} took references to the "
-                f"prompt's blocks {table} (no copy); the prompt sequence then dropped its own",
+                f"  ⑂ fork       {whose}{count} sample{'s' if count > 1 else ''} took references to the "
+                f"prompt's blocks {blocks} (no copy); the prompt sequence then dropped its own",
                 style="yellow",
             )
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -95,165 +96,261 @@ def describe_source(size: PoolSize) -> str:
     if size.origin == "num_blocks":
         return f"--num-blocks {size.num_blocks}"
     if size.origin == "kv_cache_memory":
-        return f"--kv-memory ({human_bytes(size.kv_cache_memory)})"
+        return f"--kv-cache-memory ({human_bytes(size.kv_cache_memory)})"
+    if size.origin == "gpu_memory_utilization":
+        return f"--gpu-memory-utilization {size.gpu_memory_utilization} (of free GPU memory)"
     return f"the default ({str(size)[len('default: ') :].replace(' x ', ' × ')})"
 
 
-def _grid() -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True, min_width=13)
-    grid.add_column(overflow="fold")
-    return grid
+LABEL_WIDTH = 13  # "Fragmentation"
+MAX_WIDTH = 100  # the panel's width on a wider terminal
+
+
+def flow(parts: list[str], width: int, sep: str = " · ") -> Text:
+    """``parts`` (rich markup) joined by ``sep``, each line broken only between two parts, so that a
+    figure and its unit ("6.1 MiB", "wall 0.52 s") are never split. Parts are kept shorter than the
+    80-column value width; a longer one (prose) wraps between its words."""
+    text, used = Text(), 0
+    for part in parts:
+        piece = Text.from_markup(part)
+        if used and used + len(sep) + piece.cell_len > width:
+            text.append("\n")
+            used = 0
+        elif used:
+            text.append(sep)
+            used += len(sep)
+        text.append_text(piece)
+        used += piece.cell_len
+    return text
+
+
+class _Rows:
+    """The report's label | value grid; each value a `flow` of parts at the console's width."""
+
+    def __init__(self, console: Console) -> None:
+        self.width = min(console.width, MAX_WIDTH) - 4 - LABEL_WIDTH - 2  # borders, padding, the gap
+        self.grid = Table.grid(padding=(0, 2))
+        self.grid.add_column(style="bold cyan", no_wrap=True, min_width=LABEL_WIDTH)
+        self.grid.add_column(overflow="fold")
+
+    def add(self, label: str, parts: list[str], sep: str = " · ") -> None:
+        self.grid.add_row(label, flow(parts, self.width, sep))
+
+
+def _words(text: str, keep: str) -> list[str]:
+    """``text``'s words as `flow` parts, ``keep`` (a name with its value) one part."""
+    before, _, after = text.partition(keep)
+    return [*before.split(), keep, *after.split()]
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _shared_by(stats: EngineStats) -> str:
+    """What the blocks saved by sharing were shared by: a prompt's samples (n > 1 or beams), requests
+    through the prefix cache, both, or nothing. The engine counts the saving once (logical - physical blocks)."""
+    samples = stats.samples > stats.requests - stats.failed_requests
+    cache = stats.prefix_cache_blocks_reused > 0
+    if samples and cache:
+        return "among samples and through the prefix cache"
+    if not (samples or cache):
+        return "nothing to share: n = 1 and no prefix-cache hit"
+    return "through the prefix cache" if cache else "among a prompt's samples"
 
 
 def render(stats: EngineStats, console: Console) -> None:
     """Print the report panel for one run."""
     d = derived(stats)
-    parts: list = []
-    pool = _grid()
-    pool.add_row(
+    rows = _Rows(console)
+    rows.add(
         "Pool",
-        f"[bold]{stats.num_blocks:,}[/] blocks × {stats.block_size} tokens = {stats.num_blocks * stats.block_size:,} "
-        f"slots · {human_bytes(stats.bytes_per_token)}/token · {human_bytes(stats.bytes_per_block)}/block · "
-        f"[bold]{human_bytes(stats.kv_bytes_total)}[/] of KV cache",
+        [
+            f"[bold]{stats.num_blocks:,}[/] blocks × {stats.block_size} tokens = "
+            f"{stats.num_blocks * stats.block_size:,} slots",
+            f"{human_bytes(stats.bytes_per_token)}/token",
+            f"{human_bytes(stats.bytes_per_block)}/block",
+            f"[bold]{human_bytes(stats.kv_bytes_total)}[/] of KV cache",
+        ],
     )
-    pool.add_row(
+    rows.add(
         "",
-        f"[dim]sized by[/] {describe_source(stats.pool_size)} · [dim]max_model_len[/] {stats.max_model_len:,}",
+        [
+            f"[dim]sized by[/] {describe_source(stats.pool_size)}",
+            f"[dim]max_model_len[/] {stats.max_model_len:,}",
+        ],
     )
     # dtype line (issue 14): the run's dtype and why --dtype auto chose it
-    pool.add_row("dtype", f"[bold]{stats.dtype}[/] [dim]({stats.dtype_reason})[/]")
+    rows.add("dtype", [f"[bold]{stats.dtype}[/]", f"[dim]{escape(stats.dtype_reason)}[/]"])
     if stats.kv_cache_dtype != stats.dtype:
-        pool.add_row("K/V dtype", f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]")
+        rows.add("K/V dtype", [f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]"])
     if stats.cuda_graphs and stats.cuda_graphs != "not applicable on the CPU":
-        pool.add_row("CUDA graphs", f"{stats.cuda_graphs} · {stats.graph_steps:,} steps replayed a graph")
-    parts.append(pool)
+        rows.add(
+            "CUDA graphs",
+            [escape(stats.cuda_graphs), f"{_plural(stats.graph_steps, 'step')} replayed a graph"],
+        )
     if not stats.steps:
-        pool.add_row("Usage", "[dim]no engine steps ran[/]")
+        rows.add("Usage", ["[dim]no engine steps ran[/]"])
         console.print(
-            Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
+            Panel(rows.grid, title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
         )
         return
-
-    usage = _grid()
-    usage.add_row(
+    rows.add(
         "Usage",
-        f"peak [bold]{stats.peak_blocks_used:,}[/] blocks ({_pct(d['pool_usage_fraction_at_peak'])} of the pool, "
-        f"{human_bytes(stats.peak_blocks_used * stats.bytes_per_block)}) at step {stats.peak_step} · "
-        f"mean {stats.mean_blocks_used:,.1f} blocks over {stats.steps:,} steps",
+        [
+            f"peak [bold]{stats.peak_blocks_used:,}[/] blocks ({_pct(d['pool_usage_fraction_at_peak'])} of the "
+            f"pool, {human_bytes(stats.peak_blocks_used * stats.bytes_per_block)}) at step {stats.peak_step}",
+            f"mean {stats.mean_blocks_used:,.1f} blocks over {_plural(stats.steps, 'step')}",
+        ],
     )
-    parts.append(usage)
-    parts.append(_chart(stats, console))
+    parts: list = [rows.grid, _chart(stats, console)]
 
-    frag = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
-    frag.add_column("allocated but empty", style="dim", no_wrap=True)
-    frag.add_column("paged (this run)", justify="right")
-    frag.add_column("contiguous †", justify="right")
-    frag.add_row(
-        "at peak",
-        f"[bold green]{_pct(stats.fragmentation_at_peak)}[/] ({stats.empty_slots_at_peak:,} slots, "
-        f"{human_bytes(d['empty_bytes_at_peak'])})",
-        f"[bold red]{_pct(stats.naive_waste_at_peak)}[/] ({human_bytes(d['naive_wasted_bytes_at_peak'])} of "
-        f"{human_bytes(stats.naive_slots_at_peak * stats.bytes_per_token)})",
+    rows = _Rows(console)
+    rows.add(
+        "Fragmentation",
+        [
+            f"paged (this run): [bold green]{_pct(stats.fragmentation_at_peak)}[/] empty at peak",
+            _plural(stats.empty_slots_at_peak, "slot"),
+            human_bytes(d["empty_bytes_at_peak"]),
+            f"mean [green]{_pct(stats.mean_fragmentation)}[/]",
+        ],
     )
-    frag.add_row(
-        "mean over steps",
-        f"[green]{_pct(stats.mean_fragmentation)}[/]",
-        f"[red]{_pct(stats.naive_mean_waste)}[/]",
-    )
-    fr = _grid()
-    fr.add_row("Fragmentation", frag)
-    fr.add_row(
+    rows.add(
         "",
-        f"[dim]† a non-paged cache reserves max_model_len ({stats.max_model_len:,}) contiguous slots per running "
-        "sequence[/]",
+        [
+            f"contiguous †: [bold red]{_pct(stats.naive_waste_at_peak)}[/] empty at peak",
+            f"{human_bytes(d['naive_wasted_bytes_at_peak'])} of "
+            f"{human_bytes(stats.naive_slots_at_peak * stats.bytes_per_token)}",
+            f"mean [red]{_pct(stats.naive_mean_waste)}[/]",
+        ],
     )
-    parts.append(fr)
-
-    rest = _grid()
+    rows.add(
+        "",
+        [
+            f"[dim]{word}[/]"
+            for word in _words(
+                "† empty slots among those allocated; a non-paged cache reserves max_model_len "
+                f"({stats.max_model_len:,}) contiguous slots per running sequence",
+                keep=f"max_model_len ({stats.max_model_len:,})",
+            )
+        ],
+        sep=" ",
+    )
     saved_prompt = d["prompt_tokens_saved_by_sharing"]
-    rest.add_row(
+    rows.add(
         "Sharing",
-        f"{d['logical_blocks_at_max_sharing']:,} logical blocks → {d['physical_blocks_at_max_sharing']:,} physical: "
-        f"[bold]{stats.blocks_saved_by_sharing:,}[/] blocks ({human_bytes(d['bytes_saved_by_sharing'])}) saved by "
-        f"sharing prompt blocks among samples · [bold]{stats.cow_copies:,}[/] copy-on-write "
-        + ("copy" if stats.cow_copies == 1 else "copies"),
+        [
+            f"{d['logical_blocks_at_max_sharing']:,} logical blocks → "
+            f"{d['physical_blocks_at_max_sharing']:,} physical",
+            f"[bold]{_plural(stats.blocks_saved_by_sharing, 'block')}[/] "
+            f"({human_bytes(d['bytes_saved_by_sharing'])}) saved by sharing",
+            _shared_by(stats),
+            f"[bold]{stats.cow_copies:,}[/] copy-on-write {'copy' if stats.cow_copies == 1 else 'copies'}",
+        ],
     )
-    rest.add_row(
+    rows.add(
         "",
-        f"prompt tokens {stats.prompt_tokens_requested:,} requested (× n) · {stats.prompt_tokens_computed:,} computed"
-        + (f" · {saved_prompt:,} never computed thanks to sharing" if saved_prompt else ""),
+        [
+            f"prompt tokens {stats.prompt_tokens_requested:,} requested (× n)",
+            f"{stats.prompt_tokens_computed:,} computed",
+        ]
+        + ([f"{saved_prompt:,} never computed thanks to sharing"] if saved_prompt else []),
     )
-    rest.add_row(
+    preempted = [f"[bold]{_plural(stats.preemptions, 'preemption')}[/]"]
+    if stats.preemptions:
+        preempted += [
+            f"{stats.output_tokens_recomputed:,} generated tokens recomputed",
+            f"{stats.output_tokens_restored:,} found in the prefix cache",
+        ]
+    rows.add(
         "Scheduling",
-        f"{stats.samples:,} samples of {stats.requests - stats.failed_requests:,} requests · "
-        f"[bold]{stats.preemptions:,}[/] preemptions"
-        + (
-            f" ({stats.output_tokens_recomputed:,} generated tokens recomputed, "
-            f"{stats.output_tokens_restored:,} found in the prefix cache)"
-            if stats.preemptions
-            else ""
-        ),
+        [
+            f"{_plural(stats.samples, 'sample')} of {_plural(stats.requests - stats.failed_requests, 'request')}"
+        ]
+        + preempted,
     )
-    rest.add_row(
+    rows.add(
         "",
-        f"peak [bold]{stats.peak_running_seqs:,}[/] concurrent sequences · reserving {stats.max_model_len:,} "
-        f"contiguous slots each, this pool holds [bold]{stats.naive_max_seqs:,}[/]",
+        [
+            f"peak [bold]{stats.peak_running_seqs:,}[/] concurrent sequences",
+            f"reserving {stats.max_model_len:,} contiguous slots each, this pool holds "
+            f"[bold]{stats.naive_max_seqs:,}[/]",
+        ],
     )
     t = stats.to_dict()["throughput"]
-    rest.add_row(
+    tokens = f"{_plural(stats.generated_tokens, 'token')}"
+    if stats.completion_tokens != stats.generated_tokens:  # beam search: shared histories, pruned beams
+        tokens += f", {stats.completion_tokens:,} returned"
+    rows.add(
         "Throughput",
-        f"prompt {t['prompt_tokens_per_s']:,.1f} tok/s · generated [bold]{t['generated_tokens_per_s']:,.1f}[/] tok/s "
-        f"({stats.generated_tokens:,} tokens) · wall {stats.wall_time_s:.2f} s",
+        [
+            f"prompt {t['prompt_tokens_per_s']:,.1f} tok/s",
+            f"generated [bold]{t['generated_tokens_per_s']:,.1f}[/] tok/s ({tokens})",
+            f"wall {stats.wall_time_s:.2f} s",
+        ]
+        + (
+            [f"CPU kernels compiled before it in {stats.kernel_compile_s:.1f} s (once)"]
+            if stats.kernel_compile_s
+            else []
+        ),
     )
     s = stats.structured
     if s.compiles or s.cache_hits:  # structured outputs ran
-        rest.add_row(
+        rows.add(
             "Grammars",
-            f"[bold]{s.compiles:,}[/] compiled in {s.compile_s:.2f} s · {s.cache_hits:,} cache hits · "
-            f"{s.masks:,} token masks: {s.mask_s:.2f} s filling (beside the forward pass), "
-            f"{s.mask_wait_s:.2f} s waited, {s.apply_s:.2f} s applying · "
-            f"[bold]{_pct(stats.mask_share)}[/] of the wall time",
+            [
+                f"[bold]{s.compiles:,}[/] compiled in {s.compile_s:.2f} s",
+                _plural(s.cache_hits, "cache hit"),
+                f"{_plural(s.masks, 'token mask')}: {s.mask_s:.2f} s filling (beside the forward pass)",
+                f"{s.mask_wait_s:.2f} s waited",
+                f"{s.apply_s:.2f} s applying",
+                f"[bold]{_pct(stats.mask_share)}[/] of the wall time",
+            ],
         )
-    parts.append(rest)
-    parts.append(_prefix_cache_block(stats))
+    _prefix_cache_rows(stats, rows)
+    parts.append(rows.grid)
     console.print(
         Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
     )
 
 
-def _prefix_cache_block(stats: EngineStats) -> Table:
+def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:
     """Prefix caching across requests: hit rate, reuse, evictions, and where the prompt tokens went."""
-    grid = _grid()
     if not stats.prefix_caching:
-        grid.add_row("Prefix cache", "[dim]off (--no-prefix-caching)[/]")
-        return grid
-    grid.add_row(
+        rows.add("Prefix cache", ["[dim]off (--no-prefix-caching)[/]"])
+        return
+    rows.add(
         "Prefix cache",
-        f"hit rate [bold]{_pct(stats.prefix_cache_hit_rate)}[/] ({stats.prefix_cache_hits:,} of "
-        f"{stats.prefix_cache_queries:,} prompt tokens looked up) · [bold]{stats.prefix_cache_blocks_reused:,}[/] "
-        f"blocks reused · {stats.prefix_cache_evictions:,} evicted · up to "
-        f"{max(stats.cached_blocks, default=0):,} unreferenced blocks kept cached · admission "
-        f"{stats.schedule_policy}",
+        [
+            f"hit rate [bold]{_pct(stats.prefix_cache_hit_rate)}[/] ({stats.prefix_cache_hits:,} of "
+            f"{stats.prefix_cache_queries:,} prompt tokens looked up)",
+            f"[bold]{_plural(stats.prefix_cache_blocks_reused, 'block')}[/] reused",
+            f"{stats.prefix_cache_evictions:,} evicted",
+            f"up to {_plural(max(stats.cached_blocks, default=0), 'unreferenced block')} kept cached",
+            f"admission {stats.schedule_policy}",
+        ],
     )
     readmitted = (
-        f" + {stats.prompt_tokens_readmitted:,} readmitted after preemption"
+        [f"+ {stats.prompt_tokens_readmitted:,} readmitted after preemption"]
         if stats.prompt_tokens_readmitted
-        else ""
+        else []
     )
-    grid.add_row(
+    rows.add(
         "",
-        f"prompt tokens {stats.prompt_tokens_requested:,} requested{readmitted} = [bold]"
-        f"{stats.prompt_tokens_computed:,}[/] computed + {stats.prompt_tokens_saved_by_sharing:,} saved by sharing "
-        f"among samples + [bold]{stats.prefix_cache_hits:,}[/] saved by the prefix cache",
+        [f"prompt tokens {stats.prompt_tokens_requested:,} requested", *readmitted]
+        + [
+            f"= [bold]{stats.prompt_tokens_computed:,}[/] computed",
+            f"+ {stats.prompt_tokens_saved_by_sharing:,} saved by sharing among samples",
+            f"+ [bold]{stats.prefix_cache_hits:,}[/] saved by the prefix cache",
+        ],
+        sep=" ",
     )
-    return grid
 
 
 def _chart(stats: EngineStats, console: Console) -> Text:
     """Blocks in use per step, resampled to the terminal width, 0..peak."""
     label_width = 8
-    width = max(10, min(160, console.width - 4 - label_width))
+    width = max(10, min(console.width, MAX_WIDTH) - 4 - label_width)
     lines = bar_chart(stats.blocks_used, width, max(stats.peak_blocks_used, 1))
     chart = Text(no_wrap=True, overflow="crop")
     for i, line in enumerate(lines):

@@ -236,7 +236,8 @@ class _Run:
         except ValueError as e:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
-        keys = ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
+        keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
+        keys += ("max_num_batched_tokens",)
         try:
             EngineConfig(**{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
@@ -480,11 +481,12 @@ def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
 def _option_words(message: str) -> str:
     """Engine setting names -> the command-line options that set them."""
     for name, option in (
-        ("kv_cache_memory", "--kv-memory"),
+        ("kv_cache_memory", "--kv-cache-memory"),
+        ("gpu_memory_utilization", "--gpu-memory-utilization"),
         ("kv_cache_dtype", "--kv-cache-dtype"),
         ("num_blocks", "--num-blocks"),
         ("block_size", "--block-size"),
-        ("max_num_batched_tokens", "--max-batched-tokens"),
+        ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("max_num_seqs", "--max-num-seqs"),
         ("max_model_len", "--max-model-len"),
     ):
@@ -562,8 +564,8 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
         parts.append(f"{outcome.skipped} already done (--resume{earlier})")
     tail = ""
     if stats is not None and stats.steps:
-        tokens = stats.generated_tokens
-        tail = f" · {tokens:,} token{'s' if tokens != 1 else ''} generated in {stats.wall_time_s:.2f} s"
+        n = stats.completion_tokens  # what the records hold (beam search samples more than it returns)
+        tail = f" · {n:,} token{'s' if n != 1 else ''} generated in {stats.wall_time_s:.2f} s"
     console.print(
         f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(where)}: "
         + ", ".join(parts)

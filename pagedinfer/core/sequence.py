@@ -162,6 +162,12 @@ class Request:
             return self.error is not None or self.beam.done
         return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
 
+    def completion_tokens(self) -> int:
+        """Tokens the caller gets back: every sample's, or the finished beams' (not those search pruned)."""
+        if self.beam is not None:
+            return sum(len(h.token_ids) for h in self.beam.finished)
+        return sum(len(s.output_ids) for s in self.samples)
+
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,

@@ -165,6 +165,7 @@ class LLMEngine:
             kv_cache_dtype=str(self.kv.dtype).removeprefix("torch."),
             cuda_graphs=self.graph_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
+            kernel_compile_s=self.loaded.kernel_compile_s,
         )
         self.scheduler.counters = self.stats.counters
         self.grammars.counters = self.stats.structured
@@ -293,7 +294,10 @@ class LLMEngine:
                 beams = self._beam_candidates(logits, plan.beam_targets, beam_rows)
             if plan.prompt_rows:
                 prompt = self._prompt_logprobs(logits, plan.prompt_rows)
-        finished = self.scheduler.update(plan, sampled, beams, prompt)  # computed, forks, appends, stops
+        finished = self.scheduler.update(
+            plan, sampled, beams, prompt
+        )  # computed, forks, appends, stops, frees
+        self.stats.completion_tokens += sum(r.completion_tokens() for r in finished if not r.error)
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()

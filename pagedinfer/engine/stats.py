@@ -52,7 +52,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_blocks_reused: int = 0  # blocks handed to a new sequence by a hit
     prefix_cache_evictions: int = 0  # cached blocks reclaimed for new contents
+    # tokens in the finished requests' outputs (their records' usage.completion_tokens add up to it);
+    # generated_tokens counts the tokens sampled: under beam search the returned beams repeat their
+    # common history, and pruned beams' tokens are not returned, so the two differ
+    completion_tokens: int = 0
     wall_time_s: float = 0.0
+    kernel_compile_s: float = 0.0  # compiling the CPU kernels when the model loaded: not in wall_time_s
     # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     # structured outputs: the grammar compile cache and the token masks (counted as they happen)
@@ -258,10 +263,12 @@ class EngineStats:
             },
             "throughput": {
                 "wall_time_s": round(self.wall_time_s, 4),
+                "kernel_compile_s": round(self.kernel_compile_s, 3),
                 "prompt_tokens_per_s": round(self.prompt_tokens_computed / self.wall_time_s, 3)
                 if self.wall_time_s
                 else 0.0,
                 "generated_tokens": self.generated_tokens,
+                "completion_tokens": self.completion_tokens,
                 "generated_tokens_per_s": round(self.generated_tokens / self.wall_time_s, 3)
                 if self.wall_time_s
                 else 0.0,

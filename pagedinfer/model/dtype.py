@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedinfer.attention.cpu_kernel import cpu_flags
-from pagedinfer.config import DTYPE_NAMES as NAMES
+from pagedinfer.config import DTYPE_NAMES, torch_dtype
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_SPEEDUP = 1.2  # bfloat16 must beat float32 by this much: below it, noise could pick the slower one
@@ -40,7 +40,7 @@ class DTypeChoice:
 def stored_dtype(config) -> torch.dtype | None:
     """The dtype the checkpoint's config says its weights are stored in (None when it does not say)."""
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return stored if isinstance(stored, torch.dtype) else NAMES.get(str(stored).removeprefix("torch."))
+    return stored if isinstance(stored, torch.dtype) else torch_dtype(str(stored).removeprefix("torch."))
 
 
 def cpu_bf16_flags() -> list[str]:
@@ -69,14 +69,14 @@ def choose_dtype(
 ) -> DTypeChoice:
     """The run's dtype and the reason for it (explicit, or what ``auto`` found). With ``quantization``
     (int8 weights) the activations are float32, on the CPU."""
-    if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in NAMES:
+    if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in DTYPE_NAMES:
         raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     if quantization:
         if device.type != "cpu":
             raise DTypeError(
                 f"--quantization {quantization} runs on the CPU only (the device is {device.type})"
             )
-        if NAMES.get(dtype, dtype) not in ("auto", torch.float32):
+        if DTYPE_NAMES.get(dtype, dtype) not in ("auto", "float32", torch.float32):
             raise DTypeError(
                 f"--quantization {quantization} keeps activations in float32: use --dtype auto or float32"
             )
@@ -86,7 +86,7 @@ def choose_dtype(
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")
     if dtype != "auto":
-        return DTypeChoice(NAMES[dtype], f"--dtype {dtype}")
+        return DTypeChoice(torch_dtype(dtype), f"--dtype {dtype}")
     stored = stored_dtype(config)
     if device.type != "cpu":
         if stored in (torch.float16, torch.bfloat16):

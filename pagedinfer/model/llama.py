@@ -12,19 +12,19 @@ stays the reference (the parity tests compare the two) and the path for every ot
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.model import fused_ops
 from pagedinfer.model.decode_step import DecodeStep
 
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # one RoPE, one layer shape (q/k norms: qwen3)
 
 
 def unsupported_reason(config) -> str | None:
@@ -114,6 +114,40 @@ class DecoderLayer(nn.Module):
         return self.down_proj(self.gate_up_proj(x))  # [T, H]
 
 
+class RotaryEmbedding(nn.Module):
+    """transformers' RoPE of these four families (their ``*RotaryEmbedding`` classes are one and the same):
+    ``cos, sin`` of ``cat(freqs, freqs)`` from the same ``ROPE_INIT_FUNCTIONS`` and the same dynamic and
+    long-context updates, so the values are transformers' own, without importing its modeling code (which
+    loads torch's compiler stack: about a second of every start-up)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init = _default_rope if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init(config)  # [D / 2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(
+            device=x.device, dtype=torch.float
+        )  # [1, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [1, T, D]
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(
+            x.dtype
+        )
+
+
+def _default_rope(config) -> tuple[torch.Tensor, float]:
+    """The original RoPE's inverse frequencies (transformers' ``compute_default_rope_parameters``)."""
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0  # [D / 2]
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     """``forward(input_ids [1, T], position_ids [1, T], logits_to_keep)`` like HF's, on the packed row."""
 
@@ -136,9 +170,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if head is None or getattr(config, "tie_word_embeddings", False):
             head = self.embed_tokens.weight  # tied: the loader's packing keeps the embedding
         self.lm_head = _linear(head, None)
-        kind = config.model_type
-        modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-        self.rotary = getattr(modeling, f"{FAMILIES[kind]}RotaryEmbedding")(config)  # HF's, for equal cos/sin
+        self.rotary = RotaryEmbedding(config)
         self._decode_step_of: tuple[object, DecodeStep | None] | None = None  # (KV pool, its C step or None)
         if sd:
             raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
@@ -184,14 +216,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
 
 
-def checkpoint_files(name: str) -> list[Path]:
-    """The safetensors files of a model directory (or of a hub id already in the local cache)."""
+def checkpoint_files(name: str, local_files_only: bool = False) -> list[Path]:
+    """The safetensors files of a model directory or a hub id (``local_files_only``: from the cache)."""
     path = Path(name).expanduser()
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
         try:
-            path = Path(snapshot_download(name, allow_patterns=["*.safetensors"]))
+            path = Path(
+                snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=local_files_only)
+            )
         except Exception:  # noqa: BLE001 - no safetensors to be had: the caller falls back
             return []
     return sorted(path.glob("*.safetensors"))
@@ -203,4 +237,12 @@ def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) ->
     for f in files:
         sd.update(load_file(str(f)))
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if "rotary_emb" not in k}
-    return LlamaFamilyForCausalLM(config, sd).to(device).eval()
+    try:
+        return LlamaFamilyForCausalLM(config, sd).to(device).eval()
+    except KeyError as e:  # a tensor the config implies (a layer, a projection) is not in the files
+        raise ValueError(f"the weights have no tensor {e.args[0]!r} ({weight_files(files)})") from None
+
+
+def weight_files(files: list[Path]) -> str:
+    """The checkpoint's files in a few words: one path, or how many in which folder."""
+    return str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"

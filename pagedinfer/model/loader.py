@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pagedinfer import envs
+from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
-from pagedinfer.model import gguf, llama, packed_linear
+from pagedinfer.chat_template import template_error
+from pagedinfer.model import decode_step, fused_ops, gguf, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
 
@@ -34,6 +37,8 @@ UNSUPPORTED = {
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
 MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
+# the files a tokenizer loads from, the one it reads first first (named when loading fails)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 QUANTIZATIONS = ("int8",)  # --quantization: weight-only int8 per output channel (CPU, float32 models)
 
 
@@ -53,6 +58,7 @@ class LoadedModel:
     name: str
     dtype_reason: str = ""  # why this dtype: "--dtype bfloat16", or what --dtype auto found
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
+    kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -98,6 +104,7 @@ def load_model(
     model_impl: str = "auto",
     load_format: str = "auto",
     quantization: str | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
     every failure is a ModelLoadError with a one-line reason.
@@ -105,15 +112,16 @@ def load_model(
     ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
     no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``).
     ``quantization="int8"``: every packed linear's weight in int8 per output channel (float32
-    activations; the CPU and float32 only)."""
+    activations; the CPU and float32 only). ``chat_template``: Jinja text replacing the tokenizer's."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}: use {' or '.join(QUANTIZATIONS)}")
     name = str(name_or_path or DEMO_MODEL)
     folder, kwargs = _source(name)
+    cache_only = _cache_only(name) if not kwargs else {}
     try:
-        config = AutoConfig.from_pretrained(folder, **kwargs)
+        config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
         raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
     check_family(config)
@@ -122,18 +130,31 @@ def load_model(
         choice = choose_dtype(dtype, config, dev, quantization)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
+    # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
+    sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
+    compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     dummy = load_format == "dummy"
-    own_files = own_implementation_files(name, config, model_impl, dev) if not (kwargs or dummy) else []
+    own_files = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
     try:
         if dummy:
-            model = random_model(config, 0, choice.dtype, dev, attn_implementation=attention.ATTN_NAME)
+            model = random_model(
+                config, 0, choice.dtype, dev, attn_implementation=attention.transformers_name()
+            )
         elif own_files:
             model = llama.load(config, own_files, choice.dtype, dev)
-            model.generation_config = _generation_config(folder, config)  # what transformers' models carry
+            model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=choice.dtype, attn_implementation=attention.ATTN_NAME, **kwargs
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder,
+                dtype=choice.dtype,
+                attn_implementation=attention.transformers_name(),
+                output_loading_info=True,
+                **kwargs,
+                **cache_only,
             )
+            _check_complete(info["missing_keys"], name, folder, kwargs)
+    except ModelLoadError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
@@ -159,9 +180,12 @@ def load_model(
             f"model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
+    tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
+    if chat_template is not None:
+        _set_chat_template(tokenizer, chat_template, name)
     return LoadedModel(
         model=model,
-        tokenizer=_load_tokenizer(folder, kwargs),
+        tokenizer=tokenizer,
         layer_shapes=shapes,
         max_model_len=context_length(config),
         eos_token_ids=_eos_ids(config, model),
@@ -170,6 +194,22 @@ def load_model(
         name=name,
         dtype_reason=choice.reason,
         impl="pagedinfer" if own_files else "transformers",
+        kernel_compile_s=compile_s,
+    )
+
+
+def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> None:
+    """Refuse a checkpoint that lacks a tensor its config names (transformers would fill it with random
+    values and warn; a run would then write noise as if it were the model's answer)."""
+    if not missing:
+        return
+    first, *rest = sorted(missing)
+    path = Path(folder).expanduser()
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    where = name if kwargs.get("gguf_file") else llama.weight_files(files) if files else folder
+    more = f" and {len(rest)} more" if rest else ""
+    raise ModelLoadError(
+        f"cannot load model {folder!r}: the weights have no tensor {first!r}{more} ({where})"
     )
 
 
@@ -192,7 +232,9 @@ def _check_quantized(model: torch.nn.Module, family: str) -> None:
         )
 
 
-def own_implementation_files(name: str, config, impl: str, device: torch.device) -> list[Path]:
+def own_implementation_files(
+    name: str, config, impl: str, device: torch.device, cache_only: dict | None = None
+) -> list[Path]:
     """The safetensors files our own implementation loads, or [] when transformers' modeling runs.
 
     ``auto`` takes ours for the families it covers, on the CPU (where it is measured and faster);
@@ -203,7 +245,7 @@ def own_implementation_files(name: str, config, impl: str, device: torch.device)
     if impl == "transformers" or (impl == "auto" and device.type != "cpu"):
         return []
     reason = llama.unsupported_reason(config)
-    files = [] if reason else llama.checkpoint_files(name)
+    files = [] if reason else llama.checkpoint_files(name, **(cache_only or {}))
     if impl == "pagedinfer" and not files:
         raise ModelLoadError(
             f"model implementation 'pagedinfer' cannot serve {name!r}: {reason or 'it has no safetensors weights'}"
@@ -228,6 +270,14 @@ def _source(name: str) -> tuple[str, dict]:
     return name, {}
 
 
+def _cache_only(name: str) -> dict:
+    """``from_pretrained``'s keywords for ``name``: ``local_files_only`` for a hub id without a network."""
+    try:
+        return {"local_files_only": True} if hub.local_only(name) else {}
+    except hub.HubUnavailable as e:
+        raise ModelLoadError(str(e)) from None
+
+
 @torch.inference_mode()
 def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, LayerShape]:
     """Run one token through the model to learn each attention layer's K/V shape (works for any family)."""
@@ -242,17 +292,41 @@ def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, Laye
 
 
 def _load_tokenizer(folder: str, kwargs: dict):
+    """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
+    are there but do not load are refused now, naming the file, rather than failing every text line."""
     try:
         tok = AutoTokenizer.from_pretrained(folder, **kwargs)
-    except Exception:  # noqa: BLE001 - a model without tokenizer files takes token-id prompts
+    except Exception as e:  # noqa: BLE001 - any failure: missing files (fine) or broken ones (refused)
+        present = [Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
+        if present:
+            reason = (
+                f"not valid JSON ({e})"
+                if isinstance(e, json.JSONDecodeError)
+                else f"missing key {e}"
+                if isinstance(e, KeyError)
+                else _first_line(e)
+            )
+            raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
     return tok if getattr(tok, "is_fast", False) else None
 
 
-def _generation_config(folder: str, config) -> GenerationConfig:
+def _set_chat_template(tokenizer, template: str, name: str) -> None:
+    """Chat prompts render with ``template`` instead of the tokenizer's own (vLLM's ``--chat-template``)."""
+    if tokenizer is None:
+        raise ModelLoadError(
+            f"a chat template needs a tokenizer; model {name!r} has none (token-id prompts only)"
+        )
+    error = template_error(template)
+    if error is not None:
+        raise ModelLoadError(f"the chat template does not compile: {error}")
+    tokenizer.chat_template = template
+
+
+def _generation_config(folder: str, config, cache_only: dict) -> GenerationConfig:
     """The checkpoint's generation_config.json, else one derived from the model config."""
     try:
-        return GenerationConfig.from_pretrained(folder)
+        return GenerationConfig.from_pretrained(folder, **cache_only)
     except Exception:  # noqa: BLE001 - no generation_config.json
         return GenerationConfig.from_model_config(config)
 

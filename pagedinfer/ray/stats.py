@@ -27,6 +27,7 @@ TOTALS = (
     "prefix_cache_hits",
     "prefix_cache_blocks_reused",
     "prefix_cache_evictions",
+    "completion_tokens",
 )
 
 
@@ -47,6 +48,7 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         schedule_policy=first.schedule_policy,
         cuda_graphs=first.cuda_graphs,
         graph_capture_s=max(s.graph_capture_s for s in replicas),
+        kernel_compile_s=max(s.kernel_compile_s for s in replicas),
         wall_time_s=wall_time_s,
         counters=SchedulerCounters(
             **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}

@@ -1,0 +1,148 @@
+"""`pagedinfer run`'s vLLM-named options: the old names as hidden aliases, --gpu-memory-utilization,
+--threads and --chat-template (and `LLM(chat_template=...)`), on a tiny random-weight model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, tiny_model_no_tokenizer, write_jsonl
+
+from pagedinfer import SamplingParams
+from pagedinfer.config import EngineConfig, PoolSize
+from pagedinfer.llm import LLM
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_model())
+
+
+def run(model: str, *args, device: str = "cpu"):
+    return invoke("run", *args, "--model", model, "--device", device, "--quiet")
+
+
+def test_the_old_option_names_still_work_hidden(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    sources = []
+    for flag in ("--kv-cache-memory", "--kv-memory"):
+        report = tmp_path / f"{flag}.json"
+        assert run(model, prompts, flag, "1MiB", "--report-json", report).exit_code == 0
+        sources.append(json.loads(report.read_text())["pool"]["source"])
+    assert sources == ["kv_cache_memory=1048576 bytes"] * 2
+    # the old name feeds the new option: its value reaches the same check, named by the new name
+    one_line_error(
+        run(model, prompts, "--max-batched-tokens", "0"),
+        "--max-num-seqs and --max-num-batched-tokens must be >= 1",
+    )
+    one_line_error(
+        run(model, prompts, "--kv-memory", "1MiB", "--kv-cache-memory", "2MiB"),
+        "--kv-memory is the old name of --kv-cache-memory: give one of them",
+    )
+    one_line_error(
+        run(model, prompts, "--max-batched-tokens", "8", "--max-num-batched-tokens", "8"),
+        "--max-batched-tokens is the old name of --max-num-batched-tokens: give one of them",
+    )
+
+
+def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    one_line_error(
+        run(model, prompts, "--gpu-memory-utilization", "0.5"),  # --device cpu: refused before loading
+        "--gpu-memory-utilization sizes the KV pool on CUDA only; on the CPU use --kv-cache-memory or "
+        "--num-blocks",
+    )
+    one_line_error(
+        run(model, prompts, "--gpu-memory-utilization", "0.5", "--num-blocks", "8", device="auto"),
+        "give --num-blocks or --gpu-memory-utilization, not both",
+    )
+    one_line_error(
+        run(model, prompts, "--gpu-memory-utilization", "1.5", device="auto"),  # checked before loading
+        "--gpu-memory-utilization must be a fraction in (0, 1], not 1.5",
+    )
+    with pytest.raises(ValueError, match="gpu_memory_utilization sizes the KV pool on CUDA only"):
+        LLM(model, device="cpu", gpu_memory_utilization=0.5)
+
+
+def test_gpu_memory_utilization_sizes_the_pool_from_free_gpu_memory(monkeypatch):
+    free = 10 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80 << 30))
+    cuda = torch.device("cuda")
+    size = EngineConfig(gpu_memory_utilization=0.5, max_num_seqs=10**6).pool_size(1 << 16, cuda, 4096)
+    assert size == PoolSize((free // 2) >> 16, "gpu_memory_utilization", None, 0.5)
+    assert str(size).startswith("gpu_memory_utilization=0.5: 50% of free GPU memory")
+    default = EngineConfig(max_num_seqs=10**6).pool_size(1 << 16, cuda, 4096)
+    assert default.num_blocks == int(free * 0.85) >> 16 and default.origin == "default_gpu"
+
+
+def test_threads_sets_torch_threads_for_the_run(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    before = torch.get_num_threads()
+    try:
+        assert run(model, prompts, "--threads", "1").exit_code == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    one_line_error(
+        run(model, prompts, "--threads", "0"), "--threads takes a number of threads (1 or more), not 0"
+    )
+    one_line_error(
+        run(model, prompts, "--threads", "2", "--data-parallel", "2"),
+        "--threads sets this process's threads; --data-parallel splits the CPUs among its replicas",
+    )
+
+
+def test_chat_template_file_replaces_the_tokenizers(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]
+    prompts = write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": messages, "max_tokens": 3, "temperature": 0}]
+    )
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE, encoding="utf-8")
+    out = tmp_path / "o.jsonl"
+    assert run(model, prompts, "--chat-template", template, "-o", out).exit_code == 0
+    (record,) = read_jsonl(out)
+    rendered = "[system] Be brief.\n[user] To be?\n[assistant] "
+    assert record["prompt"] == rendered
+    tok = AutoTokenizer.from_pretrained(model)
+    assert record["usage"]["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"])
+    llm = LLM(model, device="cpu", chat_template=TEMPLATE)
+    assert llm.tokenizer.chat_template == TEMPLATE
+    ids = llm.tokenizer(rendered, add_special_tokens=False)["input_ids"]  # the same prompt through the API
+    (api,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3, temperature=0))
+    assert api.outputs[0].token_ids == record["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "chat template {dir}/none.jinja does not exist"),
+        ("directory", "chat template {dir} is a directory, not a Jinja file"),
+        ("empty", "chat template {dir}/empty.jinja is empty"),
+        ("binary", "chat template {dir}/bin.jinja is not UTF-8 text (byte 1)"),
+        (
+            "syntax",
+            "chat template {dir}/bad.jinja line 2: Unexpected end of template. Jinja was looking for the "
+            "following tags: 'endfor' or 'else'. The innermost block that needs to be closed is 'for'.",
+        ),
+        ("no-tokenizer", "a chat template needs a tokenizer; model {ids!r} has none (token-id prompts only)"),
+    ],
+)
+def test_a_bad_chat_template_is_one_line_before_anything_runs(model, tmp_path, case, message):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [1, 2], "max_tokens": 2}])
+    (tmp_path / "empty.jinja").write_text("  \n", encoding="utf-8")
+    (tmp_path / "bin.jinja").write_bytes(b"{\xff")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}\n{{ m }}", encoding="utf-8")
+    (tmp_path / "good.jinja").write_text(TEMPLATE, encoding="utf-8")
+    path = {"missing": "none.jinja", "directory": "", "empty": "empty.jinja", "binary": "bin.jinja"}
+    path |= {"syntax": "bad.jinja", "no-tokenizer": "good.jinja"}
+    target = model if case != "no-tokenizer" else str(tiny_model_no_tokenizer())
+    out = tmp_path / "o.jsonl"
+    result = run(target, prompts, "--chat-template", tmp_path / path[case], "-o", out)
+    one_line_error(result, message.format(dir=tmp_path, ids=target))
+    assert not out.exists() or out.read_bytes() == b""  # nothing written (the lock may create the file)

@@ -1,0 +1,92 @@
+"""What the command line costs before it does anything: `--help`, a typo and a missing file load no
+torch and no transformers (the seconds they take to import are what made `--help` slow), and every
+`--help` reads whole at 80 columns."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from pagedinfer.cli.app import app
+
+HEAVY = ("torch", "transformers")
+
+
+def imported_modules(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime -m pagedinfer ARGS``: the result and every module it imported."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pagedinfer", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    modules = {
+        line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")
+    }
+    return run, modules
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["--help"], 0, "Commands"),
+        (["run", "--help"], 0, "--max-num-batched-tokens"),
+        (["blocks", "--help"], 0, "--prompt-tokens"),
+        (["bench", "--help"], 0, "--workloads"),
+        (["--version"], 0, "pagedinfer 0."),
+        (["run", "--max-tokns", "3", "p.jsonl"], 2, "No such option"),
+        (["run", "missing.jsonl"], 2, "error: input file missing.jsonl does not exist"),
+    ],
+    ids=["help", "run-help", "blocks-help", "bench-help", "version", "typo", "missing-input"],
+)
+def test_nothing_heavy_is_imported_before_a_command_needs_it(tmp_path, args, code, says):
+    run, modules = imported_modules(args, tmp_path)
+    assert run.returncode == code, run.stderr[-2000:]
+    shown = run.stdout + "\n".join(ln for ln in run.stderr.splitlines() if not ln.startswith("import time:"))
+    assert says in shown
+    assert "pagedinfer.cli.app" in modules  # the probe sees the CLI's own imports
+    heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
+    assert heavy == [], heavy[:10]
+
+
+def _visible_options(command) -> list[str]:
+    options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
+    return [name for p in options for name in [*p.opts, *p.secondary_opts]]
+
+
+@pytest.mark.parametrize("name", ["run", "blocks", "bench"])
+def test_help_is_whole_at_80_columns(name):
+    command = typer.main.get_command(app).commands[name]
+    text = CliRunner(env={"COLUMNS": "80"}).invoke(app, [name, "--help"]).stdout
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in text  # no option name or value cut
+    cells = [re.sub(r"^[│ ]+|[│ ]+$", "", line) for line in lines]
+    for option in _visible_options(command):  # each name whole, in the names column
+        assert any(re.match(rf"(.*[ ,/] )?{re.escape(option)}(?![\w-])", c) for c in cells), option
+    for p in command.params:  # each default and each choice list whole, on one line
+        if p.hidden or p.param_type_name != "option" or p.is_flag or p.default in (None, []):
+            continue
+        if p.show_default is not False:
+            value = getattr(p.default, "value", p.default)
+            assert any(f"[default: {value}]" in c for c in cells), p.name
+        if isinstance(p.type_descriptor.annotation, type) and hasattr(
+            p.type_descriptor.annotation, "__members__"
+        ):
+            choices = ", ".join(m.value for m in p.type_descriptor.annotation)
+            assert any(f"[choices: {choices}]" in c for c in cells), p.name
+
+
+def test_run_help_hides_the_old_names_and_keeps_the_ray_hint():
+    text = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["run", "--help"]).stdout
+    assert "pip install 'pagedinfer[ray]'" in text  # not eaten as rich markup
+    for old in ("--kv-memory", "--max-batched-tokens"):
+        assert not re.search(rf"{old}(?![\w-])", text), old
+    assert "--prefix-caching /" in text and "--no-prefix-caching" in text  # the pair, on two lines
