@@ -93,6 +93,44 @@ def test_paged_attention_matches_reference(use_kernel, group, window, softcap, w
         torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adjacent_whole_prompts_of_one_length_attend_in_one_call(window, dtype):
+    """A run of whole prompts of one length is one batched SDPA call: the same bits as one call per
+    prompt, and each output the reference's; other chunks (other lengths, cached contexts) alone."""
+    bs, kvh, hq, d = 4, 2, 6, 16
+    query_lens = [1, 6, 6, 6, 4, 6, 3, 1]  # decode, three 6-token prompts, a 4, a 6, an extend, decode
+    context_lens = [9, 6, 6, 6, 4, 6, 10, 5]
+    q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs, kvh, hq, d)
+    q, k, v, kc, vc = (t.to(dtype) for t in (q, k, v, kc, vc))
+    plan = TorchPlan.build(meta, use_kernel=False)
+    assert plan.prompt_runs == [(1, 3, 6), (19, 1, 4), (23, 1, 6), (29, 1, 3)]
+    out = torch.empty(q.shape[0], hq, d, dtype=dtype)
+    plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    alone = TorchPlan.build(meta, use_kernel=False)
+    alone.prompt_runs = [(start, 1, n) for start, n, _ in alone.chunk_spans]
+    one_by_one = torch.empty_like(out)
+    alone.attend(one_by_one, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    assert torch.equal(out, one_by_one)
+    starts = meta.query_start_loc.tolist()
+    for s, (n, length) in enumerate(zip(query_lens, context_lens, strict=True)):
+        pos = torch.arange(length)
+        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        want = reference(
+            q[starts[s] : starts[s] + n],
+            keys,
+            values,
+            torch.arange(length - n, length),
+            0.3,
+            window,
+            0.0,
+            None,
+        )
+        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, **tol)
+
+
 def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     """Enough work to be split across threads (sequence ranges of equal context): same as the torch path."""
     torch.set_num_threads(2)
