@@ -321,13 +321,11 @@ class PagedinferRunner:
         from pagedinfer import SamplingParams
 
         self.llm.reset_prefix_cache()
-        # n samples of a greedy workload: sampled from the top token alone (vLLM refuses n > 1 greedy);
-        # no per-request seed: the CPU build refuses one ("CPU Generator does not use offset"), the
-        # engine's seed serves
-        top1 = dict(temperature=1.0, top_k=1) if w["temperature"] == 0 and w["n"] > 1 else {}
-        temperature = {"temperature": w["temperature"]} | top1
         params = [
-            SamplingParams(n=w["n"], **temperature, max_tokens=m, ignore_eos=True) for m in w["max_tokens"]
+            SamplingParams(
+                n=w["n"], temperature=w["temperature"], max_tokens=m, ignore_eos=True, seed=w["seed"]
+            )
+            for m in w["max_tokens"]
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in w["prompts"]], params, use_tqdm=False)
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
