@@ -1,6 +1,9 @@
 """The CPU attention paths (C decode kernel and torch) against a plain per-sequence reference."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,6 +311,18 @@ def test_decode_kernel_shares_torchs_openmp_runtime():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+@pytest.mark.parametrize("preset, want", [(None, "10000"), ("250", "250")])
+def test_importing_pagedinfer_before_torch_shortens_openmp_spinning(preset, want):
+    """``import pagedinfer`` sets libgomp's spin count before torch loads libgomp, unless one is set."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    code = "import os, pagedinfer, torch; print(os.environ['GOMP_SPINCOUNT'])"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [want]
 
 
 @pytest.mark.parametrize(
