@@ -299,9 +299,10 @@ def _peak_rss_bytes() -> int:
 
 class PagedinferRunner:
     def __init__(self, spec: dict) -> None:
-        import torch
+        from pagedinfer import LLM  # before torch: its OpenMP spin count must precede libgomp's load
 
-        from pagedinfer import LLM
+        # isort: split
+        import torch
 
         torch.set_num_threads(spec["threads"])
         dtype, quantization = ("float32", "int8") if spec["dtype"] == "int8" else (spec["dtype"], None)

@@ -22,6 +22,9 @@ import random
 import time
 from collections import defaultdict
 
+import pagedinfer  # noqa: F401 - before torch: its OpenMP spin count (pagedinfer/__init__.py) must precede libgomp's load
+
+# isort: split
 import torch
 from torch import nn
 
