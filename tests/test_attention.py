@@ -1,6 +1,9 @@
 """The CPU attention paths (C decode kernel and torch) against a plain per-sequence reference."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,31 @@ def make_batch(query_lens, context_lens, bs, kvh, hq, d, seed=0):
     return q, k_new, v_new, k_cache, v_cache, meta
 
 
+TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # by output dtype
+
+
+def check_sequences(out, q, kc, vc, meta, scale, window=0, softcap=0.0, sinks=None):
+    """Each sequence's output rows against the float64 reference over its context, read via its table."""
+    bs, kvh, d = meta.block_size, kc.shape[2], kc.shape[3]
+    starts = meta.query_start_loc.tolist()
+    tol = TOLERANCE[out.dtype]
+    for s, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
+        pos = torch.arange(length)
+        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
+        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
+        want = reference(
+            q[starts[s] : starts[s] + n],
+            keys,
+            values,
+            torch.arange(length - n, length),
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
+        torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize(
@@ -91,6 +119,28 @@ def test_paged_attention_matches_reference(use_kernel, group, window, softcap, w
         qpos = torch.arange(length - n, length)
         want = reference(q[starts[s] : starts[s] + n], keys, values, qpos, 0.3, window, softcap, sinks)
         torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adjacent_whole_prompts_of_one_length_attend_in_one_call(window, dtype):
+    """A run of whole prompts of one length is one batched SDPA call: the same bits as one call per
+    prompt, and each output the reference's; other chunks (other lengths, cached contexts) alone."""
+    bs, kvh, hq, d = 4, 2, 6, 16
+    query_lens = [1, 6, 6, 6, 4, 6, 3, 1]  # decode, three 6-token prompts, a 4, a 6, an extend, decode
+    context_lens = [9, 6, 6, 6, 4, 6, 10, 5]
+    q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs, kvh, hq, d)
+    q, k, v, kc, vc = (t.to(dtype) for t in (q, k, v, kc, vc))
+    plan = TorchPlan.build(meta, use_kernel=False)
+    assert plan.prompt_runs == [(1, 3, 6), (19, 1, 4), (23, 1, 6), (29, 1, 3)]
+    out = torch.empty(q.shape[0], hq, d, dtype=dtype)
+    plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    alone = TorchPlan.build(meta, use_kernel=False)
+    alone.prompt_runs = [(start, 1, n) for start, n, _ in alone.chunk_spans]
+    one_by_one = torch.empty_like(out)
+    alone.attend(one_by_one, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    assert torch.equal(out, one_by_one)
+    check_sequences(out, q, kc, vc, meta, 0.3, window)
 
 
 def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
@@ -261,6 +311,18 @@ def test_decode_kernel_shares_torchs_openmp_runtime():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+@pytest.mark.parametrize("preset, want", [(None, "10000"), ("250", "250")])
+def test_importing_pagedinfer_before_torch_shortens_openmp_spinning(preset, want):
+    """``import pagedinfer`` sets libgomp's spin count before torch loads libgomp, unless one is set."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    code = "import os, pagedinfer, torch; print(os.environ['GOMP_SPINCOUNT'])"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [want]
 
 
 @pytest.mark.parametrize(

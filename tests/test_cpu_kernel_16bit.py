@@ -10,41 +10,18 @@ reference attends the pool's rounded K/V, to float32's accuracy.
 
 import pytest
 import torch
-from test_attention import make_batch, reference
+from test_attention import TOLERANCE, check_sequences, make_batch, reference
 
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import TorchPlan
 
 DTYPES = [torch.bfloat16, torch.float16]
-TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # by output dtype
 
 
 def half_batch(dtype, *args, **kwargs):
     """test_attention.make_batch with q, K/V and the pool in ``dtype``."""
     q, k, v, kc, vc, meta = make_batch(*args, **kwargs)
     return (*(t.to(dtype) for t in (q, k, v, kc, vc)), meta)
-
-
-def check_sequences(out, q, kc, vc, meta, scale, window=0, softcap=0.0, sinks=None):
-    """Each sequence's output rows against the float64 reference over its context, read via its table."""
-    bs, kvh, d = meta.block_size, kc.shape[2], kc.shape[3]
-    starts = meta.query_start_loc.tolist()
-    tol = TOLERANCE[out.dtype]
-    for s, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
-        pos = torch.arange(length)
-        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
-        keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
-        want = reference(
-            q[starts[s] : starts[s] + n],
-            keys,
-            values,
-            torch.arange(length - n, length),
-            scale,
-            window,
-            softcap,
-            sinks,
-        )
-        torch.testing.assert_close(out[starts[s] : starts[s] + n].double(), want, atol=tol, rtol=tol)
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))

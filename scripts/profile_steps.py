@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Where every engine step of a prompt-heavy run goes: GEMMs (and their rate), prompt attention, the
+K/V copy into blocks, decode attention, sampling, and the rest (Python, metadata, norms, RoPE).
+
+    python scripts/profile_steps.py MODEL_DIR [--dtype float32] [--prompts 64] [--prompt-len 128]
+        [--max-new 64] [--max-num-batched-tokens 4096] [--threads 2]
+
+The default run is workload C of scripts/bench_llamacpp.py (64 random 128-token prompts, 64 greedy
+new tokens each). Every engine step is timed whole (``LLMEngine.step``), and inside it: each linear's
+call (``PackedLinear`` / ``nn.Linear``, lm_head included; its FLOPs 2 x rows x in x out, so the step's
+GEMM rate), the GEMMs the one-call C decode step clocks itself, each prompt-attention call
+(``TorchPlan._chunks_sdpa``: SDPA over the chunk's rows), the K/V writes (``cpu_kernel.store_kv``),
+decode attention and the sampler. The 2048^3 GEMM rate of float32 and bfloat16 is measured first in
+the same process, for the GEMM rate to be read against. Prints one row per prompt step, one for the
+decode steps together, and the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+import pagedinfer  # noqa: F401 - before torch: its OpenMP spin count (pagedinfer/__init__.py) must precede libgomp's load
+
+# isort: split
+import torch
+from torch import nn
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.attention import cpu_kernel, torch_backend
+from pagedinfer.bench.machine import measure_gemm
+from pagedinfer.engine import llm_engine
+from pagedinfer.model import decode_step
+from pagedinfer.model.packed_linear import PackedLinear
+
+PARTS = ("gemm", "prompt_attention", "kv_store", "decode_attention", "sampler")
+
+
+class Clocks:
+    """Seconds per part within the current step, and the GEMMs' FLOPs."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.flops = 0
+
+    def wrap(self, owner, name: str, part: str, flops=None) -> None:
+        """Time every call of ``owner.name`` into ``part`` (and add ``flops(*args)``)."""
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds[part] += time.perf_counter() - t
+            if flops is not None:
+                self.flops += flops(*args)
+            return out
+
+        setattr(owner, name, timed)
+
+
+def linear_flops(module, x: torch.Tensor) -> int:
+    rows = x.numel() // module.in_features
+    return 2 * rows * module.in_features * module.out_features
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or int8 (float32, int8 weights)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rates = {d: measure_gemm(2048, d).flops / 1e9 for d in ("float32", "bfloat16")}
+    print(f"2048^3 GEMM: float32 {rates['float32']:.1f} GFLOP/s, bfloat16 {rates['bfloat16']:.1f} GFLOP/s")
+    dtype, quantization = ("float32", "int8") if args.dtype == "int8" else (args.dtype, None)
+    llm = LLM(
+        args.model,
+        device="cpu",
+        dtype=dtype,
+        quantization=quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    clocks = Clocks()
+    clocks.wrap(PackedLinear, "forward", "gemm", linear_flops)
+    clocks.wrap(nn.Linear, "forward", "gemm", linear_flops)
+    clocks.wrap(torch_backend.TorchPlan, "_chunks_sdpa", "prompt_attention")
+    clocks.wrap(torch_backend.TorchPlan, "_decode_kernel", "decode_attention")
+    clocks.wrap(cpu_kernel, "store_kv", "kv_store")
+    clocks.wrap(llm_engine, "sample", "sampler")
+    engine = llm.engine
+    steps: list[dict] = []
+    step = engine.step
+
+    def timed_step():
+        clocks.seconds.clear()
+        clocks.flops = 0
+        decode_step.gemm_seconds(), decode_step.attention_seconds()  # reset the C step's clocks
+        plan_tokens = []
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            plan_tokens.extend(s.num_tokens for s in plan.batch)
+            return plan
+
+        engine.scheduler.schedule = recording_schedule
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            wall = time.perf_counter() - t
+            engine.scheduler.schedule = schedule
+            c_gemm, c_attention = decode_step.gemm_seconds(), decode_step.attention_seconds()
+            rec = {p: clocks.seconds[p] for p in PARTS}
+            rec["gemm"] += c_gemm
+            rec["decode_attention"] += c_attention
+            rows = len(plan_tokens)
+            if c_gemm:  # the one-call step: every layer's GEMMs at ``rows`` rows, lm_head timed apart
+                clocks.flops += (
+                    2 * rows * (sum(p.numel() for p in llm.engine.loaded.model.layers.parameters()))
+                )
+            rec |= {
+                "wall": wall,
+                "flops": clocks.flops,
+                "prompt_tokens": sum(n for n in plan_tokens if n > 1),
+                "decode_rows": sum(1 for n in plan_tokens if n == 1),
+            }
+            steps.append(rec)
+
+    engine.step = timed_step
+    rng = random.Random(0)
+    vocab = llm.engine.loaded.model.get_input_embeddings().num_embeddings
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts + 2)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_new, ignore_eos=True)
+    warm, prompts = prompts[:2], prompts[2:]  # warm-up prompts of their own: no prefix-cache hits later
+    llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    steps.clear()
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    total = time.perf_counter() - t
+    rate = rates["bfloat16" if dtype == "bfloat16" else "float32"]
+    print(
+        "| step | prompt tokens | decode rows | wall ms | GEMM ms | GEMM GFLOP/s (of 2048^3) | prompt attention ms "
+        "| K/V store ms | decode attention ms | sampler ms | rest ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    prompt_steps = [(i, s) for i, s in enumerate(steps) if s["prompt_tokens"]]
+    decode_steps = [s for s in steps if not s["prompt_tokens"]]
+    rows = [(str(i), [s]) for i, s in prompt_steps] + [(f"{len(decode_steps)} decode steps", decode_steps)]
+    rows.append(("all", steps))
+    for label, group in rows:
+        if not group:
+            continue
+        tot = {k: sum(s[k] for s in group) for k in (*PARTS, "wall", "flops", "prompt_tokens", "decode_rows")}
+        rest = tot["wall"] - sum(tot[p] for p in PARTS)
+        gflops = tot["flops"] / tot["gemm"] / 1e9 if tot["gemm"] else 0.0
+        print(
+            f"| {label} | {tot['prompt_tokens']} | {tot['decode_rows']} | {tot['wall'] * 1e3:.1f} "
+            f"| {tot['gemm'] * 1e3:.1f} | {gflops:.1f} ({gflops / rate:.0%}) | {tot['prompt_attention'] * 1e3:.1f} "
+            f"| {tot['kv_store'] * 1e3:.1f} | {tot['decode_attention'] * 1e3:.1f} | {tot['sampler'] * 1e3:.1f} "
+            f"| {rest * 1e3:.1f} |"
+        )
+    print(f"generate: {total:.2f} s wall, {len(steps)} steps")
+
+
+if __name__ == "__main__":
+    main()
