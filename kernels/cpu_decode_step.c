@@ -38,28 +38,20 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void timed_gemm(panel_kernel kern, const void *x, const void *p, const float *bias, const float *scale,
-                       void *y, int m, int n, int k, int gated) {
+static void timed_gemm(const gemm_segment *seg, int nseg, const void *x, void *y, int m, int k, int gated) {
     const double t = now();
-    gemm_panels(kern, x, p, bias, scale, y, m, n, k, gated);
+    gemm_segments(seg, nseg, x, y, m, k, gated);
     gemm_seconds += now() - t;
 }
 
 /* One layer's tensors, in the step's element type (float32 or bfloat16; the K/V pool in that type
- * or, under float32 activations, in bfloat16 or float16): GEMM weights in
- * cpu_gemm.c's panels (int8 with float32 activations: weight-only quantization, with their
- * per-column scales), biases and scales float32 packed per panel; NULL where the layer has none
- * (biases, scales, Qwen3's q/k norms). */
+ * or, under float32 activations, in bfloat16 or float16): each GEMM's weight as cpu_gemm.c segments
+ * (float32 activations: float32, int8, int4 or GGUF block panels, a format per segment; the fused
+ * QKV of a GGUF may hold up to three), NULL where the layer has none (Qwen3's q/k norms). */
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* [H], [H], [D], [D] */
-    const void *qkv;
-    const float *qkv_bias, *qkv_scale;
-    const void *o;
-    const float *o_bias, *o_scale;
-    const void *gate_up;
-    const float *gate_up_bias, *gate_up_scale;
-    const void *down;
-    const float *down_bias, *down_scale;
+    gemm_segment qkv[3], o, gate_up, down;
+    int qkv_segments;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
     int window;              /* sliding window, 0: none */
 } step_layer;
@@ -79,48 +71,27 @@ typedef struct {
     int parts;
 } step_meta;
 
+/* float32 activations (weights of any float32-activation format): decode_layers_f32 */
 #define ELEM float
-#define PANELS F32
 #define FN(name) CAT(name, f32)
 #define KV(name) CAT(name, f32)
 #define STEP(name) CAT(name, f32)
 #include "cpu_decode_step_body.h"
+/* float32 activations over a 16-bit K/V pool (--kv-cache-dtype): decode_layers_f32_kv_{bf16,f16} */
 #define ELEM float
-#define PANELS I8
-#define FN(name) CAT(name, f32)
-#define KV(name) CAT(name, f32)
-#define STEP(name) CAT(name, i8)
-#include "cpu_decode_step_body.h"
-/* float32 activations over a 16-bit K/V pool (--kv-cache-dtype): decode_layers_{f32,i8}_kv_{bf16,f16} */
-#define ELEM float
-#define PANELS F32
 #define FN(name) CAT(name, f32)
 #define KV(name) CAT(name, f32_kv_bf16)
 #define STEP(name) CAT(name, f32_kv_bf16)
 #include "cpu_decode_step_body.h"
-#define ELEM float
-#define PANELS I8
-#define FN(name) CAT(name, f32)
-#define KV(name) CAT(name, f32_kv_bf16)
-#define STEP(name) CAT(name, i8_kv_bf16)
-#include "cpu_decode_step_body.h"
 #ifdef __FLT16_MAX__
 #define ELEM float
-#define PANELS F32
 #define FN(name) CAT(name, f32)
 #define KV(name) CAT(name, f32_kv_f16)
 #define STEP(name) CAT(name, f32_kv_f16)
 #include "cpu_decode_step_body.h"
-#define ELEM float
-#define PANELS I8
-#define FN(name) CAT(name, f32)
-#define KV(name) CAT(name, f32_kv_f16)
-#define STEP(name) CAT(name, i8_kv_f16)
-#include "cpu_decode_step_body.h"
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if HAVE_BF16
 #define ELEM uint16_t
-#define PANELS BF16
 #define FN(name) CAT(name, bf16)
 #define KV(name) CAT(name, bf16)
 #define STEP(name) CAT(name, bf16)

@@ -1,6 +1,6 @@
 /* The typed half of cpu_decode_step.c, included once per element type (a C template): ELEM is the
- * element type of every activation and norm weight; FN(name) names that type's kernels; PANELS is
- * the cpu_gemm.c panel kernel of the weights (that type, or int8); KV(name) the cpu_paged_decode.c
+ * element type of every activation and norm weight; FN(name) names that type's kernels (the GEMMs'
+ * formats come with their segments); KV(name) the cpu_paged_decode.c
  * K/V write and attention for a pool of that type or, with float32 activations, a 16-bit one;
  * STEP(name) names the instantiation. The parameters are undefined at the end. */
 
@@ -12,7 +12,7 @@ void STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resi
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
     for (int i = 0; i < s->layers; i++, layer++) {
         FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(PANELS, x, layer->qkv, layer->qkv_bias, layer->qkv_scale, qkv, s->rows, qkv_n, s->hidden, 0);
+        timed_gemm(layer->qkv, layer->qkv_segments, x, qkv, s->rows, s->hidden, 0);
         FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
         const double t_attention = now();
@@ -23,16 +23,15 @@ void STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resi
                                 s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads,
                                 s->kv_heads, d, d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         attention_seconds += now() - t_attention;
-        timed_gemm(PANELS, attn, layer->o, layer->o_bias, layer->o_scale, h, s->rows, s->hidden, qd, 0);
+        timed_gemm(&layer->o, 1, attn, h, s->rows, qd, 0);
         FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(PANELS, x, layer->gate_up, layer->gate_up_bias, layer->gate_up_scale, act, s->rows, 2 * s->inter, s->hidden, 1);
-        timed_gemm(PANELS, act, layer->down, layer->down_bias, layer->down_scale, h, s->rows, s->hidden, s->inter, 0);
+        timed_gemm(&layer->gate_up, 1, x, act, s->rows, s->hidden, 1);
+        timed_gemm(&layer->down, 1, act, h, s->rows, s->inter, 0);
     }
     FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
 }
 
 #undef ELEM
-#undef PANELS
 #undef FN
 #undef KV
 #undef STEP

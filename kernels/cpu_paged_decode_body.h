@@ -194,6 +194,7 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const
                              int num_kv_heads, int head_dim, int head_dim_v,
                              int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
                              float softcap, const float *sinks) {
+  if (parts <= 0) return;  // no sequences: nothing to attend (num_threads needs a positive count)
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
   for (int p = 0; p < parts; ++p)
     FN(paged_decode)(out, q, k_cache, v_cache, block_tables, ctx_lens, rows, bounds[p],

@@ -52,6 +52,39 @@ class PoolSize:
 
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Weight-only quantization of a float checkpoint's linears at load (``--quantization``, CPU): int8
+    per output row, or int4 per ``group`` inputs with float32 scales and optional zero points."""
+
+    name: str  # int8, int4, int4-zp, int4-g128, int4-g128-zp
+    bits: int
+    group: int = 0  # int4: 32 or 128
+    zero_points: bool = False
+
+    @property
+    def description(self) -> str:
+        if self.bits == 8:
+            return "int8 per output channel"
+        zp = "zero points" if self.zero_points else "symmetric"
+        return f"int4 per group of {self.group} inputs (float32 scales, {zp})"
+
+
+def _int4_name(group: int, zero_points: bool) -> str:
+    return f"int4{'' if group == 32 else f'-g{group}'}{'-zp' if zero_points else ''}"
+
+
+QUANTIZATIONS = {
+    "int8": Quantization("int8", 8),
+    **{
+        _int4_name(g, zp): Quantization(_int4_name(g, zp), 4, g, zp)
+        for g in (32, 128)
+        for zp in (False, True)
+    },
+}
+
 # the dtype names --dtype and --kv-cache-dtype take (with the usual aliases) -> torch's name of the dtype
 DTYPE_NAMES = {
     "float32": "float32",

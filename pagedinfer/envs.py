@@ -26,6 +26,12 @@ def c_compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def c_flags() -> list[str]:
+    """``PAGEDINFER_CC_FLAGS``: extra flags for the CPU kernels' compiler, after the defaults (e.g.
+    ``-mno-avx512f`` builds the AVX2 panels on an AVX-512 CPU; the tests compare the two)."""
+    return os.environ.get("PAGEDINFER_CC_FLAGS", "").split()
+
+
 def cpu_kernels() -> bool:
     """``PAGEDINFER_CPU_KERNEL=0``: no C kernels at all (torch's attention path; debugging)."""
     return not _off("PAGEDINFER_CPU_KERNEL")
@@ -63,3 +69,9 @@ def cuda_cpu_probes() -> int:
     return int(os.environ.get("PAGEDINFER_CPU_REVERSE") == "1") | 2 * int(
         os.environ.get("PAGEDINFER_CPU_EAGER_COPIES") == "1"
     )
+
+
+def gguf_cache() -> Path:
+    """``PAGEDINFER_GGUF_CACHE``: where GGUF files' converted configs and tokenizers are kept, one folder
+    per file content hash (default ``~/.cache/pagedinfer/gguf``)."""
+    return Path(os.environ.get("PAGEDINFER_GGUF_CACHE", Path.home() / ".cache" / "pagedinfer" / "gguf"))

@@ -39,9 +39,11 @@ class LLM:
     captured at startup (one per batch-size bucket); the CPU has no graphs.
     ``load_format``: ``auto`` (the checkpoint's weights) or ``dummy`` (random weights drawn on the
     device from the model's config alone: benchmarks of a model's shape).
-    ``quantization``: ``None``, or ``int8`` (CPU): every linear's weight in int8 with one float32
-    scale per output channel, activations in float32 (a quarter of the weight bytes per step;
-    outputs close to, not equal to, float32's).
+    ``quantization``: ``None``, or (CPU, a float checkpoint) ``int8``: every linear's weight in int8
+    with one float32 scale per output channel; ``int4``, ``int4-zp``, ``int4-g128``, ``int4-g128-zp``:
+    4-bit weights with a float32 scale per group of 32 (or 128) inputs, symmetric or with zero
+    points; activations in float32 (a quarter or an eighth of the weight bytes per step; outputs
+    close to, not equal to, float32's). A ``.gguf`` model keeps its tensors' types without it.
     ``kv_cache_dtype`` (vLLM's name): ``auto`` (the model's dtype), or ``bfloat16`` / ``float16`` under
     float32 activations: the pool holds twice the tokens per byte and decode attention reads half the
     bytes; keys and values are rounded as they are written, so outputs are close to, not equal to,

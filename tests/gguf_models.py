@@ -1,28 +1,103 @@
 """Tiny GGUF files written with the ``gguf`` package from the random-weight test models (tests/models.py).
 
-llama.cpp's converter is not needed for a family whose tensors transformers maps back unchanged (Qwen2:
-no Q/K permutation): each tensor is stored in float32 under its GGUF name, with the config's hyper-parameters
-as GGUF metadata. Token-id prompts only (no tokenizer in the file).
+llama.cpp's converter is not needed: each tensor is stored under its GGUF name (Q and K rows permuted
+for llama, as llama.cpp's converter does and transformers' GGUF loader undoes), with the config's
+hyper-parameters as GGUF metadata, in float32 or quantized: gguf-py quantizes Q8_0, Q4_0, Q4_1, Q5_0
+and Q5_1; it has no quantizer for the K-quants, so `quantize_k` below writes valid Q4_K, Q5_K and
+Q6_K blocks (plain min/max scales, not llama.cpp's search: the tests need their layout, not their
+quality). Token-id prompts only (no tokenizer in the file).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import transformers as tf
 
+ARCHS = {"qwen2": "QWEN2", "llama": "LLAMA"}
 
-def save_qwen2_gguf(model_dir: Path, out: Path) -> Path:
-    """The saved Qwen2 model at ``model_dir`` as a float32 GGUF file at ``out``."""
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (convert_hf_to_gguf.py's permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and minimums per block -> llama.cpp's 12 bytes (gguf-py's get_scale_min, inverted)."""
+    lo = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    mlo = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return np.concatenate([lo, mlo, hi], axis=1).astype(np.uint8)
+
+
+def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
+    """``[rows, in]`` float32 (in a multiple of 256) -> GGUF ``kind`` blocks ``[rows, in / 256 * size]``."""
+    rows = w.shape[0]
+    x = w.reshape(-1, 256).astype(np.float32)  # [blocks, 256]
+    if kind == "Q6_K":
+        sub = x.reshape(-1, 16, 16)
+        step = np.abs(sub).max(axis=2) / 31  # [blocks, 16]
+        d = (step.max(axis=1) / 127).astype(np.float16).astype(np.float32)  # [blocks]
+        sc = np.clip(np.round(step / np.where(d > 0, d, 1)[:, None]), -128, 127).astype(np.int8)
+        unit = d[:, None] * sc  # [blocks, 16]
+        q = np.clip(np.round(sub / np.where(unit > 0, unit, 1)[:, :, None]), -32, 31) + 32  # 0..63
+        q = q.reshape(-1, 256).astype(np.uint8)
+        ql = np.zeros((len(x), 128), np.uint8)
+        qh = np.zeros((len(x), 64), np.uint8)
+        for h in range(2):
+            for s in range(2):
+                ql[:, h * 64 : h * 64 + 64] |= (q[:, h * 128 + s * 64 : h * 128 + s * 64 + 64] & 15) << (
+                    4 * s
+                )
+            for j in range(4):
+                qh[:, h * 32 : h * 32 + 32] |= (q[:, h * 128 + j * 32 : h * 128 + j * 32 + 32] >> 4) << (
+                    2 * j
+                )
+        blocks = np.concatenate([ql, qh, sc.view(np.uint8), _f16(d)], axis=1)
+        return blocks.reshape(rows, -1)
+    top = 15 if kind == "Q4_K" else 31
+    sub = x.reshape(-1, 8, 32)
+    lo, hi = np.minimum(sub.min(axis=2), 0), np.maximum(sub.max(axis=2), 0)  # [blocks, 8]
+    step, low = (hi - lo) / top, -lo
+    d = (step.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (low.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(low / np.where(dmin > 0, dmin, 1)[:, None]), 0, 63).astype(np.uint8)
+    unit, off = d[:, None] * sc, dmin[:, None] * mn  # [blocks, 8]
+    q = np.round((sub + off[:, :, None]) / np.where(unit > 0, unit, 1)[:, :, None])
+    q = np.clip(q, 0, top).reshape(-1, 256).astype(np.uint8)
+    qs = np.zeros((len(x), 128), np.uint8)
+    for c in range(4):
+        qs[:, c * 32 : c * 32 + 32] = (q[:, c * 64 : c * 64 + 32] & 15) | (
+            (q[:, c * 64 + 32 : c * 64 + 64] & 15) << 4
+        )
+    parts = [_f16(d), _f16(dmin), _scales_k4(sc, mn)]
+    if kind == "Q5_K":
+        qh = np.zeros((len(x), 32), np.uint8)
+        for i in range(8):
+            qh |= (q[:, i * 32 : i * 32 + 32] >> 4) << i
+        parts.append(qh)
+    return np.concatenate([*parts, qs], axis=1).reshape(rows, -1)
+
+
+def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda name: "F32") -> Path:
+    """The saved llama or qwen2 model at ``model_dir`` as a GGUF file at ``out``: each 2-D weight in
+    the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+    1-D tensors in float32."""
     import gguf
 
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = model.config
-    arch = "qwen2"
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
+    arch = cfg.model_type
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[arch]), cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name("tiny-qwen2")
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -32,11 +107,32 @@ def save_qwen2_gguf(model_dir: Path, out: Path) -> Path:
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    for name, tensor in model.state_dict().items():
-        stem, _, kind = name.rpartition(".")
-        writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.float().numpy().astype(np.float32))
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, tensor in state.items():
+        stem, _, suffix = name.rpartition(".")
+        gname = f"{names.get_name(stem)}.{suffix}"
+        w = tensor.float().numpy().astype(np.float32)
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
+        kind = kind_of(gname) if w.ndim == 2 else "F32"
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        if kind == "F32":
+            writer.add_tensor(gname, w)
+        elif kind == "F16":
+            writer.add_tensor(gname, w.astype(np.float16))
+        elif kind in ("Q4_K", "Q5_K", "Q6_K"):
+            writer.add_tensor(gname, quantize_k(w, kind), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def save_qwen2_gguf(model_dir: Path, out: Path) -> Path:
+    """The saved Qwen2 model at ``model_dir`` as a float32 GGUF file at ``out``."""
+    return save_gguf(model_dir, out)

@@ -30,7 +30,11 @@ LIBRARIES = {  # a module's compiled library, and the source it is built from
     "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
     "decode_step": (decode_step._library, decode_step.SOURCE),
 }
-STRUCTS = {"step_layer": decode_step.StepLayer, "step_meta": decode_step.StepMeta}
+STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
+    "gemm_segment": (packed_linear.GemmSegment, packed_linear.GEMM_SOURCE),
+    "step_layer": (decode_step.StepLayer, decode_step.SOURCE),
+    "step_meta": (decode_step.StepMeta, decode_step.SOURCE),
+}
 _DEFINITION = re.compile(r"(?m)^([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^()]*)\)\s*\{")
 _CTYPE_KINDS = {
     ctypes.c_void_p: "ptr",
@@ -61,10 +65,15 @@ def c_kind(declaration: str) -> str:
 
 
 def py_kind(t) -> str:
+    """The ABI kind of a ctypes type; a nested structure by its C name, an array with its length."""
     if t is None:
         return "void"
     if isinstance(t, type) and issubclass(t, ctypes._Pointer):
         return "ptr"
+    if isinstance(t, type) and issubclass(t, ctypes.Array):
+        return f"{py_kind(t._type_)}[{t._length_}]"
+    if isinstance(t, type) and issubclass(t, ctypes.Structure):
+        return next(name for name, (twin, _) in STRUCTS.items() if twin is t)
     return _CTYPE_KINDS[t]
 
 
@@ -88,6 +97,7 @@ def definitions(source: Path) -> dict[str, tuple[str, list[str]]]:
 
 
 def struct_fields(source: Path, name: str) -> list[tuple[str, str]]:
+    """The fields of C struct ``name``: (field, kind), a field of another struct by its name, arrays with their length."""
     body = re.search(r"typedef\s+struct\s*\w*\s*\{([^{}]*)\}\s*" + name + r"\s*;", expanded(source))
     assert body, f"struct {name} not found in {source.name}"
     fields = []
@@ -95,11 +105,11 @@ def struct_fields(source: Path, name: str) -> list[tuple[str, str]]:
         if not declaration.strip():
             continue
         first, *others = declaration.split(",")
-        base, stars, name = re.match(r"\s*(.*?)(\**)\s*(\w+)\s*$", first).groups()
-        fields.append((name, "ptr" if stars else c_kind(base)))
-        for other in others:
-            stars, name = re.match(r"\s*(\**)\s*(\w+)\s*$", other).groups()
-            fields.append((name, "ptr" if stars else c_kind(base)))
+        base, declarator = re.match(r"\s*(.*?)(\**\s*\w+\s*(?:\[\d+\])?)\s*$", first).groups()
+        kind = base.strip() if base.strip() in STRUCTS else c_kind(base)
+        for one in (declarator, *others):
+            stars, field, length = re.match(r"\s*(\**)\s*(\w+)\s*(?:\[(\d+)\])?\s*$", one).groups()
+            fields.append((field, ("ptr" if stars else kind) + (f"[{length}]" if length else "")))
     return fields
 
 
@@ -126,8 +136,9 @@ def test_every_declared_function_matches_its_c_definition(module):
 
 @pytest.mark.parametrize("name", sorted(STRUCTS))
 def test_structures_match_their_c_structs(name):
-    python = [(field, py_kind(t)) for field, t in STRUCTS[name]._fields_]
-    assert python == struct_fields(decode_step.SOURCE, name)
+    twin, source = STRUCTS[name]
+    python = [(field, py_kind(t)) for field, t in twin._fields_]
+    assert python == struct_fields(source, name)
 
 
 def test_cuda_launch_constants_come_from_the_cu_source():
@@ -141,7 +152,7 @@ def test_cuda_launch_constants_come_from_the_cu_source():
 
 
 def test_the_check_sees_a_drift():
-    """A declaration one argument short, or a field of the wrong kind, is caught."""
+    """A declaration one argument short, a field of the wrong kind or an array of the wrong length is caught."""
     defined = definitions(fused_ops.SOURCE)
     result, args = defined["silu_mul_f32"]
     assert result == "void" and args[:-1] != args and len(args) == 4
@@ -150,3 +161,7 @@ def test_the_check_sees_a_drift():
         _fields_ = [(f, ctypes.c_int) for f, _ in decode_step.StepLayer._fields_]
 
     assert [(f, py_kind(t)) for f, t in Wrong._fields_] != struct_fields(decode_step.SOURCE, "step_layer")
+    short = [
+        (f, packed_linear.GemmSegment * 2 if f == "qkv" else t) for f, t in decode_step.StepLayer._fields_
+    ]
+    assert [(f, py_kind(t)) for f, t in short] != struct_fields(decode_step.SOURCE, "step_layer")

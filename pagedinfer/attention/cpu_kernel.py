@@ -103,7 +103,7 @@ def _targets(source: Path) -> list[tuple[list[str], Path]]:
     flags_line = _cpuinfo_field("flags").encode()
     targets = []
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
-        flags = FLAGS + threading
+        flags = FLAGS + envs.c_flags() + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
         targets.append((flags, envs.kernel_cache() / f"{source.stem}-{key}.so"))
     return targets
@@ -130,7 +130,8 @@ def compile_library(source: Path) -> Path | None:
     includes), flags and CPU.
 
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
-    it cannot be built.
+    it cannot be built. ``PAGEDINFER_CC_FLAGS`` adds compiler flags after ``-march=native`` (e.g.
+    ``-mno-avx512f`` builds the AVX2 kernels on an AVX-512 CPU, as the tests do).
     """
     compiler = _compiler()
     if compiler is None:
@@ -260,6 +261,8 @@ def split(ctx_lens: list[int], madds_per_key: int) -> ctypes.Array:
 
     Computed once per step (every layer of the same shape reuses it)."""
     work = list(itertools.accumulate(ctx_lens))  # [S] keys read up to each sequence
+    if not work:
+        return (ctypes.c_int32 * 1)(0)  # no sequences: no ranges
     total = work[-1]
     threads = min(torch.get_num_threads(), len(work), max(1, total * madds_per_key // MIN_WORK_PER_THREAD))
     cuts = []

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from pagedinfer.cli.help import HelpCommand
-from pagedinfer.config import GPU_MEMORY_FRACTION, EngineConfig
+from pagedinfer.config import GPU_MEMORY_FRACTION, QUANTIZATIONS, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
 
 
@@ -63,8 +63,8 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
-class Quantization(str, Enum):
-    int8 = "int8"
+# --quantization's choices: config.QUANTIZATIONS' names (int8, int4, int4-zp, int4-g128, int4-g128-zp)
+Quantization = Enum("Quantization", {name.replace("-", "_"): name for name in QUANTIZATIONS}, type=str)
 
 
 def _version(value: bool) -> None:
@@ -275,9 +275,10 @@ def run(
         Quantization | None,
         typer.Option(
             "--quantization",
-            help="Weight-only quantization on the CPU: int8 = every linear's weight in int8 with a float32 scale "
-            "per output channel (activations float32; a quarter of the weight bytes; outputs close to "
-            "float32's, not equal). Default: none.",
+            help="Weight-only quantization of a float checkpoint on the CPU: int8 = every linear's weight in "
+            "int8 with a float32 scale per output channel; int4 = 4 bits per weight with a float32 scale per "
+            "group of 32 inputs (-g128: of 128; -zp: with zero points). Activations float32; outputs close to "
+            "float32's, not equal. A GGUF file keeps its own types without it. Default: none.",
             show_default=False,
             rich_help_panel=POOL,
         ),

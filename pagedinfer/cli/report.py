@@ -184,6 +184,15 @@ def render(stats: EngineStats, console: Console) -> None:
     rows.add("dtype", [f"[bold]{stats.dtype}[/]", f"[dim]{escape(stats.dtype_reason)}[/]"])
     if stats.kv_cache_dtype != stats.dtype:
         rows.add("K/V dtype", [f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]"])
+    if stats.weight_bytes:
+        rows.add(
+            "Weights",
+            [
+                f"[bold]{human_bytes(stats.weight_bytes)}[/]",
+                f"{stats.linear_bits_per_weight:.2f} bits per linear weight",
+                f"[dim](beside {human_bytes(stats.kv_bytes_total)} of KV cache)[/]",
+            ],
+        )
     if stats.cuda_graphs and stats.cuda_graphs != "not applicable on the CPU":
         rows.add(
             "CUDA graphs",

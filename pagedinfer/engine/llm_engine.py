@@ -163,6 +163,8 @@ class LLMEngine:
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             dtype_reason=self.loaded.dtype_reason,
             kv_cache_dtype=str(self.kv.dtype).removeprefix("torch."),
+            weight_bytes=self.loaded.weights.bytes,
+            linear_bits_per_weight=self.loaded.weights.linear_bits_per_weight,
             cuda_graphs=self.graph_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,

@@ -25,6 +25,8 @@ class EngineStats:
     dtype: str = ""  # weights and activations, e.g. "float32" (the pool's: kv_cache_dtype)
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     kv_cache_dtype: str = ""  # the pool's: the model's dtype, or 16-bit under float32 (--kv-cache-dtype)
+    weight_bytes: int = 0  # every weight tensor the model holds (panels, scales, embeddings, norms)
+    linear_bits_per_weight: float = 0.0  # the linears' storage per weight (4.5-8.5 quantized, 32 float32)
     prefix_caching: bool = True
     schedule_policy: str = EngineConfig.schedule_policy  # the scheduler's admission order
     # CUDA graphs for decode steps: what ran ("on: ...", "off: why"), the capture time at startup,
@@ -197,7 +199,12 @@ class EngineStats:
                 "max_model_len": self.max_model_len,
                 "kv_cache_dtype": self.kv_cache_dtype,
             },
-            "model": {"dtype": self.dtype, "dtype_reason": self.dtype_reason},
+            "model": {
+                "dtype": self.dtype,
+                "dtype_reason": self.dtype_reason,
+                "weight_bytes": self.weight_bytes,
+                "linear_bits_per_weight": round(self.linear_bits_per_weight, 3),
+            },
             "cuda_graphs": {
                 "mode": self.cuda_graphs,
                 "capture_s": round(self.graph_capture_s, 4),

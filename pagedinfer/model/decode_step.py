@@ -4,7 +4,8 @@ Per layer, our Llama-family layers make about ten Python calls into C kernels (n
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
 for attention, walking the step's plan: about 200-250 us of Python per layer, 15-20% of a batch-1
 step of SmolLM2-135M. When a step only decodes (one new token per sequence) and every piece runs
-on a C kernel (float32 or bfloat16 weights in cpu_gemm.c's panels, a KV pool of that dtype in host memory), this module
+on a C kernel (weights in cpu_gemm.c's panels: float32, int8, int4 or GGUF blocks under float32
+activations, or bfloat16; a KV pool in host memory), this module
 hands the whole stack of layers to one C function that calls the same kernels in the same order,
 so the outputs are the same bits. The layers' pointers are gathered once per KV pool; a step passes
 only its metadata. ``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
@@ -22,7 +23,7 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.sources import KERNELS_DIR
-from pagedinfer.model.packed_linear import SUFFIX, PackedLinear  # the step's weight dtypes
+from pagedinfer.model.packed_linear import GemmSegment, PackedLinear, c_segment
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
 _ptr = ctypes.c_void_p
@@ -31,12 +32,21 @@ _ptr = ctypes.c_void_p
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's GEMMs, in the step's order
 
 
+MAX_QKV_SEGMENTS = 3  # a GGUF's q, k and v of three types
+
+
 class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
-    _fields_ = (
-        [(name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
-        + [(name + part, _ptr) for name in LINEARS for part in ("", "_bias", "_scale")]
-        + [("k_cache", _ptr), ("v_cache", _ptr), ("window", ctypes.c_int)]
-    )
+    _fields_ = [
+        *((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm")),
+        ("qkv", GemmSegment * MAX_QKV_SEGMENTS),
+        ("o", GemmSegment),
+        ("gate_up", GemmSegment),
+        ("down", GemmSegment),
+        ("qkv_segments", ctypes.c_int),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("window", ctypes.c_int),
+    ]
 
 
 class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
@@ -64,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
-    for name in SUFFIX.values():  # bfloat16: where cpu_gemm.c has its AVX512-BF16 panels
+    for name in ("f32", "bf16"):  # bfloat16: where cpu_gemm.c has its AVX512-BF16 panels
         for pool in ("", "_kv_bf16", "_kv_f16"):  # the activations' dtype, or a 16-bit pool under float32
             fn = getattr(dll, f"decode_layers_{name}{pool}", None)
             if fn is None:
@@ -89,10 +99,12 @@ def attention_seconds() -> float:
 
 
 def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
-    """The step's instantiation for these weights and this pool: ``decode_layers_f32``, ``_i8``,
-    ``_bf16``, or with a 16-bit pool under float32 activations ``decode_layers_f32_kv_f16`` etc."""
-    kv = "" if pool == qkv.activation_dtype else f"_kv_{cpu_kernel.SUFFIX.get(pool)}"
-    return f"decode_layers_{SUFFIX.get(qkv.panels.dtype)}{kv}"
+    """The step's instantiation for these activations and this pool: ``decode_layers_f32`` (any weight
+    format under float32 activations), ``_bf16``, or with a 16-bit pool under float32 activations
+    ``decode_layers_f32_kv_f16`` etc."""
+    act = qkv.activation_dtype
+    kv = "" if pool == act else f"_kv_{cpu_kernel.SUFFIX.get(pool)}"
+    return f"decode_layers_{cpu_kernel.SUFFIX[act]}{kv}"
 
 
 def _addr(t: torch.Tensor | None) -> int | None:
@@ -106,7 +118,7 @@ class DecodeStep:
         first = model.layers[0]
         self.kv = kv  # the pool the pointers below point into (kept alive with them)
         self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
-        self.hidden = model.embed_tokens.weight.shape[1]
+        self.hidden = model.norm.shape[0]
         self.inter = first.gate_up_proj.out_features // 2
         self.eps, self.scale = first.eps, first.scaling
         self.final_norm = model.norm  # [H]
@@ -114,11 +126,12 @@ class DecodeStep:
         self.decode_layers = getattr(_library(), _entry(first.qkv_proj, kv.k[first.layer_idx].dtype))
         self.layers = (StepLayer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers, strict=True):
-            for name in LINEARS:
-                lin = getattr(layer, f"{name}_proj")
-                setattr(entry, name, lin.panels.data_ptr())
-                setattr(entry, f"{name}_bias", _addr(lin.bias))
-                setattr(entry, f"{name}_scale", _addr(lin.scale))
+            qkv = layer.qkv_proj.segments
+            for i, seg in enumerate(qkv):
+                c_segment(seg, entry.qkv[i])
+            entry.qkv_segments = len(qkv)
+            for name in LINEARS[1:]:
+                c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.q_norm, entry.k_norm = _addr(layer.q_norm), _addr(layer.k_norm)
             entry.k_cache, entry.v_cache = kv.k[layer.layer_idx].data_ptr(), kv.v[layer.layer_idx].data_ptr()
@@ -126,24 +139,31 @@ class DecodeStep:
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
-        """Every piece has its C kernel: panel-packed linears of one weight dtype (float32, int8 weights
-        with float32 activations, or, with AVX512-BF16, bfloat16), a pool in host memory of the
-        activations' dtype or 16-bit under float32, shapes within the decode kernel's limits (the step
-        library holds its own copies of the decode kernel and the chains)."""
+        """Every piece has its C kernel: panel-packed linears of one activation dtype (float32 for
+        float32, int8, int4 and GGUF panels; or, with AVX512-BF16, bfloat16), the QKV in at most three
+        segments and the others in one (a gate-up paired), a pool in host memory of the activations'
+        dtype or 16-bit under float32, shapes within the decode kernel's limits (the step library
+        holds its own copies of the decode kernel and the chains)."""
         lib = _library()
         if not envs.decode_step() or lib is None:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]
         linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in LINEARS]
-        if not all(isinstance(lin, PackedLinear) and lin.panels is not None for lin in linears):
+        if not all(isinstance(lin, PackedLinear) and lin.segments for lin in linears):
             return False
-        weights = {lin.panels.dtype for lin in linears}
+        shapes_ok = all(
+            len(lay.qkv_proj.segments) <= MAX_QKV_SEGMENTS
+            and lay.gate_up_proj.paired
+            and len(lay.o_proj.segments) == len(lay.down_proj.segments) == 1
+            for lay in model.layers
+        )
         return (
             k.device.type == "cpu"
-            and len(weights) == 1
+            and shapes_ok
+            and len({lin.activation_dtype for lin in linears}) == 1
             and hasattr(lib, _entry(first.qkv_proj, k.dtype))
-            and model.embed_tokens.weight.dtype == first.qkv_proj.activation_dtype
+            and model.norm.dtype == first.qkv_proj.activation_dtype
             and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
         )
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedinfer.attention.cpu_kernel import cpu_flags
-from pagedinfer.config import DTYPE_NAMES, torch_dtype
+from pagedinfer.config import DTYPE_NAMES, Quantization, torch_dtype
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_SPEEDUP = 1.2  # bfloat16 must beat float32 by this much: below it, noise could pick the slower one
@@ -65,24 +65,22 @@ def gemm_speedup(width: int, repeats: int = 3) -> float:
 
 
 def choose_dtype(
-    dtype: str | torch.dtype, config, device: torch.device, quantization: str | None = None
+    dtype: str | torch.dtype, config, device: torch.device, quantization: Quantization | None = None
 ) -> DTypeChoice:
     """The run's dtype and the reason for it (explicit, or what ``auto`` found). With ``quantization``
-    (int8 weights) the activations are float32, on the CPU."""
+    (int8 or int4 weights) the activations are float32, on the CPU."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in DTYPE_NAMES:
         raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     if quantization:
         if device.type != "cpu":
             raise DTypeError(
-                f"--quantization {quantization} runs on the CPU only (the device is {device.type})"
+                f"--quantization {quantization.name} runs on the CPU only (the device is {device.type})"
             )
         if DTYPE_NAMES.get(dtype, dtype) not in ("auto", "float32", torch.float32):
             raise DTypeError(
-                f"--quantization {quantization} keeps activations in float32: use --dtype auto or float32"
+                f"--quantization {quantization.name} keeps activations in float32: use --dtype auto or float32"
             )
-        return DTypeChoice(
-            torch.float32, f"float32 activations; linear weights {quantization} per output channel"
-        )
+        return DTypeChoice(torch.float32, f"float32 activations; linear weights {quantization.description}")
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")
     if dtype != "auto":

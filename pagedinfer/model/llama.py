@@ -21,8 +21,9 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from pagedinfer.attention import interface as attention
-from pagedinfer.model import fused_ops
+from pagedinfer.model import fused_ops, packed_linear
 from pagedinfer.model.decode_step import DecodeStep
+from pagedinfer.model.gguf_blocks import GGUFWeight
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # one RoPE, one layer shape (q/k norms: qwen3)
 
@@ -51,6 +52,20 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, cls: type[nn.Linear
     return lin
 
 
+def _fused(
+    parts: list[torch.Tensor | GGUFWeight],
+    biases: list[torch.Tensor | None],
+    cls: type[nn.Linear] = nn.Linear,
+) -> nn.Module:
+    """One linear from row-concatenated parts (q, k, v; gate, up; or one weight): float tensors are
+    concatenated into an ``nn.Linear`` the loader packs; a GGUF's blocks go to panels in their own
+    types at once (`packed_linear.gguf_linear`)."""
+    bias = None if biases[0] is None else torch.cat(biases)
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return _linear(torch.cat(parts), bias, cls)
+    return packed_linear.gguf_linear(parts, biases, gated=cls is fused_ops.GatedLinear)
+
+
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
@@ -70,19 +85,17 @@ class DecoderLayer(nn.Module):
             window = getattr(config, "sliding_window", None)
         self.window = window or 0
         a, m = p + "self_attn.", p + "mlp."
-        qkv_bias = [sd.pop(a + f"{x}_proj.bias", None) for x in "qkv"]
-        self.qkv_proj = _linear(
-            torch.cat([sd.pop(a + f"{x}_proj.weight") for x in "qkv"]),  # [(Hq + 2 Hkv) * D, H]
-            torch.cat(qkv_bias) if qkv_bias[0] is not None else None,  # [(Hq + 2 Hkv) * D]
+        self.qkv_proj = _fused(  # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D]
+            [sd.pop(a + f"{x}_proj.weight") for x in "qkv"],
+            [sd.pop(a + f"{x}_proj.bias", None) for x in "qkv"],
         )
-        self.o_proj = _linear(sd.pop(a + "o_proj.weight"), sd.pop(a + "o_proj.bias", None))
-        gu_bias = [sd.pop(m + f"{x}_proj.bias", None) for x in ("gate", "up")]
-        self.gate_up_proj = _linear(  # returns silu(gate) * up [T, I]
-            torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")]),  # [2 I, H]
-            torch.cat(gu_bias) if gu_bias[0] is not None else None,  # [2 I]
+        self.o_proj = _fused([sd.pop(a + "o_proj.weight")], [sd.pop(a + "o_proj.bias", None)])
+        self.gate_up_proj = _fused(  # [2 I, H], returns silu(gate) * up [T, I]
+            [sd.pop(m + f"{x}_proj.weight") for x in ("gate", "up")],
+            [sd.pop(m + f"{x}_proj.bias", None) for x in ("gate", "up")],
             fused_ops.GatedLinear,
         )
-        self.down_proj = _linear(sd.pop(m + "down_proj.weight"), sd.pop(m + "down_proj.bias", None))
+        self.down_proj = _fused([sd.pop(m + "down_proj.weight")], [sd.pop(m + "down_proj.bias", None)])
         self.input_norm = _param(sd.pop(p + "input_layernorm.weight"))  # [H]
         self.post_norm = _param(sd.pop(p + "post_attention_layernorm.weight"))  # [H]
         q_norm, k_norm = sd.pop(a + "q_norm.weight", None), sd.pop(a + "k_norm.weight", None)  # [D] (qwen3)
@@ -161,15 +174,27 @@ class LlamaFamilyForCausalLM(nn.Module):
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // q_heads,
         }
         self.eps = config.rms_norm_eps
-        self.embed_tokens = nn.Embedding.from_pretrained(sd.pop("model.embed_tokens.weight"), freeze=True)
+        embed = sd.pop("model.embed_tokens.weight")  # [V, H]
+        self.embed_tokens: nn.Module
+        if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
+            table = packed_linear.gguf_segment(embed, None, gated=False)
+            self.embed_tokens = packed_linear.PanelEmbedding(table)
+        else:
+            self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, sd, dims) for i in range(config.num_hidden_layers)
         )
         self.norm = _param(sd.pop("model.norm.weight"))  # [H]
         head = sd.pop("lm_head.weight", None)
-        if head is None or getattr(config, "tie_word_embeddings", False):
-            head = self.embed_tokens.weight  # tied: the loader's packing keeps the embedding
-        self.lm_head = _linear(head, None)
+        tied = head is None or getattr(config, "tie_word_embeddings", False)
+        if tied and isinstance(embed, GGUFWeight):
+            self.lm_head = packed_linear.PackedLinear.from_segments(
+                table.in_features, table.cols, False, [table]
+            )
+        elif tied:
+            self.lm_head = _linear(self.embed_tokens.weight, None)  # the loader's packing keeps the embedding
+        else:
+            self.lm_head = _fused([head], [None])
         self.rotary = RotaryEmbedding(config)
         self._decode_step_of: tuple[object, DecodeStep | None] | None = None  # (KV pool, its C step or None)
         if sd:
@@ -213,6 +238,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                 h = layer(h, residual, cos, sin, fast)
             residual, h = residual[keep].contiguous(), h[keep].contiguous()  # [R, H]
             x = fused_ops.add_rms_norm(residual, h, self.norm, self.eps, fast)  # [R, H]
+        if x.shape[0] == 0:  # no lm_head for no rows
+            return CausalLMOutput(x.new_empty(1, 0, self.lm_head.out_features))
         return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
 
 
@@ -246,3 +273,9 @@ def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) ->
 def weight_files(files: list[Path]) -> str:
     """The checkpoint's files in a few words: one path, or how many in which folder."""
     return str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
+
+
+def from_gguf(config, sd: dict[str, torch.Tensor | GGUFWeight]) -> LlamaFamilyForCausalLM:
+    """Build the model from a GGUF's tensors (`gguf.state_dict`): its blocks in panels of their own
+    types as they are read, the float tensors as they are (on the CPU)."""
+    return LlamaFamilyForCausalLM(config, sd).eval()

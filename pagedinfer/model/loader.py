@@ -15,9 +15,11 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
+from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import decode_step, fused_ops, gguf, hub, llama, packed_linear
-from pagedinfer.model.dtype import DTypeError, choose_dtype
+from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
+from pagedinfer.model.weight_memory import WeightMemory, weight_memory
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -39,7 +41,6 @@ MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl name
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 # the files a tokenizer loads from, the one it reads first first (named when loading fails)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-QUANTIZATIONS = ("int8",)  # --quantization: weight-only int8 per output channel (CPU, float32 models)
 
 
 class ModelLoadError(ValueError):
@@ -59,6 +60,7 @@ class LoadedModel:
     dtype_reason: str = ""  # why this dtype: "--dtype bfloat16", or what --dtype auto found
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
     kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
+    weights: WeightMemory = WeightMemory(0, 0.0)  # the weights' bytes and the linears' bits per weight
 
 
 def resolve_device(device: str) -> torch.device:
@@ -111,15 +113,19 @@ def load_model(
 
     ``load_format="dummy"`` (vLLM's name): random weights drawn on the device from the config alone,
     no weight file read (benchmarks of model shapes, e.g. ``pagedinfer bench --device cuda``).
-    ``quantization="int8"``: every packed linear's weight in int8 per output channel (float32
-    activations; the CPU and float32 only). ``chat_template``: Jinja text replacing the tokenizer's."""
+    ``quantization`` (`config.QUANTIZATIONS`: int8, int4, ...): every packed linear's weight quantized
+    (float32 activations; the CPU and float32 only). A GGUF file served by our layers on the CPU keeps
+    its tensors' types (``--dtype auto``, no ``quantization``); otherwise it is dequantized.
+    ``chat_template``: Jinja text replacing the tokenizer's."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {quantization!r}: use {' or '.join(QUANTIZATIONS)}")
+        raise ModelLoadError(f"unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}")
+    quant = QUANTIZATIONS.get(quantization) if quantization else None
     name = str(name_or_path or DEMO_MODEL)
-    folder, kwargs = _source(name)
-    cache_only = _cache_only(name) if not kwargs else {}
+    ckpt = _open_gguf(name)
+    folder, kwargs = (str(ckpt.folder), {}) if ckpt else _source(name)
+    cache_only = _cache_only(name) if not (kwargs or ckpt) else {}
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
@@ -127,53 +133,73 @@ def load_model(
     check_family(config)
     dev = resolve_device(device)
     try:
-        choice = choose_dtype(dtype, config, dev, quantization)
+        choice = choose_dtype(dtype, config, dev, quant)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
     sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
     compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     dummy = load_format == "dummy"
-    own_files = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
+    if ckpt:
+        own = _own_gguf(name, config, model_impl, dev)
+    else:
+        own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
+    keep_blocks = (
+        bool(ckpt)
+        and own
+        and dtype == "auto"
+        and quant is None
+        and packed_linear.panel_dtype(torch.float32, 2)
+    )
     try:
         if dummy:
             model = random_model(
                 config, 0, choice.dtype, dev, attn_implementation=attention.transformers_name()
             )
-        elif own_files:
-            model = llama.load(config, own_files, choice.dtype, dev)
+        elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
+            sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
+            if keep_blocks:
+                gguf.dequantized_note(ckpt.path, dequantized)
+                choice = DTypeChoice(torch.float32, _gguf_reason(ckpt, dequantized))
+            model = llama.from_gguf(config, sd)
+            model.generation_config = _generation_config(folder, config, cache_only)
+        elif own:
+            model = llama.load(config, own, choice.dtype, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
+            src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
             model, info = AutoModelForCausalLM.from_pretrained(
-                folder,
+                src,
                 dtype=choice.dtype,
                 attn_implementation=attention.transformers_name(),
                 output_loading_info=True,
-                **kwargs,
+                **src_kwargs,
                 **cache_only,
             )
-            _check_complete(info["missing_keys"], name, folder, kwargs)
+            _check_complete(info["missing_keys"], name, src, src_kwargs)
     except ModelLoadError:
         raise
+    except gguf.GGUFError as e:
+        raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
-    if quantization and not packed_linear.panel_dtype(torch.float32, 2):
+    if quant and not packed_linear.panel_dtype(torch.float32, 2):
         raise ModelLoadError(
-            "quantization int8 needs the CPU panel kernel, which did not build (no C compiler?)"
+            f"quantization {quant.name} needs the CPU panel kernel, which did not build (no C compiler?)"
         )
-    if quantization or (envs.pack_weights() and packed_linear.can_pack(model)):
+    if quant or (envs.pack_weights() and packed_linear.can_pack(model)):
         gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU
-        packed_linear.pack_linears(  # int8: every linear, however small (the run says int8)
+        packed_linear.pack_linears(  # quantized: every linear, however small (the run says so)
             model,
-            min_weights=0 if quantization else None,
+            min_weights=0 if quant else None,
             panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
-            int8=bool(quantization),
+            quantization=quant,
         )
-    if quantization:
-        _check_quantized(model, config.model_type)
+    if quant:
+        _check_quantized(model, config.model_type, quant.name)
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(
@@ -193,8 +219,9 @@ def load_model(
         device=dev,
         name=name,
         dtype_reason=choice.reason,
-        impl="pagedinfer" if own_files else "transformers",
+        impl="pagedinfer" if own else "transformers",
         kernel_compile_s=compile_s,
+        weights=weight_memory(model),
     )
 
 
@@ -213,9 +240,44 @@ def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwarg
     )
 
 
-def _check_quantized(model: torch.nn.Module, family: str) -> None:
-    """int8 covers ``nn.Linear`` layers: refuse a model that keeps matrices elsewhere (GPT-2's Conv1D,
-    mixture-of-experts tensors) rather than run them in float32 under an int8 label."""
+def _open_gguf(name: str) -> gguf.GGUFCheckpoint | None:
+    """The opened GGUF file ``name`` (its cache folder filled on first use); None for other names."""
+    if not gguf.is_gguf(name):
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {name} does not exist")
+    problem = gguf.missing_extra()
+    if problem:
+        raise ModelLoadError(problem)
+    try:
+        return gguf.open_checkpoint(path)
+    except gguf.GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def _own_gguf(name: str, config, impl: str, device: torch.device) -> bool:
+    """Whether our layers serve this GGUF (as `own_implementation_files` decides for directories)."""
+    if impl not in MODEL_IMPLS:
+        raise ModelLoadError(f"unknown model implementation {impl!r}: use auto, pagedinfer or transformers")
+    if impl == "transformers" or (impl == "auto" and device.type != "cpu"):
+        return False
+    reason = llama.unsupported_reason(config)
+    if reason and impl == "pagedinfer":
+        raise ModelLoadError(f"model implementation 'pagedinfer' cannot serve {name!r}: {reason}")
+    return reason is None
+
+
+def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized) -> str:
+    """The report's dtype reason for a GGUF kept in its types: which types, how many matrices each."""
+    kept = {k: n for k, n in ckpt.kinds().items() if k not in dequantized}
+    types = ", ".join(f"{k} x{n}" for k, n in sorted(kept.items(), key=lambda kv: -kv[1]))
+    return f"float32 activations; weights as stored in the GGUF ({types})"
+
+
+def _check_quantized(model: torch.nn.Module, family: str, quantization: str) -> None:
+    """Quantization covers ``nn.Linear`` layers: refuse a model that keeps matrices elsewhere (GPT-2's
+    Conv1D, mixture-of-experts tensors) rather than run them in float32 under a quantized label."""
     left = sorted(
         {
             type(m).__name__
@@ -227,7 +289,7 @@ def _check_quantized(model: torch.nn.Module, family: str) -> None:
     )
     if left:
         raise ModelLoadError(
-            f"quantization int8 covers nn.Linear layers; model family {family!r} keeps weights in "
+            f"quantization {quantization} covers nn.Linear layers; model family {family!r} keeps weights in "
             f"{', '.join(left)}, which would stay float32"
         )
 
@@ -254,15 +316,8 @@ def own_implementation_files(
 
 
 def _source(name: str) -> tuple[str, dict]:
-    """``from_pretrained``'s folder or hub id, and ``gguf_file`` for a GGUF file; bad paths refused."""
+    """``from_pretrained``'s folder or hub id (not a GGUF file: `_open_gguf`); bad paths refused."""
     path = Path(name).expanduser()
-    if gguf.is_gguf(name):
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {name} does not exist")
-        problem = gguf.missing_extra()
-        if problem:
-            raise ModelLoadError(problem)
-        return gguf.source(path)
     if name.startswith((".", "/", "~")) and not path.exists():
         raise ModelLoadError(f"model directory {name} does not exist")
     if path.exists() and not path.is_dir():

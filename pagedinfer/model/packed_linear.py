@@ -38,17 +38,39 @@ from torch import nn
 
 from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags, cpu_vendor
 from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.config import Quantization
+from pagedinfer.model import gguf_blocks, panel_formats
 from pagedinfer.model.dtype import cpu_bf16_flags
 from pagedinfer.model.fused_ops import GatedLinear, gated
+from pagedinfer.model.gguf_blocks import GGUFWeight
+from pagedinfer.model.panel_formats import KINDS, Segment
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
-PANEL_ROWS = 16  # weight rows per panel of the panel kernel's layout (its NR)
-# the panel kernel's weight dtypes: gemm_panels_[silu_mul_]<suffix> (int8: float32 activations)
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
+
+
+class GemmSegment(ctypes.Structure):  # kernels/cpu_gemm.c: gemm_segment
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("group", ctypes.c_int),
+        ("cols", ctypes.c_int),
+        ("panels", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+    ]
+
+
+def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
+    """``s`` as cpu_gemm.c reads it (pointers into its tensors: keep ``s`` alive)."""
+    c = into if into is not None else GemmSegment()
+    c.kind, c.group, c.cols = KINDS[s.kind], s.group, s.cols
+    c.panels = s.panels.data_ptr()
+    c.bias = None if s.bias is None else s.bias.data_ptr()
+    c.scale = None if s.scale is None else s.scale.data_ptr()
+    return c
 
 
 class PackedLinear(nn.Module):
@@ -56,93 +78,199 @@ class PackedLinear(nn.Module):
 
     ``panels``: the weight in kernels/cpu_gemm.c's panels (float32; bfloat16 where that kernel has
     its AVX512-BF16 half); otherwise (or for another dtype, or where that kernel did not build)
-    oneDNN's prepacked layout. A `GatedLinear` stays gated: its
-    output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
+    oneDNN's prepacked layout. ``quantization``: the weight quantized to int8 or int4 panels.
+    ``segments``: panels already made (a GGUF's blocks, `from_segments`). A `GatedLinear` stays
+    gated: its output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
     """
 
-    def __init__(self, linear: nn.Linear, panels: bool = False, int8: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        panels: bool = False,
+        quantization: Quantization | None = None,
+        segments: list[Segment] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gated = isinstance(linear, GatedLinear)
+        self.packed = self.bias = None
+        if segments is not None:
+            self._set_segments(segments)
+            return
         weight = linear.weight.detach().contiguous()  # [out, in]
         bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        self.scale = None  # int8: [P, 1, 16] float32, each column's scale, packed like a bias
-        if int8:
-            if weight.dtype != torch.float32 or _gemm_library() is None:
-                raise ValueError("int8 weights need a float32 model and the panel kernel (a C compiler)")
-            weight, scale = quantize_int8(weight)  # [out, in] int8, [out] float32
-            self.scale = pack_panels(scale.unsqueeze(1), self.gated)  # [P, 1, 16]
-        if int8 or (panels and panel_dtype(weight.dtype, self.in_features)):
-            self.panels = pack_panels(weight, self.gated)  # [P, in, 16]: panel j holds 16 weight rows
-            # cpu_gemm.c's entry for these weights and activation, e.g. gemm_panels_silu_mul_bf16
-            self.kernel = "gemm_panels_" + "silu_mul_" * self.gated + SUFFIX[weight.dtype]
-            bias = None if bias is None else bias.float().unsqueeze(1)  # [out, 1] float32: added to the sums
-            self.bias = None if bias is None else pack_panels(bias, self.gated)  # [P, 1, 16]
-            self.packed = None
-        else:
-            self.panels = self.kernel = None
+        if quantization is not None and (weight.dtype != torch.float32 or _gemm_library() is None):
+            raise ValueError(
+                f"{quantization.name} weights need a float32 model and the panel kernel (a C compiler)"
+            )
+        if quantization is None and not (panels and panel_dtype(weight.dtype, self.in_features)):
+            self.segments = None
             self.bias = None if bias is None else bias.clone()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
+            return
+        self._set_segments([quantized_segment(weight, bias, self.gated, quantization)])
+
+    @classmethod
+    def from_segments(
+        cls, in_features: int, out_features: int, gated: bool, segments: list[Segment]
+    ) -> PackedLinear:
+        """A linear on panels already made: ``segments`` cover the output columns in order (a gated one:
+        one segment of paired panels, or the gate's and the up's segments, multiplied apart)."""
+        shell = (GatedLinear if gated else nn.Linear)(in_features, out_features, bias=False, device="meta")
+        return cls(shell, segments=segments)
+
+    def _set_segments(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        self.paired = self.gated and len(segments) == 1  # the kernel writes silu(gate) * up itself
+        self._c = (GemmSegment * len(segments))()  # what the kernel reads, built once
+        for c, s in zip(self._c, segments, strict=True):
+            c_segment(s, c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] ([..., out / 2] gated)
         x = x.contiguous()
-        if self.panels is None:
+        if self.segments is None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return gated(y) if self.gated else y  # [..., out] or [..., out / 2]
         if x.dtype != self.activation_dtype:  # the kernel reads x as that type
             raise TypeError(f"PackedLinear: input is {x.dtype}, the kernel takes {self.activation_dtype}")
-        y = x.new_empty(*x.shape[:-1], self.out_features // 2 if self.gated else self.out_features)
-        scale = () if self.scale is None else (self.scale.data_ptr(),)  # int8 entries take the scales
-        getattr(_gemm_library(), self.kernel)(
+        width = self.out_features // 2 if self.paired else self.out_features
+        y = x.new_empty(*x.shape[:-1], width)
+        _gemm_library().gemm_segments(
+            self._c,
+            len(self.segments),
             x.data_ptr(),
-            self.panels.data_ptr(),
-            *scale,
-            None if self.bias is None else self.bias.data_ptr(),
             y.data_ptr(),
             x.numel() // self.in_features,
-            self.out_features,
             self.in_features,
+            int(self.paired),
         )
-        return y
+        return gated(y) if self.gated and not self.paired else y
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of inputs and outputs: the weight's, float32 for int8 weights."""
-        return torch.float32 if self.scale is not None else self.panels.dtype
+        """The dtype of inputs and outputs: bfloat16 for bfloat16 panels, float32 for every other kind."""
+        return torch.bfloat16 if self.segments and self.segments[0].kind == "BF16" else torch.float32
+
+    @property
+    def kinds(self) -> list[str]:
+        """The panels' formats, one per segment ([] in oneDNN's layout)."""
+        return [s.kind for s in self.segments or []]
 
     def extra_repr(self) -> str:
-        layout = "cpu_gemm.c panels" if self.panels is not None else "oneDNN"
-        layout += ", int8 weights" if self.scale is not None else ""
+        layout = f"cpu_gemm.c panels ({', '.join(self.kinds)})" if self.segments else "oneDNN"
         gated = ", silu(gate) * up" if self.gated else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
 
 
-def pack_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``[out, in]`` -> ``[P, in, 16]``: the panel kernel's layout, 16 weight rows per panel (zero past
-    ``out``). ``gated``: the halves paired, panel j = rows 8j..8j+7 of the gate half, then of the up half."""
-    if gated:
-        halves = weight.view(2, weight.shape[0] // 2, -1)  # [2, I, in]: gate, up
-        half = PANEL_ROWS // 2
-        padded = torch.nn.functional.pad(halves, (0, 0, 0, -halves.shape[1] % half))  # [2, P * 8, in]
-        rows = padded.view(2, -1, half, weight.shape[1]).transpose(0, 1)  # [P, 2, 8, in]
-    else:
-        padded = torch.nn.functional.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL_ROWS))  # [P * 16, in]
-        rows = padded.view(-1, PANEL_ROWS, weight.shape[1])  # [P, 16, in]
-    panels = rows.reshape(rows.shape[0], PANEL_ROWS, -1).transpose(1, 2)  # [P, in, 16]
-    if weight.dtype == torch.bfloat16:  # k in pairs for vdpbf16ps: [P, in / 2, 16, 2]
-        panels = panels.reshape(panels.shape[0], -1, 2, PANEL_ROWS).transpose(2, 3)
-    return panels.reshape(rows.shape[0], -1, PANEL_ROWS).contiguous()  # [P, in, 16]
+def quantized_segment(
+    weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, quantization: Quantization | None
+) -> Segment:
+    """A float weight ``[out, in]`` (+ bias ``[out]``) as one segment of panels: float32 / bfloat16 as
+    they are, or quantized to int8 or int4."""
+    out, k = weight.shape
+    cols = out // 2 if gated else out
+    packed_bias = (
+        None if bias is None else panel_formats.pack_float(bias.float().unsqueeze(1), gated)
+    )  # [P, 1, 16]
+    if quantization is None:
+        kind = "BF16" if weight.dtype == torch.bfloat16 else "F32"
+        return Segment(
+            kind, cols, panel_formats.pack_float(weight, gated), packed_bias, in_features=k, gated_pairs=gated
+        )
+    if quantization.bits == 8:
+        q, scale = panel_formats.quantize_int8(weight)  # [out, in] int8, [out] float32
+        return Segment(
+            "I8",
+            cols,
+            panel_formats.pack_float(q, gated),
+            packed_bias,
+            panel_formats.pack_float(scale.unsqueeze(1), gated),
+            in_features=k,
+            gated_pairs=gated,
+        )
+    q, scale, zero = panel_formats.quantize_int4(weight, quantization.group, quantization.zero_points)
+    records = panel_formats.pack_int4(q, scale, zero, quantization.group, gated)  # [P, bytes]
+    kind = "I4Z" if quantization.zero_points else "I4"
+    return Segment(
+        kind,
+        cols,
+        torch.from_numpy(records),
+        packed_bias,
+        group=quantization.group,
+        in_features=k,
+        gated_pairs=gated,
+    )
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8, symmetric per output row: ``q = round(w / s)`` with ``s = max|w_row| / 127``.
+def gguf_segment(w: GGUFWeight, bias: torch.Tensor | None, gated: bool) -> Segment:
+    """A GGUF weight's blocks as one segment of panels in its own type (its file pages dropped after)."""
+    values, fields = gguf_blocks.split_blocks(w.kind, w.data, w.in_features)  # [out, in] stored values
+    records = torch.from_numpy(panel_formats.pack_records(w.kind, values, fields, gated))  # [P, bytes]
+    if w.release is not None:
+        w.release()
+    packed_bias = None if bias is None else panel_formats.pack_float(bias.float().unsqueeze(1), gated)
+    cols = w.out_features // 2 if gated else w.out_features
+    return Segment(w.kind, cols, records, packed_bias, in_features=w.in_features, gated_pairs=gated)
 
-    ``[out, in]`` float32 -> ``q [out, in]`` int8, ``s [out]`` float32 (1 for an all-zero row). The
-    GEMM uses ``q * s``, each weight within ``s / 2`` of its float32 value."""
-    scale = weight.abs().amax(dim=1) / 127  # [out]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)  # [out, in]
-    return q, scale
+
+def gguf_linear(
+    parts: list[torch.Tensor | GGUFWeight], biases: list[torch.Tensor | None], gated: bool
+) -> PackedLinear:
+    """A linear over row-concatenated parts of a GGUF (q, k, v; gate, up; or one weight), each run of one
+    type one segment (float parts, dequantized or float32 in the file, in float32 panels). A gated
+    pair of one type becomes paired panels (silu(gate) * up in the kernel); of two types, two
+    segments multiplied apart."""
+    k = parts[0].in_features if isinstance(parts[0], GGUFWeight) else parts[0].shape[1]
+    rows = sum(p.out_features if isinstance(p, GGUFWeight) else p.shape[0] for p in parts)
+    kinds = [p.kind if isinstance(p, GGUFWeight) else "F32" for p in parts]
+    pair = gated and len(set(kinds)) == 1
+    runs: list[tuple[str, list, list]] = []  # (kind, parts, biases) of consecutive parts of one kind
+    for part, bias, kind in zip(parts, biases, kinds, strict=True):
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(part)
+            runs[-1][2].append(bias)
+        else:
+            runs.append((kind, [part], [bias]))
+    segments = []
+    for kind, run, run_bias in runs:
+        bias = None if run_bias[0] is None else torch.cat(run_bias)
+        if kind == "F32":
+            segments.append(quantized_segment(torch.cat(run).float().contiguous(), bias, pair, None))
+        else:
+            (w,) = gguf_blocks.concat(run)
+            segments.append(gguf_segment(w, bias, pair))
+    return PackedLinear.from_segments(k, rows, gated, segments)
+
+
+class PanelEmbedding(nn.Module):
+    """An embedding table kept in panels (a GGUF's quantized token embedding, shared with a tied
+    lm_head): a lookup dequantizes its rows with the kernels' own code, the values the panels hold."""
+
+    def __init__(self, table: Segment) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.cols, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H] float32
+        return panel_rows(self.table, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+
+def dequantized(segment: Segment) -> torch.Tensor:
+    """The float32 weights ``[rows, in]`` the segment's kernels multiply by, rows in weight order (not
+    gated): what a float32 model of the quantized weights holds (tests, embeddings)."""
+    rows = torch.arange(segment.cols, dtype=torch.int64)
+    return panel_rows(segment, rows)
+
+
+def panel_rows(segment: Segment, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[n]``) of a non-gated segment's weight as float32 ``[n, in]``, dequantized
+    by the kernels' own code (an embedding lookup on a quantized table)."""
+    rows = rows.contiguous().to(torch.int64)
+    out = torch.empty(rows.numel(), segment.in_features)  # [n, in]
+    _gemm_library().gemm_panel_rows(
+        ctypes.byref(c_segment(segment)), rows.data_ptr(), rows.numel(), segment.in_features, out.data_ptr()
+    )
+    return out
 
 
 def panel_dtype(dtype: torch.dtype, in_features: int) -> bool:
@@ -152,7 +280,7 @@ def panel_dtype(dtype: torch.dtype, in_features: int) -> bool:
     if lib is None:
         return False
     return dtype == torch.float32 or (
-        dtype == torch.bfloat16 and in_features % 2 == 0 and hasattr(lib, "gemm_panels_bf16")
+        dtype == torch.bfloat16 and in_features % 2 == 0 and bool(lib.gemm_kind_available(KINDS["BF16"]))
     )
 
 
@@ -166,13 +294,13 @@ def _gemm_library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    for suffix in SUFFIX.values():  # bf16: built with AVX512-BF16 only
-        for epilogue in ("", "silu_mul_"):
-            fn = getattr(dll, f"gemm_panels_{epilogue}{suffix}", None)
-            if fn is None:
-                continue
-            fn.argtypes = [ptr] * (5 if suffix == "i8" else 4) + [i32] * 3  # int8: + the scales
-            fn.restype = None
+    dll.gemm_segments.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32]
+    dll.gemm_segments.restype = None
+    dll.gemm_panel_rows.argtypes = [ptr, ptr, i32, i32, ptr]
+    dll.gemm_panel_rows.restype = None
+    dll.gemm_panel_bytes.argtypes = [i32, i32, i32]
+    dll.gemm_panel_bytes.restype = ctypes.c_int64
+    dll.gemm_kind_available.argtypes = [i32]
     return dll
 
 
@@ -198,13 +326,16 @@ def can_pack(model: nn.Module) -> bool:
 
 @torch.inference_mode()
 def pack_linears(
-    model: nn.Module, min_weights: int | None = None, panels: bool | None = None, int8: bool = False
+    model: nn.Module,
+    min_weights: int | None = None,
+    panels: bool | None = None,
+    quantization: Quantization | None = None,
 ) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
     ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
-    `panels_by_default` says for this CPU. ``int8``: float32 weights quantized to int8 per output
-    row (`quantize_int8`) in the panel kernel's int8 panels, whatever ``panels`` says.
+    `panels_by_default` says for this CPU. ``quantization``: float32 weights quantized to int8 or int4
+    (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -224,7 +355,7 @@ def pack_linears(
     }
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, panels, int8))
+        setattr(parent, name, PackedLinear(child, panels, quantization))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             _release_pages(child.weight)  # its last user is packed
