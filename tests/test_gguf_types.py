@@ -86,6 +86,7 @@ def test_mixed_parts_become_segments():
     """A QKV of three types is three segments writing their columns; a gate and an up of two types are
     two segments multiplied apart, then SiLU x up: the float32 products either way."""
     rng = np.random.default_rng(5)
+    torch.manual_seed(5)
     k = 256
     parts = {"Q4_K": 64, "Q6_K": 32, "Q8_0": 32}
     data = {
@@ -112,9 +113,9 @@ def test_mixed_parts_become_segments():
     for rows in (1, 3, 13, 64):
         x = torch.randn(rows, k)
         assert torch.equal(qkv(x), ref(x))
-        y = x @ glin.weight.T  # the gated reference: the paired float32 panels round as the C chain does
+        y = x @ glin.weight.T  # torch's products, summed in another order: close, not equal
         torch.testing.assert_close(
-            gated(x), torch.nn.functional.silu(y[:, :48]) * y[:, 48:], rtol=1e-5, atol=1e-5
+            gated(x), torch.nn.functional.silu(y[:, :48]) * y[:, 48:], rtol=1e-4, atol=1e-5
         )
         torch.testing.assert_close(gated(x), gref(x), rtol=1e-6, atol=1e-6)
 
