@@ -17,7 +17,7 @@ def _off(name: str) -> bool:
 
 def kernel_cache() -> Path:
     """``PAGEDINFER_CACHE``: where compiled kernels are kept (C kernels, and the CUDA kernels built for
-    the CPU under ``cuda_cpu/``). Default: ``<tmp>/pagedinfer-kernels``."""
+    the CPU under ``cuda_on_cpu/``). Default: ``<tmp>/pagedinfer-kernels``."""
     return Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.attention.torch_backend import TorchPlan
+from pagedinfer.attention.portable_backend import PortablePlan
 
 torch.set_num_threads(2)
 S, L, hq, kvh, d, bs = 64, 250, 9, 3, 64, 16
@@ -35,7 +35,7 @@ out = torch.empty(S, hq, d)
 res = {}
 for _rep in range(3):
     for use in (True, False):
-        plan = TorchPlan.build(meta, use)
+        plan = PortablePlan.build(meta, use)
         t = time.perf_counter()
         for _ in range(20):
             plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)

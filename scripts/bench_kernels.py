@@ -13,7 +13,7 @@ first backend that runs, named in the row), causal with the chunk's queries at t
 context, on contiguous K/V, for chunks of 512 and 2048 new tokens over 0, 2048 and 8192 cached ones.
 
 Few iterations per row (about 30 ms of calls) keep the whole run near a minute on an H200.
-``--smoke`` runs tiny shapes on the CPU through the CUDA shim (pagedinfer.attention.cuda_cpu), so CI
+``--smoke`` runs tiny shapes on the CPU through the CUDA shim (pagedinfer.attention.cuda_on_cpu), so CI
 checks that the script runs end to end; its times are not GPU figures.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedinfer.attention import cuda_cpu, cuda_kernels
+from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 from pagedinfer.attention.metadata import AttentionMetadata
 
 GIB = 1 << 30
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the CUDA shim")
     plan = SMOKE if parser.parse_args(argv).smoke else GPU
     if plan is SMOKE:
-        cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)
+        cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
         name = "CPU through the CUDA shim (smoke run: not GPU figures)"
     elif not cuda_kernels.is_available():
         sys.exit("bench_kernels: needs CuPy and a CUDA device (or --smoke)")

@@ -66,7 +66,9 @@ class Timers:
         model.forward = self.wrap("model forward (all)", model.forward)
         cpu_kernel.paged_decode = self.wrap("C decode kernel", cpu_kernel.paged_decode)
         cpu_kernel.store_kv = self.wrap("C K/V write", cpu_kernel.store_kv)
-        attention.TorchPlan.attend = self.wrap("attention (K/V write + attend)", attention.TorchPlan.attend)
+        attention.PortablePlan.attend = self.wrap(
+            "attention (K/V write + attend)", attention.PortablePlan.attend
+        )
         engine.sample = self.wrap("sampler", engine.sample)
 
     def table(self, wall: float) -> str:

@@ -9,7 +9,7 @@ The default run is workload C of scripts/bench_llamacpp.py (64 random 128-token 
 new tokens each). Every engine step is timed whole (``LLMEngine.step``), and inside it: each linear's
 call (``PackedLinear`` / ``nn.Linear``, lm_head included; its FLOPs 2 x rows x in x out, so the step's
 GEMM rate), the GEMMs the one-call C decode step clocks itself, each prompt-attention call
-(``TorchPlan._chunks_sdpa``: SDPA over the chunk's rows), the K/V writes (``cpu_kernel.store_kv``),
+(``PortablePlan._chunks_sdpa``: SDPA over the chunk's rows), the K/V writes (``cpu_kernel.store_kv``),
 decode attention and the sampler. The 2048^3 GEMM rate of float32 and bfloat16 is measured first in
 the same process, for the GEMM rate to be read against. Prints one row per prompt step, one for the
 decode steps together, and the totals.
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cpu_kernel, torch_backend
+from pagedinfer.attention import cpu_kernel, portable_backend
 from pagedinfer.bench.machine import measure_gemm
 from pagedinfer.engine import llm_engine
 from pagedinfer.model import decode_step
@@ -89,8 +89,8 @@ def main() -> None:
     clocks = Clocks()
     clocks.wrap(PackedLinear, "forward", "gemm", linear_flops)
     clocks.wrap(nn.Linear, "forward", "gemm", linear_flops)
-    clocks.wrap(torch_backend.TorchPlan, "_chunks_sdpa", "prompt_attention")
-    clocks.wrap(torch_backend.TorchPlan, "_decode_kernel", "decode_attention")
+    clocks.wrap(portable_backend.PortablePlan, "_chunks_sdpa", "prompt_attention")
+    clocks.wrap(portable_backend.PortablePlan, "_decode_kernel", "decode_attention")
     clocks.wrap(cpu_kernel, "store_kv", "kv_store")
     clocks.wrap(llm_engine, "sample", "sampler")
     engine = llm.engine

@@ -12,7 +12,7 @@ import torch
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import use_cpu_kernel
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.attention.torch_backend import TorchPlan
+from pagedinfer.attention.portable_backend import PortablePlan
 
 
 def reference(q, keys, values, qpos, scale, window, softcap, sinks):
@@ -109,7 +109,7 @@ def test_paged_attention_matches_reference(use_kernel, group, window, softcap, w
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs, kvh, hq, d)
     sinks = torch.randn(hq) if with_sinks else None
     out = torch.empty(q.shape[0], hq, d)
-    plan = TorchPlan.build(meta, use_kernel)
+    plan = PortablePlan.build(meta, use_kernel)
     plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks)
     starts = meta.query_start_loc.tolist()
     for s, (n, length) in enumerate(zip(query_lens, context_lens, strict=True)):
@@ -131,11 +131,11 @@ def test_adjacent_whole_prompts_of_one_length_attend_in_one_call(window, dtype):
     context_lens = [9, 6, 6, 6, 4, 6, 10, 5]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs, kvh, hq, d)
     q, k, v, kc, vc = (t.to(dtype) for t in (q, k, v, kc, vc))
-    plan = TorchPlan.build(meta, use_kernel=False)
+    plan = PortablePlan.build(meta, use_kernel=False)
     assert plan.prompt_runs == [(1, 3, 6), (19, 1, 4), (23, 1, 6), (29, 1, 3)]
     out = torch.empty(q.shape[0], hq, d, dtype=dtype)
     plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
-    alone = TorchPlan.build(meta, use_kernel=False)
+    alone = PortablePlan.build(meta, use_kernel=False)
     alone.prompt_runs = [(start, 1, n) for start, n, _ in alone.chunk_spans]
     one_by_one = torch.empty_like(out)
     alone.attend(one_by_one, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
@@ -163,7 +163,9 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     outs = []
     for use_kernel in (True, False):
         out = torch.empty(16, 8, 64)
-        TorchPlan.build(meta, use_kernel).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)
+        PortablePlan.build(meta, use_kernel).attend(
+            out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None
+        )
         outs.append(out)
     assert len(splits) == 1 and len(splits[0]) == 3 and splits[0][0] == 0 < splits[0][1] < splits[0][2] == 16
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
@@ -176,7 +178,7 @@ def test_decode_kernel_underflowing_probabilities():
     query_lens, context_lens = [1, 1, 1], [7, 16, 33]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=8, kvh=2, hq=4, d=16, seed=5)
     out = torch.empty(3, 4, 16)
-    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
+    PortablePlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
     for s, length in enumerate(context_lens):
         pos = torch.arange(length)
         slots = meta.block_tables[s, pos // 8].long() * 8 + pos % 8
@@ -355,7 +357,7 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
         outs = []
         for use_kernel in (True, False):
             out = torch.empty(8, 8, 64)
-            TorchPlan.build(meta, use_kernel).attend(
+            PortablePlan.build(meta, use_kernel).attend(
                 out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None
             )
             outs.append(out)

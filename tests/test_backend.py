@@ -11,7 +11,7 @@ import transformers as tf
 from models import COMMON, hf_greedy
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cuda_cpu, cuda_kernels
+from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_kernels_refuse_what_they_cannot_serve(tiny_model):
 
 
 def test_engine_on_the_cuda_kernels_matches_transformers(head64_model):
-    cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)
+    cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
     try:
         llm = LLM(str(head64_model), block_size=8, num_blocks=64, device="cpu", use_cuda_kernels=True)
         assert llm.engine.runner.use_cuda_kernels is True

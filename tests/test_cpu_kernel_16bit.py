@@ -13,7 +13,7 @@ import torch
 from test_attention import TOLERANCE, check_sequences, make_batch, reference
 
 from pagedinfer.attention import cpu_kernel
-from pagedinfer.attention.interface import TorchPlan
+from pagedinfer.attention.interface import PortablePlan
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -45,7 +45,9 @@ def test_half_kernel_matches_reference(dtype, group, window, softcap, with_sinks
     q, k, v, kc, vc, meta = half_batch(dtype, [1, 1, 5, 1, 1, 3], [3, 4, 5, 9, 17, 12], bs, kvh, hq, d)
     sinks = torch.randn(hq) if with_sinks else None
     out = torch.empty(q.shape[0], hq, d, dtype=dtype)
-    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks)
+    PortablePlan.build(meta, True).attend(
+        out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, softcap, sinks
+    )
     assert calls == [dtype]
     check_sequences(out, q, kc, vc, meta, 0.3, window, softcap, sinks)
 
@@ -63,7 +65,7 @@ def test_float32_queries_over_half_pool_match_reference(dtype, window, monkeypat
     q, k, v, kc, vc, meta = make_batch([1, 1, 5, 1, 3], [3, 9, 5, 17, 12], 4, 2, 6, 16)
     kc, vc = kc.to(dtype), vc.to(dtype)
     out = torch.empty(q.shape[0], 6, 16)
-    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
+    PortablePlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.3, window, 0.0, None)
     assert calls == [dtype]
     written = kc.view(-1, 2, 16)[meta.slot_mapping]  # [T, kvh, D] the new rows, as stored
     assert torch.equal(written, k.to(dtype)) and torch.equal(
@@ -77,7 +79,7 @@ def test_threaded_half_kernel_matches_reference(dtype):
     lens = [40 + 37 * i for i in range(16)]
     q, k, v, kc, vc, meta = half_batch(dtype, [1] * 16, lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     out = torch.empty(16, 8, 64, dtype=dtype)
-    plan = TorchPlan.build(meta, True)
+    plan = PortablePlan.build(meta, True)
     plan.attend(out, q, k, v, kc, vc, meta.slot_mapping, 0.125, 0, 0.0, None)
     assert len(next(iter(plan.ranges.values()))) == 3  # two threads' ranges
     check_sequences(out, q, kc, vc, meta, 0.125)
@@ -86,7 +88,7 @@ def test_threaded_half_kernel_matches_reference(dtype):
 def test_half_kernel_underflowing_probabilities(dtype):
     q, k, v, kc, vc, meta = half_batch(dtype, [1, 1, 1], [7, 16, 33], bs=8, kvh=2, hq=4, d=16, seed=5)
     out = torch.empty(3, 4, 16, dtype=dtype)
-    TorchPlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
+    PortablePlan.build(meta, True).attend(out, q, k, v, kc, vc, meta.slot_mapping, 60.0, 0, 0.0, None)
     check_sequences(out, q, kc, vc, meta, 60.0)
 
 

@@ -13,7 +13,7 @@ from conftest import DEVICE
 from models import hf_greedy
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cuda_cpu, cuda_kernels
+from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 from pagedinfer.engine.llm_engine import LLMEngine, graph_plan
 from pagedinfer.model.cuda_graphs import DecodeGraphs, batch_buckets
 
@@ -109,7 +109,7 @@ def test_static_buffers_through_the_cuda_kernels(tiny_model, loads, monkeypatch)
         "paged_attention",
         lambda *a, **k: launched.append(a[4].max_context_len) or attend(*a, **k),
     )
-    cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)
+    cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
     try:
         llm = static_llm(path, use_cuda_kernels=True, block_size=8, num_blocks=40, model_impl="transformers")
         assert llm.engine.runner.graphs.max_context == 1200

@@ -169,9 +169,9 @@ def test_sampler_and_attention_plan_make_tensors_beside_their_inputs(tiny_model,
 
     monkeypatch.setattr(engine, "sample", on_meta(engine.sample))
     monkeypatch.setattr(
-        attention.TorchPlan, "build", classmethod(on_meta(attention.TorchPlan.build.__func__))
+        attention.PortablePlan, "build", classmethod(on_meta(attention.PortablePlan.build.__func__))
     )
-    monkeypatch.setattr(attention.TorchPlan, "attend", on_meta(attention.TorchPlan.attend))
+    monkeypatch.setattr(attention.PortablePlan, "attend", on_meta(attention.PortablePlan.attend))
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == [
         [c.token_ids for c in o.outputs] for o in expected

@@ -1,7 +1,7 @@
 """The CUDA kernels, executed, against a plain float32 torch reference.
 
 By default the unchanged .cu sources run on the CPU through g++ and the CUDA shim
-(pagedinfer.attention.cuda_cpu); with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA
+(pagedinfer.attention.cuda_on_cpu); with PAGEDINFER_TEST_CUDA=1 the same tests drive real CuPy on CUDA
 tensors. Each (dtype, head, block, decode GROUP) combination below costs one g++ build (cached by
 source hash), so the set is kept small; head 256 and the full matrix are covered by the NVRTC
 compile test.
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from pagedinfer.attention import cuda_cpu, cuda_kernels
+from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 from pagedinfer.attention.metadata import AttentionMetadata
 
 ON_CUDA = os.environ.get("PAGEDINFER_TEST_CUDA") == "1"
@@ -38,7 +38,7 @@ def device() -> str:
         assert cuda_kernels.is_available(), "PAGEDINFER_TEST_CUDA=1 but CuPy or the GPU is missing"
         cuda_kernels.set_raw_module_factory(None)
     else:
-        cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)
+        cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
     yield "cuda" if ON_CUDA else "cpu"
     cuda_kernels.set_raw_module_factory(None)
 
@@ -237,7 +237,7 @@ extern "C" __global__ void async_probe(float* out, const float* src) {
 def test_shim_async_copies_land_at_their_wait(device):
     """The shim delivers cp.async copies at the wait that must see them, so the decode kernel's
     double buffering is checked against the weakest ordering a GPU allows."""
-    kernel = cuda_cpu.RawModule(code=ASYNC_PROBE).get_function("async_probe")
+    kernel = cuda_on_cpu.RawModule(code=ASYNC_PROBE).get_function("async_probe")
     out, src = torch.zeros(4), torch.arange(1.0, 9.0)
     kernel((1,), (1,), (out, src))
     assert out.tolist() == [-1.0, 1.0, -1.0, 5.0]

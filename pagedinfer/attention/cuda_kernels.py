@@ -5,7 +5,7 @@ checkout or editable install) are compiled at run time with NVRTC, once per proc
 instantiation, so no CUDA toolchain is needed to install the project. Torch CUDA tensors are passed
 zero-copy as raw device pointers, and kernels run on torch's current stream.
 
-Tests drive this same launch code on the CPU: ``set_raw_module_factory(cuda_cpu.RawModule)`` swaps
+Tests drive this same launch code on the CPU: ``set_raw_module_factory(cuda_on_cpu.RawModule)`` swaps
 the compiler for g++ plus a CUDA shim, and CPU tensors then stand in for device memory.
 """
 
@@ -190,7 +190,9 @@ def _launch(
     """Launches on torch's current stream of ``like``'s device (CUDA), or in the CPU harness."""
     if not like.is_cuda:
         if _factory is None:
-            raise ValueError("CUDA kernels need CUDA tensors (or set_raw_module_factory(cuda_cpu.RawModule))")
+            raise ValueError(
+                "CUDA kernels need CUDA tensors (or set_raw_module_factory(cuda_on_cpu.RawModule))"
+            )
         kernel(grid, block, args)
         return
     import cupy

@@ -19,7 +19,7 @@ import torch
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache, LayerShape
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.attention.torch_backend import TorchPlan
+from pagedinfer.attention.portable_backend import PortablePlan
 
 ATTN_NAME = "pagedinfer"
 
@@ -92,7 +92,7 @@ def attend(
         use_kernel = use_cpu_kernel(q, k, v, k_cache)
         plan = ctx._plans.get(use_kernel)  # one plan per step (two if layers differ in kernel support)
         if plan is None:
-            plan = ctx._plans[use_kernel] = TorchPlan.build(meta, use_kernel)
+            plan = ctx._plans[use_kernel] = PortablePlan.build(meta, use_kernel)
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out
 

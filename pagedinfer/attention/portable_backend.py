@@ -1,7 +1,8 @@
-"""The torch attention path (CPU, or CUDA without CuPy): K/V writes, decode and prefill reads.
+"""The portable attention path (the CPU; CUDA without CuPy): K/V writes, decode and prefill reads.
 
-Decode rows go through the C kernel when the pool allows it (`cpu_kernel`), else a padded gather;
-prompt chunks through SDPA, or a matmul + softmax when the model needs softcap or sinks.
+Portable because it runs wherever torch does: decode rows go through the C kernel when the pool
+allows it (`cpu_kernel`), else a padded gather in torch ops; prompt chunks through SDPA, or a matmul +
+softmax when the model needs softcap or sinks. (The CuPy kernels are `cuda_kernels`.)
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, ou
 
 
 @dataclass
-class TorchPlan:
-    """Index tensors for the torch path, built once per step and reused by every layer.
+class PortablePlan:
+    """Index tensors for the portable path, built once per step and reused by every layer.
 
     Decode sequences (one new token) go through the C kernel, or are attended together with their
     contexts padded to the longest. Prefill/extend chunks each take one fused
@@ -57,7 +58,7 @@ class TorchPlan:
     ranges: dict = field(default_factory=dict)  # kernel work per key -> its thread ranges
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, use_kernel: bool) -> TorchPlan:
+    def build(cls, meta: AttentionMetadata, use_kernel: bool) -> PortablePlan:
         bs = meta.block_size
         tables = meta.block_tables.to(torch.int64)
         starts = meta.query_start_loc.to(torch.int64)

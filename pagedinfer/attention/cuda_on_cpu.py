@@ -4,7 +4,7 @@ Why: development and CI machines have no GPU, yet the kernels must be executed, 
 The unchanged ``.cu`` source is compiled with g++ through ``kernels/cpu/cuda_shim.h`` (every CUDA
 thread a fiber, blocks one after another) and launched through ctypes with a ``void**`` argument
 array, like ``cuLaunchKernel``. Plug it into the GPU backend with
-``cuda_kernels.set_raw_module_factory(cuda_cpu.RawModule)`` and pass CPU tensors.
+``cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)`` and pass CPU tensors.
 
 Race probes: ``PAGEDINFER_CPU_REVERSE=1`` runs each block's threads in reverse order, and
 ``PAGEDINFER_CPU_EAGER_COPIES=1`` lands asynchronous (cp.async) copies at issue instead of at the
@@ -42,7 +42,7 @@ def _compile(source: str, flags: list[str]) -> Path:
     """Builds the shared library once per (source, flags, shim) and returns its path."""
     shim = "".join(p.read_text() for p in sorted(SHIM_DIR.rglob("*.h")))
     key = hashlib.sha256("\0".join([source, *flags, shim]).encode()).hexdigest()[:24]
-    cache = envs.kernel_cache() / "cuda_cpu"
+    cache = envs.kernel_cache() / "cuda_on_cpu"
     so = cache / f"{key}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
