@@ -89,9 +89,15 @@ def _tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _modules(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, LoRAWeights]:
-    """``{module: (A, B)}`` from PEFT's keys; embeddings' LoRA (``lora_embedding_A``) is refused."""
+    """``{module: (A, B)}`` from PEFT's keys; embeddings' LoRA (``lora_embedding_A``) is refused.
+
+    Beside an lm_head LoRA PEFT saves the head's own weight (``lm_head.base_layer.weight``, for
+    resized vocabularies): it is the base model's, and skipped (another vocabulary shows as lora_B's
+    shape)."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
+        if ".base_layer." in key:
+            continue
         if "lora_embedding_" in key:
             module = key.removeprefix(PREFIX).split(".lora_embedding_")[0]
             raise AdapterError(f"adapter {name!r}: LoRA on the embeddings ({module}) is not supported")
