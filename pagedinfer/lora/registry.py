@@ -81,6 +81,3 @@ class AdapterRegistry:
             have = ", ".join(map(repr, self.loaded)) or "none"
             raise AdapterError(f"unknown adapter {name!r} (loaded: {have})")
         return known.slot
-
-    def name_of(self, slot: int) -> str | None:
-        return next((a.name for a in self.loaded.values() if a.slot == slot), None)
