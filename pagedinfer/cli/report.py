@@ -332,7 +332,9 @@ def _adapter_parts(stats: EngineStats) -> list[str]:
         u = stats.lora_usage.get(slot, AdapterUse())
         return f"{_plural(u.requests, 'line')}, {u.prompt_tokens:,} prompt + {u.completion_tokens:,} generated tokens"
 
-    named = [f"[bold]{escape(a.name)}[/] (rank {a.rank}): {use(a.slot)}" for a in stats.lora_adapters.values()]
+    named = [
+        f"[bold]{escape(a.name)}[/] (rank {a.rank}): {use(a.slot)}" for a in stats.lora_adapters.values()
+    ]
     return [*named, f"base model: {use(0)}"]
 
 
