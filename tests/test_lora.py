@@ -298,6 +298,7 @@ def test_cli_lines_pick_their_adapter(cli_adapters, tmp_path):
         (["--lora", "a={a}", "--lora", "a={b}"], "--lora a is given twice"),
         (["--lora", "b={b}", "--max-lora-rank", "8"], "rank 16 is above max_lora_rank=8"),
         (["--max-loras", "2"], "--max-loras needs --lora"),
+        (["--lora", "a={a}", "--data-parallel", "2"], "--lora serves adapters from one engine"),
     ],
 )
 def test_cli_lora_option_errors_are_one_line(cli_adapters, tmp_path, options, message):
