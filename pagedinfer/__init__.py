@@ -28,6 +28,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "LoRARequest",
     "__version__",
 ]
 _HOME = {
@@ -39,10 +40,12 @@ _HOME = {
     "BeamSearchParams": "pagedinfer.sampling_params",
     "BeamSearchOutput": "pagedinfer.outputs",
     "BeamSearchSequence": "pagedinfer.outputs",
+    "LoRARequest": "pagedinfer.lora.request",
 }
 
 if TYPE_CHECKING:
     from pagedinfer.llm import LLM
+    from pagedinfer.lora.request import LoRARequest
     from pagedinfer.outputs import (
         BeamSearchOutput,
         BeamSearchSequence,

@@ -120,6 +120,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
     # the pool's dtype (vLLM's name): "auto" (the model's), or one of DTYPE_NAMES
     kv_cache_dtype: str = "auto"
+    # LoRA adapters per request (vLLM's names): at most max_loras loaded, each of rank <= max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -143,6 +147,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not {self.kv_cache_dtype!r}"
             )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

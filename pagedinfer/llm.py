@@ -12,6 +12,7 @@ from pagedinfer.engine.intake import prepare
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
+from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.loader import load_model
 from pagedinfer.outputs import BeamSearchOutput, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
@@ -49,6 +50,9 @@ class LLM:
     bytes; keys and values are rounded as they are written, so outputs are close to, not equal to,
     a float32 pool's. (``float32`` names the float32 pool of a float32 model.)
     ``chat_template``: a Jinja chat template (its text) that replaces the tokenizer's for chat prompts.
+    ``enable_lora`` (vLLM's names): prompts may run with PEFT LoRA adapters (``lora_request`` of
+    `generate`), different adapters in one batch; at most ``max_loras`` adapters are loaded over the
+    LLM's life, each of rank at most ``max_lora_rank``.
     """
 
     def __init__(
@@ -74,6 +78,9 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
         chat_template: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = EngineConfig.max_loras,
+        max_lora_rank: int = EngineConfig.max_lora_rank,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -88,6 +95,9 @@ class LLM:
             schedule_policy=schedule_policy,
             enforce_eager=enforce_eager,
             kv_cache_dtype=kv_cache_dtype,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         loaded = load_model(
             model,
@@ -118,16 +128,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order.
 
-        A prompt that cannot run (too long, invalid for the model, a tokenizer error) gets its
-        ``error`` set; the others complete.
+        A prompt that cannot run (too long, invalid for the model, a tokenizer error, an adapter that
+        does not fit) gets its ``error`` set; the others complete. ``lora_request``: one adapter for
+        every prompt, or a list, one per prompt (None: the base model).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         results: list[RequestOutput | None] = [None] * len(prompts)
-        for index, output in self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm):
+        outputs = self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for index, output in outputs:
             results[index] = output
         return results  # type: ignore[return-value]
 
@@ -166,6 +179,7 @@ class LLM:
         use_tqdm: bool = False,
         request_ids: Iterable[str] | None = None,
         on_step: Callable[[LLMEngine], None] | None = None,
+        lora_request: LoRARequest | Iterable[LoRARequest | None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield ``(input index, output)`` as each request finishes.
 
@@ -187,7 +201,9 @@ class LLM:
         ):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
         ids = itertools.repeat(None) if request_ids is None else request_ids
-        requests = _zip_requests(prompts, sampling_params, ids)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = itertools.repeat(lora_request)
+        requests = _zip_requests(prompts, sampling_params, ids, lora_request)
         total = len(prompts) if hasattr(prompts, "__len__") else None
         bar = tqdm(total=total, desc="requests", unit="req", disable=not use_tqdm)
 
@@ -205,12 +221,16 @@ class LLM:
 
     def stream(
         self,
-        requests: Iterable[tuple[Prompt, SamplingParams | BeamSearchParams, str | None]],
+        requests: Iterable[
+            tuple[Prompt, SamplingParams | BeamSearchParams, str | None]
+            | tuple[Prompt, SamplingParams | BeamSearchParams, str | None, LoRARequest | str | None]
+        ],
         on_step: Callable[[LLMEngine], None] | None = None,
         before_step: Callable[[], None] | None = None,
         max_pending: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput | BeamSearchOutput]]:
-        """Run ``(prompt, params, request id)`` triples, read lazily; yield ``(index, output)`` as each finishes.
+        """Run ``(prompt, params, request id)`` triples (or with a fourth: the adapter, a `LoRARequest` or a
+        loaded adapter's name), read lazily; yield ``(index, output)`` as each finishes.
 
         Each request is prepared (tokenized and checked, `engine.intake.prepare`) only when the engine
         has room: at most ``max_pending`` unfinished requests are in the engine at once (default:
@@ -224,21 +244,21 @@ class LLM:
         window = max_pending if max_pending is not None else 2 * engine.config.max_num_seqs
         engine.reset_stats()
         feed = (
-            (index, prepare(engine, prompt, params, str(index) if rid is None else rid))
-            for index, (prompt, params, rid) in enumerate(requests)
+            (index, prepare(engine, r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
+            for index, r in enumerate(requests)
         )
         yield from GenerationLoop(engine, before_step, on_step).stream(feed, window)
 
 
-def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable) -> Iterator[tuple]:
-    """(prompt, params, id) triples; an error if ``params`` or ``ids`` run out before ``prompts``."""
-    params, ids = iter(params), iter(ids)
+def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable, loras: Iterable) -> Iterator[tuple]:
+    """(prompt, params, id, adapter) tuples; an error if the others run out before ``prompts``."""
+    params, ids, loras = iter(params), iter(ids), iter(loras)
     for count, prompt in enumerate(prompts):
-        p, rid = next(params, _END), next(ids, _END)
-        if p is _END or rid is _END:
-            what = "sampling_params" if p is _END else "request_ids"
+        p, rid, lora = next(params, _END), next(ids, _END), next(loras, _END)
+        if p is _END or rid is _END or lora is _END:
+            what = "sampling_params" if p is _END else "request_ids" if rid is _END else "lora_request"
             raise ValueError(f"more prompts than {what} (only {count})")
-        yield prompt, p, rid
+        yield prompt, p, rid, lora
 
 
 _END = object()

@@ -141,3 +141,55 @@ def submit(engine, prompt, params, order: int | None = None):
 
     order = engine.stats.requests if order is None else order
     return engine.add_request(prepare(engine, prompt, params, str(order)), order)
+
+
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora(
+    base: Path, root: Path, name: str, rank: int, seed: int, targets: list[str] | None = None, **config
+) -> Path:
+    """A random PEFT LoRA adapter of ``base`` (B nonzero: its delta matters), saved with save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+
+    path = root / name
+    if (path / "adapter_config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=targets or ALL_LINEARS,
+        init_lora_weights=False,
+        **config,
+    )
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():  # PEFT's random init is small next to these sharp bases: make the delta count
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.mul_(3.0)
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The LoRA reference: PEFT's unmerged adapter on transformers' model, greedy ``generate``."""
+    from peft import PeftModel
+
+    key = f"{base}+{adapter}"
+    if key not in _HF_CACHE:
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(base), dtype=torch.float32, attn_implementation="eager"
+        )
+        _HF_CACHE[key] = PeftModel.from_pretrained(model, str(adapter)).eval()
+    ids = torch.tensor([prompt])
+    out = _HF_CACHE[key].generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -1,4 +1,4 @@
-"""Data flows one way: cli -> ray -> lines -> llm -> engine -> core -> model -> attention -> kernels.
+"""Data flows one way: cli -> ray -> lines -> llm -> engine -> core -> model -> lora -> attention -> kernels.
 
 Each package has its own rank and may import only packages ranked strictly below it (or itself):
 nothing imports a layer above it, two layers never import each other, and no import cycle can form
@@ -25,6 +25,7 @@ RANKS = {
     "engine": 5,
     "core": 4,
     "model": 3,
+    "lora": 2.5,  # LoRA adapters: loading, slots, the step's row groups, the deltas a model's linears add
     "logits": 2,  # what shapes a step's logits: the processors the sampler applies
     "attention": 1,
     "kernels": 0,

@@ -92,6 +92,7 @@ def main(
 SAMPLING = "Sampling (defaults; per-line fields override)"
 POOL = "KV cache and scheduling"
 OUTPUT = "Output and reporting"
+LORA = "LoRA adapters"
 SCALE = r"Data parallel on Ray (pip install 'pagedinfer\[ray]')"  # \[: not rich markup
 
 
@@ -311,6 +312,30 @@ def run(
             rich_help_panel=POOL,
         ),
     ] = None,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora",
+            metavar="NAME=PATH",
+            help="A PEFT LoRA adapter directory, named (repeat for several); a line's 'lora' field (or an "
+            "OpenAI body's 'model') naming it runs with it. Lines with different adapters share batches.",
+            show_default=False,
+            rich_help_panel=LORA,
+        ),
+    ] = None,
+    max_loras: Annotated[
+        int | None,
+        typer.Option(
+            "--max-loras",
+            help="Most adapters loaded. Default: the number of --lora.",
+            show_default=False,
+            rich_help_panel=LORA,
+        ),
+    ] = None,
+    max_lora_rank: Annotated[
+        int,
+        typer.Option("--max-lora-rank", help="Highest adapter rank accepted.", rich_help_panel=LORA),
+    ] = _default(EngineConfig, "max_lora_rank"),
     chat_template: Annotated[
         Path | None,
         typer.Option(
@@ -443,6 +468,7 @@ def run(
             local_only(model)
         except HubUnavailable as e:
             _usage_error(str(e))
+    adapters = _lora_options(lora or [], max_loras, max_lora_rank, data_parallel)
     template = None
     if chat_template is not None:
         from pagedinfer.chat_template import ChatTemplateError, read_chat_template
@@ -483,7 +509,13 @@ def run(
             "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
             "chat_template": template,
+            **(
+                {"enable_lora": True, "max_loras": max_loras or len(adapters), "max_lora_rank": max_lora_rank}
+                if adapters
+                else {}
+            ),
         },
+        loras=adapters,
         report=report,
         report_json=report_json,
         trace=trace,
@@ -753,6 +785,34 @@ def _renamed(ctx: typer.Context, name: str, old_value, old: str):
     if ctx.get_parameter_source(name).name == "COMMANDLINE":
         _usage_error(f"{old} is the old name of --{name.replace('_', '-')}: give one of them")
     return old_value
+
+
+def _lora_options(
+    given: list[str], max_loras: int | None, max_lora_rank: int, data_parallel: int
+) -> list[tuple[str, str]]:
+    """``--lora NAME=PATH`` pairs, checked as far as they can be without the model (the adapters
+    themselves are checked against it when it loads)."""
+    if not given and max_loras is not None:
+        _usage_error("--max-loras needs --lora NAME=PATH")
+    if given and data_parallel:
+        _usage_error("--lora serves adapters from one engine; it cannot be used with --data-parallel yet")
+    if max_loras is not None and max_loras < len(given):
+        _usage_error(f"--max-loras {max_loras} is fewer than the {len(given)} --lora adapters given")
+    if max_lora_rank < 1:
+        _usage_error(f"--max-lora-rank takes a rank (1 or more), not {max_lora_rank}")
+    pairs: list[tuple[str, str]] = []
+    for text in given:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            _usage_error(f"--lora takes NAME=PATH (an adapter's name and its directory), not {text!r}")
+        if name in dict(pairs):
+            _usage_error(f"--lora {name} is given twice")
+        if not (Path(path).expanduser() / "adapter_config.json").is_file():
+            _usage_error(
+                f"--lora {name}={path}: no adapter_config.json there (a PEFT LoRA adapter directory)"
+            )
+        pairs.append((name, path))
+    return pairs
 
 
 def _interrupted_at_start() -> None:

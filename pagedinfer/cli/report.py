@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedinfer.config import PoolSize
-from pagedinfer.engine.stats import EngineStats
+from pagedinfer.engine.stats import AdapterUse, EngineStats
 
 BARS = " ▁▂▃▄▅▆▇█"
 CHART_ROWS = 4
@@ -316,11 +316,26 @@ def render(stats: EngineStats, console: Console) -> None:
                 f"[bold]{_pct(stats.mask_share)}[/] of the wall time",
             ],
         )
+    if stats.lora_enabled:
+        rows.add("Adapters", _adapter_parts(stats))
     _prefix_cache_rows(stats, rows)
     parts.append(rows.grid)
     console.print(
         Panel(Group(*parts), title="[bold]KV cache memory report[/]", border_style="cyan", expand=False)
     )
+
+
+def _adapter_parts(stats: EngineStats) -> list[str]:
+    """Each loaded adapter's lines and tokens in this run, then the base model's."""
+
+    def use(slot: int) -> str:
+        u = stats.lora_usage.get(slot, AdapterUse())
+        return f"{_plural(u.requests, 'line')}, {u.prompt_tokens:,} prompt + {u.completion_tokens:,} generated tokens"
+
+    named = [
+        f"[bold]{escape(a.name)}[/] (rank {a.rank}): {use(a.slot)}" for a in stats.lora_adapters.values()
+    ]
+    return [*named, f"base model: {use(0)}"]
 
 
 def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:

@@ -79,6 +79,7 @@ class RunOptions:
     quiet: bool = False
     data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
     ray_address: str | None = None  # join this Ray cluster (default: a local Ray for the run)
+    loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH, loaded with the model
 
 
 @dataclass
@@ -302,7 +303,8 @@ class _Run:
         from pagedinfer.engine.intake import Rejected, prepare
 
         engine = self.llm.engine
-        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id))) for i in requests)
+        loaded = engine.lora.loaded if engine.lora is not None else {}
+        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id), i.adapter(loaded))) for i in requests)
         return [i.failed(p.reason) for i, p in checked if isinstance(p, Rejected)]
 
     # -- generation -----------------------------------------------------------------------------------
@@ -373,10 +375,12 @@ class _Run:
             llm.engine.enable_trace()
         pending: dict[int, tuple[LineRequest, int]] = {}  # LLM.stream's index -> (line, output position)
 
+        loaded = llm.engine.lora.loaded if llm.engine.lora is not None else {}
+
         def requests():
             for index, (position, item) in enumerate(rows):
                 pending[index] = (item, position)
-                yield item.prompt, item.params, str(item.id)
+                yield item.prompt, item.params, str(item.id), item.adapter(loaded)
 
         def on_step(engine) -> None:
             progress.on_step(engine)
@@ -503,18 +507,26 @@ def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
     from pagedinfer.llm import LLM
+    from pagedinfer.lora.adapter import AdapterError
+    from pagedinfer.lora.request import LoRARequest
     from pagedinfer.model.loader import ModelLoadError
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with _status(opts, err, f"loading {opts.model or 'the demo model'}"):
         try:
-            return LLM(opts.model, seed=opts.seed, **opts.engine)
+            llm = LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
             hint = "; pass --model" if opts.model is None else ""
             raise UsageError(f"{e}{hint}") from None
         except ValueError as e:
             raise UsageError(_option_words(str(e).splitlines()[0])) from None
+        for i, (name, path) in enumerate(opts.loras, start=1):
+            try:
+                llm.engine.add_lora(LoRARequest(name, i, path))
+            except AdapterError as e:
+                raise UsageError(f"--lora {name}={path}: {e}") from None
+        return llm
 
 
 def _start_replicas(opts: RunOptions, err: Console):

@@ -44,6 +44,12 @@ def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> 
     return out
 
 
+def chain_seed(lora_slot: int) -> bytes:
+    """The parent of a sequence's first block hash: K/V computed under an adapter is that adapter's own,
+    so each adapter slot starts its own chains (the base model's is the empty seed)."""
+    return b"" if not lora_slot else hashlib.blake2b(b"lora:%d" % lora_slot, digest_size=32).digest()
+
+
 def _chain(parent: bytes, tokens: list[int]) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=32)
     digest.update(array("q", tokens).tobytes())
@@ -240,8 +246,8 @@ class BlockPool:
 
         Returns the block table to start from; the caller computes the remaining tokens. The last
         token is always computed (its logits are sampled), so a fully cached prompt saves all but
-        one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)``
-        when the caller has them already. ``prompt=False`` (a resumed sample's generated tokens)
+        one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)`` (from
+        the sequence's `chain_seed`) when the caller has them already. ``prompt=False`` (a resumed sample's generated tokens)
         leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits`` alone.
         """
         if not self.enable_prefix_caching:
@@ -261,8 +267,11 @@ class BlockPool:
         self.blocks_reused += len(blocks)
         return blocks
 
-    def register_full_blocks(self, table: list[int], token_ids: list[int], num_computed: int) -> None:
-        """Hash the blocks of ``table`` that are full and computed (positions < ``num_computed``).
+    def register_full_blocks(
+        self, table: list[int], token_ids: list[int], num_computed: int, seed: bytes = b""
+    ) -> None:
+        """Hash the blocks of ``table`` that are full and computed (positions < ``num_computed``), the
+        chain starting from ``seed`` (`chain_seed`).
 
         Called after each step; blocks hashed before are skipped. A block whose contents are cached
         already in another block keeps its hash (for the chain) but stays out of the map.
@@ -274,7 +283,7 @@ class BlockPool:
         first = full
         while first > 0 and self.hashes[table[first - 1]] is None:
             first -= 1
-        parent = self.hashes[table[first - 1]] if first else b""
+        parent = self.hashes[table[first - 1]] if first else seed
         for logical in range(first, full):
             block = table[logical]
             parent = _chain(parent, token_ids[logical * bs : (logical + 1) * bs])

@@ -30,7 +30,7 @@ from typing import Literal, Protocol
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import Candidate
-from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
+from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes, chain_seed
 from pagedinfer.core.sequence import Request, RequestState, Sequence
 from pagedinfer.outputs import Logprob
 
@@ -363,7 +363,9 @@ class Scheduler:
 
     def _prompt_hashes(self, req: Request) -> list[bytes]:
         if req.prompt_hashes is None:
-            req.prompt_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
+            req.prompt_hashes = block_hashes(
+                req.prompt_token_ids, self.pool.block_size, chain_seed(req.lora_slot)
+            )
         return req.prompt_hashes
 
     def _hashes_in_prefill(self) -> set[bytes]:
@@ -426,7 +428,9 @@ class Scheduler:
             if req.state is RequestState.FINISHED:
                 continue  # failed after it was scheduled
             seq.num_computed += s.num_tokens
-            self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            self.pool.register_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed, chain_seed(seq.lora_slot)
+            )
             if seq.is_prompt and req.params.prompt_logprobs is not None and self.pool.enable_prefix_caching:
                 self._keep_prompt_logprobs(seq, s.start, seq.num_computed)
             if seq.is_prompt:
@@ -518,7 +522,8 @@ class Scheduler:
         for seq in req.samples:
             if seq.finished:
                 continue
-            hashes = block_hashes(seq.token_ids, pool.block_size) if seq.num_output_tokens else []
+            seed = chain_seed(req.lora_slot)
+            hashes = block_hashes(seq.token_ids, pool.block_size, seed) if seq.num_output_tokens else []
             if len(pool.cached_prefix(hashes)) > prompt_blocks:
                 seq.block_table = pool.match_prefix(seq.token_ids, hashes, prompt=False)
                 seq.num_computed = min(len(seq.block_table) * pool.block_size, len(seq.token_ids) - 1)

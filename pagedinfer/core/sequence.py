@@ -83,6 +83,10 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def lora_slot(self) -> int:
+        return self.request.lora_slot
+
+    @property
     def name(self) -> str:
         rid = self.request.request_id
         return f"{rid}/prompt" if self.is_prompt else f"{rid}/{self.index}"
@@ -125,6 +129,7 @@ class Request:
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_upto: int = 1  # positions below this have their entry
+    lora_slot: int = 0  # the adapter its rows run with (0: the base model); seeds its block hashes
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -5,7 +5,9 @@ run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat te
 prompt added, within a time budget) and tokenized without adding special tokens again; a text too
 long for the context is refused before tokenizing; token ids must be in the vocabulary; the
 parameters must suit the model (`LLMEngine.params_error`); and the request must fit the model's
-context and the pool (`Scheduler.rejection_reason`). Whatever raises while preparing one request
+context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
+checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
+else the reason starts with ``lora:``. Whatever raises while preparing one request
 rejects that request alone. `LLMEngine.add_request` checks nothing again.
 
 Prompt forms: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` (optionally with its
@@ -22,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedinfer.lora.adapter import AdapterError
+from pagedinfer.lora.request import LoRARequest
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ class EngineRequest:
     max_tokens: int  # params.max_tokens capped by the context
     seed: int  # the base seed of its samples (drawn once here when params give none)
     beam: BeamSearchParams | None = None
+    lora_slot: int = 0  # its adapter's slot (0: the base model)
 
 
 @dataclass
@@ -63,10 +68,13 @@ def prepare(
     prompt: str | dict,
     params: SamplingParams | BeamSearchParams,
     request_id: str,
+    lora: LoRARequest | str | None = None,
 ) -> EngineRequest | Rejected:
-    """Tokenize ``prompt`` and check it and ``params`` against ``engine``'s model and pool, once."""
-    text, ids = None, []
+    """Tokenize ``prompt`` and check it, ``params`` and ``lora`` (an adapter, or a loaded adapter's
+    name) against ``engine``'s model and pool, once."""
+    text, ids, slot = None, [], 0
     try:
+        slot = _lora_slot(engine, lora)
         text, ids = _tokenize(engine, prompt)
         beam = params if isinstance(params, BeamSearchParams) else None
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
@@ -82,7 +90,23 @@ def prepare(
     if beam is not None:
         params = beam.sampling_params()
     seed = params.seed if params.seed is not None else engine.draw_seed()
-    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam)
+    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot)
+
+
+def _lora_slot(engine: LLMEngine, lora: LoRARequest | str | None) -> int:
+    """The adapter's slot (0: none); raises ValueError starting with ``lora:``."""
+    if lora is None:
+        return 0
+    if engine.lora is None:
+        raise ValueError(
+            "lora: this engine has no LoRA enabled (LLM(enable_lora=True), or pagedinfer run --lora)"
+        )
+    try:
+        if isinstance(lora, LoRARequest):
+            return engine.lora.add(lora)
+        return engine.lora.slot_of(lora)
+    except AdapterError as e:
+        raise ValueError(f"lora: {e}") from None
 
 
 def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[int]]:

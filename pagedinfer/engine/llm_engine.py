@@ -22,8 +22,12 @@ from pagedinfer.engine.stats import EngineStats
 from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
 from pagedinfer.logits.processor import LogitsPipeline, LogitsState
 from pagedinfer.logits.structured import GrammarCompiler, GrammarProcessor
+from pagedinfer.lora.adapter import AdapterError
+from pagedinfer.lora.registry import AdapterRegistry
+from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.loader import LoadedModel
+from pagedinfer.model.lora_sites import attach_sites
 from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, logprob_entries, sample
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
@@ -102,6 +106,10 @@ class LLMEngine:
             config.schedule_policy,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
+        self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
+        if config.enable_lora:
+            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
         self.logits = LogitsPipeline(  # vLLM's order
@@ -168,6 +176,8 @@ class LLMEngine:
             cuda_graphs=self.graph_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,
+            lora_enabled=self.lora is not None,
+            lora_adapters={} if self.lora is None else self.lora.loaded,  # the registry's own: kept current
         )
         self.scheduler.counters = self.stats.counters
         self.grammars.counters = self.stats.structured
@@ -206,6 +216,12 @@ class LLMEngine:
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
         return self.logits.validate(params)
 
+    def add_lora(self, request: LoRARequest) -> int:
+        """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled (enable_lora=True)")
+        return self.lora.add(request)
+
     def draw_seed(self) -> int:
         """The base seed of a request that gives none: the next of the engine's seeded stream."""
         return self._seeds.getrandbits(62)
@@ -235,6 +251,7 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             params=params,
             max_tokens=prepared.max_tokens,
+            lora_slot=prepared.lora_slot,
         )
         req.sample_state = self._sample_state(req, prepared.seed)
         if (beam := prepared.beam) is not None:
@@ -245,6 +262,7 @@ class LLMEngine:
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
         self.stats.samples += params.n
+        self.stats.lora_use(req.lora_slot).add_request(req.num_prompt_tokens)
         self.scheduler.add(req)
         return req
 
@@ -299,7 +317,10 @@ class LLMEngine:
         finished = self.scheduler.update(
             plan, sampled, beams, prompt
         )  # computed, forks, appends, stops, frees
-        self.stats.completion_tokens += sum(r.completion_tokens() for r in finished if not r.error)
+        for r in finished:
+            if not r.error:
+                self.stats.completion_tokens += r.completion_tokens()
+                self.stats.lora_use(r.lora_slot).completion_tokens += r.completion_tokens()
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()

@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.scheduler import SchedulerCounters
 from pagedinfer.logits.structured import StructuredCounters
+from pagedinfer.lora.registry import LoadedAdapter
+
+
+@dataclass
+class AdapterUse:
+    """The requests (lines) that ran with one adapter (or the base model) and their tokens."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add_request(self, prompt_tokens: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
 
 
 @dataclass
@@ -64,6 +78,14 @@ class EngineStats:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     # structured outputs: the grammar compile cache and the token masks (counted as they happen)
     structured: StructuredCounters = field(default_factory=StructuredCounters)
+    # LoRA: whether enabled, the adapters loaded (by name, in load order), and each slot's requests and
+    # tokens in this run (slot 0: the base model)
+    lora_enabled: bool = False
+    lora_adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
+    lora_usage: dict[int, AdapterUse] = field(default_factory=dict)
+
+    def lora_use(self, slot: int) -> AdapterUse:
+        return self.lora_usage.setdefault(slot, AdapterUse())
 
     def record_step(
         self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
@@ -268,6 +290,7 @@ class EngineStats:
                 "mask_apply_s": round(self.structured.apply_s, 4),
                 "mask_share_of_wall": round(self.mask_share, 6),
             },
+            "lora": self._lora_dict(),
             "throughput": {
                 "wall_time_s": round(self.wall_time_s, 4),
                 "kernel_compile_s": round(self.kernel_compile_s, 3),
@@ -280,4 +303,23 @@ class EngineStats:
                 if self.wall_time_s
                 else 0.0,
             },
+        }
+
+    def _lora_dict(self) -> dict:
+        base = self.lora_usage.get(0, AdapterUse())
+        return {
+            "enabled": self.lora_enabled,
+            "adapters": [
+                {
+                    "name": a.name,
+                    "path": a.path,
+                    "rank": a.rank,
+                    "modules": a.modules,
+                    **vars(self.lora_usage.get(a.slot, AdapterUse())),
+                }
+                for a in self.lora_adapters.values()
+            ],
+            "base_requests": base.requests,
+            "base_prompt_tokens": base.prompt_tokens,
+            "base_completion_tokens": base.completion_tokens,
         }

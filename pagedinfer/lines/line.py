@@ -58,6 +58,16 @@ class LineRequest:
     )
     params: SamplingParams | BeamSearchParams
     openai: OpenAIRequest | None = None
+    lora: str | None = None  # the adapter a plain line's ``lora`` field names
+
+    def adapter(self, loaded: set[str] | dict) -> str | None:
+        """The adapter this line runs with: its ``lora`` field, or (vLLM's convention) an OpenAI body's
+        ``model`` when it names a loaded adapter; None: the base model."""
+        if self.lora is not None:
+            return self.lora
+        if self.openai is not None and self.openai.model in loaded:
+            return self.openai.model
+        return None
 
     @property
     def kind(self) -> str:

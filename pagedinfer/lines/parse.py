@@ -3,10 +3,12 @@
 Each non-blank line is one of
 
 * ``{"prompt": "..."}``, ``{"messages": [...]}`` or ``{"prompt_token_ids": [...]}``, with an optional
-  ``id`` and any `SamplingParams` field by its own name (``n``, ``max_tokens``, ``temperature``...),
-  or ``beam_width`` (with ``length_penalty``, ``early_stopping``) for beam search, or
+  ``id``, an optional ``lora`` (the name of a ``--lora`` adapter) and any `SamplingParams` field by
+  its own name (``n``, ``max_tokens``, ``temperature``...), or ``beam_width`` (with ``length_penalty``,
+  ``early_stopping``) for beam search, or
 * an OpenAI Batch API request line (``custom_id``, ``method``, ``url``, ``body``); the body takes
-  OpenAI's fields and, as vLLM's server does, any `SamplingParams` field.
+  OpenAI's fields and, as vLLM's server does, any `SamplingParams` field; a ``body.model`` that names
+  a ``--lora`` adapter runs with it (resolved where the adapters are known, `LineRequest.adapter`).
 
 JSON is parsed with limits (integers of at most 4300 digits, finite floats, no NaN, nesting at
 most `MAX_DEPTH` deep; `SamplingParams` then bounds every integer to 64 bits), so no value of a line, however hostile, can do more than fail
@@ -51,7 +53,7 @@ BEAM_FIELDS = line_fields(BeamSearchParams)
 # SamplingParams fields a beam line keeps
 BEAM_SHARED = ("max_tokens", "ignore_eos", "stop_token_ids", "structured_outputs")
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-PLAIN_FIELDS = {"id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
+PLAIN_FIELDS = {"id", "lora", *PROMPT_FIELDS, *SAMPLING_FIELDS, *BEAM_FIELDS}
 OPENAI_LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # Body fields of OpenAI's own that are not SamplingParams fields (logprobs means something else there)
 OPENAI_BODY_FIELDS = {
@@ -198,6 +200,9 @@ class LineParser:
         echo = {k: obj[k] for k in PROMPT_FIELDS if k in obj}
         try:
             _no_unknown(obj, PLAIN_FIELDS, "field")
+            lora = obj.get("lora")
+            if lora is not None and not (isinstance(lora, str) and lora):
+                raise _Bad(f"lora must be an adapter's name (a non-empty string), not {describe(lora)}")
             prompt = _plain_prompt(obj)
             chat = "messages" in prompt
             width = obj.get("beam_width", self.defaults.get("beam_width"))
@@ -211,7 +216,7 @@ class LineParser:
                 params = self._sampling({k: obj[k] for k in SAMPLING_FIELDS if k in obj}, chat, key, "")
         except _Bad as e:
             return LineError(number, key, ident, str(e), None, False, echo)
-        return LineRequest(number, key, ident, prompt, params)
+        return LineRequest(number, key, ident, prompt, params, lora=lora)
 
     def _beam(self, obj: dict) -> BeamSearchParams:
         other = sorted(k for k in obj if k in SAMPLING_FIELDS and k not in BEAM_SHARED)

@@ -21,6 +21,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from pagedinfer.attention import interface as attention
+from pagedinfer.lora import context as lora_context
+from pagedinfer.lora.site import LoRASite
 from pagedinfer.model import fused_ops, packed_linear
 from pagedinfer.model.decode_step import DecodeStep
 from pagedinfer.model.gguf_blocks import GGUFWeight
@@ -101,6 +103,7 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = sd.pop(a + "q_norm.weight", None), sd.pop(a + "k_norm.weight", None)  # [D] (qwen3)
         self.q_norm = None if q_norm is None else _param(q_norm)
         self.k_norm = None if k_norm is None else _param(k_norm)
+        self.lora = None  # its LoRA sites (`lora_sites.LayerSites`) once an engine enables LoRA
 
     def forward(
         self,
@@ -113,6 +116,9 @@ class DecoderLayer(nn.Module):
         t, hq, hkv, d = residual.shape[0], self.q_heads, self.kv_heads, self.head_dim
         x = fused_ops.add_rms_norm(residual, h, self.input_norm, self.eps, fast)  # [T, H]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        lora = self.lora
+        if lora is not None:
+            lora.qkv.apply(qkv, x)
         fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, self.q_norm, self.k_norm, self.eps, fast)
         heads = qkv.view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]: q, k, v are views into it
         out = attention.attend(
@@ -122,9 +128,21 @@ class DecoderLayer(nn.Module):
             heads[:, hq + hkv :],
             self.scaling,
             self.window,
-        )  # [T, Hq, D]
-        x = fused_ops.add_rms_norm(residual, self.o_proj(out.view(t, hq * d)), self.post_norm, self.eps, fast)
-        return self.down_proj(self.gate_up_proj(x))  # [T, H]
+        ).view(t, hq * d)  # [T, Hq D]
+        o = self.o_proj(out)  # [T, H]
+        if lora is not None:
+            lora.o.apply(o, out)
+        x = fused_ops.add_rms_norm(residual, o, self.post_norm, self.eps, fast)
+        if lora is not None and lora.gate_up.active():  # deltas go in before silu(gate) * up
+            gate_up = packed_linear.ungated(self.gate_up_proj, x)  # [T, 2 I]
+            lora.gate_up.apply(gate_up, x)
+            act = fused_ops.silu_mul(gate_up, fast)  # [T, I]
+        else:
+            act = self.gate_up_proj(x)  # [T, I]
+        down = self.down_proj(act)  # [T, H]
+        if lora is not None:
+            lora.down.apply(down, act)
+        return down
 
 
 class RotaryEmbedding(nn.Module):
@@ -196,6 +214,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         else:
             self.lm_head = _fused([head], [None])
         self.rotary = RotaryEmbedding(config)
+        self.lora_head: LoRASite | None = None  # lm_head's LoRA site once an engine enables LoRA
         self._decode_step_of: tuple[object, DecodeStep | None] | None = None  # (KV pool, its C step or None)
         if sd:
             raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
@@ -204,6 +223,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         """The C step when this step only decodes and every piece of it has a C kernel (else None)."""
         ctx = attention.current_context()
         if ctx is None or ctx.probe is not None or ctx.use_cuda_kernels or ctx.meta.max_query_len != 1:
+            return None
+        if lora_context.current_context() is not None:  # adapter rows: their deltas go in layer by layer
             return None
         if self._decode_step_of is None or self._decode_step_of[0] is not ctx.kv:  # built once per pool
             step = DecodeStep(self, ctx.kv) if DecodeStep.serves(self, ctx.kv) else None
@@ -240,7 +261,10 @@ class LlamaFamilyForCausalLM(nn.Module):
             x = fused_ops.add_rms_norm(residual, h, self.norm, self.eps, fast)  # [R, H]
         if x.shape[0] == 0:  # no lm_head for no rows
             return CausalLMOutput(x.new_empty(1, 0, self.lm_head.out_features))
-        return CausalLMOutput(self.lm_head(x).unsqueeze(0))  # [1, R, vocab]
+        logits = self.lm_head(x)  # [R, vocab]
+        if self.lora_head is not None:
+            self.lora_head.apply(logits, x)
+        return CausalLMOutput(logits.unsqueeze(0))  # [1, R, vocab]
 
 
 def checkpoint_files(name: str, local_files_only: bool = False) -> list[Path]:

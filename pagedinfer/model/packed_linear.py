@@ -94,6 +94,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gated = isinstance(linear, GatedLinear)
         self.packed = self.bias = None
+        self._natural: torch.Tensor | None = None  # see _natural_columns
         if segments is not None:
             self._set_segments(segments)
             return
@@ -146,6 +147,35 @@ class PackedLinear(nn.Module):
         )
         return gated(y) if self.gated and not self.paired else y
 
+    def ungated(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]: gate columns, then up
+        """A gated linear's product before ``silu(gate) * up`` (LoRA adds its deltas there first)."""
+        x = x.contiguous()
+        if self.segments is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not self.paired:  # the gate's and the up's segments write their own columns
+            y = x.new_empty(x.shape[0], self.out_features)
+            _gemm_library().gemm_segments(
+                self._c, len(self.segments), x.data_ptr(), y.data_ptr(), x.shape[0], self.in_features, 0
+            )
+            return y
+        # paired panels multiplied as plain ones: every panel's 16 columns in panel order, then reordered
+        seg = c_segment(self.segments[0])
+        seg.cols = self.segments[0].panels.shape[0] * panel_formats.PANEL_ROWS
+        y = x.new_empty(x.shape[0], seg.cols)  # [T, P * 16]
+        _gemm_library().gemm_segments(
+            ctypes.byref(seg), 1, x.data_ptr(), y.data_ptr(), x.shape[0], self.in_features, 0
+        )
+        return y[:, self._natural_columns()]  # [T, 2 I]
+
+    def _natural_columns(self) -> torch.Tensor:
+        """``[2 I]``: for each gate / up output, its column in the paired panels' plain product."""
+        if self._natural is None:
+            order = torch.from_numpy(panel_formats.panel_order(self.out_features, True))  # [P * 16]
+            where = torch.nonzero(order >= 0).squeeze(1)
+            self._natural = torch.empty(self.out_features, dtype=torch.int64)
+            self._natural[order[where]] = where
+        return self._natural
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of inputs and outputs: bfloat16 for bfloat16 panels, float32 for every other kind."""
@@ -160,6 +190,13 @@ class PackedLinear(nn.Module):
         layout = f"cpu_gemm.c panels ({', '.join(self.kinds)})" if self.segments else "oneDNN"
         gated = ", silu(gate) * up" if self.gated else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
+
+
+def ungated(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, 2 I]
+    """A fused gate-up linear's product before the activation, gate columns first (packed or not)."""
+    if isinstance(linear, PackedLinear):
+        return linear.ungated(x)
+    return nn.functional.linear(x, linear.weight, linear.bias)
 
 
 def quantized_segment(

@@ -9,6 +9,7 @@ import torch
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.lora import context as lora_context
 from pagedinfer.model.cuda_graphs import DecodeGraphs
 from pagedinfer.model.host_memory import keep_freed_memory
 
@@ -16,6 +17,7 @@ from pagedinfer.model.host_memory import keep_freed_memory
 class _Tokens(Protocol):
     token_ids: list[int]
     block_table: list[int]
+    lora_slot: int  # its request's adapter (0: the base model)
 
 
 class ScheduledChunk(Protocol):
@@ -108,6 +110,9 @@ class ModelRunner:
         positions, in order (R = their sum: one row per sampling seq, a chunk's every row for prompt
         logprobs; never more than the step's tokens)."""
         self._copy_blocks(copies)  # copy-on-write before this step's writes land
+        slots = [s.seq.lora_slot for s in batch]
+        if any(slots):
+            return self._execute_lora(batch, slots)
         self.last_step_graphed = self.graphs is not None and self.graphs.fits(batch)
         if self.last_step_graphed:
             logits = self.graphs.run(batch)  # [S, vocab]: every row, sampling or not
@@ -116,6 +121,33 @@ class ModelRunner:
             return logits[
                 torch.tensor([i for i, s in enumerate(batch) if s.num_logits], device=logits.device)
             ]
+        return self._forward(batch)
+
+    def _execute_lora(self, batch: list[ScheduledChunk], slots: list[int]) -> torch.Tensor:
+        """A step with adapter rows: its sequences ordered by slot (each adapter's rows one range, its
+        deltas two GEMMs per linear), eagerly; the logits rows put back in the batch's order."""
+        order = sorted(range(len(batch)), key=slots.__getitem__)  # stable: arrival order within a slot
+        ordered = [batch[i] for i in order]
+        ctx = lora_context.LoRAContext(
+            lora_context.ranges([slots[i] for i in order], [s.num_tokens for s in ordered]),
+            lora_context.ranges([slots[i] for i in order], [s.num_logits for s in ordered]),
+        )
+        self.last_step_graphed = False
+        lora_context.set_context(ctx)
+        try:
+            logits = self._forward(ordered)  # [R, vocab] in the order of ``ordered``
+        finally:
+            lora_context.set_context(None)
+        if order == sorted(order):
+            return logits
+        first, at = [0] * len(batch), 0  # each sequence's first row among ``logits``
+        for i in order:
+            first[i], at = at, at + batch[i].num_logits
+        rows = [r for i, s in enumerate(batch) for r in range(first[i], first[i] + s.num_logits)]
+        return logits[torch.tensor(rows, device=logits.device)]  # [R, vocab]
+
+    def _forward(self, batch: list[ScheduledChunk]) -> torch.Tensor:
+        """One eager forward pass over ``batch`` packed in order: float32 logits ``[R, vocab]``."""
         ids, positions, meta = self.build_metadata(batch)
         if meta.max_query_len == 1 and all(s.num_logits for s in batch):
             keep: torch.Tensor | int = 0  # every row samples: HF's "keep all"

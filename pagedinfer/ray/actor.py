@@ -93,7 +93,8 @@ class EngineReplica:
     def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
         """The rows the model or the pool can never run (``--strict`` stops on them before generating)."""
         checked = (
-            (pos, item, prepare(self.engine, item.prompt, item.params, str(item.id))) for pos, item in rows
+            (pos, item, prepare(self.engine, item.prompt, item.params, str(item.id), item.lora))
+            for pos, item in rows
         )
         return [(pos, item.failed(p.reason)) for pos, item, p in checked if isinstance(p, Rejected)]
 
@@ -103,7 +104,7 @@ class EngineReplica:
         finished = []
         for pos, item in rows:
             finished += self.loop.add(
-                (pos, item), prepare(self.engine, item.prompt, item.params, str(item.id))
+                (pos, item), prepare(self.engine, item.prompt, item.params, str(item.id), item.lora)
             )
         while self.loop.pending and time.perf_counter() - start < budget_s:
             finished += self.loop.step()

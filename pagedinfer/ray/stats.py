@@ -59,6 +59,12 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         setattr(merged, name, [sum(col) for col in columns])
     for name in TOTALS:
         setattr(merged, name, sum(getattr(s, name) for s in replicas))
+    for s in replicas:  # requests and tokens per adapter slot (replicas serve the base model only)
+        for slot, use in s.lora_usage.items():
+            total = merged.lora_use(slot)
+            total.requests += use.requests
+            total.prompt_tokens += use.prompt_tokens
+            total.completion_tokens += use.completion_tokens
     return merged
 
 
