@@ -139,3 +139,18 @@ def one_line_error(result, message: str) -> None:
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert message in " ".join(result.stderr.split()), result.stderr
+
+
+def sigterm(proc, out: Path) -> tuple[list[dict], str, str]:
+    """SIGTERM a running ``pagedinfer run`` writing ``out``: it ends with 143 and a summary counting the
+    records it kept. Returns (the kept records, the summary on one line, stderr)."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    kept = read_jsonl(out)
+    summary = " ".join(stdout.split())
+    assert f"interrupted by SIGTERM: {len(kept)} lines on disk in {out}" in summary, summary
+    assert "Traceback" not in stderr
+    return kept, summary, stderr

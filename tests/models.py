@@ -78,10 +78,14 @@ def save_model(family: str, root: Path, seed: int = 0) -> Path:
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
     """The reference: transformers' own ``generate`` with greedy decoding, one prompt at a time
     (``processors``: its logits processors' arguments, e.g. ``bad_words_ids``)."""
-    model = _hf_model(str(path))
-    ids = torch.tensor([prompt])
+    return _generate_greedy(_hf_model(str(path)), prompt, max_new_tokens, **processors)
+
+
+def _generate_greedy(model, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """``model.generate`` greedy on one prompt, EOS ignored: the new tokens."""
+    ids = torch.tensor([prompt])  # [1, P]
     out = model.generate(
-        ids,
+        input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -183,13 +187,4 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: in
             str(base), dtype=torch.float32, attn_implementation="eager"
         )
         _HF_CACHE[key] = PeftModel.from_pretrained(model, str(adapter)).eval()
-    ids = torch.tensor([prompt])
-    out = _HF_CACHE[key].generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return _generate_greedy(_HF_CACHE[key], prompt, max_new_tokens)

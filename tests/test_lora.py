@@ -74,14 +74,17 @@ def test_greedy_matches_peft(tiny_model, loras, prompts, family, impl, mix, num_
         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=requests
     )
     for prompt, name, out in zip(prompts, names, outs, strict=True):
-        want = (
-            hf_greedy(base, prompt, MAX_TOKENS)
-            if name is None
-            else peft_greedy(base, adapters[name], prompt, MAX_TOKENS)
-        )
+        want = _reference(base, adapters, name, prompt)
         assert out.error is None and out.outputs[0].token_ids == want, f"{name}, prompt of {len(prompt)}"
     assert (llm.stats.preemptions > 0) == (num_blocks == 14)
     assert llm.engine.pool.num_used == 0
+
+
+def _reference(base: Path, adapters: dict[str, Path], name: str | None, prompt: list[int]) -> list[int]:
+    """transformers' greedy tokens: the base model's, or PEFT's with adapter ``name``."""
+    if name is None:
+        return hf_greedy(base, prompt, MAX_TOKENS)
+    return peft_greedy(base, adapters[name], prompt, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("gemm", ["panels", "onednn"])
@@ -114,11 +117,7 @@ def test_greedy_matches_peft_with_every_linear_packed(tiny_model, loras, prompts
         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=requests
     )
     for prompt, name, out in zip(prompts, names, outs, strict=True):
-        want = (
-            hf_greedy(base, prompt, MAX_TOKENS)
-            if name is None
-            else peft_greedy(base, adapters[name], prompt, MAX_TOKENS)
-        )
+        want = _reference(base, adapters, name, prompt)
         assert out.outputs[0].token_ids == want, f"{name}, prompt of {len(prompt)}"
 
 
