@@ -112,7 +112,12 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The model's Hugging Face tokenizer (None for a model directory without tokenizer files)."""
         return self.engine.loaded.tokenizer
+
+    def get_tokenizer(self):
+        """`tokenizer`, under vLLM's name (``LLM.get_tokenizer()``), so vLLM scripts run unchanged."""
+        return self.tokenizer
 
     @property
     def stats(self) -> EngineStats:

@@ -231,6 +231,7 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
 def test_text_prompts_stop_strings_and_eos(text_model):
     llm = LLM(str(text_model), block_size=4, num_blocks=100, **ENGINE)
     tok = llm.tokenizer
+    assert llm.get_tokenizer() is tok and tok("hello")["input_ids"]  # vLLM's name for it
     base = llm.generate(
         "hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )
