@@ -188,3 +188,16 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: in
         )
         _HF_CACHE[key] = PeftModel.from_pretrained(model, str(adapter)).eval()
     return _generate_greedy(_HF_CACHE[key], prompt, max_new_tokens)
+
+
+def count_one_call_steps(monkeypatch) -> list[int]:
+    """Every linear packed in the panel kernel (however small), and a list that grows by one per
+    one-call C decode step taken: the tests of quantized panels check the step really ran."""
+    from pagedinfer.model import decode_step, packed_linear
+
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)  # the float32 run packs every linear too
+    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
+    steps: list[int] = []
+    real = decode_step.DecodeStep.run
+    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda self, *a: steps.append(1) or real(self, *a))
+    return steps

@@ -17,10 +17,11 @@ import torch
 import transformers as tf
 from conftest import DEVICE, ENGINE
 from gguf_models import quantize_k, save_gguf
+from models import count_one_call_steps
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import decode_step, gguf_blocks, packed_linear
+from pagedinfer.model import gguf_blocks, packed_linear
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
 
@@ -209,11 +210,7 @@ PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 30)]
 
 def run(path: Path, monkeypatch, **kw) -> tuple[list, int]:
     """Seeded n=2 samples with logprobs (and the number of one-call decode steps taken)."""
-    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)  # the float32 run packs every linear too
-    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
-    steps: list[int] = []
-    real = decode_step.DecodeStep.run
-    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda self, *a: steps.append(1) or real(self, *a))
+    steps = count_one_call_steps(monkeypatch)
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=12, logprobs=2, ignore_eos=True)
     llm = LLM(str(path), block_size=4, num_blocks=128, **{**ENGINE, "dtype": "auto", **kw})
     outs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from cli_helpers import read_jsonl, tiny_model, write_jsonl
 from conftest import DEVICE, ENGINE
+from models import count_one_call_steps
 from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.cli.app import app
 from pagedinfer.config import QUANTIZATIONS
-from pagedinfer.model import decode_step, packed_linear, panel_formats
+from pagedinfer.model import packed_linear, panel_formats
 from pagedinfer.model.dtype import DTypeError, choose_dtype
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
@@ -117,11 +118,7 @@ def test_quantized_run_equals_float32_run_of_the_dequantized_checkpoint(
     one-call decode step on the quantized panels, and through transformers' modules."""
     path = tiny_model("qwen2")
     deq = dequantized_copy(path, tmp_path / "dequantized", name)
-    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)  # the float32 run packs every linear too
-    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
-    steps: list[int] = []
-    run_step = decode_step.DecodeStep.run
-    monkeypatch.setattr(decode_step.DecodeStep, "run", lambda self, *a: steps.append(1) or run_step(self, *a))
+    steps = count_one_call_steps(monkeypatch)
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=10, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17)]
 
