@@ -144,12 +144,16 @@ def test_weight_shared_by_two_linears_survives_packing():
     torch.testing.assert_close(model[1](x), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("k", "n", "bias"), [(576, 960, False), (37, 13, True), (1536, 70, True)])
+@pytest.mark.parametrize(
+    ("k", "n", "bias"),
+    [(576, 960, False), (37, 13, True), (1536, 70, True), (96, 50, False), (40, 100, True)],
+)
 def test_panel_kernel_gives_the_products_for_any_row_count(monkeypatch, k, n, bias):
-    """cpu_gemm.c against a float64 product, beside oneDNN: every row tile (1-6 rows and their
-    remainders), row blocks of x (300 and 301 rows of k = 1536 make 5 blocks, the last one short), a
-    partial last panel (n not a multiple of 16), k not a multiple of the vector width, a bias,
-    rows that are a view into a bigger tensor, leading dimensions kept."""
+    """cpu_gemm.c against a float64 product, beside oneDNN: every row tile (1-12 rows and their
+    remainders; past 12 rows, tiles of 6 rows by 1-4 panels: 4, 5, 7 and 60 panels), row blocks of
+    x (300 and 301 rows of k = 1536 make 5 blocks, the last one short), a partial last panel (n not
+    a multiple of 16), k not a multiple of the vector width, a bias, rows that are a view into a
+    bigger tensor, leading dimensions kept."""
     torch.manual_seed(3)
     lin = nn.Linear(k, n, bias=bias)
     panels, onednn = packed_linear.PackedLinear(lin, panels=True), packed_linear.PackedLinear(lin)
@@ -193,9 +197,9 @@ def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k
     assert panels(torch.randn(3, 1, k)).shape == (3, 1, inter)
 
 
-def test_loader_picks_the_panel_kernel_except_on_intel_avx512(tmp_path, monkeypatch):
-    """By default float32 linears take the panel kernel on AVX2 CPUs and AMD's AVX-512 ones, oneDNN
-    on Intel's AVX-512 ones; PAGEDINFER_CPU_GEMM forces either."""
+def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx(tmp_path, monkeypatch):
+    """By default float32 linears take the panel kernel on every CPU, and bfloat16 ones too except
+    on CPUs with AMX, whose bfloat16 tiles oneDNN drives; PAGEDINFER_CPU_GEMM forces either."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
@@ -205,19 +209,16 @@ def test_loader_picks_the_panel_kernel_except_on_intel_avx512(tmp_path, monkeypa
         assert len(packed) == 5  # fused qkv, o, fused gate-up, down, lm_head
         return {"panels" if m.segments is not None else "onednn" for m in packed}
 
-    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # an AVX2 CPU
-    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # no AMX
     assert layouts() == {"panels"}
     monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "onednn")
     assert layouts() == {"onednn"}
-    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "avx512f"])
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "amx_bf16"])
     monkeypatch.delenv("PAGEDINFER_CPU_GEMM")
-    assert layouts() == {"onednn"}  # an Intel AVX-512 CPU
-    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    assert layouts() == {"panels"}  # an AMD Zen 4
-    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "panels")
-    assert layouts() == {"panels"}
+    assert layouts() == {"panels"}  # float32 with AMX
+    assert not packed_linear.panels_by_default(torch.bfloat16)  # what a bfloat16 model is packed by
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])
+    assert packed_linear.panels_by_default(torch.bfloat16)
 
 
 def test_every_c_entry_is_safe_at_zero_rows():

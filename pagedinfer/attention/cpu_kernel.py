@@ -59,11 +59,6 @@ def _cpuinfo_field(name: str) -> str:
     return line.partition(":")[2].strip()
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (GenuineIntel, AuthenticAMD; "" where /proc/cpuinfo has none)."""
-    return _cpuinfo_field("vendor_id")
-
-
 def cpu_flags(names: tuple[str, ...]) -> list[str]:
     """Which of ``names`` (instruction-set flags such as ``avx512f``) this CPU reports."""
     flags = _cpuinfo_field("flags").split()

@@ -8,17 +8,16 @@ loaded CPU float32 model for a `PackedLinear`. bfloat16 models are packed too wh
 native bfloat16 instructions (AVX512-BF16, AMX): there the prepacked bfloat16 products ran 1.4-4x
 faster than ``F.linear``'s (docs/kernels.md); elsewhere oneDNN would emulate them.
 
-On CPUs without AVX-512, float32 linears go through kernels/cpu_gemm.c instead, on a weight laid
-out once in 16-row panels: at decode batch sizes a step streams every weight from memory, and
-oneDNN streams a packed weight at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16
-rows), while the panel kernel streams it near memory speed and keeps the FMA units busy from 64 rows
-up. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.7x faster than oneDNN at
-1-64 rows, even at 256-2048 (prefill). One copy of the weight either way. On an AMD Zen 4 with
-AVX-512 (256-bit units underneath) the panel kernel was within 10% of oneDNN at every row count and
-faster at 1-2 rows, and the one-call decode step it enables (decode_step.py) made batch-1 decode
-1.7x faster, so it serves there too. Intel's AVX-512 CPUs keep oneDNN's kernels (they were as fast
-at one row there, and the panel kernel is written for 8-float vectors). ``PAGEDINFER_CPU_GEMM=panels``
-/ ``=onednn`` forces one.
+float32 linears go through kernels/cpu_gemm.c instead, on a weight laid out once in 16-row panels:
+at decode batch sizes a step streams every weight from memory, and oneDNN streams a packed weight
+at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16 rows), while the panel kernel
+streams it near memory speed, and past 12 rows its tiles of 6 rows by 4 panels keep the FMA units
+busy. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.7x faster than oneDNN
+at 1-64 rows on AVX2 and AMD's Zen 4, within 10% at 256-2048 (prefill); on an Intel Xeon with
+AVX-512 0.85-1.2x oneDNN at 64-1024 rows and 2x at one row, and end to end faster on every
+workload of scripts/bench_llamacpp.py (the one-call decode step it enables, decode_step.py, made
+batch-1 decode 2.3x faster). One copy of the weight either way. ``PAGEDINFER_CPU_GEMM=panels`` /
+``=onednn`` forces one.
 
 bfloat16 linears take the same panels, with k in pairs for vdpbf16ps, where the kernel was built
 with AVX512-BF16 (and ``in`` is even): on the Zen 4 they ran 1.0-1.6x oneDNN's bfloat16 products at
@@ -36,7 +35,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags, cpu_vendor
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.config import Quantization
 from pagedinfer.model import gguf_blocks, panel_formats
@@ -341,11 +340,11 @@ def _gemm_library() -> ctypes.CDLL | None:
     return dll
 
 
-def panels_by_default() -> bool:
-    """The panel kernel serves float32 linears except on Intel CPUs with AVX-512, whose full-width
-    512-bit units oneDNN's kernels use (AMD's Zen 4 runs them as two 256-bit halves: there the panel
-    kernel matched oneDNN and the one-call decode step it enables won end to end)."""
-    return not (cpu_flags(("avx512f",)) and cpu_vendor() == "GenuineIntel")
+def panels_by_default(dtype: torch.dtype) -> bool:
+    """The panel kernel serves every linear except bfloat16 ones on CPUs with AMX, whose bfloat16
+    tile units oneDNN drives at 300-900 GFLOP/s from 8 rows up, 3-9x the panels' vdpbf16ps (end to
+    end on an Intel Xeon: bfloat16 A-D 1.1-2.9x faster through oneDNN, batch-1 decode 2x slower)."""
+    return not (dtype == torch.bfloat16 and cpu_flags(("amx_bf16",)))
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -379,7 +378,7 @@ def pack_linears(
     would otherwise stay mapped, and resident, for their sake: the unpacked weights' pages with it.
     """
     min_weights = MIN_WEIGHTS if min_weights is None else min_weights
-    panels = panels_by_default() if panels is None else panels
+    panels = panels_by_default(next(model.parameters()).dtype) if panels is None else panels
     targets = [
         (parent, name, child)
         for parent in model.modules()
