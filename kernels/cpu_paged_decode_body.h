@@ -96,7 +96,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
                              float scale, int window, float softcap, const float *sinks) {
   // All heads of a sequence advance together, block by block, so each K/V row (all KV heads,
   // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences
-  // whose tables start with the same physical blocks (samples of one prompt) are served together
+  // whose tables start with the same physical blocks (completions of one prompt) are served together
   // over those blocks: their shared rows are read once.
   const int kc = head_dim / 8, vc = head_dim_v / 8, g = num_heads / num_kv_heads;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;

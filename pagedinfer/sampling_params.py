@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 # Temperatures in (0, MIN_TEMPERATURE) are refused: logits / 1e-40 overflow float32 to inf and the
 # sampler would draw the same token forever. 0 stays "greedy". vLLM clamps to the same 0.01.
 MIN_TEMPERATURE = 1e-2
-# Seeds are derived into a 128-bit signed field (`seeding.sample_seed`); this range fits in it and
+# Seeds are derived into a 128-bit signed field (`seeding.completion_seed`); this range fits in it and
 # covers both signed and unsigned 64-bit seeds.
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_INT = (1 << 63) - 1  # every other integer field must fit a 64-bit tensor
@@ -130,12 +130,12 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain every sample of a request to a JSON schema, a regex, a choice or a grammar (vLLM's names).
+    """Constrain every completion of a request to a JSON schema, a regex, a choice or a grammar (vLLM's names).
 
     ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object; ``regex``: the
     whole output matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
     (EBNF) or llama.cpp GBNF grammar. ``disable_any_whitespace``: JSON without whitespace between
-    tokens (shorter outputs, and no sample can spend its tokens on blank space). Plain data, so it
+    tokens (shorter outputs, and no completion can spend its tokens on blank space). Plain data, so it
     crosses to Ray replicas; the grammar is compiled by the engine (`LLMEngine.params_error`).
     """
 
@@ -241,7 +241,7 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy; otherwise it must be at least `MIN_TEMPERATURE`. ``seed``
     (from `MIN_SEED` to `MAX_SEED`) makes the request reproducible on its own or amid any others:
-    sample ``i`` draws from a generator derived from (seed, prompt, i).
+    completion ``i`` draws from a generator derived from (seed, prompt, i).
     """
 
     n: int = field(default=1, metadata=kinds("int"))

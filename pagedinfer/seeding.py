@@ -1,9 +1,9 @@
 """Where every random seed comes from, in one place (the CLI, the engine and the sampler use it).
 
 A line of a batch file that gives no seed gets one from (--seed, the line's identity); a request
-with no seed gets one from the engine's seed stream; sample ``i`` of a request draws from a
+with no seed gets one from the engine's seed stream; completion ``i`` of a request draws from a
 generator seeded by (seed, prompt, i). The prompt enters so one seed shared by many prompts gives
-each its own noise, and the index so the n samples differ.
+each its own noise, and the index so the n completions differ.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def line_seed(base_seed: int, key: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
-def sample_seed(base_seed: int, index: int, prompt_token_ids: Sequence[int]) -> int:
-    """The seed of sample ``index`` of a request seeded ``base_seed`` with this prompt."""
+def completion_seed(base_seed: int, index: int, prompt_token_ids: Sequence[int]) -> int:
+    """The seed of completion ``index`` of a request seeded ``base_seed`` with this prompt."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(base_seed.to_bytes(16, "little", signed=True))
     digest.update(index.to_bytes(8, "little"))

@@ -22,7 +22,7 @@ int8 per output channel, activations and K/V float32: our ``--quantization int8`
 export with dynamic activation quantization off; vLLM's CPU build has int8 only from a pre-quantized
 checkpoint, so it is skipped there).
 
-Workloads (``--workloads``; random token prompts from fixed seeds, ``ignore_eos``, so every sample is
+Workloads (``--workloads``; random token prompts from fixed seeds, ``ignore_eos``, so every completion is
 exactly its max_tokens long):
   A, B, C, D, b1: scripts/bench_llamacpp.py's (greedy; b1 reports tokens/s);
   W1, W3: ``pagedinfer bench``'s prompts drawn for SmolLM2's vocabulary (W1: 16 prompts of 64-192
@@ -353,7 +353,7 @@ class VllmRunner:
         from vllm import SamplingParams, TokensPrompt
 
         self.llm.reset_prefix_cache()
-        # n samples of a greedy workload: sampled from the top token alone (vLLM refuses n > 1 greedy);
+        # n completions of a greedy workload: sampled from the top token alone (vLLM refuses n > 1 greedy);
         # no per-request seed: the CPU build refuses one ("CPU Generator does not use offset"), the
         # engine's seed serves
         top1 = dict(temperature=1.0, top_k=1) if w["temperature"] == 0 and w["n"] > 1 else {}
@@ -409,7 +409,7 @@ class OpenvinoRunner:
             c.num_return_sequences = w["n"]
             if w["temperature"] > 0:
                 c.do_sample, c.temperature, c.top_p, c.rng_seed = True, w["temperature"], 1.0, w["seed"]
-            elif w["n"] > 1:  # greedy with n samples: sampling from the top token alone
+            elif w["n"] > 1:  # greedy with n completions: sampling from the top token alone
                 c.do_sample, c.top_k = True, 1
             configs.append(c)
         inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p in w["prompts"]]
@@ -542,7 +542,7 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def agreement(ref: dict, other: dict, workloads: list[str]) -> tuple[int, int]:
-    """Sequences (prompt by prompt, sample by sample) of ``other`` identical to ``ref``'s, and all of
+    """Sequences (prompt by prompt, completion by completion) of ``other`` identical to ``ref``'s, and all of
     ``ref``'s, over the workloads both ran."""
     same = total = 0
     for w in workloads:

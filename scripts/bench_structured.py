@@ -4,7 +4,7 @@ prompts/extraction.jsonl on SmolLM2-135M-Instruct, in one process.
 For each setting (n=1 greedy, n=4 sampled at temperature 1, n=4 greedy) it runs, alternately and
 ``--repeats`` times, the constrained requests (each line's ``structured_outputs``) and the same
 prompts unconstrained. The unconstrained run generates exactly as many tokens per request as the
-constrained one's longest sample (``min_tokens = max_tokens``, EOS ignored), so both decode the same
+constrained one's longest completion (``min_tokens = max_tokens``, EOS ignored), so both decode the same
 batches for as many steps and the ratio of their tokens/s is what the grammar costs. The prefix
 cache is reset before every run. Reported: tokens/s of both and their ratio, the grammar masks'
 share of the constrained run's wall time (llguidance filling them, overlapping the forward pass;

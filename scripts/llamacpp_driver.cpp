@@ -1,5 +1,5 @@
 // Runs one pagedinfer-style workload through llama.h: every prompt decoded once, its KV copied to
-// its n samples, then all sequences decoded together (greedy) until each has max_new tokens.
+// its n completions, then all sequences decoded together (greedy) until each has max_new tokens.
 // Usage: llamacpp_driver MODEL.gguf WORKLOAD.txt THREADS
 //   WORKLOAD.txt: "n max_new num_prompts" then one line per prompt: "len tok1 tok2 ...".
 // Prints one JSON line: wall_s (prefill + decode, model load excluded), prefill_s, peak_rss_mb (the

@@ -209,17 +209,17 @@ def test_store_kv_writes_strided_rows_at_their_slots(dtype, pool):
     assert torch.equal(kc.view(32, 2, 16), want_k) and torch.equal(vc.view(32, 2, 8), want_v)
 
 
-def test_decode_kernel_serves_samples_sharing_prompt_blocks_together(monkeypatch):
-    """Neighbouring sequences whose tables start with the same physical blocks (the n samples of a
+def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeypatch):
+    """Neighbouring sequences whose tables start with the same physical blocks (the n completions of a
     prompt) are attended together over those blocks: each output equals the sequence run alone,
-    bit for bit, and the reference. Groups here: 20 samples (more than one pass of the kernel's
-    group), 3 samples whose tables diverge at different blocks, a lone sequence, and 2 samples
+    bit for bit, and the reference. Groups here: 20 completions (more than one pass of the kernel's
+    group), 3 completions whose tables diverge at different blocks, a lone sequence, and 2 completions
     sharing a block only one of them fills."""
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, hq, d = 4, 2, 6, 16
     gen = torch.Generator().manual_seed(7)
-    prompt = [0, 1, 2]  # physical blocks of the 20 samples' common prompt
+    prompt = [0, 1, 2]  # physical blocks of the 20 completions' common prompt
     tables, lens, free = [], [], iter(range(3, 200))
     for i in range(20):
         tables.append(prompt + [next(free), next(free)])
@@ -266,7 +266,7 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together(monkeypatch
 @pytest.mark.parametrize(
     "hq,kvh,d,lens,window",
     [
-        (9, 3, 64, [1500, 1500, 1500, 2900, 700], 0),  # samples of a 1500-token prompt, then two alone
+        (9, 3, 64, [1500, 1500, 1500, 2900, 700], 0),  # completions of a 1500-token prompt, then two alone
         (32, 8, 128, [4100, 4100, 33], 0),  # logit rows of 4100 tokens x 32 heads: one member a group
         (6, 2, 72, [300, 300, 301], 0),  # head size 72: output vectors 8 + 1
         (4, 4, 64, [1000, 1000, 999], 250),  # a sliding window over long contexts
@@ -274,7 +274,7 @@ def test_decode_kernel_serves_samples_sharing_prompt_blocks_together(monkeypatch
 )
 def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, lens, window):
     """Realistic shapes through the kernel, two threads: the logit rows over whole contexts (the
-    softmax between the two passes), groups of samples sharing prompt blocks, and groups cut short
+    softmax between the two passes), groups of completions sharing prompt blocks, and groups cut short
     where the rows of one more member would not fit."""
     if not cpu_kernel.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
@@ -287,7 +287,7 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
     shared = min(lens[0], lens[1]) // bs
     for i in range(1, len(lens)):
         if lens[i] == lens[0]:
-            bt[i, :shared] = bt[0, :shared]  # samples of one prompt: its full blocks shared
+            bt[i, :shared] = bt[0, :shared]  # completions of one prompt: its full blocks shared
     kc = torch.randn(num_blocks, bs, kvh, d, generator=gen)
     vc = torch.randn(num_blocks, bs, kvh, d, generator=gen)
     q = torch.randn(len(lens), hq, d, generator=gen)

@@ -58,5 +58,5 @@ def test_engine_on_the_cuda_kernels_matches_transformers(head64_model):
     for prompt, out in zip(prompts, outs, strict=True):
         want = hf_greedy(head64_model, prompt, 6)
         assert [c.token_ids for c in out.outputs] == [want, want]
-    assert llm.stats.cow_copies == 2  # each prompt's partial last block, copied by its first sample
+    assert llm.stats.cow_copies == 2  # each prompt's partial last block, copied by its first completion
     assert llm.engine.pool.num_used == 0

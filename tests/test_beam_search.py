@@ -86,9 +86,9 @@ def test_beams_share_blocks_and_prune_at_once(tiny_model):
     tables_per_step = []
     while engine.has_unfinished:
         engine.step()
-        live = {b for r in reqs if not r.finished for s in r.samples for b in s.block_table}
+        live = {b for r in reqs if not r.finished for s in r.completions for b in s.block_table}
         assert engine.pool.num_used == len(live)
-        tables_per_step.append(sum(len(s.block_table) for r in reqs if not r.finished for s in r.samples))
+        tables_per_step.append(sum(len(s.block_table) for r in reqs if not r.finished for s in r.completions))
     assert engine.pool.num_used == 0
     assert max(tables_per_step) > engine.stats.peak_blocks_used  # beams share their common blocks
     for prompt, req in zip(batch, reqs, strict=True):

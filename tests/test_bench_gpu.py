@@ -71,7 +71,7 @@ def test_g1_job_on_the_gpu(tmp_path):
     assert len(job.prompts) == 256 and all(128 <= len(p) <= 1024 for p in job.prompts)
     longest = max(len(p) + m for p, m in zip(job.prompts, job.max_tokens, strict=True))
     assert (job.device, job.load_format, job.max_model_len) == ("cuda", "dummy", longest)
-    assert job.num_blocks == 256 * -(-longest // 16)  # max_num_seqs samples at full length
+    assert job.num_blocks == 256 * -(-longest // 16)  # max_num_seqs completions at full length
     hf = runner.job_for("hf_generate", job, WORKLOADS["G1"], opts.shrink)
     assert hf.prompts == job.prompts[:64] and hf.max_tokens == job.max_tokens[:64]
     assert runner.job_for("pagedinfer", job, WORKLOADS["G1"], opts.shrink) == job

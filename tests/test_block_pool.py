@@ -41,8 +41,8 @@ def test_growth_7_8_9():
     assert len(b) == 3 and pool.num_used == 3
 
 
-def test_two_samples_copy_on_write():
-    """Seed 000: a 6-token prompt, 2 samples: 2 blocks, then 3; only the first writer copies."""
+def test_two_completions_copy_on_write():
+    """Seed 000: a 6-token prompt, 2 completions: 2 blocks, then 3; only the first writer copies."""
     pool = BlockPool(num_blocks=6, block_size=4)
     prompt = []
     pool.reserve(prompt, 0, 6)

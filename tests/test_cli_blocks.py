@@ -25,13 +25,13 @@ def test_builtin_example_shows_fork_copy_on_write_and_release():
     result = invoke("blocks")
     assert result.exit_code == 0, result.output
     text = result.stdout
-    assert "built-in example: one 6-token prompt, n=2 samples" in text
+    assert "built-in example: one 6-token prompt, n=2 completions" in text
     steps = _steps(text.split("KV pool:", 1)[1])
     prefill, cow, *_, last = steps
-    # after the prompt: 2 physical blocks, both shared by the 2 samples (reference count 2)
+    # after the prompt: 2 physical blocks, both shared by the 2 completions (reference count 2)
     assert "P0 ████ ×2" in prefill and "P1 ██░░ ×2" in prefill and "(2/8 in use)" in prefill
     assert "L0→P0 L1→P1" in prefill and "fork" in prefill
-    # the first sample's write copies the partly filled shared block; the second writes in place
+    # the first completion's write copies the partly filled shared block; the second writes in place
     assert "copy-on-write" in cow and "P1 was copied to P2" in cow
     assert "into its copy P2" in cow and "into P1 in place" in cow and "(3/8 in use)" in cow
     assert "r/0        L0→P0 L1→P2" in cow and "r/1        L0→P0 L1→P1" in cow

@@ -418,7 +418,7 @@ REPORT_KEYS = {
     "scheduling.policy",
     "scheduling.requests",
     "scheduling.failed_requests",
-    "scheduling.samples",
+    "scheduling.completions",
     "scheduling.preemptions",
     "scheduling.peak_running_seqs",
     "scheduling.naive_max_seqs",
@@ -548,7 +548,7 @@ def test_version_and_help_everywhere():
         assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text), option
 
 
-def test_a_pool_too_small_for_its_samples_completes_with_the_records_of_a_roomy_one(tmp_path):
+def test_a_pool_too_small_for_its_completions_completes_with_the_records_of_a_roomy_one(tmp_path):
     """Two lines of n=4, 20 tokens each, in 8 blocks of the demo model: sequences are preempted and
     recomputed, and some steps have no row that samples (their lm_head gets no rows; the panel GEMM
     was handed 0 rows and died of SIGFPE). The run completes with the greedy records of a pool that

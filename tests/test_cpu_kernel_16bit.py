@@ -92,8 +92,8 @@ def test_half_kernel_underflowing_probabilities(dtype):
     check_sequences(out, q, kc, vc, meta, 60.0)
 
 
-def test_half_kernel_serves_samples_sharing_prompt_blocks_together(dtype, monkeypatch):
-    """20 samples sharing 3 prompt blocks: attended together, each equals itself run alone, bit for bit."""
+def test_half_kernel_serves_completions_sharing_prompt_blocks_together(dtype, monkeypatch):
+    """20 completions sharing 3 prompt blocks: attended together, each equals itself run alone, bit for bit."""
     bs, kvh, hq, d = 4, 2, 6, 16
     gen = torch.Generator().manual_seed(7)
     tables = [[0, 1, 2, 3 + 2 * i, 4 + 2 * i] for i in range(20)]

@@ -81,20 +81,20 @@ def test_static_buffers_match_transformers(tiny_model, loads, impl, num_blocks):
     assert generate(llm) == [[want] for want in expected(path)]
     st = llm.stats
     assert 0 < st.graph_steps < st.steps and st.graph_steps == len(loads)
-    assert (3, 4) in loads and (1, 1) in loads  # a padded bucket; batches shrink as samples finish
+    assert (3, 4) in loads and (1, 1) in loads  # a padded bucket; batches shrink as completions finish
     if num_blocks == 64:
         assert (5, 8) in loads
     assert (st.preemptions > 0) == (num_blocks == 9)
     assert llm.engine.pool.num_used == 0
 
 
-def test_static_buffers_with_samples_sharing_blocks(tiny_model, loads):
-    """n=3 greedy samples fork the prompt's blocks; each copies the partial last block on write."""
+def test_static_buffers_with_completions_sharing_blocks(tiny_model, loads):
+    """n=3 greedy completions fork the prompt's blocks; each copies the partial last block on write."""
     path = tiny_model("llama")
     llm = static_llm(path, block_size=4, num_blocks=64, max_num_seqs=12)
     assert generate(llm, n=3) == [[want] * 3 for want in expected(path)]
     assert llm.stats.cow_copies > 0
-    assert (12, 12) in loads  # 15 samples, at most 12 running: the largest bucket, 12, not a power of two
+    assert (12, 12) in loads  # 15 completions, at most 12 running: the largest bucket, 12, not a power of two
 
 
 def test_static_buffers_through_the_cuda_kernels(tiny_model, loads, monkeypatch):

@@ -74,7 +74,7 @@ BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2) and packed_linear.can_p
 def test_c_step_gives_the_bits_of_the_layer_by_layer_path(
     tiny_model, steps, monkeypatch, dtype, kv, quantization
 ):
-    """Seeded n=3 sampling (the samples fork the prompt's blocks, copy-on-write) with logprobs:
+    """Seeded n=3 sampling (the completions fork the prompt's blocks, copy-on-write) with logprobs:
     tokens and log-probabilities exactly equal with the C step and without it, in float32 (with a
     float32 or 16-bit pool, float32 or int8 weights) and in bfloat16 (the same panel GEMMs, K/V
     writes and C chains, layer by layer or in one call)."""

@@ -9,12 +9,12 @@ from models import hf_greedy, submit
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.model.loader import ModelLoadError
-from pagedinfer.seeding import sample_seed
+from pagedinfer.seeding import completion_seed
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    """Prefix caching off: these tests count sharing among one request's samples alone (across
+    """Prefix caching off: these tests count sharing among one request's completions alone (across
     generate calls the cache would serve the repeated prompts; see test_prefix_cache.py)."""
     return LLM(str(tiny_model("llama")), block_size=4, num_blocks=200, enable_prefix_caching=False, **ENGINE)
 
@@ -24,8 +24,8 @@ def ids(n, seed=0):
     return {"prompt_token_ids": [rng.randrange(2, 256) for _ in range(n)]}
 
 
-def test_two_samples_through_the_engine(llama):
-    """Seed 000's figure 6 through the real engine: 2 blocks after the prompt, 3 after both samples write."""
+def test_two_completions_through_the_engine(llama):
+    """Seed 000's figure 6 through the real engine: 2 blocks after the prompt, 3 after both completions write."""
     engine = llama.engine
     engine.reset_stats()
     engine.enable_trace()
@@ -38,12 +38,12 @@ def test_two_samples_through_the_engine(llama):
         engine.trace = engine.pool.events = None
     p0, p1 = prefill["tables"]["0/0"]
     assert prefill["tables"]["0/1"] == [p0, p1]
-    assert prefill["ref_counts"] == {p0: 2, p1: 2}  # both samples point at both prompt blocks
-    assert len(first_write["copies"]) == 1  # sample 0 copies the shared partial block...
+    assert prefill["ref_counts"] == {p0: 2, p1: 2}  # both completions point at both prompt blocks
+    assert len(first_write["copies"]) == 1  # completion 0 copies the shared partial block...
     src, dst = first_write["copies"][0]
     assert src == p1
     assert first_write["tables"]["0/0"] == [p0, dst]
-    assert first_write["tables"]["0/1"] == [p0, p1]  # ...sample 1 then writes P1 in place
+    assert first_write["tables"]["0/1"] == [p0, p1]  # ...completion 1 then writes P1 in place
     assert first_write["ref_counts"] == {p0: 2, p1: 1, dst: 1}
     assert engine.stats.blocks_used[:2] == [2, 3]
     assert engine.stats.cow_copies == 1
@@ -61,18 +61,18 @@ def test_b_and_c_admitted_together(tiny_model):
     engine.step()  # B writes its 7th K/V, C its 6 prompt K/V
     assert engine.stats.blocks_used[-1] == 4
     assert engine.stats.slots_filled[-1] == 13  # 16 slots allocated, 3 still empty
-    table = b.samples[0].block_table
+    table = b.completions[0].block_table
     assert len(table) == 2 and engine.pool.slot(table, 6) == table[1] * 4 + 2
     engine.step()  # B: 8 K/V, still 2 blocks
-    assert len(b.samples[0].block_table) == 2
+    assert len(b.completions[0].block_table) == 2
     engine.step()  # B: 9 K/V, one new block
-    assert len(b.samples[0].block_table) == 3
+    assert len(b.completions[0].block_table) == 3
     while engine.has_unfinished:
         engine.step()
     assert engine.pool.num_used == 0 and engine.stats.preemptions == 0
 
 
-def test_n_greedy_samples_equal_n1_and_prompt_computed_once(llama):
+def test_n_greedy_completions_equal_n1_and_prompt_computed_once(llama):
     prompt = ids(13, 3)
     one = llama.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     four = llama.generate(prompt, SamplingParams(n=4, temperature=0, max_tokens=8), use_tqdm=False)[0]
@@ -82,7 +82,7 @@ def test_n_greedy_samples_equal_n1_and_prompt_computed_once(llama):
     assert len(eight.outputs) == 8
     assert llama.stats.prompt_tokens_computed == 13  # prefilled once, not 8 times
     assert llama.stats.prompt_tokens_requested == 8 * 13
-    # 3 full prompt blocks are shared by all 8 samples; the partial one is copied by 7 of them
+    # 3 full prompt blocks are shared by all 8 completions; the partial one is copied by 7 of them
     assert llama.stats.cow_copies == 7
     assert llama.stats.blocks_saved_by_sharing == 8 * 4 - (3 + 8)
 
@@ -99,12 +99,12 @@ def test_seeded_sampling_is_reproducible_alone_and_amid_others(llama):
     )[4]
     tokens = [o.token_ids for o in alone.outputs]
     assert tokens == [o.token_ids for o in again.outputs] == [o.token_ids for o in mixed.outputs]
-    assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
+    assert len({tuple(t) for t in tokens}) > 1  # the completions differ from each other
 
 
 def test_same_seed_gives_different_prompts_different_noise():
     def noise(prompt, index, seed=7):
-        gen = torch.Generator().manual_seed(sample_seed(seed, index, prompt))
+        gen = torch.Generator().manual_seed(completion_seed(seed, index, prompt))
         return torch.empty(16).exponential_(generator=gen)
 
     assert torch.equal(noise([1, 2, 3], 0), noise([1, 2, 3], 0))

@@ -1,5 +1,5 @@
 """pagedinfer's own Llama-family modeling: chosen when it applies, refused clearly when it does not,
-its C chains equal to their torch form, and greedy parity with transformers when samples share blocks.
+its C chains equal to their torch form, and greedy parity with transformers when completions share blocks.
 
 The greedy parity of every family, with and without preemption, through the kernels and with chunked
 prefill, runs in test_parity.py for both implementations.
@@ -130,8 +130,8 @@ def test_bfloat16_c_chains_round_like_transformers_modules():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_parallel_samples_share_blocks_and_match_transformers(tiny_model, family):
-    """n=3 greedy samples fork the prompt's blocks (the partial last one copied on write) on the fast path."""
+def test_parallel_completions_share_blocks_and_match_transformers(tiny_model, family):
+    """n=3 greedy completions fork the prompt's blocks (the partial last one copied on write) on the fast path."""
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (6, 13)]
     path = tiny_model(family)
@@ -141,7 +141,7 @@ def test_parallel_samples_share_blocks_and_match_transformers(tiny_model, family
     for prompt, out in zip(prompts, outs, strict=True):
         want = hf_greedy(path, prompt, 10)
         assert [c.token_ids for c in out.outputs] == [want] * 3
-    assert llm.stats.prompt_tokens_computed == 6 + 13  # each prompt computed once for its 3 samples
+    assert llm.stats.prompt_tokens_computed == 6 + 13  # each prompt computed once for its 3 completions
 
 
 def test_cli_model_impl_option(tmp_path):

@@ -209,7 +209,7 @@ PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 30)]
 
 
 def run(path: Path, monkeypatch, **kw) -> tuple[list, int]:
-    """Seeded n=2 samples with logprobs (and the number of one-call decode steps taken)."""
+    """Seeded n=2 completions with logprobs (and the number of one-call decode steps taken)."""
     steps = count_one_call_steps(monkeypatch)
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=12, logprobs=2, ignore_eos=True)
     llm = LLM(str(path), block_size=4, num_blocks=128, **{**ENGINE, "dtype": "auto", **kw})

@@ -123,7 +123,7 @@ def test_choice_yields_only_the_choices(text_llm):
     choices = ["yes", "no", "not sure"]
     got = structured(text_llm, ["hello world", "the quick", "emoji"], choice=choices)
     assert all(c.text in choices and c.finish_reason == "stop" for c in got)
-    assert len({c.text for c in got}) > 1  # the samples (each its own matcher) differ
+    assert len({c.text for c in got}) > 1  # the completions (each its own matcher) differ
 
 
 def test_regex_outputs_match(text_llm):

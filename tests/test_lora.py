@@ -174,7 +174,7 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_model, loras):
     assert llm.stats.prefix_cache_hits == 19
 
 
-def test_n_samples_of_an_adapter_line_share_their_prompt(tiny_model, loras):
+def test_n_completions_of_an_adapter_line_share_their_prompt(tiny_model, loras):
     base, adapters = tiny_model("llama"), loras("llama")
     llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, **ENGINE)
     params = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
@@ -185,7 +185,7 @@ def test_n_samples_of_an_adapter_line_share_their_prompt(tiny_model, loras):
         lora_request=_request("r8", adapters["r8"]),
     )
     assert out.error is None and len(out.outputs) == 4
-    assert llm.stats.prompt_tokens_computed == 18  # prefilled once for the 4 samples
+    assert llm.stats.prompt_tokens_computed == 18  # prefilled once for the 4 completions
 
 
 def _adapter_of_another_llama(root: Path, name: str, **overrides) -> Path:

@@ -111,7 +111,7 @@ def test_lpm_admission_keeps_interleaved_families_cached_under_a_small_pool(tiny
     assert lpm.prefix_cache_evictions < fcfs.prefix_cache_evictions
 
 
-def test_a_resumed_sample_continues_from_its_cached_generated_blocks(tiny_model):
+def test_a_resumed_completion_continues_from_its_cached_generated_blocks(tiny_model):
     """test_scheduler's preemption case through the model: the second request is preempted after
     generating 2 tokens into a full block; on its return it takes that block from the cache instead
     of recomputing it, and its greedy tokens are those of a run without preemption."""

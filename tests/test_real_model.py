@@ -162,13 +162,13 @@ def test_factual_answer(llm):
 def test_seeded_sampling_reproducible_alone_and_amid_other_requests(llm, chat_ids):
     seeded = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=1234, max_tokens=24)
     alone = llm.generate({"prompt_token_ids": chat_ids[2]}, seeded, use_tqdm=False)[0]
-    samples = [o.token_ids for o in alone.outputs]
-    assert len({tuple(s) for s in samples}) > 1  # really sampled: the 4 samples differ
+    completions = [o.token_ids for o in alone.outputs]
+    assert len({tuple(s) for s in completions}) > 1  # really sampled: the 4 completions differ
     others = SamplingParams(n=2, temperature=1.0, max_tokens=40)
     batch = [{"prompt_token_ids": ids} for ids in chat_ids[:5]]
     params = [others, others, seeded, others, SamplingParams(temperature=0, max_tokens=8)]
     amid = llm.generate(batch, params, use_tqdm=False)[2]
-    assert [o.token_ids for o in amid.outputs] == samples
+    assert [o.token_ids for o in amid.outputs] == completions
 
 
 @real_model

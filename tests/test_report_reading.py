@@ -61,10 +61,12 @@ def test_the_sharing_row_says_what_shared_the_blocks(model):
     llm.generate(prompts, SamplingParams(n=1, max_tokens=8, ignore_eos=True), use_tqdm=False)
     stats = llm.stats
     assert stats.blocks_saved_by_sharing == 3 and stats.prefix_cache_blocks_reused == 3
-    assert stats.prompt_tokens_saved_by_sharing == 0  # n = 1: nothing shared among samples
+    assert stats.prompt_tokens_saved_by_sharing == 0  # n = 1: nothing shared among completions
     row = _sharing_row(stats)
     saved = report.human_bytes(3 * stats.bytes_per_block)
-    assert f"3 blocks ({saved}) saved by sharing · through the prefix cache" in row and "samples" not in row
+    assert (
+        f"3 blocks ({saved}) saved by sharing · through the prefix cache" in row and "completions" not in row
+    )
 
     llm = LLM(model, device="cpu", block_size=4, num_blocks=64, enable_prefix_caching=False)
     llm.generate(prompts, SamplingParams(n=1, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -75,11 +77,11 @@ def test_the_sharing_row_says_what_shared_the_blocks(model):
 
     llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=1), use_tqdm=False)
     assert llm.stats.blocks_saved_by_sharing == 3
-    assert "saved by sharing · among a prompt's samples" in _sharing_row(llm.stats)
+    assert "saved by sharing · among a prompt's completions" in _sharing_row(llm.stats)
 
     llm = LLM(model, device="cpu", block_size=4, num_blocks=64)
     llm.generate(prompts, SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=1), use_tqdm=False)
-    assert "saved by sharing · among samples and through the prefix cache" in _sharing_row(llm.stats)
+    assert "saved by sharing · among completions and through the prefix cache" in _sharing_row(llm.stats)
 
 
 def test_blocks_names_every_prompt_that_forked_in_a_step(model, tmp_path):
@@ -94,9 +96,9 @@ def test_blocks_names_every_prompt_that_forked_in_a_step(model, tmp_path):
     tables = json.loads(trace.read_text())["steps"][0]["tables"]
     a, b = (tables[f"{r}/0"] for r in "ab")
     assert forks == [
-        f"⑂ fork       a: 2 samples took references to the prompt's blocks [P{a[0]}, P{a[1]}] (no copy); "
+        f"⑂ fork       a: 2 completions took references to the prompt's blocks [P{a[0]}, P{a[1]}] (no copy); "
         "the prompt sequence then dropped its own",
-        f"⑂ fork       b: 3 samples took references to the prompt's blocks [P{b[0]}, P{b[1]}] (no copy); "
+        f"⑂ fork       b: 3 completions took references to the prompt's blocks [P{b[0]}, P{b[1]}] (no copy); "
         "the prompt sequence then dropped its own",
     ]
 

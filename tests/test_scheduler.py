@@ -32,7 +32,7 @@ def _mix(*values: object) -> int:
 
 
 def token_for(req: Request, index: int, position: int) -> int:
-    """The token a sample draws at an output position: a fixed function, as a seeded sampler is."""
+    """The token a completion draws at an output position: a fixed function, as a seeded sampler is."""
     return _mix(req.request_id, index, position) % VOCAB
 
 
@@ -97,12 +97,12 @@ def test_token_budget_splits_a_long_prompt_into_chunks():
     ]
 
 
-def test_admission_stops_at_max_num_seqs_counting_future_samples():
+def test_admission_stops_at_max_num_seqs_counting_future_completions():
     sched = Scheduler(BlockPool(64, 4), max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64)
     for rid, n in (("r1", 3), ("r2", 2), ("r3", 1)):
         sched.add(request(rid, 4, n=n))
     plan, _ = step(sched)
-    assert [s.seq.name for s in plan.batch] == ["r1/prompt"]  # r2's 2 samples would make 5 > 4
+    assert [s.seq.name for s in plan.batch] == ["r1/prompt"]  # r2's 2 completions would make 5 > 4
     assert [r.request_id for r in sched.running] == ["r1"] and len(sched.waiting) == 2  # r3 waits behind
 
 
@@ -114,7 +114,7 @@ def test_admission_needs_free_blocks_for_the_prompt():
     assert [r.request_id for r in sched.running] == ["r1"] and len(sched.waiting) == 1
 
 
-def test_forked_samples_share_the_prompt_row_and_blocks():
+def test_forked_completions_share_the_prompt_row_and_blocks():
     sched = Scheduler(BlockPool(16, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
     req = request("r1", 6, n=3)
     sched.add(req)
@@ -124,10 +124,10 @@ def test_forked_samples_share_the_prompt_row_and_blocks():
         ("r1/1", 0),
         ("r1/2", 0),
     ]
-    tables = [s.block_table for s in req.samples]
+    tables = [s.block_table for s in req.completions]
     assert tables[0] == tables[1] == tables[2] and sched.pool.num_used == 2  # seed 000: 6 tokens, 2 blocks
     assert all(sched.pool.ref_counts[b] == 3 for b in tables[0])
-    plan, _ = step(sched)  # each sample writes position 6 into the shared partial block
+    plan, _ = step(sched)  # each completion writes position 6 into the shared partial block
     assert len(plan.copies) == 2  # the first two writers copy; the last writes the original in place
     assert sched.pool.num_used == 4 and sched.pool.ref_counts[tables[0][0]] == 3
 
@@ -138,18 +138,18 @@ def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
     sched.add(first)
     sched.add(second)
     step(sched)  # both prompts: 2 blocks each, the pool is full
-    before = list(second.samples[0].token_ids)
+    before = list(second.completions[0].token_ids)
     plan, _ = step(sched)  # r1 needs a third block: r2, admitted last, gives its blocks back
     assert plan.preempted == [second] and second.state is RequestState.WAITING
-    assert all(not s.block_table for s in second.samples) and second.samples[0].num_computed == 0
+    assert all(not s.block_table for s in second.completions) and second.completions[0].num_computed == 0
     run(sched)
-    assert second.samples[0].token_ids[: len(before)] == before  # resumed with exactly what it had
-    assert second.samples[0].num_output_tokens == 3 and sched.pool.num_free == 4
+    assert second.completions[0].token_ids[: len(before)] == before  # resumed with exactly what it had
+    assert second.completions[0].num_output_tokens == 3 and sched.pool.num_free == 4
 
 
-def test_a_resumed_sample_restores_its_cached_generated_blocks():
+def test_a_resumed_completion_restores_its_cached_generated_blocks():
     """r2 is preempted with 6 positions computed (3 full blocks: 4 prompt tokens, 2 generated); on its
-    return the prompt recomputes only its last token and the sample starts at position 6."""
+    return the prompt recomputes only its last token and the completion starts at position 6."""
     for caching, resumed in ((True, [(3, 1), (6, 1)]), (False, [(0, 4), (4, 3)])):
         sched = Scheduler(
             BlockPool(7, 2, caching), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64
@@ -170,10 +170,10 @@ def test_a_resumed_sample_restores_its_cached_generated_blocks():
 
 def test_a_request_that_preempts_itself_leaves_nothing_scheduled():
     sched = Scheduler(BlockPool(2, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
-    lone = request("r1", 3, n=2, max_tokens=2)  # prompt: 2 blocks; the samples then need 1 each
+    lone = request("r1", 3, n=2, max_tokens=2)  # prompt: 2 blocks; the completions then need 1 each
     sched.add(lone)
     step(sched)
-    plan, _ = step(sched)  # the first sample copies... no block left for the second: r1 preempts itself
+    plan, _ = step(sched)  # the first completion copies... no block left for the second: r1 preempts itself
     assert plan.preempted == [lone] and plan.batch == [] and plan.targets == [] and plan.copies == []
     assert sched.pool.num_free == 2 and lone.state is RequestState.WAITING
 
@@ -185,7 +185,7 @@ def test_finished_and_failed_requests_hold_no_blocks():
     sched.add(bad)
     step(sched)
     sched.fail(bad, "broken")
-    assert bad.error == "broken" and all(not s.block_table for s in bad.samples)
+    assert bad.error == "broken" and all(not s.block_table for s in bad.completions)
     plans = run(sched)
     assert ok.finished and not ok.error and sched.pool.num_free == 16
     assert all(t.seq.request is ok for p in plans for t in p.targets)
@@ -241,7 +241,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = BlockPool(num_blocks, block_size)
         self.sched = Scheduler(pool, max_seqs, budget, max_model_len=40, schedule_policy=policy)
         self.requests: list[Request] = []
-        self.expected: dict[tuple[str, int], list[int]] = {}  # (request, sample) -> tokens handed out
+        self.expected: dict[tuple[str, int], list[int]] = {}  # (request, completion) -> tokens handed out
         self.steps = 0
         self.arrival: dict[str, int] = {}
         self.finished_at: dict[str, int] = {}
@@ -284,7 +284,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from([r for r in self.requests if r.state is not RequestState.FINISHED]))
         self.sched.fail(req, "failed by the test")
         self.failed.add(req.request_id)
-        assert req.prompt_seq is None and all(not s.block_table for s in req.samples)
+        assert req.prompt_seq is None and all(not s.block_table for s in req.completions)
 
     @rule()
     def step(self):
@@ -301,11 +301,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for t in plan.beam_targets:
             live_beams.setdefault(t.seq.request, []).append(t.seq)
         for req, beams in live_beams.items():  # every live beam of a search computes its last token together
-            assert beams == [s for s in req.samples if not s.finished]
+            assert beams == [s for s in req.completions if not s.finished]
         sampled = fake_sample(plan) if plan.batch else None
         for t, token in zip(plan.targets, sampled.token_ids if sampled else [], strict=True):
             key = (t.seq.request.request_id, t.seq.index)
-            assert t.seq.output_ids == self.expected.get(key, []), "a resumed sample lost or changed tokens"
+            assert t.seq.output_ids == self.expected.get(key, []), (
+                "a resumed completion lost or changed tokens"
+            )
             self.expected.setdefault(key, []).append(token)
         beams = fake_beams(plan) if plan.beam_targets else None
         for req in sched.update(plan, sampled, beams):
@@ -316,7 +318,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         counts = [0] * self.sched.pool.num_blocks
-        for req in self.sched.running:  # only live sequences may hold blocks: finished samples free theirs
+        for req in self.sched.running:  # only live sequences hold blocks: finished completions free theirs
             for seq in req.live_seqs():
                 for block in seq.block_table:
                     counts[block] += 1
@@ -327,20 +329,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finished_requests_hold_nothing_and_kept_their_tokens(self):
         for req in getattr(self, "requests", []):
             if req.state is RequestState.FINISHED:
-                assert req.prompt_seq is None and all(not s.block_table for s in req.samples)
+                assert req.prompt_seq is None and all(not s.block_table for s in req.completions)
                 if req.request_id in self.failed:
                     assert req.error == "failed by the test"
                 elif req.beam is not None:
                     assert req.beam.done and 1 <= len(req.beam.finished) <= req.params.n
                     assert all(h.token_ids and len(h.token_ids) <= req.max_tokens for h in req.beam.finished)
                 else:
-                    for s in req.samples:
+                    for s in req.completions:
                         assert s.output_ids == self.expected[(req.request_id, s.index)]
                         assert s.finish_reason == (
                             "stop" if s.output_ids[-1] in s.request.params.stop_token_ids else "length"
                         )
             elif req.state is RequestState.WAITING:
-                assert all(not s.block_table for s in req.samples)
+                assert all(not s.block_table for s in req.completions)
 
     def teardown(self):
         if not hasattr(self, "sched"):

@@ -27,7 +27,7 @@ class Job:
     dtype: str  # "float32", "bfloat16", "float16": weights and KV, for every system alike
     prompts: tuple[tuple[int, ...], ...]  # token ids
     max_tokens: tuple[int, ...]  # per prompt
-    n: int  # samples per prompt (with beam search: beam.width)
+    n: int  # completions per prompt (with beam search: beam.width)
     temperature: float  # 0: greedy
     seed: int
     beam: Beam | None
@@ -46,7 +46,7 @@ class Job:
 
 @dataclass
 class RunResult:
-    """One timed run: the tokens (``outputs[prompt][sample or beam]``), the KV figure, and details."""
+    """One timed run: the tokens (``outputs[prompt][completion or beam]``), the KV figure, and details."""
 
     outputs: list[list[list[int]]]
     peak_kv_bytes: int

@@ -47,7 +47,7 @@ class PagedinferSystem:
         self._call(self.prompts[:2], [4] * min(2, len(self.prompts)))  # warm-up
 
     def _call(self, prompts: list[dict], max_tokens: list[int]) -> tuple[list, list | None]:
-        """Token ids per prompt per sample (or beam), and the beams' scores."""
+        """Token ids per prompt per completion (or beam), and the beams' scores."""
         job = self.job
         if job.beam is not None:
             try:

@@ -9,11 +9,11 @@ REFERENCE = "pagedinfer"
 
 
 def agreement(ref: list, other: list) -> dict:
-    """Share of sequences identical to the reference's (same prompt, same sample or beam rank), and
+    """Share of sequences identical to the reference's (same prompt, same completion or beam rank), and
     of tokens before the first difference."""
     same = total = prefix = tokens = 0
-    for samples_a, samples_b in zip(ref, other, strict=True):
-        for a, b in zip(samples_a, samples_b, strict=True):
+    for completions_a, completions_b in zip(ref, other, strict=True):
+        for a, b in zip(completions_a, completions_b, strict=True):
             total += 1
             same += a == b
             k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

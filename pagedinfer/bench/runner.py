@@ -57,7 +57,7 @@ class BenchOptions:
     shrink: Shrink = field(default_factory=Shrink)
     threads: int = os.cpu_count() or 1
     block_size: int = 16
-    num_blocks: int | None = None  # None: every sample at full length without sharing
+    num_blocks: int | None = None  # None: every completion at full length without sharing
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     hf_batch_size: int | None = None
@@ -112,7 +112,7 @@ def make_job(w: Workload, opts: BenchOptions, model: BuiltModel, dtype: str) -> 
     prompts, max_tokens = make_prompts(w, model.vocab_size, opts.shrink)
     num_blocks = opts.num_blocks or default_num_blocks(prompts, max_tokens, w.n, opts.block_size)
     gpu = {}
-    if w.device == "cuda":  # as many blocks as max_num_seqs samples at full length can use, at most
+    if w.device == "cuda":  # as many blocks as max_num_seqs completions at full length can use, at most
         longest = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
         if not opts.num_blocks:
             num_blocks = min(num_blocks, opts.max_num_seqs * -(-longest // opts.block_size))
@@ -239,8 +239,10 @@ def _figures(runs: list[RunResult], head: dict, job: Job, rates: dict) -> dict:
 def hbm_bytes(job: Job, weight_bytes: int, head: dict, forward_passes: int) -> int:
     """The least HBM traffic of a run: every forward pass reads the weights once, and every generated
     token reads the K and V of its context once (prompt plus the tokens before it)."""
-    per_sample = sum(m * len(p) + m * (m - 1) // 2 for p, m in zip(job.prompts, job.max_tokens, strict=True))
-    return forward_passes * weight_bytes + job.n * per_sample * head["kv_bytes_per_token"]
+    per_completion = sum(
+        m * len(p) + m * (m - 1) // 2 for p, m in zip(job.prompts, job.max_tokens, strict=True)
+    )
+    return forward_passes * weight_bytes + job.n * per_completion * head["kv_bytes_per_token"]
 
 
 def _one_line(e: BaseException) -> str:

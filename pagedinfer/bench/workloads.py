@@ -17,12 +17,12 @@ class Workload:
     num_prompts: int
     prompt_len: tuple[int, int]  # inclusive range of each prompt's own (drawn) length
     max_tokens: tuple[int, int]  # inclusive range of per-prompt max_tokens (equal ends: one value)
-    n: int  # samples per prompt; with beam search, the beam width
+    n: int  # completions per prompt; with beam search, the beam width
     temperature: float
     seed: int
     hf_batch_size: int | None = None  # prompts per hf_generate batch; None: all in one batch
     shared_prefix: int = 0  # tokens of one system prompt put before every prompt
-    beam_search: bool = False  # beams (width n, length_penalty 1, no early stopping) instead of samples
+    beam_search: bool = False  # beams (width n, length_penalty 1, no early stopping) instead of completions
     systems: tuple[str, ...] = SAMPLING_SYSTEMS
     dtypes: tuple[str, ...] = ("float32",)  # each dtype is run in turn, every system in that dtype
     device: str = "cpu"  # "cuda": a GPU workload (random weights drawn on the device, never saved)
@@ -172,5 +172,5 @@ def make_prompts(w: Workload, vocab: int, shrink: Shrink = Shrink()) -> tuple[li
 
 
 def default_num_blocks(prompts: list[list[int]], max_tokens: list[int], n: int, block_size: int) -> int:
-    """Blocks for every sample at full length with no sharing: nobody preempts, nobody runs out."""
+    """Blocks for every completion at full length with no sharing: nobody preempts, nobody runs out."""
     return sum(n * -(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens, strict=True))

@@ -118,14 +118,14 @@ def run(
             show_default=False,
         ),
     ] = None,
-    n: Annotated[int, typer.Option("-n", help="Samples per prompt.", rich_help_panel=SAMPLING)] = _default(
-        SamplingParams, "n"
-    ),
+    n: Annotated[
+        int, typer.Option("-n", help="Completions per prompt.", rich_help_panel=SAMPLING)
+    ] = _default(SamplingParams, "n"),
     max_tokens: Annotated[
         int | None,
         typer.Option(
             "--max-tokens",
-            help="Most tokens generated per sample. Default: 16 for prompt and token-id lines; chat and "
+            help="Most tokens generated per completion. Default: 16 for prompt and token-id lines; chat and "
             "OpenAI lines generate to the end of the context, as OpenAI and vLLM's server do.",
             show_default=False,
             rich_help_panel=SAMPLING,
@@ -547,8 +547,10 @@ def blocks(
     prompt_tokens: Annotated[
         int, typer.Option("--prompt-tokens", help="Built-in example: prompt length in tokens.")
     ] = 6,
-    n: Annotated[int, typer.Option("-n", help="Built-in example: samples of the prompt.")] = 2,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Built-in example: tokens per sample.")] = 5,
+    n: Annotated[int, typer.Option("-n", help="Built-in example: completions of the prompt.")] = 2,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Built-in example: tokens per completion.")
+    ] = 5,
     num_blocks: Annotated[
         int, typer.Option("--num-blocks", help="Built-in example: blocks in the pool.")
     ] = 8,
@@ -569,7 +571,7 @@ def blocks(
 
     Shows the physical blocks P0..Pn with their reference counts and filled slots, each sequence's
     block table (L0 -> Pk), and every prefill, fork, copy-on-write and block returning to the pool.
-    Without a trace file it runs a tiny offline example: a 6-token prompt, 2 samples, block size 4.
+    Without a trace file it runs a tiny offline example: a 6-token prompt, 2 completions, block size 4.
     """
     from pagedinfer.cli import blocks_view
 
@@ -593,7 +595,7 @@ def blocks(
         except (ModelLoadError, ValueError) as e:
             _usage_error(str(e).splitlines()[0], err)
         title = (
-            f"built-in example: one {prompt_tokens}-token prompt, n={n} samples of {max_tokens} tokens, "
+            f"built-in example: one {prompt_tokens}-token prompt, n={n} completions of {max_tokens} tokens, "
             f"block size {block_size}, {num_blocks} blocks"
         )
     console.print(f"[bold]{title}[/]")
@@ -679,7 +681,7 @@ def bench(
         int | None,
         typer.Option(
             "--num-blocks",
-            help="KV pool blocks for both paged systems (default: every sample at full length without "
+            help="KV pool blocks for both paged systems (default: every completion at full length without "
             "sharing, so neither preempts).",
             show_default=False,
         ),

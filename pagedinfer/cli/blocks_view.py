@@ -2,7 +2,7 @@
 
 Input is a trace: the engine's per-step snapshots (``engine.enable_trace()``), either recorded by
 ``pagedinfer run --trace FILE`` or made here for a tiny built-in example (block size 4, a 6-token
-prompt, 2 samples) on a random-weight Llama built in a temporary directory, so it runs offline.
+prompt, 2 completions) on a random-weight Llama built in a temporary directory, so it runs offline.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _describe_events(events: list[dict], tables: dict) -> list[Text]:
     forks = [e for e in events if e["kind"] == "fork"]
     for e in events:
         if e["kind"] == "cow":
-            who = ", ".join(owners.get(e["block"], [])) or "a sample"
+            who = ", ".join(owners.get(e["block"], [])) or "a completion"
             out.append(
                 Text.assemble(
                     ("  ! copy-on-write  ", "bold red"),
@@ -258,7 +258,7 @@ def _describe_events(events: list[dict], tables: dict) -> list[Text]:
         blocks = "[" + ", ".join(f"P{b}" for b in table) + "]"
         out.append(
             Text(
-                f"  ⑂ fork       {whose}{count} sample{'s' if count > 1 else ''} took references to the "
+                f"  ⑂ fork       {whose}{count} completion{'s' if count > 1 else ''} took references to the "
                 f"prompt's blocks {blocks} (no copy); the prompt sequence then dropped its own",
                 style="yellow",
             )

@@ -148,15 +148,15 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
 
 
 def _shared_by(stats: EngineStats) -> str:
-    """What the blocks saved by sharing were shared by: a prompt's samples (n > 1 or beams), requests
+    """What the blocks saved by sharing were shared by: a prompt's completions (n > 1 or beams), requests
     through the prefix cache, both, or nothing. The engine counts the saving once (logical - physical blocks)."""
-    samples = stats.samples > stats.requests - stats.failed_requests
+    forked = stats.completions > stats.requests - stats.failed_requests
     cache = stats.prefix_cache_blocks_reused > 0
-    if samples and cache:
-        return "among samples and through the prefix cache"
-    if not (samples or cache):
+    if forked and cache:
+        return "among completions and through the prefix cache"
+    if not (forked or cache):
         return "nothing to share: n = 1 and no prefix-cache hit"
-    return "through the prefix cache" if cache else "among a prompt's samples"
+    return "through the prefix cache" if cache else "among a prompt's completions"
 
 
 def render(stats: EngineStats, console: Console) -> None:
@@ -274,7 +274,7 @@ def render(stats: EngineStats, console: Console) -> None:
     rows.add(
         "Scheduling",
         [
-            f"{_plural(stats.samples, 'sample')} of {_plural(stats.requests - stats.failed_requests, 'request')}"
+            f"{_plural(stats.completions, 'completion')} of {_plural(stats.requests - stats.failed_requests, 'request')}"
         ]
         + preempted,
     )
@@ -364,7 +364,7 @@ def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:
         [f"prompt tokens {stats.prompt_tokens_requested:,} requested", *readmitted]
         + [
             f"= [bold]{stats.prompt_tokens_computed:,}[/] computed",
-            f"+ {stats.prompt_tokens_saved_by_sharing:,} saved by sharing among samples",
+            f"+ {stats.prompt_tokens_saved_by_sharing:,} saved by sharing among completions",
             f"+ [bold]{stats.prefix_cache_hits:,}[/] saved by the prefix cache",
         ],
         sep=" ",

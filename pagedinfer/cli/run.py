@@ -415,7 +415,7 @@ class _Run:
         """``--data-parallel``: each line's record or error as a replica returns it."""
         engines, outcome = self.llm, self.outcome
 
-        def on_progress(samples: int) -> None:  # after every replica reply
+        def on_progress(completions: int) -> None:  # after every replica reply
             progress.on_step(engines.progress)
             if self.signals.requested is not None:
                 raise Interrupted

@@ -247,8 +247,9 @@ class BlockPool:
         Returns the block table to start from; the caller computes the remaining tokens. The last
         token is always computed (its logits are sampled), so a fully cached prompt saves all but
         one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)`` (from
-        the sequence's `chain_seed`) when the caller has them already. ``prompt=False`` (a resumed sample's generated tokens)
-        leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits`` alone.
+        the sequence's `chain_seed`) when the caller has them already. ``prompt=False`` (a resumed
+        completion's generated tokens) leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits``
+        alone.
         """
         if not self.enable_prefix_caching:
             return []

@@ -10,7 +10,7 @@ recently admitted request is preempted as a whole (its blocks freed, recomputed 
 
 The plan names, for every sequence that receives a token this step, the logits row it samples
 from; the engine only runs the model and the sampler in between. ``update`` then marks tokens
-computed, forks finished prompts into their samples, appends the sampled tokens, detects stops and
+computed, forks finished prompts into their completions, appends the sampled tokens, detects stops and
 frees what finished. No other module writes a sequence's state.
 
 Prompt logprobs (``SamplingParams.prompt_logprobs``): a prompt chunk of such a request returns the
@@ -64,7 +64,7 @@ class SampleTarget:
     """A sequence that receives a token this step, and the logits row it is drawn from."""
 
     seq: Sequence
-    row: int  # the n samples of a prompt completing this step share the prompt's row
+    row: int  # the n completions of a prompt completing this step share the prompt's row
 
 
 @dataclass
@@ -96,7 +96,7 @@ class SchedulerCounters:
 
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recompute included)
     output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
-    output_tokens_restored: int = 0  # generated tokens a resumed sample found in the prefix cache
+    output_tokens_restored: int = 0  # generated tokens a resumed completion found in the prefix cache
     generated_tokens: int = 0
     preemptions: int = 0
     prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
@@ -126,7 +126,7 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------
     def rejection_reason(self, n_prompt: int, n: int, max_tokens: int, beam: bool = False) -> str | None:
-        """Why a request of ``n_prompt`` tokens and ``n`` samples (or beams) can never run here, or None."""
+        """Why a request of ``n_prompt`` tokens and ``n`` completions (or beams) can never run here, or None."""
         if n_prompt == 0:
             return "the prompt is empty"
         if n_prompt >= self.max_model_len:
@@ -135,7 +135,7 @@ class Scheduler:
                 "(one more is needed to generate)"
             )
         if n > self.max_num_seqs:
-            return f"n={n} samples exceed max_num_seqs={self.max_num_seqs}"
+            return f"n={n} completions exceed max_num_seqs={self.max_num_seqs}"
         if beam and n > self.max_num_batched_tokens:
             return f"beam_width={n} exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
         worst = self.worst_case_blocks(n_prompt, max_tokens, n)
@@ -148,10 +148,10 @@ class Scheduler:
         return None
 
     def worst_case_blocks(self, n_prompt: int, max_tokens: int, n: int) -> int:
-        """Blocks a request holds at its longest: shared full prompt blocks + each sample's own."""
+        """Blocks a request holds at its longest: shared full prompt blocks + each completion's own."""
         shared = n_prompt // self.pool.block_size
-        per_sample = self.pool.blocks_for_tokens(n_prompt + max_tokens - 1) - shared
-        return shared + n * per_sample
+        per_completion = self.pool.blocks_for_tokens(n_prompt + max_tokens - 1) - shared
+        return shared + n * per_completion
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -227,8 +227,8 @@ class Scheduler:
         """Add ``n`` tokens of ``seq`` to the plan, with the targets its logits row feeds."""
         req = seq.request
         ends = seq.num_computed + n == len(seq.token_ids)
-        targets = [seq] if not seq.is_prompt else [] if req.sampled_yet else req.samples
-        sample = ends and bool(targets)  # a resumed request's samples recompute before they sample
+        targets = [seq] if not seq.is_prompt else [] if req.sampled_yet else req.completions
+        sample = ends and bool(targets)  # a resumed request's completions recompute before they sample
         rows = int(sample)
         if seq.is_prompt and req.needs_prompt_logprobs:  # every position's logits, the last one sampled
             rows = n
@@ -298,9 +298,9 @@ class Scheduler:
             num_seqs += req.num_future_seqs()
             if req.num_preemptions:
                 self.counters.prompt_tokens_readmitted += req.num_prompt_tokens
-            if not req.samples:  # a beam search starts from one beam
+            if not req.completions:  # a beam search starts from one beam
                 n = 1 if req.beam is not None else req.params.n
-                req.samples = [self._new_sample(req, i) for i in range(n)]
+                req.completions = [self._new_completion(req, i) for i in range(n)]
             seq = Sequence(req, 0, True, list(req.prompt_token_ids), req.num_prompt_tokens)
             req.prompt_seq = seq
             seq.block_table = pool.match_prefix(seq.token_ids, hashes)
@@ -373,8 +373,8 @@ class Scheduler:
         return {h for r in self.running if r.prompt_seq is not None for h in self._prompt_hashes(r)}
 
     @staticmethod
-    def _new_sample(req: Request, index: int) -> Sequence:
-        generator, detok, state = req.sample_state(index) if req.sample_state else (None, None, None)
+    def _new_completion(req: Request, index: int) -> Sequence:
+        generator, detok, state = req.completion_state(index) if req.completion_state else (None, None, None)
         return Sequence(
             request=req,
             index=index,
@@ -389,7 +389,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free every block of ``req`` and queue it first; its tokens are recomputed on return."""
-        for seq in [req.prompt_seq, *req.samples]:
+        for seq in [req.prompt_seq, *req.completions]:
             if seq is not None:
                 self.pool.free(seq.block_table)
                 seq.num_computed = 0
@@ -470,7 +470,7 @@ class Scheduler:
         blocks are shared, the partly filled last one is copied when first written); a beam with
         no child is pruned and its blocks are freed at once.
         """
-        parents = req.samples
+        parents = req.completions
         running = req.beam.step(candidates, [b.output_ids for b in parents])
         self.counters.generated_tokens += len(parents)
         if not running:  # the search is over: _finish frees every beam
@@ -507,19 +507,19 @@ class Scheduler:
                 self.pool.free(parent.block_table)
         for i, child in enumerate(children):
             child.index = i
-        req.samples = children
+        req.completions = children
 
     def _fork(self, req: Request) -> None:
-        """The prompt is computed: every live sample takes a reference to its blocks (no copy).
+        """The prompt is computed: every live completion takes a reference to its blocks (no copy).
 
-        A sample resumed after a preemption starts from its own longest cached prefix instead, when
+        A completion resumed after a preemption starts from its own longest cached prefix instead, when
         that reaches past the prompt's full blocks: the full blocks of its generated tokens were
         cached before the preemption and, unless evicted since, are not computed again.
         """
         parent, pool = req.prompt_seq, self.pool
         assert parent is not None and parent.num_pending == 0
         prompt_blocks = req.num_prompt_tokens // pool.block_size
-        for seq in req.samples:
+        for seq in req.completions:
             if seq.finished:
                 continue
             seed = chain_seed(req.lora_slot)
@@ -557,7 +557,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED
-        for seq in [req.prompt_seq, *req.samples]:
+        for seq in [req.prompt_seq, *req.completions]:
             if seq is not None:
                 self.pool.free(seq.block_table)
         req.prompt_seq = None

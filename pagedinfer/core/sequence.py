@@ -1,7 +1,7 @@
-"""Requests and their sequences: the prompt sequence that is prefilled once, and the n samples forked from it.
+"""Requests and their sequences: the prompt sequence that is prefilled once, and the n completions forked from it.
 
 Only the scheduler changes a sequence's state (tokens computed, tokens appended, finished); the
-engine reads them to build outputs. No tensors here: a sample's random source, its incremental
+engine reads them to build outputs. No tensors here: a completion's random source, its incremental
 detokenizer and its logits processors' state (a grammar matcher) are made by the engine and held
 as opaque objects.
 """
@@ -25,7 +25,7 @@ class RequestState(enum.Enum):
 
 
 class TextStream(Protocol):
-    """A sample's incremental detokenizer: text so far, and stop-string detection per token."""
+    """A completion's incremental detokenizer: text so far, and stop-string detection per token."""
 
     text: str
 
@@ -33,9 +33,9 @@ class TextStream(Protocol):
 
 
 class LogitsStateLike(Protocol):
-    """A sample's logits processors' state (`pagedinfer.logits.processor.LogitsState`)."""
+    """A completion's logits processors' state (`pagedinfer.logits.processor.LogitsState`)."""
 
-    finished: bool  # its grammar is complete: the sample stops
+    finished: bool  # its grammar is complete: the completion stops
 
     def accept(self, token: int) -> None: ...
 
@@ -44,21 +44,21 @@ class LogitsStateLike(Protocol):
 
 @dataclass(eq=False)
 class Sequence:
-    """One row of K/V in the pool: the prompt sequence, or one sample after the fork.
+    """One row of K/V in the pool: the prompt sequence, or one completion after the fork.
 
     ``token_ids`` holds prompt + generated tokens; the first ``num_computed`` have K/V in the pool.
     The tokens still to compute are ``token_ids[num_computed:]``: a prompt (chunk), the one token
-    sampled last step, or, after a preemption, a sample's whole output being recomputed.
+    sampled last step, or, after a preemption, a completion's whole output being recomputed.
     """
 
     request: Request
-    index: int  # sample index (0 for the prompt sequence, which samples none itself)
+    index: int  # completion index (0 for the prompt sequence, which samples none itself)
     is_prompt: bool
     token_ids: list[int]
     num_prompt_tokens: int
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
-    generator: Any = None  # the sampler's random source for this sample (opaque here)
+    generator: Any = None  # the sampler's random source for this completion (opaque here)
     detok: TextStream | None = None
     logits_state: LogitsStateLike | None = None  # forked with the sequence, told every appended token
     cumulative_logprob: float = 0.0
@@ -103,13 +103,13 @@ class Sequence:
         )
 
 
-# sample index -> (generator, detokenizer, logits state)
-SampleState = Callable[[int], tuple[Any, "TextStream | None", "LogitsStateLike | None"]]
+# completion index -> (generator, detokenizer, logits state)
+CompletionState = Callable[[int], tuple[Any, "TextStream | None", "LogitsStateLike | None"]]
 
 
 @dataclass(eq=False)
 class Request:
-    """One prompt with its sampling parameters; runs as one prompt sequence, then n samples."""
+    """One prompt with its sampling parameters; runs as one prompt sequence, then n completions."""
 
     request_id: str
     order: int  # position in the caller's input (outputs come back in this order)
@@ -117,15 +117,15 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens capped by the model's context
-    sample_state: SampleState | None = None  # made by the engine; None: greedy rows need no state
+    completion_state: CompletionState | None = None  # made by the engine; None: greedy rows need no state
     state: RequestState = RequestState.WAITING
     prompt_seq: Sequence | None = None
-    samples: list[Sequence] = field(default_factory=list)  # made at first admission
+    completions: list[Sequence] = field(default_factory=list)  # made at first admission
     error: str | None = None
     num_preemptions: int = 0
     num_overtaken: int = 0  # later arrivals admitted before it (the ``lpm`` policy's starvation bound)
     prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
-    beam: BeamSearch | None = None  # set for beam search: ``samples`` are then the live beams, best first
+    beam: BeamSearch | None = None  # set for beam search: ``completions`` are then the live beams, best first
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_upto: int = 1  # positions below this have their entry
@@ -145,40 +145,42 @@ class Request:
         return len(self.prompt_token_ids)
 
     def live_seqs(self) -> list[Sequence]:
-        """The sequences that still run: the prompt sequence until the fork, then unfinished samples."""
+        """The sequences that still run: the prompt sequence until the fork, then unfinished completions."""
         if self.prompt_seq is not None:
             return [self.prompt_seq]
-        return [s for s in self.samples if not s.finished]
+        return [s for s in self.completions if not s.finished]
 
     def num_future_seqs(self) -> int:
-        """Sequences this request occupies in a batch, counting samples not forked yet."""
-        if not self.samples or (self.beam is not None and not self.beam.done):
+        """Sequences this request occupies in a batch, counting completions not forked yet."""
+        if not self.completions or (self.beam is not None and not self.beam.done):
             return self.params.n  # a beam search runs up to beam_width (= n) beams
-        return sum(not s.finished for s in self.samples)
+        return sum(not s.finished for s in self.completions)
 
     @property
     def sampled_yet(self) -> bool:
-        """Whether its samples hold generated tokens (a resumed request's prompt then samples none)."""
-        return any(s.num_output_tokens for s in self.samples)
+        """Whether its completions hold generated tokens (a resumed request's prompt then samples none)."""
+        return any(s.num_output_tokens for s in self.completions)
 
     @property
     def finished(self) -> bool:
         if self.beam is not None:
             return self.error is not None or self.beam.done
-        return self.error is not None or (bool(self.samples) and all(s.finished for s in self.samples))
+        return self.error is not None or (
+            bool(self.completions) and all(s.finished for s in self.completions)
+        )
 
     def completion_tokens(self) -> int:
-        """Tokens the caller gets back: every sample's, or the finished beams' (not those search pruned)."""
+        """Tokens the caller gets back: every completion's, or the finished beams' (not those search pruned)."""
         if self.beam is not None:
             return sum(len(h.token_ids) for h in self.beam.finished)
-        return sum(len(s.output_ids) for s in self.samples)
+        return sum(len(s.output_ids) for s in self.completions)
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.to_output() for s in self.samples],
+            outputs=[s.to_output() for s in self.completions],
             finished=self.finished,
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,

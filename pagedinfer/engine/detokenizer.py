@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string matching for one sample.
+"""Incremental detokenization and stop-string matching for one completion.
 
 Text grows one token at a time through `tokenizers`' DecodeStream, which holds back bytes until
 they form whole UTF-8 characters, so a Korean syllable or an emoji is never emitted in halves.

@@ -43,7 +43,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # beam search: n = beam_width, greedy
     max_tokens: int  # params.max_tokens capped by the context
-    seed: int  # the base seed of its samples (drawn once here when params give none)
+    seed: int  # the base seed of its completions (drawn once here when params give none)
     beam: BeamSearchParams | None = None
     lora_slot: int = 0  # its adapter's slot (0: the base model)
 

@@ -14,7 +14,7 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import PromptRows, SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
-from pagedinfer.core.sequence import Request, RequestState, SampleState
+from pagedinfer.core.sequence import CompletionState, Request, RequestState
 from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.intake import EngineRequest, Rejected
@@ -32,7 +32,7 @@ from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, logprob_entries, sample
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
-from pagedinfer.seeding import sample_seed
+from pagedinfer.seeding import completion_seed
 
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
 
@@ -203,7 +203,7 @@ class LLMEngine:
 
     def params_error(self, params: SamplingParams | BeamSearchParams) -> str | None:
         """Why ``params`` cannot run on this model (the checks `SamplingParams` cannot make alone);
-        intake calls it once per request, and a grammar is compiled here (cached for its samples)."""
+        intake calls it once per request, and a grammar is compiled here (cached for its completions)."""
         vocab = self.vocab_size
         if isinstance(params, BeamSearchParams):
             if params.structured_outputs is not None and (params.ignore_eos or not self.loaded.eos_token_ids):
@@ -253,7 +253,7 @@ class LLMEngine:
             max_tokens=prepared.max_tokens,
             lora_slot=prepared.lora_slot,
         )
-        req.sample_state = self._sample_state(req, prepared.seed)
+        req.completion_state = self._completion_state(req, prepared.seed)
         if (beam := prepared.beam) is not None:
             stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
             req.beam = BeamSearch(
@@ -261,19 +261,19 @@ class LLMEngine:
             )
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
-        self.stats.samples += params.n
+        self.stats.completions += params.n
         self.stats.lora_use(req.lora_slot).add_request(req.num_prompt_tokens)
         self.scheduler.add(req)
         return req
 
-    def _sample_state(self, req: Request, base_seed: int) -> SampleState:
-        """Sample ``i``'s random source, detokenizer and processor states (a grammar matcher), made when
-        the scheduler creates the sample."""
+    def _completion_state(self, req: Request, base_seed: int) -> CompletionState:
+        """Completion ``i``'s random source, detokenizer and processor states (a grammar matcher), made when
+        the scheduler creates the completion."""
         tok, p = self.loaded.tokenizer, req.params
 
         def make(index: int) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
             gen = torch.Generator()
-            gen.manual_seed(sample_seed(base_seed, index, req.prompt_token_ids))
+            gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
             state = self.logits.new_state(p)
             if tok is None:
                 return gen, None, state
@@ -332,7 +332,7 @@ class LLMEngine:
         """One token per target (a step that raises here is isolated by the generation loop); a row a
         constraint leaves no token fails its request alone."""
         at = [t.row for t in targets]
-        if at != list(range(logits.shape[0])):  # forked samples share their prompt's row
+        if at != list(range(logits.shape[0])):  # forked completions share their prompt's row
             logits = logits[torch.tensor(at, device=logits.device)]  # [len(targets), V]
         result = sample(logits, rows, self.logits)
         for i in result.no_token:

@@ -5,7 +5,7 @@ than a window of them are unfinished (`GenerationLoop.stream`); a Ray replica pu
 steps for a time budget (`add`, `step`). Either way a step that raises (a request the model, the
 sampler or the detokenizer cannot serve) does not end the others: every request that was inside the
 engine runs again, half apart from half, until the one at fault is alone and fails with the error.
-The others complete as an uninterrupted run would have them: their samples are seeded from their
+The others complete as an uninterrupted run would have them: their completions are seeded from their
 own seeds and restart from their first token. The engine's figures count the reruns too.
 """
 

@@ -59,9 +59,9 @@ class EngineStats:
     cow_copies: int = 0
     requests: int = 0
     failed_requests: int = 0
-    samples: int = 0
+    completions: int = 0
     prompt_tokens: int = 0  # unique prompt tokens of the requests that ran
-    prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every sample would cost
+    prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every completion would cost
     # prefix cache (the pool's counts during this run): prompt tokens looked up at admission, and
     # those its blocks saved from computing
     prefix_cache_queries: int = 0
@@ -198,7 +198,7 @@ class EngineStats:
 
     @property
     def prompt_tokens_saved_by_sharing(self) -> int:
-        """Prompt tokens the n samples (or beams) of a request did not compute again."""
+        """Prompt tokens the n completions (or beams) of a request did not compute again."""
         return self.prompt_tokens_requested - self.prompt_tokens
 
     @property
@@ -275,7 +275,7 @@ class EngineStats:
                 "policy": self.schedule_policy,
                 "requests": self.requests,
                 "failed_requests": self.failed_requests,
-                "samples": self.samples,
+                "completions": self.completions,
                 "preemptions": self.preemptions,
                 "peak_running_seqs": self.peak_running_seqs,
                 "naive_max_seqs": self.naive_max_seqs,

@@ -1,4 +1,4 @@
-"""Structured outputs: every sample of a request follows a JSON schema, a regex, a choice or a grammar.
+"""Structured outputs: every completion of a request follows a JSON schema, a regex, a choice or a grammar.
 
 Grammars are compiled by llguidance (Earley parser over a lazily built lexer; no dependencies, the
 library vLLM's ``guidance`` backend and llama.cpp use): JSON schemas, ``json_object``, regexes, choices,
@@ -10,7 +10,7 @@ a step and are computed while the forward pass runs.
 * `GrammarCompiler`: one compiled matcher per distinct constraint (`StructuredOutputsParams.key`) in
   a bounded LRU cache; every sequence starts from a copy of it. Compiled in `LLMEngine.params_error`
   (so an invalid or unsupported schema is that request's error, naming the problem), reused when the
-  request's samples start.
+  request's completions start.
 * `MatcherState`: one sequence's matcher, told every appended token, forked with a beam. When its
   grammar is complete the sequence stops (finish reason ``stop``); ``max_tokens`` reached before that
   gives ``length``, as OpenAI does.
@@ -41,7 +41,7 @@ class StructuredCounters:
     """Figures of structured outputs since the last reset (`EngineStats.structured`)."""
 
     compiles: int = 0  # constraints compiled (cache misses)
-    cache_hits: int = 0  # requests (or samples) that found their constraint compiled
+    cache_hits: int = 0  # requests (or completions) that found their constraint compiled
     compile_s: float = 0.0
     masks: int = 0  # bitmask rows filled
     mask_s: float = 0.0  # llguidance filling them (in the worker, overlapping the forward pass)
@@ -107,7 +107,7 @@ class GrammarCompiler:
     def template(self, so: StructuredOutputsParams, request: bool = True):
         """The compiled matcher of ``so`` (from the cache, else compiled now). Raises GrammarError.
 
-        ``request``: a request's lookup (counted as a hit); a sample's start looks up quietly.
+        ``request``: a request's lookup (counted as a hit); a completion's start looks up quietly.
         """
         key = so.key
         found = self._cache.get(key)

@@ -4,7 +4,7 @@ A CPU step allocates activations of hundreds of KB to tens of MB (a batch-64 gat
 KB, a prefill's up to 24 MB) and frees them at once. By default glibc serves such sizes with mmap, or
 trims the heap top past a threshold it adapts as it goes, so the next step faults the same pages in
 again and the kernel zeroes them: 1.2-1.6 million minor faults and 6 s of system time in a batch-64
-run of SmolLM2-135M (32 tokens x 64 samples; AMD EPYC, 2 cores), against 0.18 million and 2 s with the
+run of SmolLM2-135M (32 tokens x 64 completions; AMD EPYC, 2 cores), against 0.18 million and 2 s with the
 settings below, and 6-8% less wall time (docs/kernels.md). The cost: up to `TRIM_BYTES` of freed
 memory stays in the process. ``PAGEDINFER_MALLOC_TUNING=0`` leaves malloc as it is.
 """

@@ -3,7 +3,7 @@
 First the logits processors shape the rows that use them (`pagedinfer.logits`: penalties, min_tokens,
 logit_bias, bad_words, allowed_token_ids, grammars). Then greedy rows take the argmax, and sampled
 rows are tempered, filtered (top-k, top-p, min-p) and drawn by inverting their CDF at one uniform
-number from each sample's own generator: the draw depends only on that sample's generator and
+number from each completion's own generator: the draw depends only on that completion's generator and
 logits, never on its neighbours, and costs one scalar of randomness per row. Only rows with a
 processor or logprobs take extra (tensor) work; the log-normaliser over the vocabulary is computed
 only for rows that asked for logprobs, over the model's own logits (before any processor).
@@ -23,7 +23,7 @@ from pagedinfer.outputs import Logprob
 
 @dataclass
 class SampleRow(Row):
-    """What the sampler needs of one logits row: a processor row plus the sample's random source."""
+    """What the sampler needs of one logits row: a processor row plus the completion's random source."""
 
     generator: torch.Generator | None = None  # None only for greedy rows
 
@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], pipeline: LogitsPipeline
         tempered = logits.div_(temps) if all_sampled else logits[picks] / temps  # [Rs, V]
         probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
         cdf = probs.cumsum_(dim=-1)  # [Rs, V]
-        # drawn from each sample's host generator, so a seed gives the same numbers on every device
+        # drawn from each completion's host generator, so a seed gives the same numbers on every device
         gens = [rows[i].generator for i in sampled]
         uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)  # [Rs]
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)

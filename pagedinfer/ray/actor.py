@@ -3,7 +3,7 @@
 A plain class (no Ray import): the driver and the Ray Data processor wrap it in an actor. Rows are
 `(position, LineRequest)` pairs; the replica prepares each one against its own model and pool (the
 one intake, `engine.intake.prepare`), runs it in the one generation loop (`engine.loop`), and
-returns `(position, record or LineError, samples)`. Records are built here, next to the tokenizer,
+returns `(position, record or LineError, completions)`. Records are built here, next to the tokenizer,
 so only rows and finished records cross the network. Nothing raised for one row reaches the caller:
 a row that fails becomes its own `LineError` (the loop isolates a row that makes a step raise).
 
@@ -25,7 +25,7 @@ from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.records import TokenText, success_record
 
 Row = tuple[int, LineRequest]  # (position in the job, the validated line)
-Done = tuple[int, "dict | LineError", int]  # (position, success record or error, samples it counted for)
+Done = tuple[int, "dict | LineError", int]  # (position, success record or error, completions it counted for)
 
 
 @dataclass

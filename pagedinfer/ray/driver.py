@@ -175,7 +175,7 @@ class DataParallelEngines:
     ) -> Iterator[tuple[int, dict | LineError]]:
         """Yield ``(position, record or LineError)`` per row, as rows finish; pulls ``rows`` lazily.
 
-        ``on_progress(samples)`` is called after every replica reply with the samples it finished (it
+        ``on_progress(completions)`` is called after every replica reply with the completions it finished (it
         may raise to stop the run; closing the generator drops the replicas' unfinished work).
         """
         ray = self.ray
@@ -241,7 +241,7 @@ class DataParallelEngines:
                     held[i].pop(pos, None)
                     yield pos, result
                 if on_progress is not None:
-                    on_progress(sum(samples for _, _, samples in done))
+                    on_progress(sum(completions for _, _, completions in done))
                 busy = {j for j, _ in pending.values()}
                 for j in range(len(self.actors)):
                     if j not in busy:

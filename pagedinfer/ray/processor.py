@@ -183,13 +183,13 @@ def output_columns(results: list[dict | LineError]) -> dict[str, list]:
 def _output_types() -> dict:
     import pyarrow as pa
 
-    sample = pa.struct(
+    completion = pa.struct(
         [("text", pa.string()), ("token_ids", pa.list_(pa.int64())), ("finish_reason", pa.string())]
     )
     return {
         "generated_text": pa.string(),
         "generated_tokens": pa.list_(pa.int64()),
-        "outputs": pa.list_(sample),
+        "outputs": pa.list_(completion),
         "num_input_tokens": pa.int64(),
         "num_generated_tokens": pa.int64(),
         "error": pa.string(),
