@@ -3,10 +3,11 @@
 K/V copy into blocks, decode attention, sampling, and the rest (Python, metadata, norms, RoPE).
 
     python scripts/profile_steps.py MODEL_DIR [--dtype float32] [--prompts 64] [--prompt-len 128]
-        [--max-new 64] [--max-num-batched-tokens 4096] [--threads 2]
+        [--max-new 64] [--workload NAME] [--max-num-batched-tokens 4096] [--threads 2]
 
 The default run is workload C of scripts/bench_llamacpp.py (64 random 128-token prompts, 64 greedy
-new tokens each). Every engine step is timed whole (``LLMEngine.step``), and inside it: each linear's
+new tokens each); ``--workload`` runs one of scripts/bench_peers.py's instead (A-D, b1, W1, W3: the
+same prompts, n, temperature and seed as there). Every engine step is timed whole (``LLMEngine.step``), and inside it: each linear's
 call (``PackedLinear`` / ``nn.Linear``, lm_head included; its FLOPs 2 x rows x in x out, so the step's
 GEMM rate), the GEMMs the one-call C decode step clocks itself, each prompt-attention call
 (``PortablePlan._chunks_sdpa``: SDPA over the chunk's rows), the K/V writes (``cpu_kernel.store_kv``),
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument(
+        "--workload", help="one of scripts/bench_peers.py's workloads instead of the prompts above"
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -140,6 +144,17 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_new, ignore_eos=True)
     warm, prompts = prompts[:2], prompts[2:]  # warm-up prompts of their own: no prefix-cache hits later
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    if args.workload:
+        import bench_peers  # beside this script
+
+        w = bench_peers.make_workloads(vocab, (args.workload,), quick=False)[0]
+        prompts = w["prompts"]
+        params = [
+            SamplingParams(
+                n=w["n"], temperature=w["temperature"], max_tokens=m, ignore_eos=True, seed=w["seed"]
+            )
+            for m in w["max_tokens"]
+        ]
     steps.clear()
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -1,6 +1,8 @@
 """Packed CPU linears (oneDNN's layout or cpu_gemm.c's panels): same products as nn.Linear, every Linear
 swapped, tied embeddings intact, the panel kernel chosen per CPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers as tf
@@ -83,13 +85,20 @@ def test_bfloat16_packed_linear_equals_f_linear(panels):
 @pytest.mark.skipif(not BF16_PANELS, reason="cpu_gemm.c has no bfloat16 panels on this CPU (no AVX512-BF16)")
 @pytest.mark.parametrize(
     ("k", "n", "bias", "gated"),
-    [(576, 960, False, False), (64, 70, True, False), (576, 1536, False, True), (64, 34, True, True)],
+    [
+        (576, 960, False, False),
+        (64, 70, True, False),
+        (576, 1536, False, True),
+        (64, 34, True, True),
+        (40, 50, True, False),
+    ],
 )
 def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
     """The pair panels against float32 products of the same bfloat16 values, rounded once as a
     bfloat16 linear rounds (gated: gate and up rounded, silu(gate) rounded, then the product): every
-    row tile (1-12 rows and their remainders), row blocks (300 and 301 rows), a partial last panel,
-    a bias. An odd ``in`` (x is read in pairs) stays with oneDNN."""
+    row tile (1-12 rows and their remainders; from 8 rows AMX tiles where the kernel has them, of up
+    to 32 rows by 2 panels, except for an ``in`` not a multiple of 32: 40), row blocks (300 and 301
+    rows), a partial last panel, a bias. An odd ``in`` (x is read in pairs) stays with oneDNN."""
     torch.manual_seed(6)
     lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias).to(torch.bfloat16)
     panels = packed_linear.PackedLinear(lin, panels=True)
@@ -197,9 +206,10 @@ def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k
     assert panels(torch.randn(3, 1, k)).shape == (3, 1, inter)
 
 
-def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx(tmp_path, monkeypatch):
+def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx_without_tiles(tmp_path, monkeypatch):
     """By default float32 linears take the panel kernel on every CPU, and bfloat16 ones too except
-    on CPUs with AMX, whose bfloat16 tiles oneDNN drives; PAGEDINFER_CPU_GEMM forces either."""
+    on CPUs with AMX where the kernel has no AMX path (oneDNN drives the tiles then);
+    PAGEDINFER_CPU_GEMM forces either."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
@@ -216,7 +226,11 @@ def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx(tmp_path, monk
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "amx_bf16"])
     monkeypatch.delenv("PAGEDINFER_CPU_GEMM")
     assert layouts() == {"panels"}  # float32 with AMX
-    assert not packed_linear.panels_by_default(torch.bfloat16)  # what a bfloat16 model is packed by
+    for amx_tiles in (0, 1):  # cpu_gemm.c built with and without its AMX path
+        fake = SimpleNamespace(gemm_amx=lambda amx_tiles=amx_tiles: amx_tiles)
+        monkeypatch.setattr(packed_linear, "_gemm_library", lambda fake=fake: fake)
+        assert packed_linear.panels_by_default(torch.bfloat16) == bool(amx_tiles)
+        assert packed_linear.panels_by_default(torch.float32)
     monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])
     assert packed_linear.panels_by_default(torch.bfloat16)
 
