@@ -37,7 +37,8 @@
  * 2kp + e] at 32 kp + 2c + e, one 64-byte vector), multiplied by pairs of x with vdpbf16ps into
  * float32 accumulators, 8 rows per tile; the sums are rounded once to bfloat16 as a bfloat16
  * linear's output is, and the gated epilogue rounds gate and up first and silu(gate) again, as
- * cpu_llama_ops.c's bfloat16 silu_mul does. Requires an even k (x is read in pairs).
+ * cpu_llama_ops.c's bfloat16 silu_mul does. Requires an even k (x is read in pairs). With AMX, from
+ * AMX_MIN_ROWS rows and k a multiple of 32, the same panels feed TDPBF16PS as its B tiles.
  *
  * A linear is one or more segments (gemm_segment: a run of output columns in one format, e.g. the
  * fused QKV of a GGUF whose V is Q6_K and Q, K are Q4_K), each written into its columns of y.

@@ -22,6 +22,8 @@ batch-1 decode 2.3x faster). One copy of the weight either way. ``PAGEDINFER_CPU
 bfloat16 linears take the same panels, with k in pairs for vdpbf16ps, where the kernel was built
 with AVX512-BF16 (and ``in`` is even): on the Zen 4 they ran 1.0-1.6x oneDNN's bfloat16 products at
 1-256 rows and 0.95x at 2048, the bits equal, and they let a bfloat16 decode step run in one C call.
+Where the CPU has AMX and the kernel was built for it, 8 rows and more run on the tiles from the
+same panels (1.05-1.5x oneDNN's AMX products at 8-256 rows on an Intel Xeon, docs/kernels.md).
 """
 
 from __future__ import annotations
