@@ -116,6 +116,16 @@ def config(stored: torch.dtype | None) -> LlamaConfig:
 CPU = torch.device("cpu")
 
 
+def test_stored_dtype_never_asks_for_the_deprecated_torch_dtype(monkeypatch):
+    """A GGUF's config has no dtype; asking it for ``torch_dtype`` printed transformers' deprecation
+    warning on every GGUF load."""
+    asked = []
+    monkeypatch.setattr(LlamaConfig, "torch_dtype", property(lambda self: asked.append(1)), raising=False)
+    assert dtype_choice.stored_dtype(config(None)) is None
+    assert dtype_choice.stored_dtype(config(torch.bfloat16)) == torch.bfloat16
+    assert asked == []
+
+
 @pytest.mark.parametrize("stored", [None, torch.float32])
 def test_auto_keeps_float32_for_a_float32_checkpoint_on_any_cpu(stored, monkeypatch):
     monkeypatch.setattr(dtype_choice, "cpu_bf16_flags", lambda: ["amx_bf16"])

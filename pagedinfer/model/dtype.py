@@ -38,8 +38,11 @@ class DTypeChoice:
 
 
 def stored_dtype(config) -> torch.dtype | None:
-    """The dtype the checkpoint's config says its weights are stored in (None when it does not say)."""
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    """The dtype the checkpoint's config says its weights are stored in (None when it does not say).
+
+    transformers >= 5 reads an old config's ``torch_dtype`` into ``dtype``; asking for ``torch_dtype``
+    itself only printed its deprecation warning (on every GGUF load, whose config has no dtype)."""
+    stored = getattr(config, "dtype", None)
     return stored if isinstance(stored, torch.dtype) else torch_dtype(str(stored).removeprefix("torch."))
 
 
