@@ -366,7 +366,7 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
                                uint16_t *y, int64_t ldy, int cols, const float *b, int gated) {
     float c[4][16 * 16] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < m; r0 += 32) {
-        const int ra = m - r0 < 16 ? m - r0 : 16, rb = m - r0 - 16 >= 16 ? 16 : m - r0 - 16 > 0 ? m - r0 - 16 : 0;
+        const int rows = m - r0 < 32 ? m - r0 : 32, ra = rows < 16 ? rows : 16, rb = rows - ra;
         tile_config cfg = {.palette = 1};
         for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
         cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)ra;
@@ -401,7 +401,7 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
             _tile_stored(3, c[3], 64);
             for (int u = 0; u <= two; u++) {
                 const float *bu = b ? b + (t + u) * NR : NULL;
-                for (int r = 0; r < ra + rb; r++)
+                for (int r = 0; r < rows; r++)
                     store_tile_bf16(y + (int64_t)(r0 + r) * ldy + (t + u) * cols,
                                     _mm512_load_ps(c[(r >= 16) * 2 + u] + (r & 15) * 16), bu, gated);
             }

@@ -7,21 +7,25 @@ K/V copy into blocks, decode attention, sampling, and the rest (Python, metadata
 
 The default run is workload C of scripts/bench_llamacpp.py (64 random 128-token prompts, 64 greedy
 new tokens each); ``--workload`` runs one of scripts/bench_peers.py's instead (A-D, b1, W1, W3: the
-same prompts, n, temperature and seed as there). Every engine step is timed whole (``LLMEngine.step``), and inside it: each linear's
-call (``PackedLinear`` / ``nn.Linear``, lm_head included; its FLOPs 2 x rows x in x out, so the step's
-GEMM rate), the GEMMs the one-call C decode step clocks itself, each prompt-attention call
-(``PortablePlan._chunks_sdpa``: SDPA over the chunk's rows), the K/V writes (``cpu_kernel.store_kv``),
-decode attention and the sampler. The 2048^3 GEMM rate of float32 and bfloat16 is measured first in
-the same process, for the GEMM rate to be read against. Prints one row per prompt step, one for the
-decode steps together, and the totals.
+same prompts, n, temperature and seed as there). Every engine step is timed whole
+(``LLMEngine.step``), and inside it: each linear's call (``PackedLinear`` / ``nn.Linear``, lm_head
+included; its FLOPs 2 x rows x in x out, so the step's GEMM rate), the GEMMs the one-call C decode
+step clocks itself, each prompt-attention call (``PortablePlan._chunks_sdpa``: SDPA over the
+chunk's rows), the K/V writes (``cpu_kernel.store_kv``), decode attention and the sampler. The
+2048^3 GEMM rate of float32 and bfloat16 is measured first in the same process, for the GEMM rate
+to be read against. Prints one row per prompt step, one for the decode steps together, and the
+totals.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections import defaultdict
+
+import bench_peers  # beside this script: its workloads (--workload)
 
 import pagedinfer  # noqa: F401 - before torch: its OpenMP spin count (pagedinfer/__init__.py) must precede libgomp's load
 
@@ -34,6 +38,7 @@ from pagedinfer.attention import cpu_kernel, portable_backend
 from pagedinfer.bench.machine import measure_gemm
 from pagedinfer.engine import llm_engine
 from pagedinfer.model import decode_step
+from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.packed_linear import PackedLinear
 
 PARTS = ("gemm", "prompt_attention", "kv_store", "decode_attention", "sampler")
@@ -74,7 +79,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument(
-        "--workload", help="one of scripts/bench_peers.py's workloads instead of the prompts above"
+        "--workload",
+        choices=bench_peers.WORKLOADS,
+        help="one of scripts/bench_peers.py's workloads instead of the prompts above",
     )
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
@@ -83,13 +90,16 @@ def main() -> None:
     rates = {d: measure_gemm(2048, d).flops / 1e9 for d in ("float32", "bfloat16")}
     print(f"2048^3 GEMM: float32 {rates['float32']:.1f} GFLOP/s, bfloat16 {rates['bfloat16']:.1f} GFLOP/s")
     dtype, quantization = ("float32", "int8") if args.dtype == "int8" else (args.dtype, None)
-    llm = LLM(
-        args.model,
-        device="cpu",
-        dtype=dtype,
-        quantization=quantization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            device="cpu",
+            dtype=dtype,
+            quantization=quantization,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except ModelLoadError as e:
+        sys.exit(f"error: {e}")
     clocks = Clocks()
     clocks.wrap(PackedLinear, "forward", "gemm", linear_flops)
     clocks.wrap(nn.Linear, "forward", "gemm", linear_flops)
@@ -145,8 +155,6 @@ def main() -> None:
     warm, prompts = prompts[:2], prompts[2:]  # warm-up prompts of their own: no prefix-cache hits later
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     if args.workload:
-        import bench_peers  # beside this script
-
         w = bench_peers.make_workloads(vocab, (args.workload,), quick=False)[0]
         prompts = w["prompts"]
         params = [
