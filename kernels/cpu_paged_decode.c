@@ -79,81 +79,21 @@ static inline v8 sum_lanes8(const v8 *a) {
 #undef PAIRS
 }
 
-// q . k for one key row (float32: the block as the passes read it): four independent accumulators
-// hide the FMA latency.
-static inline float dot8(const v8 *q, const float *k, int chunks) {
-  v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-  int c = 0;
-  for (; c + 4 <= chunks; c += 4) {
-    s0 += q[c] * load8(k + 8 * c);
-    s1 += q[c + 1] * load8(k + 8 * c + 8);
-    s2 += q[c + 2] * load8(k + 8 * c + 16);
-    s3 += q[c + 3] * load8(k + 8 * c + 24);
-  }
-  for (; c < chunks; ++c) s0 += q[c] * load8(k + 8 * c);
-  return hsum8((s0 + s1) + (s2 + s3));
-}
-
-// State s of `states` prefetches its share of the next block's lines: spread over the block's work,
+// Task s of `tasks` prefetches its share of the next block's lines: spread over the block's work,
 // the reads of the next block overlap its arithmetic. (Issued all at once ahead of a pass, they
 // filled the core's miss buffers: batch-16 calls 1.4x slower, AMD EPYC Zen 3; prefetching two blocks
 // ahead instead of one, or none, was slower too.)
-static inline void prefetch_share(const char *next, size_t lines, int s, int states) {
-  const size_t share = (lines + states - 1) / states, l0 = s * share;
+static inline void prefetch_share(const char *next, size_t lines, int s, int tasks) {
+  const size_t share = (lines + tasks - 1) / tasks, l0 = s * share;
   for (size_t i = l0; i < l0 + share && i < lines; ++i) __builtin_prefetch(next + 64 * i, 0, 3);
 }
 
-// Pass 1 over one block of n K rows for states [0, states) (state j * num_heads + i: query head i
-// of the j-th member): logits[state * lstride + pos, + n). State by state, so the block stays in L1
-// while its query heads read it; each state prefetches its share of the next block's lines.
-static void block_logits(int states, int num_heads, int g, int kc, int lstride, const v8 *qs,
-                         float *logits, int pos, const float *k, int n, size_t k_row, int head_dim,
-                         const char *next, size_t next_lines) {
-  for (int s = 0; s < states; ++s) {
-    prefetch_share(next, next_lines, s, states);
-    const float *kh = k + (size_t)(s % num_heads / g) * head_dim;  // KV head of query head s % num_heads
-    const v8 *qv = qs + s * kc;
-    float *li = logits + (size_t)s * lstride + pos;
-    int t = 0;
-    for (; t + 8 <= n; t += 8) {  // 8 rows at a time: 8 independent FMA chains
-      v8 d[8] = {{0}};
-      for (int c = 0; c < kc; ++c) {
-        const v8 qc = qv[c];
-        for (int r = 0; r < 8; ++r) d[r] += qc * load8(kh + (t + r) * k_row + 8 * c);
-      }
-      const v8 sums = sum_lanes8(d);
-      memcpy(li + t, &sums, sizeof sums);
-    }
-    for (; t < n; ++t) li[t] = dot8(qv, kh + t * k_row, kc);
-  }
-}
-
-// Pass 2 over one block of n V rows: acc[state] += sum over its rows of p[pos + t] * v[t], output
-// chunks 8 vectors at a time in registers over the rows.
-static void block_values(int states, int num_heads, int g, int vc, int lstride, v8 *acc,
-                         const float *probs, int pos, const float *v, int n, size_t v_row,
-                         int head_dim_v, const char *next, size_t next_lines) {
-  for (int s = 0; s < states; ++s) {
-    prefetch_share(next, next_lines, s, states);
-    const float *vh = v + (size_t)(s % num_heads / g) * head_dim_v;
-    const float *p = probs + (size_t)s * lstride + pos;
-    v8 *a = acc + s * vc;
-    for (int c0 = 0; c0 < vc; c0 += 8) {
-      const int w = vc - c0 < 8 ? vc - c0 : 8;
-      v8 o[8];
-      for (int c = 0; c < 8; ++c) o[c] = c < w ? a[c0 + c] : (v8){0};
-      for (int t = 0; t < n; ++t) {
-        const float pt = p[t];
-        const float *vt = vh + t * v_row + 8 * c0;
-        if (w == 8)
-          for (int c = 0; c < 8; ++c) o[c] += pt * load8(vt + 8 * c);
-        else
-          for (int c = 0; c < w; ++c) o[c] += pt * load8(vt + 8 * c);
-      }
-      for (int c = 0; c < w; ++c) a[c0 + c] = o[c];
-    }
-  }
-}
+// The lines a tile of the passes prefetches: tasks [task, task + its 8-row groups) of `tasks`.
+typedef struct {
+  const char *next;
+  size_t lines;
+  int task, tasks;
+} prefetch;
 
 // Softmax of one state's logits row [0, n) in place (probabilities, unnormalised: exp(x - max)),
 // padding lanes to a multiple of 8 set to probability 0; returns the maximum and stores the sum.
@@ -187,6 +127,16 @@ typedef struct {
   int n, pos, j0, j1;
 } piece;
 
+// Query heads of one KV head that share each load of a K/V row chunk (a "tile"): with AVX-512's 32
+// vector registers, 3 heads x 8 rows of logit accumulators + 3 query chunks fit, and a 16-bit pool
+// is widened in registers, once per load for all 3 heads. With AVX2's 16 registers one head at a
+// time, and 16-bit blocks are widened into a float32 buffer first (WIDEN_BLOCKS below).
+#ifdef __AVX512F__
+#define HEAD_TILE 3
+#else
+#define HEAD_TILE 1
+#endif
+
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -200,7 +150,9 @@ typedef struct {
 #undef STORE8
 #undef FN
 
-#define WIDEN_BLOCKS  // the 16-bit instantiations below
+#if HEAD_TILE == 1  // the 16-bit instantiations below, one head a tile (HEAD_TILE says why)
+#define WIDEN_BLOCKS
+#endif
 #define ELEM uint16_t
 #define LOAD8 load8_bf16
 #define STORE8 store8_bf16

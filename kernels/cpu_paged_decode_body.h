@@ -2,11 +2,12 @@
 // is the element type of the K/V pool, LOAD8 widens 8 of them to a v8 of floats and STORE8 narrows
 // one back; QELEM, QLOAD8 and QSTORE8 the same for the queries, the new K/V rows and the output (the
 // activations: ELEM's where undefined; float32 over a 16-bit pool with --kv-cache-dtype); FN(name)
-// gives each instantiation its own names; WIDEN_BLOCKS (16-bit
-// elements) widens each K/V block to float32 once, into a per-thread buffer, before its query heads
-// read it (every row is read by all the query heads of its KV head and by every sequence sharing
-// the block: widening on each read repeated the conversion that many times). Logits, softmax and
-// the output accumulators are float32 in every instantiation.
+// gives each instantiation its own names. Every row is read by all the query heads of its KV head and
+// by every sequence sharing the block; so that a 16-bit row is not widened that many times, the
+// query heads of a KV head go in tiles sharing each load (HEAD_TILE of them with AVX-512), and
+// where a tile is one head (AVX2) WIDEN_BLOCKS (16-bit elements) widens each K/V block to float32
+// once, into a per-thread buffer, before its heads read it. Logits, softmax and the output
+// accumulators are float32 in every instantiation.
 //
 // Two passes over a sequence's context, not an online softmax block by block: pass 1 reads the K
 // blocks and writes every query head's logits over the whole context, the softmax then runs once
@@ -52,9 +53,18 @@ static inline void FN(touch_lines)(const ELEM *p, size_t n) {
   (void)sink;
 }
 
-// The float32 rows the passes read: the pool's own (float32), or a block widened once into `wide`.
-static inline const float *FN(rows_of)(const ELEM *p, size_t n, int prefetched, float *wide) {
-#ifdef WIDEN_BLOCKS  // one sequential pass over the block, which also brings it into the cache
+// The rows the passes read (ROW): the pool's own, widened in registers as they are loaded, or with
+// one head a tile and a 16-bit pool (AVX2), the block widened to float32 once into `wide`.
+#ifdef WIDEN_BLOCKS
+#define ROW float
+#define ROW_LOAD8 load8
+#else
+#define ROW ELEM
+#define ROW_LOAD8 LOAD8
+#endif
+
+static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, float *wide) {
+#ifdef WIDEN_BLOCKS  // one sequential pass, which also brings it into the cache
   (void)prefetched;
   for (size_t i = 0; i < n; i += 8) store8(wide + i, LOAD8(p + i));
   return wide;
@@ -65,26 +75,106 @@ static inline const float *FN(rows_of)(const ELEM *p, size_t n, int prefetched, 
 #endif
 }
 
+// Pass 1 over n K rows (row stride k_row, this KV head's first element at k) for G query heads of
+// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = q_h . k_t. Each K
+// chunk is loaded once for the G heads; 8 rows at a time are 8 independent FMA chains per head.
+static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const v8 *q, int kc,
+                                                                  float *li, int lstride, const ROW *k,
+                                                                  int n, size_t k_row, prefetch pf) {
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+    v8 d[HEAD_TILE][8];
+    for (int h = 0; h < G; ++h)
+      for (int r = 0; r < 8; ++r) d[h][r] = (v8){0};
+    for (int c = 0; c < kc; ++c)
+      for (int r = 0; r < 8; ++r) {
+        const v8 kr = ROW_LOAD8(k + (t + r) * k_row + 8 * c);
+        for (int h = 0; h < G; ++h) d[h][r] += q[h * kc + c] * kr;
+      }
+    for (int h = 0; h < G; ++h) {
+      const v8 sums = sum_lanes8(d[h]);
+      memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
+    }
+  }
+  if (t < n) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+  for (; t < n; ++t) {
+    v8 d[HEAD_TILE];
+    for (int h = 0; h < G; ++h) d[h] = (v8){0};
+    for (int c = 0; c < kc; ++c) {
+      const v8 kr = ROW_LOAD8(k + t * k_row + 8 * c);
+      for (int h = 0; h < G; ++h) d[h] += q[h * kc + c] * kr;
+    }
+    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(d[h]);
+  }
+}
+
+// Pass 2 over n V rows for G query heads: acc[h] += sum over the rows of p[h * lstride + t] * v_t,
+// 8 output chunks at a time in registers (then the rest one at a time); each V chunk loaded once for
+// the G heads. The loops have constant bounds so that the accumulators stay in registers.
+static inline __attribute__((always_inline)) void FN(tile_values)(const int G, v8 *acc, int vc,
+                                                                  const float *p, int lstride,
+                                                                  const ROW *v, int n, size_t v_row,
+                                                                  prefetch pf) {
+  for (int t = 0; t < n; t += 8) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+  int c0 = 0;
+  for (; c0 + 8 <= vc; c0 += 8) {
+    v8 o[HEAD_TILE][8];
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < 8; ++c) o[h][c] = acc[h * vc + c0 + c];
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < 8; ++c) {
+        const v8 vv = ROW_LOAD8(v + t * v_row + 8 * (c0 + c));
+        for (int h = 0; h < G; ++h) o[h][c] += p[(size_t)h * lstride + t] * vv;
+      }
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < 8; ++c) acc[h * vc + c0 + c] = o[h][c];
+  }
+  for (; c0 < vc; ++c0) {
+    v8 o[HEAD_TILE];
+    for (int h = 0; h < G; ++h) o[h] = acc[h * vc + c0];
+    for (int t = 0; t < n; ++t) {
+      const v8 vv = ROW_LOAD8(v + t * v_row + 8 * c0);
+      for (int h = 0; h < G; ++h) o[h] += p[(size_t)h * lstride + t] * vv;
+    }
+    for (int h = 0; h < G; ++h) acc[h * vc + c0] = o[h];
+  }
+}
+
 // One pass over every piece of a group's context: its K rows into the logit rows (values = 0), or
-// its V rows into the accumulators (values = 1). The next piece's lines are prefetched during each
-// piece, and after the last one the first piece's lines in `then` (the V pool after the K pass;
-// NULL: none).
+// its V rows into the accumulators (values = 1), tile by tile (state j * num_heads + i: query head
+// i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head). The next piece's
+// lines are prefetched during each piece, each tile its share, and after the last one the first
+// piece's lines in `then` (the V pool after the K pass; NULL: none).
 static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, const ELEM *then,
                      size_t row, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
                      v8 *acc, float *logits, int head_dim, float *wide) {
+  const int tiles_per_kv = (g + HEAD_TILE - 1) / HEAD_TILE;
   for (int e = 0; e < np; ++e) {
     const piece *pc = pieces + e;
     const ELEM *next = e + 1 < np ? cache + pc[1].slot * row : then ? then + pieces->slot * row : NULL;
     const int next_n = e + 1 < np ? pc[1].n : then ? pieces->n : 0;
     const size_t next_lines = ((size_t)next_n * row * sizeof(ELEM) + 63) / 64;
-    const float *rows = FN(rows_of)(cache + pc->slot * row, (size_t)pc->n * row, e > 0, wide);
-    const int s0 = pc->j0 * num_heads, states = (pc->j1 - pc->j0) * num_heads;
-    if (values)
-      block_values(states, num_heads, g, vc, lstride, acc + s0 * vc, logits + (size_t)s0 * lstride, pc->pos,
-                   rows, pc->n, row, head_dim, (const char *)next, next_lines);
-    else
-      block_logits(states, num_heads, g, kc, lstride, qs + s0 * kc, logits + (size_t)s0 * lstride, pc->pos,
-                   rows, pc->n, row, head_dim, (const char *)next, next_lines);
+    const ROW *rows = FN(rows_of)(cache + pc->slot * row, (size_t)pc->n * row, e > 0, wide);
+    const int groups = (pc->n + 7) / 8;  // of 8 rows: each tile prefetches a share per group
+    const int tasks = (pc->j1 - pc->j0) * (num_heads / g) * tiles_per_kv * groups;
+    for (int s = pc->j0 * num_heads, tile = 0; s < pc->j1 * num_heads; ++tile) {
+      const int in_kv = s % num_heads % g, left = g - in_kv;
+      const int G = left < HEAD_TILE ? left : HEAD_TILE;
+      const ROW *kv = rows + (size_t)(s % num_heads / g) * head_dim;
+      float *li = logits + (size_t)s * lstride + pc->pos;
+      const prefetch pf = {(const char *)next, next_lines, tile * groups, tasks};
+      if (values) {
+        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
+        else if (G == 2) FN(tile_values)(2, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
+        else FN(tile_values)(1, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
+      } else {
+        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
+        else if (G == 2) FN(tile_logits)(2, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
+        else FN(tile_logits)(1, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
+      }
+      s += G;
+    }
   }
 }
 
@@ -205,3 +295,5 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const
 #undef QELEM
 #undef QLOAD8
 #undef QSTORE8
+#undef ROW
+#undef ROW_LOAD8
