@@ -361,9 +361,10 @@ typedef struct {
  * panel's 16 pairs of k (64 bytes each) are exactly a TDPBF16PS B tile, so the panels need no other
  * layout. Blocks of up to 32 rows by 2 panels: C tiles 0-3 (rows 0-15 / 16-31 by panel 0 / 1), x
  * tiles 4-5, panel tiles 6-7; the float32 sums then leave through store_tile_bf16 as the vdpbf16ps
- * tiles' do. */
+ * tiles' do. The first block of rows prefetches the next pair of panels (after the last pair: pf),
+ * slice by slice beside its own loads: the tile loads alone left the multiplies waiting on memory. */
 static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p, int64_t pbytes, int np,
-                               uint16_t *y, int64_t ldy, int cols, const float *b, int gated) {
+                               uint16_t *y, int64_t ldy, int cols, const float *b, int gated, const uint8_t *pf) {
     float c[4][16 * 16] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < m; r0 += 32) {
         const int rows = m - r0 < 32 ? m - r0 : 32, ra = rows < 16 ? rows : 16, rb = rows - ra;
@@ -377,11 +378,17 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
         for (int t = 0; t < np; t += 2) {
             const int two = t + 1 < np;
             const uint8_t *p0 = p + t * pbytes, *p1 = p0 + pbytes;
+            const uint8_t *n0 = r0 ? NULL : t + 2 < np ? p0 + 2 * pbytes : pf; /* the pair to prefetch */
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int k0 = 0; k0 < k; k0 += 32) {
+                if (n0)
+                    for (int l = 0; l < 1024; l += 64) {
+                        __builtin_prefetch(n0 + (int64_t)k0 * 32 + l, 0, 3);
+                        __builtin_prefetch(n0 + pbytes + (int64_t)k0 * 32 + l, 0, 3);
+                    }
                 _tile_loadd(4, xa + k0, k * 2);
                 _tile_loadd(6, p0 + (int64_t)k0 * 32, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -431,7 +438,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     const float *b = s->bias ? s->bias + j * NR : NULL, *sc = s->scale ? s->scale + j * NR : NULL;
 #if HAVE_AMX
     if (s->kind == K_BF16 && m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready()) {
-        rows_by_panels_amx((const uint16_t *)x, m, k, p, pbytes, np, (uint16_t *)y, ldy, cols, b, gated);
+        rows_by_panels_amx((const uint16_t *)x, m, k, p, pbytes, np, (uint16_t *)y, ldy, cols, b, gated, pf);
         return;
     }
 #endif
