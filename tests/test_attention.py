@@ -366,6 +366,40 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
         cpu_kernel._library.cache_clear()
 
 
+@pytest.mark.skipif(not cpu_kernel.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_head_tiles_equal_one_head_at_a_time(monkeypatch, tmp_path, dtype):
+    """The AVX-512 build serves the query heads of a KV head in tiles of 3 sharing each K/V load (16-bit
+    rows widened in registers); the AVX2 build one head at a time (16-bit blocks widened into a
+    buffer first). Every product and sum is taken in the same order, so the two give the same bits:
+    groups of 3, 4 (a tile of 3 and one of 1) and 2 heads, a head size with a chunk past 8 vectors."""
+    monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
+    outs = {}
+    try:
+        for name, flags in (("avx512", ""), ("avx2", "-mno-avx512f")):
+            monkeypatch.setenv("PAGEDINFER_CC_FLAGS", flags)
+            cpu_kernel._library.cache_clear()
+            assert cpu_kernel.available(dtype)
+            torch.set_num_threads(2)
+            for hq, kvh, d in ((9, 3, 64), (8, 2, 72), (4, 2, 16)):
+                lens = [5, 40, 131, 16, 77]
+                q, k, v, kc, vc, meta = make_batch([1] * len(lens), lens, 16, kvh, hq, d, seed=hq)
+                q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+                out = torch.empty(len(lens), hq, d, dtype=dtype)
+                bounds = cpu_kernel.split(lens, hq * 2 * d)
+                cpu_kernel.paged_decode(
+                    out, q, kc, vc, meta.block_tables, meta.context_lens, torch.arange(len(lens)), bounds,
+                    d**-0.5, 0, 0.0, None,
+                )  # fmt: skip
+                outs[name, hq] = out
+                if name == "avx2":
+                    check_sequences(out, q, kc, vc, meta, d**-0.5)
+    finally:
+        cpu_kernel._library.cache_clear()
+    for hq in (9, 8, 4):
+        assert torch.equal(outs["avx512", hq], outs["avx2", hq]), hq
+
+
 def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
     """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel;
     float32, bfloat16 and float16 pools do, with queries of their own dtype or float32 ones
