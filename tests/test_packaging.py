@@ -1,4 +1,5 @@
-"""The kernels ship with the package: a wheel installed in a fresh environment builds and runs them."""
+"""The kernels ship with the package: a wheel installed in a fresh environment builds and runs them,
+holds every subpackage of the checkout and generates with the embedded demo model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_wheel_carries_the_kernels_and_runs_the_c_kernel(tmp_path):
+def test_wheel_carries_every_package_and_the_kernels_and_runs_them(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -57,6 +58,12 @@ def test_wheel_carries_the_kernels_and_runs_the_c_kernel(tmp_path):
         "print(cpu_kernel.available())\n"
         "print(sorted(p.name for p in KERNELS_DIR.glob('*.cu')))\n"
         "print((KERNELS_DIR / 'cpu' / 'cuda_shim.h').is_file())\n"
+        "from pathlib import Path\n"
+        "top = Path(pagedinfer.__file__).parent\n"
+        "print(sorted(str(p.parent.relative_to(top)) for p in top.rglob('__init__.py')))\n"
+        "from pagedinfer import LLM, SamplingParams\n"
+        "out = LLM().generate(['ROMEO:'], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)\n"
+        "print(out[0].error, len(out[0].outputs[0].token_ids))\n"
     )
     cache = tmp_path / "kernel-cache"  # a cold cache: the installed source is compiled here
     env = {**os.environ, "PAGEDINFER_CACHE": str(cache), "PYTHONPATH": ""}
@@ -68,6 +75,10 @@ def test_wheel_carries_the_kernels_and_runs_the_c_kernel(tmp_path):
     assert Path(out[1]).resolve().is_relative_to(site), out[1]
     assert out[2] == "True" and list(cache.glob("cpu_paged_decode-*.so"))
     assert out[3] == "['cache_ops.cu', 'paged_attention.cu']" and out[4] == "True"
+    top = ROOT / "pagedinfer"
+    packages = sorted(str(p.parent.relative_to(top)) for p in top.rglob("__init__.py"))
+    assert out[5] == str(packages)  # pyproject's package list misses none (pagedinfer.lora once did)
+    assert out[6] == "None 3"  # the demo model loads from the wheel and generates
 
 
 def test_a_missing_compiler_is_said_once_with_its_cost(tmp_path):
