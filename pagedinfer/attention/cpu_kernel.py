@@ -38,6 +38,10 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  #
 PAIRS = [(dt, dt) for dt in SUFFIX] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
+# GCC's tunings for AMD Zen (what -march=native picks there) leave some `a * b + c` of a chain unfused
+# to shorten its latency, so two builds of one kernel (the AVX-512 head tiles and the AVX2 one head
+# at a time) round differently; with these off every such product-sum is fused, on every CPU
+FMA_CHAIN_TUNINGS = ("avoid_fma_chains", "avoid_fma256_chains", "avoid_fma512_chains")
 # decode attention without the kernel, per call on W1's shape (64 sequences of 250 tokens, 9/3 heads of
 # 64; AMD EPYC, 2 threads): scripts/bench_decode_fallback.py measured 40 ms against 733 ms (a loaded machine)
 TORCH_PATH_SLOWDOWN = 18
@@ -91,14 +95,31 @@ def _compiler() -> str | None:
     return compiler
 
 
-def _targets(source: Path) -> list[tuple[list[str], Path]]:
+@functools.cache
+def _fused_flags(compiler: str) -> list[str]:
+    """``-mtune-ctrl`` turning off each of `FMA_CHAIN_TUNINGS` this compiler knows (GCC 8-14 know
+    some of them; Clang has none and fuses within each expression)."""
+    known = [
+        name
+        for name in FMA_CHAIN_TUNINGS
+        if subprocess.run(
+            [compiler, f"-mtune-ctrl=^{name}", "-E", "-x", "c", os.devnull, "-o", os.devnull],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ).returncode
+        == 0
+    ]
+    return [f"-mtune-ctrl={','.join('^' + name for name in known)}"] if known else []
+
+
+def _targets(source: Path, compiler: str) -> list[tuple[list[str], Path]]:
     """(flags, cached library) of each way to build ``source``, best first: the cache key is its text
     (with every local file it includes), the flags and the CPU."""
     code = b"".join(path.read_bytes() for path in local_includes(source))
     flags_line = _cpuinfo_field("flags").encode()
     targets = []
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
-        flags = FLAGS + envs.c_flags() + threading
+        flags = FLAGS + _fused_flags(compiler) + envs.c_flags() + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
         targets.append((flags, envs.kernel_cache() / f"{source.stem}-{key}.so"))
     return targets
@@ -131,7 +152,7 @@ def compile_library(source: Path) -> Path | None:
     compiler = _compiler()
     if compiler is None:
         return None
-    targets = _targets(source)
+    targets = _targets(source, compiler)
     cached = [lib for _, lib in targets if lib.exists()]
     if cached:
         return cached[0]
@@ -154,7 +175,7 @@ def prebuild(sources: list[Path]) -> float:
         compiler = _compiler()
     except KernelUnavailable:
         return 0.0  # said once, by the first kernel that is asked for
-    missing = [(s, _targets(s)) for s in sources] if compiler is not None else []
+    missing = [(s, _targets(s, compiler)) for s in sources] if compiler is not None else []
     missing = [(s, targets[0]) for s, targets in missing if not any(lib.exists() for _, lib in targets)]
     if not missing:
         return 0.0
