@@ -268,7 +268,7 @@ def test_bad_values_fail_their_request_alone(text_llm):
     assert outs[0].error.startswith("structured_outputs.json:") and "nonsense" in outs[0].error
     assert outs[1].error == "logit_bias names token 99999, outside the model's vocabulary of 320 tokens"
     assert outs[2].error.startswith("allowed_token_ids holds 100000")
-    assert outs[3].error.startswith("structured_outputs.regex:")
+    assert outs[3].error.startswith("structured_outputs.regex:") and outs[3].error.endswith("unclosed group")
     assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 2
 
 
