@@ -503,6 +503,14 @@ def _status(opts: RunOptions, err: Console, what: str):
     return err.status(what) if err.is_terminal and not opts.quiet else contextlib.nullcontext()
 
 
+def _demo_model_hint(opts: RunOptions, error: Exception) -> str:
+    """ "; pass --model" when the embedded demo model itself could not be loaded; not after an error
+    that another model would meet as well (a device, a dtype), where the hint would mislead."""
+    from pagedinfer.model.loader import DEMO_MODEL
+
+    return "; pass --model" if opts.model is None and str(DEMO_MODEL) in str(error) else ""
+
+
 def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
@@ -517,8 +525,7 @@ def _load(opts: RunOptions, err: Console):
         try:
             llm = LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
-            hint = "; pass --model" if opts.model is None else ""
-            raise UsageError(f"{e}{hint}") from None
+            raise UsageError(f"{e}{_demo_model_hint(opts, e)}") from None
         except ValueError as e:
             raise UsageError(_option_words(str(e).splitlines()[0])) from None
         for i, (name, path) in enumerate(opts.loras, start=1):
