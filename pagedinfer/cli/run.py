@@ -325,8 +325,8 @@ class _Run:
     def _fail(self, error: LineError, position: int, progress) -> None:
         from pagedinfer.lines.records import error_record
 
+        self.output.write(error_record(error), position)  # counted once written: a failed write is no record
         self.outcome.fail(error)
-        self.output.write(error_record(error), position)
         progress.advance()
 
     def _generate(self, done: set[str]) -> None:
@@ -405,8 +405,8 @@ class _Run:
                         progress,
                     )
                     continue
-                outcome.ok += 1
                 output.write(record, position)
+                outcome.ok += 1
                 progress.advance()
         finally:
             stream.close()  # the engine drops unfinished requests and frees their blocks
@@ -426,8 +426,8 @@ class _Run:
                 if isinstance(result, LineError):
                     self._fail(result, position, progress)
                 else:
-                    outcome.ok += 1
                     self.output.write(result, position)
+                    outcome.ok += 1
                     progress.advance()
         finally:
             stream.close()
