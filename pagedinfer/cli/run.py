@@ -97,6 +97,11 @@ class Outcome:
     write_error: str | None = None
     closed: bool = False  # the output's reader went away
 
+    def not_run(self) -> int:
+        """Lines with no record from this run or an earlier one: --resume's kept records stand for
+        their lines whether this run reached them or not."""
+        return max(0, self.lines - max(self.skipped, self.kept) - self.ok - self.failed)
+
     def fail(self, error: LineError) -> None:
         self.failed += 1
         self.failed_lines.append(error.line)
@@ -209,6 +214,8 @@ class _Run:
             if opts.data_parallel and self.llm is not None:
                 self.llm.close()  # reads the replicas' figures, ends them, stops the Ray this run started
         outcome.lines = self.source.count
+        if outcome.signal is not None or outcome.write_error is not None:  # stopped before the input's end
+            outcome.lines += self.source.count_unread()
         if outcome.signal is None and outcome.write_error is None and isinstance(self.output, OutputFile):
             try:
                 self.output.reorder(self.parser.first_line.get)  # each record's rank: its line number
@@ -462,7 +469,7 @@ class _Run:
         where = str(self.paths.output) if self.paths.output is not None else "stdout"
         _summary(outcome, where, stats, self.out, self.on_disk_words())
         if outcome.write_error is not None:
-            left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+            left = outcome.not_run()
             tail = "; make room and run again with --resume" if isinstance(self.output, OutputFile) else ""
             self.err.print(
                 f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
@@ -599,7 +606,7 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
             soft_wrap=True,
         )
-    left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+    left = outcome.not_run()
     if outcome.signal is not None:
         console.print(
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "
