@@ -199,6 +199,11 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = itertools.repeat(sampling_params)
+        elif isinstance(sampling_params, (dict, str)):  # iterated, a dict would give its keys as params
+            raise TypeError(
+                f"sampling_params must be a SamplingParams (or BeamSearchParams) or a list of them, not a "
+                f"{type(sampling_params).__name__} (SamplingParams(**fields) builds one from a dict)"
+            )
         elif (
             hasattr(sampling_params, "__len__")
             and hasattr(prompts, "__len__")

@@ -105,6 +105,18 @@ def _is_kind(value: object, kind: str) -> bool:
     return value is None  # "null"
 
 
+def _describe_list(value: object, accepted: tuple[str, ...]) -> str:
+    """``describe(value)``, plus a list's first wrong item and its index where a list kind is accepted:
+    "not a list" alone would not say what is wrong with ``["a", 5]``."""
+    item_kinds = [k[:-1] for k in accepted if k in ("strs", "ints")]
+    if not isinstance(value, (list, tuple)) or not item_kinds:
+        return describe(value)
+    for i, item in enumerate(value):
+        if not any(_is_kind(item, k) for k in item_kinds):
+            return f"a list holding {describe(item)} at index {i}"
+    return describe(value)
+
+
 def check_kinds(params: object) -> None:
     """Refuse the first field of a params dataclass whose value is not of a declared JSON kind."""
     for f in dataclasses.fields(params):
@@ -112,7 +124,8 @@ def check_kinds(params: object) -> None:
         value = getattr(params, f.name)
         if accepted and not any(_is_kind(value, k) for k in accepted):
             raise ParamError(
-                f.name, f"must be {' or '.join(_KIND_WORDS[k] for k in accepted)}, not {describe(value)}"
+                f.name,
+                f"must be {' or '.join(_KIND_WORDS[k] for k in accepted)}, not {_describe_list(value, accepted)}",
             )
         if is_int(value) and not (f.name == "seed" or -MAX_INT - 1 <= value <= MAX_INT):
             raise ParamError(f.name, f"must be below 2**63, not an integer of {len(str(abs(value)))} digits")

@@ -48,10 +48,10 @@ def _job(slow_tokens: int, fast: int) -> list[dict]:
     return lines
 
 
-def _start(path: Path, out: Path, model: str) -> subprocess.Popen:
+def _start(path: Path, out: Path, model: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pagedinfer", "run", str(path), "--model", model, "-o", str(out), "-q"]
-    cmd += ["--device", "cpu", "--no-report"]
+    cmd += ["--device", "cpu", "--no-report", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -93,6 +93,18 @@ def test_sigterm_finishes_the_step_and_resume_equals_an_uninterrupted_run(model,
     assert run(model, path, "-o", reference).exit_code == 0
     assert out.read_bytes() == reference.read_bytes()  # same records, in input order
     assert [r["id"] for r in read_jsonl(out)] == [line["id"] for line in lines]
+
+
+def test_sigterm_counts_the_lines_not_read_yet_as_not_run(model, tmp_path):
+    lines = _job(slow_tokens=120, fast=6)
+    lines += [{"id": f"u{i}", "prompt_token_ids": [7, i + 9], "max_tokens": 2} for i in range(40)]
+    path = write_jsonl(tmp_path / "u.jsonl", lines)
+    out = tmp_path / "u.out.jsonl"
+    proc = _start(path, out, model, "--max-num-seqs", "2")  # reads 4 lines ahead of the engine
+    _wait_for_lines(out, 6, proc)
+    kept, summary, _ = sigterm(proc, out)
+    assert f"{len(lines)} lines → {out}" in summary
+    assert f"{len(lines) - len(kept)} lines not run" in summary, summary
 
 
 def test_values_that_would_crash_the_sampler_fail_their_line_alone(model, tmp_path):

@@ -67,6 +67,13 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_pat
         LLM(model, device="cpu", gpu_memory_utilization=0.5)
 
 
+def test_a_load_error_of_the_demo_model_hints_at_model_only_when_the_demo_model_is_the_problem(tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    result = invoke("run", prompts, "--device", "cpu", "--dtype", "float16", "--quantization", "int8")
+    one_line_error(result, "--quantization int8 keeps activations in float32")
+    assert "--model" not in result.stderr  # another model would fail the same way
+
+
 def test_gpu_memory_utilization_sizes_the_pool_from_free_gpu_memory(monkeypatch):
     free = 10 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80 << 30))

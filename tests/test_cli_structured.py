@@ -89,3 +89,26 @@ def test_structured_lines_and_their_errors(tmp_path):
     )
     doc = json.loads(report.read_text())["structured_outputs"]  # choice, regex, schema, the bad schema
     assert doc["grammars_compiled"] == 4 and doc["masks"] > 0 and doc["mask_s"] >= 0
+
+
+def test_an_openai_body_asking_prompt_logprobs_gets_them_where_vllm_puts_them(tmp_path):
+    def line(cid: str, url: str, **body) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": url, "body": {"max_tokens": 1, **body}}
+
+    lines = [
+        line("c", "/v1/completions", prompt="To be, or not", n=2, prompt_logprobs=1),
+        line("h", "/v1/chat/completions", messages=[{"role": "user", "content": "To be"}], prompt_logprobs=0),
+        line("none", "/v1/completions", prompt="To be"),
+    ]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(src), "-m", str(tiny_model()), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    completions, chat, none = (r["response"]["body"] for r in read_jsonl(out))
+    for choice in completions["choices"]:  # vLLM's CompletionResponseChoice.prompt_logprobs
+        plp = choice["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == completions["usage"]["prompt_tokens"]
+        assert all(1 <= len(e) <= 2 for e in plp[1:])  # the token itself and the top 1
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for e in plp[1:] for v in e.values())
+    plp = chat["prompt_logprobs"]  # vLLM's ChatCompletionResponse.prompt_logprobs
+    assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"] and all(len(e) == 1 for e in plp[1:])
+    assert "prompt_logprobs" not in none and "prompt_logprobs" not in none["choices"][0]

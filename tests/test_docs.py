@@ -82,9 +82,9 @@ def test_every_relative_link_and_anchor_resolves(page, target):
         )
 
 
-def _block(language: str, after: str = "") -> str:
-    """The first ```language block of README.md after the line ``after``."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _block(language: str, after: str = "", page: str = "README.md") -> str:
+    """The first ```language block of ``page`` after the line ``after``."""
+    text = (ROOT / page).read_text(encoding="utf-8")
     start = text.index(after) if after else 0
     return re.search(rf"^```{language}\n(.*?)^```", text[start:], flags=re.S | re.M).group(1)
 
@@ -110,6 +110,15 @@ def test_the_readme_python_example_runs(tmp_path):
         "output_tokens_recomputed",
         "output_tokens_restored",
     }
+
+
+def test_the_api_pages_first_example_runs_outside_the_checkout(tmp_path):
+    code = _block("python", page="docs/api.md")
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "blocks_saved_by_sharing" in run.stdout.splitlines()[-1]
 
 
 def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:

@@ -228,6 +228,14 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
     assert llm.stats.failed_requests == 2
 
 
+def test_sampling_params_that_are_not_params_are_named(llama):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* not a dict"):
+        llama.generate([ids(3)], {"max_tokens": 2}, use_tqdm=False)
+    outs = llama.generate([ids(3), ids(4)], [{"max_tokens": 2}, SamplingParams(max_tokens=2)], use_tqdm=False)
+    assert outs[0].error == "sampling_params must be a SamplingParams or BeamSearchParams, not dict"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+
+
 def test_text_prompts_stop_strings_and_eos(text_model):
     llm = LLM(str(text_model), block_size=4, num_blocks=100, **ENGINE)
     tok = llm.tokenizer

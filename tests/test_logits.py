@@ -268,7 +268,7 @@ def test_bad_values_fail_their_request_alone(text_llm):
     assert outs[0].error.startswith("structured_outputs.json:") and "nonsense" in outs[0].error
     assert outs[1].error == "logit_bias names token 99999, outside the model's vocabulary of 320 tokens"
     assert outs[2].error.startswith("allowed_token_ids holds 100000")
-    assert outs[3].error.startswith("structured_outputs.regex:")
+    assert outs[3].error.startswith("structured_outputs.regex:") and outs[3].error.endswith("unclosed group")
     assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 2
 
 
@@ -305,6 +305,14 @@ def test_every_token_excluded_fails_the_request_alone(text_llm, text_prompts):
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs has unknown field 'jsn'"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice must be a non-empty list"),
         ({"structured_outputs": {"choice": ["a", 3]}}, "structured_outputs.choice must be a non-empty list"),
+        (
+            {"stop": ["a", 5]},
+            "stop must be a string or a list of strings or null, not a list holding a number (5) at index 1",
+        ),
+        (
+            {"stop_token_ids": [2, "3"]},
+            "stop_token_ids must be a list of integers or null, not a list holding a string at index 1",
+        ),
     ],
 )
 def test_sampling_params_refuse_bad_values_naming_the_field(fields, message):

@@ -97,6 +97,11 @@ class Outcome:
     write_error: str | None = None
     closed: bool = False  # the output's reader went away
 
+    def not_run(self) -> int:
+        """Lines with no record from this run or an earlier one: --resume's kept records stand for
+        their lines whether this run reached them or not."""
+        return max(0, self.lines - max(self.skipped, self.kept) - self.ok - self.failed)
+
     def fail(self, error: LineError) -> None:
         self.failed += 1
         self.failed_lines.append(error.line)
@@ -209,6 +214,8 @@ class _Run:
             if opts.data_parallel and self.llm is not None:
                 self.llm.close()  # reads the replicas' figures, ends them, stops the Ray this run started
         outcome.lines = self.source.count
+        if outcome.signal is not None or outcome.write_error is not None:  # stopped before the input's end
+            outcome.lines += self.source.count_unread()
         if outcome.signal is None and outcome.write_error is None and isinstance(self.output, OutputFile):
             try:
                 self.output.reorder(self.parser.first_line.get)  # each record's rank: its line number
@@ -325,8 +332,8 @@ class _Run:
     def _fail(self, error: LineError, position: int, progress) -> None:
         from pagedinfer.lines.records import error_record
 
+        self.output.write(error_record(error), position)  # counted once written: a failed write is no record
         self.outcome.fail(error)
-        self.output.write(error_record(error), position)
         progress.advance()
 
     def _generate(self, done: set[str]) -> None:
@@ -405,8 +412,8 @@ class _Run:
                         progress,
                     )
                     continue
-                outcome.ok += 1
                 output.write(record, position)
+                outcome.ok += 1
                 progress.advance()
         finally:
             stream.close()  # the engine drops unfinished requests and frees their blocks
@@ -426,8 +433,8 @@ class _Run:
                 if isinstance(result, LineError):
                     self._fail(result, position, progress)
                 else:
-                    outcome.ok += 1
                     self.output.write(result, position)
+                    outcome.ok += 1
                     progress.advance()
         finally:
             stream.close()
@@ -462,7 +469,7 @@ class _Run:
         where = str(self.paths.output) if self.paths.output is not None else "stdout"
         _summary(outcome, where, stats, self.out, self.on_disk_words())
         if outcome.write_error is not None:
-            left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+            left = outcome.not_run()
             tail = "; make room and run again with --resume" if isinstance(self.output, OutputFile) else ""
             self.err.print(
                 f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
@@ -503,6 +510,14 @@ def _status(opts: RunOptions, err: Console, what: str):
     return err.status(what) if err.is_terminal and not opts.quiet else contextlib.nullcontext()
 
 
+def _demo_model_hint(opts: RunOptions, error: Exception) -> str:
+    """ "; pass --model" when the embedded demo model itself could not be loaded; not after an error
+    that another model would meet as well (a device, a dtype), where the hint would mislead."""
+    from pagedinfer.model.loader import DEMO_MODEL
+
+    return "; pass --model" if opts.model is None and str(DEMO_MODEL) in str(error) else ""
+
+
 def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
@@ -517,8 +532,7 @@ def _load(opts: RunOptions, err: Console):
         try:
             llm = LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
-            hint = "; pass --model" if opts.model is None else ""
-            raise UsageError(f"{e}{hint}") from None
+            raise UsageError(f"{e}{_demo_model_hint(opts, e)}") from None
         except ValueError as e:
             raise UsageError(_option_words(str(e).splitlines()[0])) from None
         for i, (name, path) in enumerate(opts.loras, start=1):
@@ -592,7 +606,7 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
             soft_wrap=True,
         )
-    left = outcome.lines - outcome.skipped - outcome.ok - outcome.failed
+    left = outcome.not_run()
     if outcome.signal is not None:
         console.print(
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "

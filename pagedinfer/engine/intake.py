@@ -74,6 +74,10 @@ def prepare(
     name) against ``engine``'s model and pool, once."""
     text, ids, slot = None, [], 0
     try:
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):  # else "tokenizing failed: ..."
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
+            )
         slot = _lora_slot(engine, lora)
         text, ids = _tokenize(engine, prompt)
         beam = params if isinstance(params, BeamSearchParams) else None

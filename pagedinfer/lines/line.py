@@ -40,6 +40,7 @@ class OpenAIRequest:
     model: str | None = None
     logprobs_style: str | None = None  # "completions", "chat" or None (not asked)
     echo: bool = False  # completions: the prompt is put before each choice's text (and logprobs)
+    prompt_logprobs: bool = False  # the body asked for them (vLLM's extension): answered where vLLM puts them
 
     @property
     def chat(self) -> bool:

@@ -278,6 +278,7 @@ class LineParser:
             prompt = _openai_prompt(body, info.chat)
             given, info.logprobs_style = _openai_sampling(body, info.chat)
             info.echo = body.get("echo") is True
+            info.prompt_logprobs = body.get("prompt_logprobs") is not None
             params = self._sampling(given, True, key, "body.")
         except _Bad as e:
             return LineError(number, key, cid, str(e), info, True, echo)

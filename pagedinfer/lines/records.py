@@ -75,7 +75,9 @@ def success_record(
     usage = _usage(out.prompt_token_ids, [c.token_ids for c in out.outputs])
     k = line.params.logprobs or 0
     if line.openai is not None:
-        return _openai_success(line.openai, out, usage, k, token_text, model)
+        return _openai_success(
+            line.openai, out, usage, (k, line.params.prompt_logprobs or 0), token_text, model
+        )
     record = _plain_head(line, out)
     if out.prompt_logprobs is not None:  # per prompt token (the first has none), top prompt_logprobs
         kp = line.params.prompt_logprobs
@@ -214,9 +216,17 @@ def _rid(custom_id: str) -> str:
 
 
 def _openai_success(
-    info: OpenAIRequest, out: RequestOutput, usage: dict, k: int, token_text: TokenText, model: str
+    info: OpenAIRequest,
+    out: RequestOutput,
+    usage: dict,
+    ks: tuple[int, int],
+    token_text: TokenText,
+    model: str,
 ) -> dict:
+    """``ks``: how many top logprobs to give per generated token and per prompt token."""
+    k, k_prompt = ks
     rid = _rid(info.custom_id)
+    prompt_logprobs = _vllm_prompt_logprobs(out, k_prompt, token_text) if info.prompt_logprobs else None
     choices = []
     for c in out.outputs:
         choice: dict = {"index": c.index}
@@ -226,6 +236,8 @@ def _openai_success(
             choice["text"] = (out.prompt or "") + c.text if info.echo else c.text
         choice["logprobs"] = _openai_logprobs(c, info, k, token_text, _echoed(info, out))
         choice["finish_reason"] = c.finish_reason
+        if prompt_logprobs is not None and not info.chat:  # vLLM: on each completions choice
+            choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
     body = {
         "id": f"{'chatcmpl' if info.chat else 'cmpl'}-{rid}",
@@ -235,12 +247,31 @@ def _openai_success(
         "choices": choices,
         "usage": usage,
     }
+    if prompt_logprobs is not None and info.chat:  # vLLM: on the chat completion itself
+        body["prompt_logprobs"] = prompt_logprobs
     return {
         "id": f"batch_req_{rid}",
         "custom_id": info.custom_id,
         "response": {"status_code": 200, "request_id": f"req_{rid}", "body": body},
         "error": None,
     }
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, k: int, token_text: TokenText) -> list | None:
+    """A body's ``prompt_logprobs`` in vLLM's server shape: per prompt token, null for the first, else
+    ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the token itself and the top k."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if top is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)[0]}
+            for t, lp in top.items()
+            if t == tid or lp.rank <= k
+        }
+        for tid, top in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+    ]
 
 
 def _echoed(info: OpenAIRequest, out: RequestOutput) -> list[tuple[int, dict | None]]:

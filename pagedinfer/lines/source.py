@@ -109,6 +109,14 @@ class InputLines:
                 self.count += 1
                 yield self.lines_read, text
 
+    def count_unread(self) -> int:
+        """The non-blank lines not read yet: a stopped run counts them as not run (it reads only as far
+        as the engine has room for). Neither the fingerprint nor the place read changes."""
+        here = self._file.tell()
+        unread = sum(1 for raw in self._file if raw.decode("utf-8", "replace").strip())
+        self._file.seek(here)
+        return unread
+
     def fingerprint(self) -> Fingerprint:
         """What has been read so far."""
         return Fingerprint(self.bytes_read, self.lines_read, self._hash.hexdigest())

@@ -76,7 +76,13 @@ def grammar_text(so: StructuredOutputsParams) -> str:
 
 
 def _first_line(e: object) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The error's first line; when that line only announces a report (`regex parse error:`),
+    llguidance's reason (its `error: ...` line further down) is added, else the reason is lost."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    if text.endswith(":"):
+        reasons = [line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")]
+        text = f"{text} {reasons[0]}" if reasons else text
     return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "…"
 
 
