@@ -1,8 +1,9 @@
 """The portable attention path (the CPU; CUDA without CuPy): K/V writes, decode and prefill reads.
 
-Portable because it runs wherever torch does: decode rows go through the C kernel when the pool
-allows it (`cpu_kernel`), else a padded gather in torch ops; prompt chunks through SDPA, or a matmul +
-softmax when the model needs softcap or sinks. (The CuPy kernels are `cuda_kernels`.)
+Portable because it runs wherever torch does: where the C kernel serves the pool (`cpu_kernel`),
+every query row, decode or prompt, goes through it; else decode rows take a padded gather in torch
+ops and prompt chunks SDPA, or a matmul + softmax when the model needs softcap or sinks. (The CuPy
+kernels are `cuda_kernels`.)
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, ou
 class PortablePlan:
     """Index tensors for the portable path, built once per step and reused by every layer.
 
-    Decode sequences (one new token) go through the C kernel, or are attended together with their
-    contexts padded to the longest. Prefill/extend chunks each take one fused
+    With the C kernel every query row is a "decode" row of its own context (`_kernel_rows`) and the
+    chunk fields are empty. Without it decode sequences (one new token) are attended together with
+    their contexts padded to the longest, and prefill/extend chunks each take one fused
     ``scaled_dot_product_attention`` call; models with softcapping or sinks attend all chunks at
     once, padded to the longest chunk and context, with a batched matmul + softmax.
     """
 
-    decode_rows: torch.Tensor  # [Sd] packed-row index of each decode token
+    decode_rows: torch.Tensor  # [Sd] packed-row index of each decode token (with the kernel: every row)
     decode_slots: torch.Tensor  # [Sd, Lmax] slot of each context position (padded with a valid slot)
     decode_kpos: torch.Tensor  # [Sd, Lmax] key positions
     decode_qpos: torch.Tensor  # [Sd, 1] query positions
-    decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block tables of the decode sequences
-    decode_lens: torch.Tensor  # [Sd] int32 context lengths of the decode sequences
+    decode_tables: torch.Tensor  # [Sd, max_blocks] int32 block table of each decode row's sequence
+    decode_lens: torch.Tensor  # [Sd] int32 context length of each decode row (a prompt row: up to itself)
     decode_lens_host: list[int]  # the same, as a list
     chunk_rows: torch.Tensor  # [Sc, Nmax] packed-row index of each chunk token (padded: first row)
     chunk_valid: torch.Tensor  # [Sc, Nmax] real (not padding) chunk tokens
@@ -53,7 +55,7 @@ class PortablePlan:
     chunk_spans: list[tuple[int, int, int]]  # per chunk: first packed row, tokens, context length
     prompt_runs: list[tuple[int, int, int]]  # per run of whole prompts of one length, adjacent in the
     # packed row (chunk_spans in order, every chunk in exactly one run): first packed row, prompts, tokens each
-    use_kernel: bool  # decode rows go through the C kernel (float32 on a machine that built it)
+    use_kernel: bool  # every row goes through the C kernel (a pool and dtypes it has an instantiation for)
     masks: dict = field(default_factory=dict)  # sliding window -> (decode mask, chunk mask)
     ranges: dict = field(default_factory=dict)  # kernel work per key -> its thread ranges
 
@@ -65,6 +67,8 @@ class PortablePlan:
         dev = meta.context_lens.device  # the model's: index tensors live beside the pool
         q_lens = torch.tensor(meta.query_lens, device=dev)  # [S]
         ctx_lens = meta.context_lens.to(torch.int64)  # [S]
+        if use_kernel:
+            return cls._kernel_rows(meta, q_lens, starts)
         decode = torch.nonzero(q_lens == 1).flatten()  # [Sd]
         chunk = torch.nonzero(q_lens > 1).flatten()  # [Sc]
         decode_lens = meta.context_lens[decode].contiguous()
@@ -106,6 +110,44 @@ class PortablePlan:
             spans,
             runs,
             use_kernel,
+        )
+
+    @classmethod
+    def _kernel_rows(
+        cls, meta: AttentionMetadata, q_lens: torch.Tensor, starts: torch.Tensor
+    ) -> PortablePlan:
+        """Every query row through the C kernel as a single-token query over its own context: a prompt
+        chunk's row at position p reads its sequence's blocks up to p. Each row's terms then depend
+        only on its own context, never on how the prompt was cut into chunks or what else ran in the
+        step, so a row has the same bits chunked or not, cached or recomputed, and as a decode row
+        (SDPA's blocking varies with the chunk's length). K/V are read in place, never gathered.
+        """
+        dev = meta.context_lens.device
+        seq = torch.repeat_interleave(
+            torch.arange(len(q_lens), device=dev), q_lens
+        )  # [T] each row's sequence
+        rows = torch.arange(len(seq), device=dev)  # [T] packed rows, in order
+        first = meta.context_lens.to(torch.int64)[seq] - q_lens[seq]  # [T] the context before its chunk
+        lens = (first + rows - starts[seq] + 1).to(torch.int32)  # [T] each row's own context length
+        tables = meta.block_tables if len(seq) == len(q_lens) else meta.block_tables[seq]  # [T, max_blocks]
+        empty = torch.zeros(len(seq), 0, dtype=torch.int64, device=dev)
+        none = torch.zeros(0, 0, dtype=torch.int64, device=dev)
+        return cls(
+            rows,
+            empty,
+            empty,
+            empty,
+            tables.contiguous(),
+            lens,
+            lens.tolist(),
+            none,
+            torch.zeros(0, 0, dtype=torch.bool, device=dev),
+            none,
+            none,
+            torch.zeros(0, dtype=torch.int64, device=dev),
+            [],
+            [],
+            True,
         )
 
     @staticmethod

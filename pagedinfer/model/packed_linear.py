@@ -49,7 +49,7 @@ from pagedinfer.model.panel_formats import KINDS, Segment
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
-MIN_WEIGHTS = 1 << 17  # smaller weights stay with MKL: oneDNN's ~30 us a call outweighs its gain
+MIN_WEIGHTS = 1 << 17  # under oneDNN smaller weights stay with MKL: its ~30 us a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
 
 
@@ -375,15 +375,17 @@ def pack_linears(
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
     ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
-    `panels_by_default` says for this CPU. ``quantization``: float32 weights quantized to int8 or int4
+    `panels_by_default` says for this CPU. ``min_weights`` None: every linear on the panels (a row's
+    products then never depend on the rows beside it: MKL's do, at small row counts on an AMD Zen 5),
+    `MIN_WEIGHTS` under oneDNN. ``quantization``: float32 weights quantized to int8 or int4
     (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says.
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
     would otherwise stay mapped, and resident, for their sake: the unpacked weights' pages with it.
     """
-    min_weights = MIN_WEIGHTS if min_weights is None else min_weights
     panels = panels_by_default(next(model.parameters()).dtype) if panels is None else panels
+    min_weights = (0 if panels else MIN_WEIGHTS) if min_weights is None else min_weights
     targets = [
         (parent, name, child)
         for parent in model.modules()
