@@ -87,47 +87,49 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
-def _is_kind(value: object, kind: str) -> bool:
-    if kind == "int":
-        return is_int(value)
-    if kind == "float":
-        return is_int(value) or isinstance(value, float)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "strs":
-        return isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)
-    if kind == "ints":
-        return isinstance(value, (list, tuple)) and all(is_int(t) for t in value)
-    if kind == "object":  # a JSON object, or the params dataclass it stands for
-        return isinstance(value, dict) or dataclasses.is_dataclass(value)
-    return value is None  # "null"
+# each JSON kind as Python types (a list kind: the type of its items); a bool is an int to Python, never
+# a number or a count to a user
+_SCALAR_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "null": type(None)}
+_LIST_KINDS = {"strs": str, "ints": int}
 
 
 def _describe_list(value: object, accepted: tuple[str, ...]) -> str:
     """``describe(value)``, plus a list's first wrong item and its index where a list kind is accepted:
     "not a list" alone would not say what is wrong with ``["a", 5]``."""
-    item_kinds = [k[:-1] for k in accepted if k in ("strs", "ints")]
-    if not isinstance(value, (list, tuple)) or not item_kinds:
+    item_types = [_LIST_KINDS[k] for k in accepted if k in _LIST_KINDS]
+    if not isinstance(value, (list, tuple)) or not item_types:
         return describe(value)
     for i, item in enumerate(value):
-        if not any(_is_kind(item, k) for k in item_kinds):
+        if type(item) is bool or not isinstance(item, tuple(item_types)):
             return f"a list holding {describe(item)} at index {i}"
     return describe(value)
 
 
 def check_kinds(params: object) -> None:
-    """Refuse the first field of a params dataclass whose value is not of a declared JSON kind."""
+    """Refuse the first field of a params dataclass whose value is not of a declared JSON kind (every
+    request builds its params, so the tests are inline rather than a call per field and kind)."""
     for f in dataclasses.fields(params):
         accepted = f.metadata.get("json")
         value = getattr(params, f.name)
-        if accepted and not any(_is_kind(value, k) for k in accepted):
+        boolean = type(value) is bool
+        if accepted and not any(
+            isinstance(value, _SCALAR_KINDS[k]) and (k == "bool" or not boolean)
+            if k in _SCALAR_KINDS
+            else isinstance(value, (list, tuple))
+            and all(isinstance(v, _LIST_KINDS[k]) and type(v) is not bool for v in value)
+            if k in _LIST_KINDS
+            else isinstance(value, dict) or dataclasses.is_dataclass(value)  # "object", or its dataclass
+            for k in accepted
+        ):
             raise ParamError(
                 f.name,
                 f"must be {' or '.join(_KIND_WORDS[k] for k in accepted)}, not {_describe_list(value, accepted)}",
             )
-        if is_int(value) and not (f.name == "seed" or -MAX_INT - 1 <= value <= MAX_INT):
+        if (
+            isinstance(value, int)
+            and not boolean
+            and not (f.name == "seed" or -MAX_INT - 1 <= value <= MAX_INT)
+        ):
             raise ParamError(f.name, f"must be below 2**63, not an integer of {len(str(abs(value)))} digits")
 
 
@@ -217,9 +219,9 @@ class StructuredOutputsParams:
         return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
 
-def _structured(value: object) -> StructuredOutputsParams | None:
-    """``structured_outputs`` as given (an object, a JSON dict of its fields, or None) -> the object."""
-    if value is None or isinstance(value, StructuredOutputsParams):
+def _structured(value: object) -> StructuredOutputsParams:
+    """``structured_outputs`` as given (an object, or a JSON dict of its fields) -> the object."""
+    if isinstance(value, StructuredOutputsParams):
         return value
     if not isinstance(value, dict):
         raise ParamError("structured_outputs", f"must be an object with one of {', '.join(STRUCTURED_KINDS)}")
@@ -230,10 +232,8 @@ def _structured(value: object) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**value)
 
 
-def _logit_bias(value: object) -> dict[int, float] | None:
+def _logit_bias(value: object) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}`` (string keys from JSON) or ``{id: bias}`` -> ``{int: float}``."""
-    if value is None:
-        return None
     words = f"must map token ids to numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
     if not isinstance(value, dict):
         raise ParamError("logit_bias", f"{words}, not {describe(value)}")
@@ -298,7 +298,7 @@ class SamplingParams:
             "presence_penalty",
             "frequency_penalty",
         ):
-            if not is_number(getattr(self, name)):
+            if not math.isfinite(getattr(self, name)):  # an int or a float below 2**63 (check_kinds)
                 raise ParamError(name, f"must be a finite number, not {getattr(self, name)!r}")
         checks = [
             ("n", self.n >= 1, "must be an integer >= 1"),
@@ -337,9 +337,12 @@ class SamplingParams:
         for s in self.stop:
             if (why := unicode_error(s)) is not None:
                 raise ParamError("stop", f"string {why}")
-        self.logit_bias = _logit_bias(self.logit_bias)
-        self.structured_outputs = _structured(self.structured_outputs)
-        _check_logit_controls(self)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = _structured(self.structured_outputs)
+        if self.allowed_token_ids is not None or self.bad_words is not None:
+            _check_logit_controls(self)
 
     @property
     def greedy(self) -> bool:
@@ -405,7 +408,8 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         check_kinds(self)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.structured_outputs = _structured(self.structured_outputs)
+        if self.structured_outputs is not None:
+            self.structured_outputs = _structured(self.structured_outputs)
         checks = [
             ("beam_width", self.beam_width >= 1, "must be an integer >= 1"),
             ("max_tokens", self.max_tokens >= 1, "must be an integer >= 1"),

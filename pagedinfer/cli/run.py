@@ -201,7 +201,7 @@ class _Run:
         if opts.resume:
             self._open_output()
             done = self._resume()
-        self.parser = LineParser(opts.sampling, opts.seed, openai_file=None)
+        self.parser = LineParser(opts.sampling, opts.seed, openai_file=None, adapters=self._adapters())
         if opts.strict and (code := self._strict(done)) is not None:
             return code  # nothing written, nothing truncated
         if self.output is None:
@@ -253,6 +253,10 @@ class _Run:
         if engine.get("max_model_len") is not None and engine["max_model_len"] < 1:
             raise UsageError("--max-model-len must be >= 1")
 
+    def _adapters(self) -> frozenset[str]:
+        """The names of the ``--lora`` adapters (loaded with the model), which lines may name."""
+        return frozenset(name for name, _ in self.opts.loras)
+
     def _open_output(self) -> None:
         paths = self.paths
         self.output = StreamOutput(paths.output) if paths.stream else OutputFile(paths.output, paths.resume)
@@ -297,7 +301,7 @@ class _Run:
     def _parsed(self, done: set[str]) -> Iterator[LineRequest | LineError]:
         return (
             item
-            for item in parse_lines(self.source, self.opts.sampling, self.opts.seed)
+            for item in parse_lines(self.source, self.opts.sampling, self.opts.seed, self._adapters())
             if item.key not in done
         )
 
@@ -310,8 +314,7 @@ class _Run:
         from pagedinfer.engine.intake import Rejected, prepare
 
         engine = self.llm.engine
-        loaded = engine.lora.loaded if engine.lora is not None else {}
-        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id), i.adapter(loaded))) for i in requests)
+        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id), i.lora)) for i in requests)
         return [i.failed(p.reason) for i, p in checked if isinstance(p, Rejected)]
 
     # -- generation -----------------------------------------------------------------------------------
@@ -382,12 +385,10 @@ class _Run:
             llm.engine.enable_trace()
         pending: dict[int, tuple[LineRequest, int]] = {}  # LLM.stream's index -> (line, output position)
 
-        loaded = llm.engine.lora.loaded if llm.engine.lora is not None else {}
-
         def requests():
             for index, (position, item) in enumerate(rows):
                 pending[index] = (item, position)
-                yield item.prompt, item.params, str(item.id), item.adapter(loaded)
+                yield item.prompt, item.params, str(item.id), item.lora
 
         def on_step(engine) -> None:
             progress.on_step(engine)

@@ -78,7 +78,7 @@ def prepare(
             raise ValueError(
                 f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
-        slot = _lora_slot(engine, lora)
+        slot = 0 if lora is None else _lora_slot(engine, lora)
         text, ids = _tokenize(engine, prompt)
         beam = params if isinstance(params, BeamSearchParams) else None
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
@@ -97,10 +97,8 @@ def prepare(
     return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot)
 
 
-def _lora_slot(engine: LLMEngine, lora: LoRARequest | str | None) -> int:
-    """The adapter's slot (0: none); raises ValueError starting with ``lora:``."""
-    if lora is None:
-        return 0
+def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
+    """The adapter's slot; raises ValueError starting with ``lora:``."""
     if engine.lora is None:
         raise ValueError(
             "lora: this engine has no LoRA enabled (LLM(enable_lora=True), or pagedinfer run --lora)"
@@ -114,11 +112,12 @@ def _lora_slot(engine: LLMEngine, lora: LoRARequest | str | None) -> int:
 
 
 def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[int]]:
-    """(text, token ids) of any prompt form; raises ValueError naming what is wrong."""
-    if isinstance(prompt, dict):
-        if "messages" in prompt:
-            text = _render_chat(engine, prompt["messages"])
-            return text, _text_ids(engine, text, add_special_tokens=False)
+    """(text, token ids) of any prompt form; raises ValueError naming what is wrong. A chat prompt's
+    rendered template carries its special tokens: none are added again."""
+    chat = isinstance(prompt, dict) and "messages" in prompt
+    if chat:
+        text = _render_chat(engine, prompt["messages"])
+    elif isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids, vocab = prompt["prompt_token_ids"], engine.vocab_size
             if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
@@ -129,13 +128,11 @@ def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[i
             return text, list(ids)
         if "prompt" not in prompt:
             raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
-        prompt = prompt["prompt"]
-    if not isinstance(prompt, str):
-        raise ValueError(f"a prompt must be a string or a dict, not {type(prompt).__name__}")
-    return prompt, _text_ids(engine, prompt, add_special_tokens=True)
-
-
-def _text_ids(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[int]:
+        text = prompt["prompt"]
+    else:
+        text = prompt
+    if not isinstance(text, str):
+        raise ValueError(f"a prompt must be a string or a dict, not {type(text).__name__}")
     if (why := unicode_error(text)) is not None:
         raise ValueError(f"the prompt {why}")
     tok = engine.loaded.tokenizer
@@ -146,7 +143,7 @@ def _text_ids(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[in
             f"the prompt has {len(text):,} characters: more than the model's context of "
             f"{engine.max_model_len} tokens can hold (checked before tokenizing)"
         )
-    return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+    return text, tok(text, add_special_tokens=not chat)["input_ids"]
 
 
 def _render_chat(engine: LLMEngine, messages: list[dict]) -> str:

@@ -14,7 +14,7 @@ from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import PromptRows, SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
-from pagedinfer.core.sequence import CompletionState, Request, RequestState
+from pagedinfer.core.sequence import Request, RequestState
 from pagedinfer.core.trace import snapshot
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.intake import EngineRequest, Rejected
@@ -35,13 +35,6 @@ from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import completion_seed
 
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
-
-
-def _row(seq) -> SampleRow:
-    """What the processors and the sampler read of a sequence that receives a token this step."""
-    return SampleRow(
-        seq.request.params, seq.token_ids, seq.num_prompt_tokens, seq.logits_state, seq.generator
-    )
 
 
 def _no_token_reason(params: SamplingParams) -> str:
@@ -214,7 +207,7 @@ class LLMEngine:
                 return f"{name}={k} exceeds the model's vocabulary of {vocab} tokens"
         if any(t >= vocab for t in params.stop_token_ids):
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
-        return self.logits.validate(params)
+        return self.logits.validate(params) if params.shapes_logits else None  # no processor applies
 
     def add_lora(self, request: LoRARequest) -> int:
         """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
@@ -253,7 +246,7 @@ class LLMEngine:
             max_tokens=prepared.max_tokens,
             lora_slot=prepared.lora_slot,
         )
-        req.completion_state = self._completion_state(req, prepared.seed)
+        req.completion_state = functools.partial(self._new_completion, req, prepared.seed)
         if (beam := prepared.beam) is not None:
             stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
             req.beam = BeamSearch(
@@ -266,27 +259,25 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _completion_state(self, req: Request, base_seed: int) -> CompletionState:
-        """Completion ``i``'s random source, detokenizer and processor states (a grammar matcher), made when
-        the scheduler creates the completion."""
+    def _new_completion(
+        self, req: Request, base_seed: int, index: int
+    ) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
+        """Completion ``index``'s random source, detokenizer and processor states (a grammar matcher),
+        made when the scheduler creates the completion (`Request.completion_state`)."""
         tok, p = self.loaded.tokenizer, req.params
-
-        def make(index: int) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
-            gen = torch.Generator()
-            gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
-            state = self.logits.new_state(p)
-            if tok is None:
-                return gen, None, state
-            detok = IncrementalDetokenizer(
-                tok.backend_tokenizer,
-                req.prompt_token_ids,
-                p.skip_special_tokens,
-                p.stop,
-                p.include_stop_str_in_output,
-            )
-            return gen, detok, state
-
-        return make
+        gen = torch.Generator()
+        gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
+        state = self.logits.new_state(p) if p.shapes_logits else None
+        if tok is None:
+            return gen, None, state
+        detok = IncrementalDetokenizer(
+            tok.backend_tokenizer,
+            req.prompt_token_ids,
+            p.skip_special_tokens,
+            p.stop,
+            p.include_stop_str_in_output,
+        )
+        return gen, detok, state
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""
@@ -303,8 +294,12 @@ class LLMEngine:
         self._record(plan)
         sampled, beams, prompt = None, None, None
         if plan.batch:
-            rows = [_row(t.seq) for t in plan.targets]
-            beam_rows = [_row(t.seq) for t in plan.beam_targets]
+            # what the processors and the sampler read of each sequence that receives a token
+            rows = [
+                SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
+                for s in (t.seq for t in plan.targets + plan.beam_targets)
+            ]
+            rows, beam_rows = rows[: len(plan.targets)], rows[len(plan.targets) :]
             self.logits.prepare(rows + beam_rows)  # grammar masks, overlapping the forward pass
             logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
             self.stats.graph_steps += self.runner.last_step_graphed

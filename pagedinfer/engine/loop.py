@@ -70,13 +70,13 @@ class GenerationLoop:
         feed, more, start = iter(feed), True, time.perf_counter()
         try:
             while True:
-                while more and self.pending < window:
+                while more and len(self._inside) < window:
                     item = next(feed, None)
                     if item is None:
                         more = False
                     else:
                         yield from self.add(*item)
-                if not self.pending:
+                if not self._inside:
                     return
                 for done in self._step():
                     self.engine.stats.wall_time_s = time.perf_counter() - start

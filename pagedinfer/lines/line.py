@@ -26,7 +26,7 @@ def line_key(custom_id: object, ident: object, line: int | None) -> str:
     """
     if custom_id is not None:
         return f"custom_id:{json.dumps(custom_id)}"
-    if ident is None or (is_int(ident) and ident == line):
+    if ident is None or (ident == line and is_int(ident)):
         return f"line:{line}"
     return f"id:{json.dumps(ident)}"
 
@@ -59,16 +59,9 @@ class LineRequest:
     )
     params: SamplingParams | BeamSearchParams
     openai: OpenAIRequest | None = None
-    lora: str | None = None  # the adapter a plain line's ``lora`` field names
-
-    def adapter(self, loaded: set[str] | dict) -> str | None:
-        """The adapter this line runs with: its ``lora`` field, or (vLLM's convention) an OpenAI body's
-        ``model`` when it names a loaded adapter; None: the base model."""
-        if self.lora is not None:
-            return self.lora
-        if self.openai is not None and self.openai.model in loaded:
-            return self.openai.model
-        return None
+    # the adapter it runs with (None: the base model): a plain line's ``lora`` field, or an OpenAI
+    # body's ``model`` when it names one of the run's adapters (vLLM's convention)
+    lora: str | None = None
 
     @property
     def kind(self) -> str:

@@ -138,11 +138,13 @@ def _bad_string(value: object, path: str) -> str | None:
 class LineParser:
     """Validates lines one at a time with the run's defaults; remembers the line of each id (duplicates,
     output order). ``openai_file``: answer lines that are not even requests in the OpenAI shape
-    (None: as the file's first JSON object line is, an OpenAI request or not)."""
+    (None: as the file's first JSON object line is, an OpenAI request or not). ``adapters``: the
+    names of the run's LoRA adapters, which an OpenAI body's ``model`` may name (vLLM's convention)."""
 
     defaults: dict  # SamplingParams (and beam_width) values a line does not set
     base_seed: int = 0
     openai_file: bool | None = False
+    adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.first_line: dict[str, int] = {}  # key -> the line that holds it
@@ -152,9 +154,17 @@ class LineParser:
             obj = _Bad(f"the line {text}") if isinstance(text, LineDecodeError) else load_json(text)
         except _Bad as e:
             obj = e
-        item = self._item(number, obj)
+        if isinstance(obj, _Bad):
+            item = self._unnamed(number, str(obj))
+        elif not isinstance(obj, dict):
+            item = self._unnamed(number, f"a line must be a JSON object, not {describe(obj)}")
+        else:
+            openai = bool(OPENAI_LINE_FIELDS & obj.keys())
+            if self.openai_file is None:  # the first JSON object decides how unreadable lines are answered
+                self.openai_file = openai
+            item = self._openai(number, obj) if openai else self._plain(number, obj)
         keys = [item.key]
-        if isinstance(obj, dict) and is_int(obj.get("id")) and obj["id"] == number and item.openai is None:
+        if isinstance(obj, dict) and obj.get("id") == number and is_int(obj["id"]) and item.openai is None:
             keys.append(f"id:{number}")  # "id": N on line N is named both ways: no other line may take N
         taken = [self.first_line[k] for k in keys if self.first_line.get(k, number) != number]
         if taken:  # an id an earlier line uses: this line is named by its number
@@ -166,17 +176,6 @@ class LineParser:
         for k in keys:
             self.first_line[k] = number
         return item
-
-    def _item(self, number: int, obj: object) -> LineRequest | LineError:
-        if isinstance(obj, _Bad):
-            return self._unnamed(number, str(obj))
-        if not isinstance(obj, dict):
-            return self._unnamed(number, f"a line must be a JSON object, not {describe(obj)}")
-        if self.openai_file is None:  # the first JSON object decides how unreadable lines are answered
-            self.openai_file = bool(OPENAI_LINE_FIELDS & obj.keys())
-        if OPENAI_LINE_FIELDS & obj.keys():
-            return self._openai(number, obj)
-        return self._plain(number, obj)
 
     def _unnamed(self, number: int, reason: str, item: LineRequest | LineError | None = None) -> LineError:
         """The error record of a line no id can name: keyed by its line number, in its own position."""
@@ -199,12 +198,20 @@ class LineParser:
         key = line_key(None, ident, number)
         echo = {k: obj[k] for k in PROMPT_FIELDS if k in obj}
         try:
-            _no_unknown(obj, PLAIN_FIELDS, "field")
+            if unknown := obj.keys() - PLAIN_FIELDS:
+                raise _unknown(unknown, "field")
             lora = obj.get("lora")
             if lora is not None and not (isinstance(lora, str) and lora):
                 raise _Bad(f"lora must be an adapter's name (a non-empty string), not {describe(lora)}")
-            prompt = _plain_prompt(obj)
-            chat = "messages" in prompt
+            given = [k for k in PROMPT_FIELDS if k in obj]
+            if not given:
+                raise _Bad("no prompt: give 'prompt', 'messages' or 'prompt_token_ids'")
+            if len(given) > 1:
+                raise _Bad(
+                    f"give exactly one of 'prompt', 'messages', 'prompt_token_ids' (got {', '.join(given)})"
+                )
+            chat = given[0] == "messages"
+            prompt = {given[0]: _PROMPT_CHECKS[given[0]](obj[given[0]], given[0])}
             width = obj.get("beam_width", self.defaults.get("beam_width"))
             if width is not None and width != 0:
                 params = self._beam(obj)
@@ -259,14 +266,16 @@ class LineParser:
         key = line_key(cid, None, number)
         echo = {k: body[k] for k in ("prompt", "messages") if isinstance(body, dict) and k in body}
         try:
-            _no_unknown(obj, OPENAI_LINE_FIELDS, "field")
+            if unknown := obj.keys() - OPENAI_LINE_FIELDS:
+                raise _unknown(unknown, "field")
             if obj.get("method", "POST") != "POST":
                 raise _Bad(f"method must be 'POST', not {obj.get('method')!r}")
             if url not in (COMPLETIONS_URL, CHAT_URL):
                 raise _Bad(f"url must be {COMPLETIONS_URL!r} or {CHAT_URL!r}, not {url!r}")
             if not isinstance(body, dict):
                 raise _Bad(f"body must be a JSON object, not {describe(body)}")
-            _no_unknown(body, OPENAI_BODY_FIELDS | SAMPLING_FIELDS.keys(), "body field")
+            if unknown := body.keys() - OPENAI_BODY_FIELDS - SAMPLING_FIELDS.keys():
+                raise _unknown(unknown, "body field")
             model = body.get("model")
             if model is not None and not isinstance(model, str):
                 raise _Bad(f"body.model must be a string, not {describe(model)}")
@@ -282,28 +291,17 @@ class LineParser:
             params = self._sampling(given, True, key, "body.")
         except _Bad as e:
             return LineError(number, key, cid, str(e), info, True, echo)
-        return LineRequest(number, key, cid, prompt, params, info)
+        lora = info.model if info.model in self.adapters else None
+        return LineRequest(number, key, cid, prompt, params, info, lora)
 
 
-def parse_lines(source: InputLines, defaults: dict, base_seed: int = 0) -> Iterator[LineRequest | LineError]:
+def parse_lines(
+    source: InputLines, defaults: dict, base_seed: int = 0, adapters: frozenset[str] = frozenset()
+) -> Iterator[LineRequest | LineError]:
     """Every non-blank line of ``source`` parsed, in file order (one parser: duplicates are found)."""
-    parser = LineParser(defaults, base_seed, openai_file=None)
+    parser = LineParser(defaults, base_seed, openai_file=None, adapters=adapters)
     for number, text in source:
         yield parser.parse(number, text)
-
-
-def _plain_prompt(obj: dict) -> dict:
-    given = [k for k in PROMPT_FIELDS if k in obj]
-    if not given:
-        raise _Bad("no prompt: give 'prompt', 'messages' or 'prompt_token_ids'")
-    if len(given) > 1:
-        raise _Bad(f"give exactly one of 'prompt', 'messages', 'prompt_token_ids' (got {', '.join(given)})")
-    name = given[0]
-    if name == "prompt":
-        return {"prompt": _check_prompt_text(obj["prompt"], "prompt")}
-    if name == "messages":
-        return {"messages": _check_messages(obj["messages"], "messages")}
-    return {"prompt_token_ids": _check_token_ids(obj["prompt_token_ids"], "prompt_token_ids")}
 
 
 def _openai_prompt(body: dict, chat: bool) -> dict:
@@ -367,10 +365,10 @@ def _openai_sampling(body: dict, chat: bool) -> tuple[dict, str | None]:
     return given, None
 
 
-def _no_unknown(obj: dict, known: set[str], what: str, prefix: str = "") -> None:
-    unknown = sorted(obj.keys() - known)
-    if unknown:
-        raise _Bad(f"{prefix}unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}")
+def _unknown(names: set[str], what: str, prefix: str = "") -> _Bad:
+    """The error naming fields a line may not have (sorted, so the message does not vary)."""
+    s = "s" if len(names) > 1 else ""
+    return _Bad(f"{prefix}unknown {what}{s} {', '.join(map(repr, sorted(names)))}")
 
 
 def _check_prompt_text(value: object, name: str) -> str:
@@ -395,7 +393,8 @@ def _check_messages(value: object, name: str) -> list[dict]:
         where = f"{name}[{i}]"
         if not isinstance(msg, dict):
             raise _Bad(f"{where} must be an object, not {describe(msg)}")
-        _no_unknown(msg, MESSAGE_FIELDS, "field", f"{where} has ")
+        if unknown := msg.keys() - MESSAGE_FIELDS:
+            raise _unknown(unknown, "field", f"{where} has ")
         if not isinstance(msg.get("role"), str) or not msg["role"]:
             raise _Bad(f"{where}.role must be a non-empty string")
         content = msg.get("content")
@@ -410,3 +409,10 @@ def _check_messages(value: object, name: str) -> list[dict]:
             raise _Bad(f"{where}.content must be a string, not {describe(content)}")
         out.append({**msg, "content": content})
     return out
+
+
+_PROMPT_CHECKS = {
+    "prompt": _check_prompt_text,
+    "messages": _check_messages,
+    "prompt_token_ids": _check_token_ids,
+}

@@ -64,21 +64,22 @@ def success_record(
     line: LineRequest, out: RequestOutput | BeamSearchOutput, token_text: TokenText, model: str
 ) -> dict:
     """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed)."""
-    if isinstance(out, BeamSearchOutput):
-        completions = [s.token_ids for s in out.sequences]
-        return {
-            **_plain_head(line, out),
-            "beams": [_beam(i, s) for i, s in enumerate(out.sequences)],
-            "usage": _usage(out.prompt_token_ids, completions),
-            "error": None,
-        }
-    usage = _usage(out.prompt_token_ids, [c.token_ids for c in out.outputs])
-    k = line.params.logprobs or 0
+    beams = isinstance(out, BeamSearchOutput)
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in (out.sequences if beams else out.outputs))
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    k = 0 if beams else line.params.logprobs or 0
     if line.openai is not None:
         return _openai_success(
             line.openai, out, usage, (k, line.params.prompt_logprobs or 0), token_text, model
         )
-    record = _plain_head(line, out)
+    # a plain line's id, line number and prompt, as its input gave it (a chat line: and the rendered text)
+    record = {"id": line.id, "line": line.line, **line.prompt}
+    if "messages" in line.prompt:
+        record["prompt"] = out.prompt
+    if beams:
+        record["beams"] = [_beam(i, s) for i, s in enumerate(out.sequences)]
+        return {**record, "usage": usage, "error": None}
     if out.prompt_logprobs is not None:  # per prompt token (the first has none), top prompt_logprobs
         kp = line.params.prompt_logprobs
         record["prompt_logprobs"] = [
@@ -87,14 +88,6 @@ def success_record(
         ]
     outputs = [_plain_output(c, k, token_text) for c in out.outputs]
     return {**record, "outputs": outputs, "usage": usage, "error": None}
-
-
-def _plain_head(line: LineRequest, out: RequestOutput | BeamSearchOutput) -> dict:
-    """A plain line's id, line number and prompt, as its input gave it (a chat line: and the rendered text)."""
-    head = {"id": line.id, "line": line.line, **line.prompt}
-    if "messages" in line.prompt:
-        head["prompt"] = out.prompt
-    return head
 
 
 def _beam(index: int, s) -> dict:
@@ -203,11 +196,6 @@ def _plain_logprobs(token_id: int, top: dict, k: int, token_text: TokenText) -> 
 def _top_k(top: dict, k: int) -> list:
     """The k most likely tokens of one step (the sampled token is listed only if it is among them)."""
     return sorted(((tid, lp) for tid, lp in top.items() if lp.rank <= k), key=lambda x: x[1].rank)
-
-
-def _usage(prompt_ids: list[int], completions: list[list[int]]) -> dict:
-    prompt, completion = len(prompt_ids), sum(len(c) for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # -- OpenAI -------------------------------------------------------------------------------------------
