@@ -10,8 +10,9 @@ new tokens each); ``--workload`` runs one of scripts/bench_peers.py's instead (A
 same prompts, n, temperature and seed as there). Every engine step is timed whole
 (``LLMEngine.step``), and inside it: each linear's call (``PackedLinear`` / ``nn.Linear``, lm_head
 included; its FLOPs 2 x rows x in x out, so the step's GEMM rate), the GEMMs the one-call C decode
-step clocks itself, each prompt-attention call (``PortablePlan._chunks_sdpa``: SDPA over the
-chunk's rows), the K/V writes (``cpu_kernel.store_kv``), decode attention and the sampler. The
+step clocks itself, attention (the C kernel's call for every row of the step, or, without the
+kernel, SDPA over each chunk's rows: prompt attention in a step with prompt tokens, decode attention
+in a decode-only step), the K/V writes (``cpu_kernel.store_kv``) and the sampler. The
 2048^3 GEMM rate of float32 and bfloat16 is measured first in the same process, for the GEMM rate
 to be read against. Prints one row per prompt step, one for the decode steps together, and the
 totals.
@@ -103,8 +104,8 @@ def main() -> None:
     clocks = Clocks()
     clocks.wrap(PackedLinear, "forward", "gemm", linear_flops)
     clocks.wrap(nn.Linear, "forward", "gemm", linear_flops)
-    clocks.wrap(portable_backend.PortablePlan, "_chunks_sdpa", "prompt_attention")
-    clocks.wrap(portable_backend.PortablePlan, "_decode_kernel", "decode_attention")
+    clocks.wrap(portable_backend.PortablePlan, "_chunks_sdpa", "attention")
+    clocks.wrap(portable_backend.PortablePlan, "_decode_kernel", "attention")
     clocks.wrap(cpu_kernel, "store_kv", "kv_store")
     clocks.wrap(llm_engine, "sample", "sampler")
     engine = llm.engine
@@ -132,6 +133,8 @@ def main() -> None:
             engine.scheduler.schedule = schedule
             c_gemm, c_attention = decode_step.gemm_seconds(), decode_step.attention_seconds()
             rec = {p: clocks.seconds[p] for p in PARTS}
+            prompt_step = any(n > 1 for n in plan_tokens)
+            rec["prompt_attention" if prompt_step else "decode_attention"] += clocks.seconds["attention"]
             rec["gemm"] += c_gemm
             rec["decode_attention"] += c_attention
             rows = len(plan_tokens)

@@ -191,7 +191,10 @@ class DecodeStep:
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
-        bounds = cpu_kernel.split(meta.context_lens_host, per_key)
+        lens = meta.context_lens_host
+        if lens is None:  # a step through the graph path's static buffers (padding rows included)
+            lens = meta.context_lens.tolist()
+        bounds = cpu_kernel.split(lens, per_key)
         h, x, qkv, attn, act, query_rows = self._scratch(rows, residual)
         step = StepMeta(
             len(self.layers),
