@@ -98,12 +98,15 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
     bfloat16 linear rounds (gated: gate and up rounded, silu(gate) rounded, then the product): every
     row tile (1-12 rows and their remainders; from 8 rows AMX tiles where the kernel has them, of up
     to 32 rows by 2 panels, except for an ``in`` not a multiple of 32: 40), row blocks (300 and 301
-    rows), a partial last panel, a bias. An odd ``in`` (x is read in pairs) stays with oneDNN."""
+    rows), a partial last panel, a bias, each row with the bits it has in any other row count. An odd
+    ``in`` (x is read in pairs) stays with oneDNN."""
     torch.manual_seed(6)
     lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias).to(torch.bfloat16)
     panels = packed_linear.PackedLinear(lin, panels=True)
     assert panels.packed is None and panels.segments[0].panels.shape == (-(-n // 16), k, 16)
     w = lin.weight.detach().float()
+    big = torch.randn(301, k).to(torch.bfloat16)
+    whole = panels(big)  # [301, n]: tiles of 6 rows by 4 panels
     for rows in (*range(1, 14), 24, 25, 300, 301):
         x = torch.randn(rows, k).to(torch.bfloat16)
         y = x.float() @ w.T + (lin.bias.detach().float() if bias else 0)  # [rows, n]
@@ -111,6 +114,9 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
             gate, up = y[:, : n // 2].bfloat16().float(), y[:, n // 2 :].bfloat16().float()
             y = torch.nn.functional.silu(gate).bfloat16().float() * up
         torch.testing.assert_close(panels(x), y.bfloat16(), rtol=2**-7, atol=2e-2)
+        # every tile shape gives a row the same bits: batch-invariant
+        assert torch.equal(panels(big[:rows]), whole[:rows]), rows
+        assert torch.equal(panels(big[rows - 1 : rows]), whole[rows - 1 : rows]), rows
     with pytest.raises(TypeError, match="input is torch.float32"):
         panels(torch.randn(2, k))  # never read as bfloat16 bits
     odd = packed_linear.PackedLinear(nn.Linear(37, 16).to(torch.bfloat16), panels=True)
