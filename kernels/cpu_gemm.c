@@ -361,12 +361,6 @@ BWIDE(7)
 BWIDE(8)
 #endif
 
-/* m rows of bfloat16 x times np pair panels (pstride apart) into y: WRB x WPB tiles past MRB rows
- * while WPB panels are left, then panel by panel in MRB-row tiles. */
-static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t *p, int64_t pstride, int np,
-                                uint16_t *y, int64_t ldy, int cols, const uint16_t *pf, const float *b,
-                                int gated);
-
 /* m rows of bfloat16 x times one pair panel into y (row stride ldy). */
 static void rows_by_panel_bf16(const uint16_t *x, int m, int64_t lda, const uint16_t *p, int k, uint16_t *y,
                                int64_t ldy, const uint16_t *pf, const float *b, int gated) {
@@ -378,6 +372,8 @@ static void rows_by_panel_bf16(const uint16_t *x, int m, int64_t lda, const uint
     if (m > r) tail[m - r](x + r * lda, lda, p, k, y + r * ldy, ldy, pf, b, gated);
 }
 
+/* m rows of bfloat16 x times np pair panels (pstride apart) into y: WRB x WPB tiles past MRB rows
+ * while WPB panels are left, then panel by panel in MRB-row tiles. */
 static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t *p, int64_t pstride, int np,
                                 uint16_t *y, int64_t ldy, int cols, const uint16_t *pf, const float *b,
                                 int gated) {
