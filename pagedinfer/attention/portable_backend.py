@@ -123,31 +123,30 @@ class PortablePlan:
         (SDPA's blocking varies with the chunk's length). K/V are read in place, never gathered.
         """
         dev = meta.context_lens.device
-        seq = torch.repeat_interleave(
-            torch.arange(len(q_lens), device=dev), q_lens
-        )  # [T] each row's sequence
+        # [T] each row's sequence
+        seq = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens)
         rows = torch.arange(len(seq), device=dev)  # [T] packed rows, in order
         first = meta.context_lens.to(torch.int64)[seq] - q_lens[seq]  # [T] the context before its chunk
         lens = (first + rows - starts[seq] + 1).to(torch.int32)  # [T] each row's own context length
         tables = meta.block_tables if len(seq) == len(q_lens) else meta.block_tables[seq]  # [T, max_blocks]
-        empty = torch.zeros(len(seq), 0, dtype=torch.int64, device=dev)
-        none = torch.zeros(0, 0, dtype=torch.int64, device=dev)
+        no_slots = torch.zeros(len(seq), 0, dtype=torch.int64, device=dev)  # the kernel reads the tables
+        no_chunks = torch.zeros(0, 0, dtype=torch.int64, device=dev)
         return cls(
-            rows,
-            empty,
-            empty,
-            empty,
-            tables.contiguous(),
-            lens,
-            lens.tolist(),
-            none,
-            torch.zeros(0, 0, dtype=torch.bool, device=dev),
-            none,
-            none,
-            torch.zeros(0, dtype=torch.int64, device=dev),
-            [],
-            [],
-            True,
+            decode_rows=rows,
+            decode_slots=no_slots,
+            decode_kpos=no_slots,
+            decode_qpos=no_slots,
+            decode_tables=tables.contiguous(),
+            decode_lens=lens,
+            decode_lens_host=lens.tolist(),
+            chunk_rows=no_chunks,
+            chunk_valid=torch.zeros(0, 0, dtype=torch.bool, device=dev),
+            chunk_slots=no_chunks,
+            chunk_qpos=no_chunks,
+            chunk_kpos=torch.zeros(0, dtype=torch.int64, device=dev),
+            chunk_spans=[],
+            prompt_runs=[],
+            use_kernel=True,
         )
 
     @staticmethod
