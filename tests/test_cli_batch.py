@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import read_jsonl, sigterm, tiny_model, tiny_model_no_tokenizer, write_jsonl
+from cli_helpers import one_line_error, read_jsonl, sigterm, tiny_model, tiny_model_no_tokenizer, write_jsonl
 from typer.testing import CliRunner
 
 from pagedinfer.cli.app import app
@@ -320,6 +320,66 @@ def test_resume_drops_unreadable_middle_lines_and_reruns_them(model, tmp_path):
     assert result.exit_code == 0
     assert "dropped 1 unreadable line" in result.stderr
     assert out.read_bytes() == complete
+
+
+def _interrupted_job(model: str, tmp_path: Path, *args: str) -> tuple[Path, Path, bytes]:
+    """A completed run of five seeded lines, then its output cut to two records as if it had been killed:
+    (input, output, the complete output)."""
+    lines = [{"id": i, "prompt_token_ids": [3, i + 4]} for i in range(5)]  # the defaults decide
+    path = write_jsonl(tmp_path / "o.jsonl", lines)
+    out = tmp_path / "o.out.jsonl"
+    assert run(model, path, *args).exit_code == 0
+    complete = out.read_bytes()
+    out.write_bytes(b"".join(complete.splitlines(keepends=True)[:2]))
+    return path, out, complete
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "words"),
+    [
+        ((), ("--temperature", "0.5"), "--temperature 1.0; this run has --temperature 0.5"),
+        (
+            ("--max-tokens", "3"),
+            ("--seed", "1", "--max-tokens", "4"),
+            "--seed 0 --max-tokens 3; this run has --seed 1 --max-tokens 4",
+        ),
+        (("--max-tokens", "3"), (), "--max-tokens 3; this run has --max-tokens (default)"),
+    ],
+)
+def test_resume_refuses_other_options_and_leaves_the_output_untouched(model, tmp_path, first, then, words):
+    path, out, _ = _interrupted_job(model, tmp_path, *first)
+    partial, sidecar = out.read_bytes(), (tmp_path / "o.out.jsonl.resume").read_bytes()
+    result = run(model, path, "--resume", *then)
+    one_line_error(
+        result,
+        f"error: --resume: {out} was written with {words}: give the same options, "
+        "or run without --resume to start over",
+    )
+    assert out.read_bytes() == partial and (tmp_path / "o.out.jsonl.resume").read_bytes() == sidecar
+
+
+def test_resume_may_change_speed_settings_and_keeps_the_options(model, tmp_path):
+    path, out, complete = _interrupted_job(model, tmp_path, "--resume")  # a script that always resumes
+    result = run(model, path, "--resume", "--max-num-seqs", "1", "--no-prefix-caching", "--block-size", "8")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == complete
+    out.write_bytes(b"".join(complete.splitlines(keepends=True)[:3]))
+    result = run(model, path, "--resume", "--seed", "2")  # the first run's options are still kept
+    one_line_error(result, f"--resume: {out} was written with --seed 0; this run has --seed 2")
+
+
+def test_an_older_resume_file_without_options_still_resumes(model, tmp_path):
+    path, out, complete = _interrupted_job(model, tmp_path)
+    sidecar = tmp_path / "o.out.jsonl.resume"
+    sidecar.write_bytes(sidecar.read_bytes()[:512])  # the fingerprint alone, as older versions keep it
+    result = run(model, path, "--resume", "--seed", "3")
+    assert result.exit_code == 0, result.output
+    assert (
+        "o.out.jsonl.resume keeps no options (an older version wrote it), so they cannot be checked"
+        in " ".join(result.stderr.split())
+    )
+    records = out.read_bytes().splitlines(keepends=True)
+    assert len(records) == 5 and records[:2] == complete.splitlines(keepends=True)[:2]
 
 
 def _bench():

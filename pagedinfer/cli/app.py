@@ -391,7 +391,8 @@ def run(
         typer.Option(
             "--resume",
             help="Skip lines whose id is already in the output file (in any order), drop unreadable "
-            "lines from it, and append the rest.",
+            "lines from it, and append the rest. Refused when the input changed or an option that "
+            "changes outputs (model, seed, sampling, dtype...) differs from the output's.",
             rich_help_panel=OUTPUT,
         ),
     ] = False,
@@ -516,6 +517,7 @@ def run(
             ),
         },
         loras=adapters,
+        chat_template=chat_template,
         report=report,
         report_json=report_json,
         trace=trace,

@@ -5,7 +5,9 @@ second run on the same file fails at once instead of truncating the first one's 
 is one ``write`` of one full line, issued as soon as its request finishes, whatever the lines
 before it; `sync` (once per engine step, before the next one runs) makes the step's lines durable
 with ``fsync``, after writing the input's fingerprint beside the output (``<output>.resume``: the
-part of the input read so far and its SHA-256), which ``--resume`` checks the input against. A crash
+part of the input read so far and its SHA-256), which ``--resume`` checks the input against; the
+same file keeps, from when the run starts writing, the options its records depend on
+(`pagedinfer.cli.run_options`), which ``--resume`` checks its own against. A crash
 or ``kill -9`` therefore loses only the lines still being generated (a power cut, also those
 written since the last step). A failed write (disk full, EIO) is cut back to the last full line and
 raised as `OutputWriteError`. When the run completes, `reorder` puts the file in input order
@@ -39,8 +41,9 @@ from pagedinfer.lines.records import record_key
 from pagedinfer.lines.source import Fingerprint
 
 _SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-RESUME_SUFFIX = ".resume"  # the input's fingerprint beside the output
-_RESUME_BYTES = 512  # the fingerprint record is rewritten in place at this fixed size
+RESUME_SUFFIX = ".resume"  # the input's fingerprint and the run's options beside the output
+_RESUME_BYTES = 512  # the fingerprint record is rewritten in place at this fixed size; the options follow
+_RESUME_MAX = 1 << 20  # read no more of a resume file than this
 
 
 class OutputError(Exception):
@@ -154,6 +157,7 @@ class Done:
     errors: int  # of them, error records
     dropped: int  # unreadable lines removed (their input lines run again)
     fingerprint: Fingerprint | None  # of the input part the earlier run had read (None: not kept)
+    options: dict | None = None  # the options its records were made with (None: not kept)
 
 
 def _key_of(line: bytes) -> tuple[str | None, bool]:
@@ -225,15 +229,20 @@ class OutputFile:
                 rewrite |= not raw.endswith(b"\n")  # a complete last record without its newline
         if rewrite:
             self._rewrite(lambda raw: _key_of(raw)[0] is not None)
-        self._fingerprint = self._read_fingerprint()
-        return Done(keys, errors, dropped, self._fingerprint)
+        self._fingerprint, options = self._read_resume_file()
+        return Done(keys, errors, dropped, self._fingerprint, options)
 
-    def start(self, truncate: bool) -> None:
-        """Begin writing: truncated for a fresh run, appended to for --resume."""
+    def start(self, truncate: bool, options: dict | None = None) -> None:
+        """Begin writing: truncated for a fresh run, appended to for --resume. ``options`` (those the
+        records depend on) then replace the ones kept beside the output; a fresh run's old ones go
+        in any case. The output is truncated first: a crash in between leaves no records under
+        options they were not made with."""
         if truncate:
             os.ftruncate(self._fd, 0)
             self._size = 0
             self._fingerprint = None
+        if (truncate or options is not None) and self.resume_path is not None:
+            self._replace_resume_file(options)
 
     def write(self, record: dict, position: int | None = None) -> None:
         """One record as one full line, written now (durable at the next `sync`); any ``position``."""
@@ -277,20 +286,39 @@ class OutputFile:
             raise OutputWriteError(f"cannot write {self.resume_path}: {e.strerror or e}") from None
         self._fingerprint = fingerprint
 
-    def _read_fingerprint(self) -> Fingerprint | None:
+    def _replace_resume_file(self, options: dict | None) -> None:
+        """A new resume file (renamed over the old one: never a mix of both): the fingerprint kept so
+        far, then ``options`` (none: nothing can be checked against them)."""
+        head = json.dumps(None if self._fingerprint is None else self._fingerprint.to_dict()).encode()
+        data = head.ljust(_RESUME_BYTES - 1) + b"\n"
+        if options is not None:
+            data += json.dumps({"options": options}, ensure_ascii=False).encode("utf-8") + b"\n"
+        try:
+            fd = _renamed_over(self.resume_path, [data], stat.S_IMODE(os.fstat(self._fd).st_mode), lock=False)
+        except OSError as e:
+            raise OutputWriteError(f"cannot write {self.resume_path}: {e.strerror or e}") from None
+        if self._resume_fd is not None:
+            os.close(self._resume_fd)
+        self._resume_fd = fd  # the fingerprint is rewritten in place in this one
+        _sync_directory(self.resume_path.parent)
+
+    def _read_resume_file(self) -> tuple[Fingerprint | None, dict | None]:
+        """(fingerprint, options) kept beside the output; None for each one missing or unreadable
+        (an older version kept the fingerprint alone)."""
         if self.resume_path is None:
-            return None
+            return None, None
         try:
             fd = os.open(self.resume_path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
-            return None
+            return None, None
         try:
-            doc = json.loads(os.read(fd, _RESUME_BYTES))
-            return Fingerprint(int(doc["size"]), int(doc["lines"]), str(doc["sha256"]))
-        except (ValueError, KeyError, TypeError):
-            return None
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(_RESUME_MAX)
+        except OSError:
+            return None, None
         finally:
             os.close(fd)
+        return _fingerprint_of(data[:_RESUME_BYTES]), _options_of(data[_RESUME_BYTES:])
 
     def reorder(self, rank: Callable[[str | None], int | None]) -> bool:
         """Rewrite the file in input order (``rank`` of each record's key), if it is not already.
@@ -330,43 +358,18 @@ class OutputFile:
             self._replace(raw if raw.endswith(b"\n") else raw + b"\n" for raw in src if keep(raw))
 
     def _replace(self, lines) -> None:
-        """Write ``lines`` to a new temporary file (created exclusively: a file or link planted at any
-        name is never followed) and rename it over the output; keep the lock on it."""
+        """Write ``lines`` to a new file renamed over the output; keep the lock on it."""
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            fd = _renamed_over(self.path, lines, stat.S_IMODE(os.fstat(self._fd).st_mode), lock=True)
         except OSError as e:
             raise OutputWriteError(f"cannot rewrite output file {self.path}: {e.strerror or e}") from None
-        try:
-            with open(fd, "wb", closefd=False) as f:
-                for raw in lines:
-                    f.write(raw)
-                f.flush()
-                os.fsync(fd)
-            os.fchmod(fd, stat.S_IMODE(os.fstat(self._fd).st_mode))  # the output's own mode
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new inode: no other run can hold it yet
-            os.replace(tmp, self.path)
-        except OSError as e:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise OutputWriteError(f"cannot rewrite output file {self.path}: {e.strerror or e}") from None
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         os.close(self._fd)
         self._fd = fd
         os.lseek(fd, 0, os.SEEK_END)
         fl = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_APPEND)
         self._size = os.fstat(fd).st_size
-        with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        _sync_directory(self.path.parent)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -377,6 +380,56 @@ class OutputFile:
         if self._resume_fd is not None:
             os.close(self._resume_fd)
             self._resume_fd = None
+
+
+def _renamed_over(path: Path, chunks, mode: int, lock: bool) -> int:
+    """Write ``chunks`` to a new temporary file beside ``path`` (created exclusively: a file or link
+    planted at any name is never followed; ``.<name>.*.tmp``, which a killed run leaves for the next
+    one to remove), make it durable, give it ``mode`` (and the lock) and rename it over ``path``.
+    Returns its descriptor; raises OSError, with the temporary file removed."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            for raw in chunks:
+                f.write(raw)
+            f.flush()
+            os.fsync(fd)
+        os.fchmod(fd, mode)
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new inode: no other run can hold it yet
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+def _sync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable where the OS allows."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _fingerprint_of(head: bytes) -> Fingerprint | None:
+    try:
+        doc = json.loads(head)
+        return Fingerprint(int(doc["size"]), int(doc["lines"]), str(doc["sha256"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _options_of(tail: bytes) -> dict | None:
+    try:
+        options = json.loads(tail)["options"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return options if isinstance(options, dict) else None
 
 
 class StreamOutput:

@@ -9,7 +9,7 @@ bad lines gets its error records without it). Exit codes (docs/cli.md):
 * 0 every line of the input has a success record, 1 some lines failed (this run or, with
   ``--resume``, an earlier one), or ``--strict`` found bad lines,
 * 2 the invocation is unusable (bad file, path, option or model; the output is locked; ``--resume``
-  on an input that changed),
+  on an input that changed, or with options other than those the output was written with),
 * 74 writing the output failed (disk full, I/O error): the lines on disk are kept, ``--resume`` completes,
 * 130 / 143 / 129 stopped by SIGINT (Ctrl-C) / SIGTERM / SIGHUP: the current step finishes, every
   finished line is on disk, ``--resume`` completes the rest. A second signal stops at once.
@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedinfer.cli.jsonl_output import (
+    Done,
     OutputClosed,
     OutputError,
     OutputFile,
@@ -37,6 +38,7 @@ from pagedinfer.cli.jsonl_output import (
     StreamOutput,
     plan_paths,
 )
+from pagedinfer.cli.run_options import describe, differing, run_options
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.parse import LineParser, parse_lines
 from pagedinfer.lines.source import InputFileError, InputLines
@@ -80,6 +82,7 @@ class RunOptions:
     data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
     ray_address: str | None = None  # join this Ray cluster (default: a local Ray for the run)
     loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH, loaded with the model
+    chat_template: Path | None = None  # --chat-template FILE as given (engine["chat_template"]: its text)
 
 
 @dataclass
@@ -206,8 +209,8 @@ class _Run:
             return code  # nothing written, nothing truncated
         if self.output is None:
             self._open_output()
-        if isinstance(self.output, OutputFile):
-            self.output.start(truncate=not opts.resume)
+        if isinstance(self.output, OutputFile):  # an output with no records takes this run's options
+            self.output.start(truncate=not opts.resume, options=None if done else run_options(opts))
         try:
             self._generate(done)
         finally:
@@ -269,19 +272,46 @@ class _Run:
                 f"--resume: input file {self.opts.prompts} changed since {self.paths.output} was written ({why}); "
                 "restore it, or run without --resume to start over"
             )
+        if found.keys and found.options is not None:
+            self._refuse_other_options(found.options)
         outcome = self.outcome
         outcome.kept, outcome.kept_errors, outcome.dropped = len(found.keys), found.errors, found.dropped
-        if not self.opts.quiet or found.dropped or (found.fingerprint is None and found.keys):
+        unchecked = self._unchecked_words(found)
+        if not self.opts.quiet or found.dropped or unchecked:
             words = [f"resume: {len(found.keys)} records already in {escape(str(self.paths.output))}"]
             if found.dropped:
                 s = "s" if found.dropped != 1 else ""
                 words.append(f"dropped {found.dropped} unreadable line{s} (their input lines run again)")
-            if found.fingerprint is None and found.keys:
-                words.append(
-                    f"no {self.paths.resume.name} beside it, so the input cannot be checked unchanged"
-                )
+            if unchecked:
+                words.append(unchecked)
             self.err.print("; ".join(words), soft_wrap=True)
         return found.keys
+
+    def _refuse_other_options(self, kept: dict) -> None:
+        """--resume: the records on disk were made with ``kept``; appending records made with other
+        options would leave one file mixing both, with nothing in it to tell which is which."""
+        current = run_options(self.opts)
+        names = differing(kept, current)
+        if names:
+            raise UsageError(
+                f"--resume: {self.paths.output} was written with {describe(kept, names)}; "
+                f"this run has {describe(current, names)}: give the same options, "
+                "or run without --resume to start over"
+            )
+
+    def _unchecked_words(self, found: Done) -> str | None:
+        """What --resume could not check for want of a resume file, or of its options (an older
+        version kept the fingerprint alone); None when all was checked, or no record is kept."""
+        name = escape(self.paths.resume.name)
+        if not found.keys:
+            return None
+        if found.fingerprint is None and found.options is None:
+            return f"no {name} beside it, so neither the input nor the options can be checked"
+        if found.fingerprint is None:
+            return f"{name} keeps no fingerprint, so the input cannot be checked unchanged"
+        if found.options is None:
+            return f"{name} keeps no options (an older version wrote it), so they cannot be checked"
+        return None
 
     def _strict(self, done: set[str]) -> int | None:
         """--strict: check every line without the model, then with it, before generating anything
