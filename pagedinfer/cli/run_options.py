@@ -5,7 +5,8 @@ default or an engine setting that changes outputs, one file would hold records m
 nothing in them to tell which. So the run keeps these options in the output's resume file when it
 starts writing (`OutputFile.start`), and ``--resume`` compares them with its own (`differing`).
 Settings that change only speed or memory (the pool, batching, prefix caching, scheduling, CUDA
-graphs, threads, replicas) are not kept: a resumed run may change them. Values are kept as given
+graphs, threads, replicas) are not kept: a resumed run may change them; nor is the device (another
+CPU, or a GPU, rounds differently too, and no run can check that). Values are kept as given
 (a model's name or path, not its files; a chat template's path and its text's SHA-256), each under
 the option that sets it, so that the refusal can name it.
 """
@@ -27,7 +28,6 @@ ENGINE_OPTIONS = {
     "kv_cache_dtype": "--kv-cache-dtype",
     "max_model_len": "--max-model-len",
     "model_impl": "--model-impl",
-    "device": "--device",
 }
 SAMPLING_OPTIONS = {"n": "-n", "max_tokens": "--max-tokens", "top_p": "--top-p", "top_k": "--top-k"}
 
