@@ -59,14 +59,14 @@ def test_panels_dequantize_as_gguf_py(kind):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-ROWS = (*range(1, 14), 24, 33, 64, 300)
+ROWS = (*range(1, 14), 16, 20, 24, 33, 64, 300)  # 13-20: row blocks in registers (8- and 6-bit kinds)
 
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_products_equal_the_float32_panels_on_the_dequantized_weight(kind, gated):
-    """Every tile shape (1 row by four panels, 2-3 rows by two, up to 12 rows in registers, more through
-    the dequantized buffer), a partial last panel (n = 72), a bias, SiLU x up: the same bits as
+    """Every tile shape (1 row by four panels, 2-3 rows by two, up to 12 rows in registers, 13-20 rows in
+    row blocks of those for Q8_0 and Q6_K, more through the dequantized buffer), a partial last panel (n = 72), a bias, SiLU x up: the same bits as
     cpu_gemm.c's float32 panels holding the dequantized weights."""
     rng = np.random.default_rng(3)
     n, k = 72, 512
