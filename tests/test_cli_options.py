@@ -36,7 +36,7 @@ def test_the_old_option_names_still_work_hidden(model, tmp_path):
     # the old name feeds the new option: its value reaches the same check, named by the new name
     one_line_error(
         run(model, prompts, "--max-batched-tokens", "0"),
-        "--max-num-seqs and --max-num-batched-tokens must be >= 1",
+        "--max-num-batched-tokens must be an integer >= 1, not 0",
     )
     one_line_error(
         run(model, prompts, "--kv-memory", "1MiB", "--kv-cache-memory", "2MiB"),
@@ -46,6 +46,21 @@ def test_the_old_option_names_still_work_hidden(model, tmp_path):
         run(model, prompts, "--max-batched-tokens", "8", "--max-num-batched-tokens", "8"),
         "--max-batched-tokens is the old name of --max-num-batched-tokens: give one of them",
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "setting"),
+    [("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")],
+)
+def test_a_bad_scheduling_limit_names_its_own_option_alone(model, tmp_path, option, setting):
+    """Each limit is checked alone: the error names the option given, not it and its neighbour."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    result = run(model, prompts, option, "0")
+    one_line_error(result, f"{option} must be an integer >= 1, not 0")
+    other = "--max-num-batched-tokens" if option == "--max-num-seqs" else "--max-num-seqs"
+    assert other not in result.stderr
+    with pytest.raises(ValueError, match=rf"^{setting} must be an integer >= 1, not 0$"):
+        EngineConfig(**{setting: 0})
 
 
 def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_path):
