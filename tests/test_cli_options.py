@@ -168,3 +168,21 @@ def test_a_bad_chat_template_is_one_line_before_anything_runs(model, tmp_path, c
     result = run(target, prompts, "--chat-template", tmp_path / path[case], "-o", out)
     one_line_error(result, message.format(dir=tmp_path, ids=target))
     assert not out.exists() or out.read_bytes() == b""  # nothing written (the lock may create the file)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_out_of_a_lines_seed_range_is_one_line_before_loading(model, tmp_path, seed):
+    """--seed takes the range of a line's own seed (SamplingParams): one line, exit 2, nothing run."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    out = tmp_path / "o.jsonl"
+    result = run(model, prompts, "--seed", seed, "-o", out)
+    one_line_error(result, f"--seed must be an integer from -2**63 to 2**64 - 1, not {seed}")
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"^seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        EngineConfig(seed=seed)
+
+
+def test_the_seed_range_ends_are_accepted(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    for seed in (2**64 - 1, -(2**63)):
+        assert run(model, prompts, "--seed", seed, "-o", tmp_path / f"{seed}.jsonl").exit_code == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -250,7 +251,7 @@ class _Run:
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
         keys += ("max_num_batched_tokens",)
         try:
-            EngineConfig(**{k: engine[k] for k in keys if k in engine})
+            EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
             raise UsageError(_option_words(str(e))) from None
         if engine.get("max_model_len") is not None and engine["max_model_len"] < 1:
@@ -521,7 +522,8 @@ def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
 
 
 def _option_words(message: str) -> str:
-    """Engine setting names -> the command-line options that set them."""
+    """Engine setting names -> the command-line options that set them (whole words only: ``seed``
+    names --seed, never a part of another word)."""
     for name, option in (
         ("kv_cache_memory", "--kv-cache-memory"),
         ("gpu_memory_utilization", "--gpu-memory-utilization"),
@@ -531,8 +533,9 @@ def _option_words(message: str) -> str:
         ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("max_num_seqs", "--max-num-seqs"),
         ("max_model_len", "--max-model-len"),
+        ("seed", "--seed"),
     ):
-        message = message.replace(name, option)
+        message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)
     return message
 
 
