@@ -186,3 +186,14 @@ def test_the_seed_range_ends_are_accepted(model, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
     for seed in (2**64 - 1, -(2**63)):
         assert run(model, prompts, "--seed", seed, "-o", tmp_path / f"{seed}.jsonl").exit_code == 0
+
+
+def test_a_prompt_longer_than_max_model_len_names_the_option(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 2}])
+    out = tmp_path / "o.jsonl"
+    assert run(model, prompts, "--max-model-len", "4", "-o", out).exit_code == 1
+    (record,) = read_jsonl(out)
+    assert record["error"] == (
+        "line 1: the prompt has 5 tokens; the context is 4 tokens by --max-model-len (API: max_model_len) "
+        "(one more is needed to generate)"
+    )

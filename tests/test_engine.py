@@ -228,6 +228,22 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
     assert llm.stats.failed_requests == 2
 
 
+def test_a_too_long_prompt_names_max_model_len_when_it_set_the_context(tiny_model, text_model):
+    """The error points at what to raise: the setting when it lowered the context, else the model."""
+    setting = "--max-model-len (API: max_model_len)"
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=20, max_model_len=8, **ENGINE)
+    (out,) = llm.generate([ids(10)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out.error == (
+        f"the prompt has 10 tokens; the context is 8 tokens by {setting} (one more is needed to generate)"
+    )
+    full = LLM(str(tiny_model("llama")), block_size=4, num_blocks=20, max_model_len=256, **ENGINE)
+    (out,) = full.generate([ids(300)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "; the model's context is 256 tokens (one more" in out.error and "max_model_len" not in out.error
+    text = LLM(str(text_model), block_size=4, num_blocks=20, max_model_len=4, **ENGINE)
+    (out,) = text.generate(["x" * 10**6], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert f"characters: more than the context of 4 tokens by {setting} can hold" in out.error
+
+
 def test_sampling_params_that_are_not_params_are_named(llama):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* not a dict"):
         llama.generate([ids(3)], {"max_tokens": 2}, use_tqdm=False)

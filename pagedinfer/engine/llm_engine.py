@@ -97,6 +97,7 @@ class LLMEngine:
             self.max_model_len,
             loaded.eos_token_ids,
             config.schedule_policy,
+            context_set_by_option=self.max_model_len < loaded.max_model_len,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
