@@ -197,3 +197,23 @@ def test_a_prompt_longer_than_max_model_len_names_the_option(model, tmp_path):
         "line 1: the prompt has 5 tokens; the context is 4 tokens by --max-model-len (API: max_model_len) "
         "(one more is needed to generate)"
     )
+
+
+@pytest.mark.parametrize(("given", "note"), [("100000", True), ("128", False), ("64", False)])
+def test_max_model_len_above_the_models_context_is_noted_once(model, tmp_path, given, note):
+    """The tiny model's context is 128: a larger --max-model-len runs capped and says so in one
+    stderr line (even with --quiet); the engine's own warning is not said a second time."""
+    import warnings
+
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    report = tmp_path / "r.json"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(model, prompts, "--max-model-len", given, "--report-json", report)
+    assert result.exit_code == 0, result.output
+    expected = f"note: --max-model-len {given} is above the model's context (128 tokens): using 128"
+    assert [ln for ln in result.stderr.splitlines() if "max-model-len" in ln] == ([expected] if note else [])
+    assert not [w for w in caught if issubclass(w.category, MaxModelLenCapped)]
+    assert json.loads(report.read_text())["pool"]["max_model_len"] == min(int(given), 128)

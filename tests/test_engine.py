@@ -244,6 +244,27 @@ def test_a_too_long_prompt_names_max_model_len_when_it_set_the_context(tiny_mode
     assert f"characters: more than the context of 4 tokens by {setting} can hold" in out.error
 
 
+def test_max_model_len_above_the_models_context_warns_and_is_capped(tiny_model):
+    import warnings
+
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
+
+    path = str(tiny_model("llama"))  # context 256
+    with pytest.warns(MaxModelLenCapped) as caught:
+        llm = LLM(path, block_size=4, num_blocks=20, max_model_len=100000, **ENGINE)
+    assert [str(w.message) for w in caught] == [
+        "max_model_len 100000 is above the model's context (256 tokens): using 256"
+    ]
+    assert caught[0].filename == __file__  # points at the LLM(...) call
+    assert llm.engine.max_model_len == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MaxModelLenCapped)
+        for given in (None, 256, 8):
+            assert LLM(
+                path, block_size=4, num_blocks=20, max_model_len=given, **ENGINE
+            ).engine.max_model_len == (given or 256)
+
+
 def test_sampling_params_that_are_not_params_are_named(llama):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* not a dict"):
         llama.generate([ids(3)], {"max_tokens": 2}, use_tqdm=False)

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import re
 import signal
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -476,6 +477,19 @@ class _Run:
             _start_replicas(self.opts, self.err) if self.opts.data_parallel else _load(self.opts, self.err)
         )
         self.signals.install()  # Ray's driver takes SIGTERM for itself: the run keeps its own handling
+        self._note_capped_context()
+
+    def _note_capped_context(self) -> None:
+        """--max-model-len above the model's context runs capped: said once, here, on stderr (even
+        with --quiet: the run does not do what the option asked). The engine's own warning is
+        silenced in `_load`; replicas' are not shown (Ray does not forward their output)."""
+        from pagedinfer.engine.llm_engine import capped_context_words
+
+        llm = self.llm
+        context = llm.infos[0]["context"] if self.opts.data_parallel else llm.engine.loaded.max_model_len
+        words = capped_context_words("--max-model-len", self.opts.engine.get("max_model_len"), context)
+        if words is not None:
+            self.err.print(f"note: {escape(words)}", highlight=False, soft_wrap=True)
 
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -555,6 +569,7 @@ def _demo_model_hint(opts: RunOptions, error: Exception) -> str:
 def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
     from pagedinfer.llm import LLM
     from pagedinfer.lora.adapter import AdapterError
     from pagedinfer.lora.request import LoRARequest
@@ -564,7 +579,9 @@ def _load(opts: RunOptions, err: Console):
     hf_logging.disable_progress_bar()
     with _status(opts, err, f"loading {opts.model or 'the demo model'}"):
         try:
-            llm = LLM(opts.model, seed=opts.seed, **opts.engine)
+            with warnings.catch_warnings():  # the run says it in its own words (`_note_capped_context`)
+                warnings.simplefilter("ignore", MaxModelLenCapped)
+                llm = LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
             raise UsageError(f"{e}{_demo_model_hint(opts, e)}") from None
         except ValueError as e:
