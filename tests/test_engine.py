@@ -265,6 +265,24 @@ def test_max_model_len_above_the_models_context_warns_and_is_capped(tiny_model):
             ).engine.max_model_len == (given or 256)
 
 
+@pytest.mark.parametrize("prompts", [None, 7, b"ROMEO:"])
+def test_prompts_that_are_not_prompts_are_a_type_error_saying_what_prompts_are(llama, prompts):
+    words = (
+        r"prompts must be a prompt \(a string, or a dict with 'prompt', 'prompt_token_ids' or 'messages'\)"
+    )
+    with pytest.raises(TypeError, match=rf"^{words} or a list of them, not {type(prompts).__name__}$"):
+        llama.generate(prompts, use_tqdm=False)
+    with pytest.raises(TypeError, match=words):
+        next(llama.generate_iter(prompts))
+
+
+def test_generate_takes_prompts_from_a_generator(llama):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    listed = llama.generate([ids(3), ids(4)], params, use_tqdm=False)
+    generated = llama.generate((p for p in [ids(3), ids(4)]), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in generated] == [o.outputs[0].token_ids for o in listed]
+
+
 def test_sampling_params_that_are_not_params_are_named(llama):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* not a dict"):
         llama.generate([ids(3)], {"max_tokens": 2}, use_tqdm=False)
