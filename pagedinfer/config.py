@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pagedinfer.sampling_params import MAX_SEED, MIN_SEED
+
 if TYPE_CHECKING:  # torch is imported where a dtype or a device is used: the CLI's options need none
     import torch
 
@@ -141,14 +143,19 @@ class EngineConfig:
             fraction = self.gpu_memory_utilization
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], not {fraction!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            # a request's own seed has this range (SamplingParams): the base seed takes the same one
+            raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, not {self.seed!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPE_NAMES:
             raise ValueError(
                 f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not {self.kv_cache_dtype!r}"
             )
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+            value = getattr(self, name)  # each checked alone, so an error names the one setting that is wrong
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -141,8 +141,9 @@ class LLM:
         does not fit) gets its ``error`` set; the others complete. ``lora_request``: one adapter for
         every prompt, or a list, one per prompt (None: the base model).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _as_prompts(prompts)
+        if not hasattr(prompts, "__len__"):  # a generator: the results are indexed by input position
+            prompts = list(prompts)
         results: list[RequestOutput | None] = [None] * len(prompts)
         outputs = self.generate_iter(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for index, output in outputs:
@@ -193,8 +194,7 @@ class LLM:
         `BeamSearchOutput`, the others a `RequestOutput`. ``on_step`` is called after every engine
         step (live progress: ``engine.pool.num_used``...).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _as_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
@@ -258,6 +258,19 @@ class LLM:
             for index, r in enumerate(requests)
         )
         yield from GenerationLoop(engine, before_step, on_step).stream(feed, window)
+
+
+def _as_prompts(prompts: object) -> Iterable:
+    """One prompt as a list of one, or the prompts as given; anything else is a TypeError that says
+    what prompts are, raised before anything runs (``len(None)`` would name neither)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            "prompts must be a prompt (a string, or a dict with 'prompt', 'prompt_token_ids' or "
+            f"'messages') or a list of them, not {type(prompts).__name__}"
+        )
+    return prompts
 
 
 def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable, loras: Iterable) -> Iterator[tuple]:

@@ -36,7 +36,7 @@ def test_the_old_option_names_still_work_hidden(model, tmp_path):
     # the old name feeds the new option: its value reaches the same check, named by the new name
     one_line_error(
         run(model, prompts, "--max-batched-tokens", "0"),
-        "--max-num-seqs and --max-num-batched-tokens must be >= 1",
+        "--max-num-batched-tokens must be an integer >= 1, not 0",
     )
     one_line_error(
         run(model, prompts, "--kv-memory", "1MiB", "--kv-cache-memory", "2MiB"),
@@ -46,6 +46,21 @@ def test_the_old_option_names_still_work_hidden(model, tmp_path):
         run(model, prompts, "--max-batched-tokens", "8", "--max-num-batched-tokens", "8"),
         "--max-batched-tokens is the old name of --max-num-batched-tokens: give one of them",
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "setting"),
+    [("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")],
+)
+def test_a_bad_scheduling_limit_names_its_own_option_alone(model, tmp_path, option, setting):
+    """Each limit is checked alone: the error names the option given, not it and its neighbour."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    result = run(model, prompts, option, "0")
+    one_line_error(result, f"{option} must be an integer >= 1, not 0")
+    other = "--max-num-batched-tokens" if option == "--max-num-seqs" else "--max-num-seqs"
+    assert other not in result.stderr
+    with pytest.raises(ValueError, match=rf"^{setting} must be an integer >= 1, not 0$"):
+        EngineConfig(**{setting: 0})
 
 
 def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_path):
@@ -153,3 +168,52 @@ def test_a_bad_chat_template_is_one_line_before_anything_runs(model, tmp_path, c
     result = run(target, prompts, "--chat-template", tmp_path / path[case], "-o", out)
     one_line_error(result, message.format(dir=tmp_path, ids=target))
     assert not out.exists() or out.read_bytes() == b""  # nothing written (the lock may create the file)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_out_of_a_lines_seed_range_is_one_line_before_loading(model, tmp_path, seed):
+    """--seed takes the range of a line's own seed (SamplingParams): one line, exit 2, nothing run."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    out = tmp_path / "o.jsonl"
+    result = run(model, prompts, "--seed", seed, "-o", out)
+    one_line_error(result, f"--seed must be an integer from -2**63 to 2**64 - 1, not {seed}")
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"^seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        EngineConfig(seed=seed)
+
+
+def test_the_seed_range_ends_are_accepted(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    for seed in (2**64 - 1, -(2**63)):
+        assert run(model, prompts, "--seed", seed, "-o", tmp_path / f"{seed}.jsonl").exit_code == 0
+
+
+def test_a_prompt_longer_than_max_model_len_names_the_option(model, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 2}])
+    out = tmp_path / "o.jsonl"
+    assert run(model, prompts, "--max-model-len", "4", "-o", out).exit_code == 1
+    (record,) = read_jsonl(out)
+    assert record["error"] == (
+        "line 1: the prompt has 5 tokens; the context is 4 tokens by --max-model-len (API: max_model_len) "
+        "(one more is needed to generate)"
+    )
+
+
+@pytest.mark.parametrize(("given", "note"), [("100000", True), ("128", False), ("64", False)])
+def test_max_model_len_above_the_models_context_is_noted_once(model, tmp_path, given, note):
+    """The tiny model's context is 128: a larger --max-model-len runs capped and says so in one
+    stderr line (even with --quiet); the engine's own warning is not said a second time."""
+    import warnings
+
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    report = tmp_path / "r.json"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(model, prompts, "--max-model-len", given, "--report-json", report)
+    assert result.exit_code == 0, result.output
+    expected = f"note: --max-model-len {given} is above the model's context (128 tokens): using 128"
+    assert [ln for ln in result.stderr.splitlines() if "max-model-len" in ln] == ([expected] if note else [])
+    assert not [w for w in caught if issubclass(w.category, MaxModelLenCapped)]
+    assert json.loads(report.read_text())["pool"]["max_model_len"] == min(int(given), 128)

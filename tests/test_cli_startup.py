@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import click
 import pytest
 import typer.main
 from typer.testing import CliRunner
@@ -82,6 +83,25 @@ def test_help_is_whole_at_80_columns(name):
         ):
             choices = ", ".join(m.value for m in p.type_descriptor.annotation)
             assert any(f"[choices: {choices}]" in c for c in cells), p.name
+
+
+@pytest.mark.parametrize("name", [None, "run", "blocks", "bench"])
+def test_flags_show_no_value_placeholder(name):
+    """A flag takes no value, so its help shows none (Typer's group layout showed `--version <bool>`)."""
+    group = typer.main.get_command(app)
+    command = group if name is None else group.commands[name]
+    text = CliRunner(env={"COLUMNS": "80"}).invoke(app, [*([name] if name else []), "--help"]).stdout
+    assert "<bool>" not in text and "BOOLEAN" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    cells = [re.sub(r"^[│ ]+|[│ ]+$", "", line) for line in text.splitlines()]
+    ctx = click.Context(group, **group.context_settings)  # -h and --help, as the app sets them
+    ctx = ctx if name is None else click.Context(command, parent=ctx)
+    params = command.get_params(ctx)  # with the help option
+    flags = [p for p in params if p.param_type_name == "option" and p.is_flag and not p.hidden]
+    assert "--help" in {name for p in flags for name in p.opts}
+    for p in flags:  # the names cell ends at the names: no metavar after them
+        names = re.escape(", ".join(p.opts))
+        assert any(re.match(rf"{names}( /|\s{{2,}}|$)", c) for c in cells), p.opts
 
 
 def test_run_help_hides_the_old_names_and_keeps_the_ray_hint():

@@ -228,6 +228,61 @@ def test_too_long_and_too_big_requests_fail_alone(tiny_model):
     assert llm.stats.failed_requests == 2
 
 
+def test_a_too_long_prompt_names_max_model_len_when_it_set_the_context(tiny_model, text_model):
+    """The error points at what to raise: the setting when it lowered the context, else the model."""
+    setting = "--max-model-len (API: max_model_len)"
+    llm = LLM(str(tiny_model("llama")), block_size=4, num_blocks=20, max_model_len=8, **ENGINE)
+    (out,) = llm.generate([ids(10)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out.error == (
+        f"the prompt has 10 tokens; the context is 8 tokens by {setting} (one more is needed to generate)"
+    )
+    full = LLM(str(tiny_model("llama")), block_size=4, num_blocks=20, max_model_len=256, **ENGINE)
+    (out,) = full.generate([ids(300)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "; the model's context is 256 tokens (one more" in out.error and "max_model_len" not in out.error
+    text = LLM(str(text_model), block_size=4, num_blocks=20, max_model_len=4, **ENGINE)
+    (out,) = text.generate(["x" * 10**6], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert f"characters: more than the context of 4 tokens by {setting} can hold" in out.error
+
+
+def test_max_model_len_above_the_models_context_warns_and_is_capped(tiny_model):
+    import warnings
+
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
+
+    path = str(tiny_model("llama"))  # context 256
+    with pytest.warns(MaxModelLenCapped) as caught:
+        llm = LLM(path, block_size=4, num_blocks=20, max_model_len=100000, **ENGINE)
+    assert [str(w.message) for w in caught] == [
+        "max_model_len 100000 is above the model's context (256 tokens): using 256"
+    ]
+    assert caught[0].filename == __file__  # points at the LLM(...) call
+    assert llm.engine.max_model_len == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MaxModelLenCapped)
+        for given in (None, 256, 8):
+            assert LLM(
+                path, block_size=4, num_blocks=20, max_model_len=given, **ENGINE
+            ).engine.max_model_len == (given or 256)
+
+
+@pytest.mark.parametrize("prompts", [None, 7, b"ROMEO:"])
+def test_prompts_that_are_not_prompts_are_a_type_error_saying_what_prompts_are(llama, prompts):
+    words = (
+        r"prompts must be a prompt \(a string, or a dict with 'prompt', 'prompt_token_ids' or 'messages'\)"
+    )
+    with pytest.raises(TypeError, match=rf"^{words} or a list of them, not {type(prompts).__name__}$"):
+        llama.generate(prompts, use_tqdm=False)
+    with pytest.raises(TypeError, match=words):
+        next(llama.generate_iter(prompts))
+
+
+def test_generate_takes_prompts_from_a_generator(llama):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    listed = llama.generate([ids(3), ids(4)], params, use_tqdm=False)
+    generated = llama.generate((p for p in [ids(3), ids(4)]), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in generated] == [o.outputs[0].token_ids for o in listed]
+
+
 def test_sampling_params_that_are_not_params_are_named(llama):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* not a dict"):
         llama.generate([ids(3)], {"max_tokens": 2}, use_tqdm=False)

@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from pagedinfer.cli.help import HelpCommand
+from pagedinfer.cli.help import HelpCommand, HelpGroup
 from pagedinfer.config import GPU_MEMORY_FRACTION, QUANTIZATIONS, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ def _default(cls: type, name: str):
 app = typer.Typer(
     name="pagedinfer",
     help="Offline batch LLM inference on a paged KV cache, with a memory-usage report.",
+    cls=HelpGroup,
     add_completion=False,
     no_args_is_help=True,
     rich_markup_mode="rich",

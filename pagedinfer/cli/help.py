@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 NAME_WIDTH = 26  # the widest name cell kept on one line ("--max-num-batched-tokens N")
 METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
@@ -30,6 +30,29 @@ class HelpCommand(TyperCommand):
 
     def format_help(self, ctx, formatter) -> None:
         render_help(self, ctx, Console(highlight=False))
+
+
+class HelpGroup(TyperGroup):
+    """A Typer group (``pagedinfer --help``) laid out as `render_help` lays out a command, with its
+    commands after the options: Typer's own layout shows a flag as taking a value (``--version <bool>``)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        console = Console(highlight=False)
+        render_help(self, ctx, console)
+        _render_commands(self, ctx, console)
+
+
+def _render_commands(group, ctx, console: Console) -> None:
+    """The Commands panel: each visible command with the first paragraph of its help."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="bold cyan")
+    grid.add_column(overflow="fold")
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if command is not None and not command.hidden:
+            first = inspect.cleandoc(command.help or "").split("\n\n")[0]
+            grid.add_row(name, Text.from_markup(" ".join(first.split())))
+    console.print(Panel(grid, title="Commands", title_align="left", border_style="dim"))
 
 
 def render_help(command, ctx, console: Console) -> None:

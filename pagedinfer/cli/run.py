@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import signal
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,7 +252,7 @@ class _Run:
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
         keys += ("max_num_batched_tokens",)
         try:
-            EngineConfig(**{k: engine[k] for k in keys if k in engine})
+            EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
             raise UsageError(_option_words(str(e))) from None
         if engine.get("max_model_len") is not None and engine["max_model_len"] < 1:
@@ -475,6 +477,19 @@ class _Run:
             _start_replicas(self.opts, self.err) if self.opts.data_parallel else _load(self.opts, self.err)
         )
         self.signals.install()  # Ray's driver takes SIGTERM for itself: the run keeps its own handling
+        self._note_capped_context()
+
+    def _note_capped_context(self) -> None:
+        """--max-model-len above the model's context runs capped: said once, here, on stderr (even
+        with --quiet: the run does not do what the option asked). The engine's own warning is
+        silenced in `_load`; replicas' are not shown (Ray does not forward their output)."""
+        from pagedinfer.engine.llm_engine import capped_context_words
+
+        llm = self.llm
+        context = llm.infos[0]["context"] if self.opts.data_parallel else llm.engine.loaded.max_model_len
+        words = capped_context_words("--max-model-len", self.opts.engine.get("max_model_len"), context)
+        if words is not None:
+            self.err.print(f"note: {escape(words)}", highlight=False, soft_wrap=True)
 
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -521,7 +536,8 @@ def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
 
 
 def _option_words(message: str) -> str:
-    """Engine setting names -> the command-line options that set them."""
+    """Engine setting names -> the command-line options that set them (whole words only: ``seed``
+    names --seed, never a part of another word)."""
     for name, option in (
         ("kv_cache_memory", "--kv-cache-memory"),
         ("gpu_memory_utilization", "--gpu-memory-utilization"),
@@ -531,8 +547,9 @@ def _option_words(message: str) -> str:
         ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("max_num_seqs", "--max-num-seqs"),
         ("max_model_len", "--max-model-len"),
+        ("seed", "--seed"),
     ):
-        message = message.replace(name, option)
+        message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)
     return message
 
 
@@ -552,6 +569,7 @@ def _demo_model_hint(opts: RunOptions, error: Exception) -> str:
 def _load(opts: RunOptions, err: Console):
     from transformers.utils import logging as hf_logging
 
+    from pagedinfer.engine.llm_engine import MaxModelLenCapped
     from pagedinfer.llm import LLM
     from pagedinfer.lora.adapter import AdapterError
     from pagedinfer.lora.request import LoRARequest
@@ -561,7 +579,9 @@ def _load(opts: RunOptions, err: Console):
     hf_logging.disable_progress_bar()
     with _status(opts, err, f"loading {opts.model or 'the demo model'}"):
         try:
-            llm = LLM(opts.model, seed=opts.seed, **opts.engine)
+            with warnings.catch_warnings():  # the run says it in its own words (`_note_capped_context`)
+                warnings.simplefilter("ignore", MaxModelLenCapped)
+                llm = LLM(opts.model, seed=opts.seed, **opts.engine)
         except ModelLoadError as e:
             raise UsageError(f"{e}{_demo_model_hint(opts, e)}") from None
         except ValueError as e:

@@ -102,6 +102,9 @@ class SchedulerCounters:
     prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
 
 
+MAX_MODEL_LEN_WORDS = "--max-model-len (API: max_model_len)"  # the setting, as both audiences know it
+
+
 class Scheduler:
     def __init__(
         self,
@@ -111,8 +114,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         schedule_policy: Literal["fcfs", "lpm"] = EngineConfig.schedule_policy,
+        context_set_by_option: bool = False,
     ) -> None:
+        """``context_set_by_option``: ``max_model_len`` was set below the model's own context, so a
+        too-long prompt's error names that setting (the one to raise), not the model."""
         self.pool = pool
+        self.context_set_by_option = context_set_by_option
         self.schedule_policy = schedule_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -130,10 +137,7 @@ class Scheduler:
         if n_prompt == 0:
             return "the prompt is empty"
         if n_prompt >= self.max_model_len:
-            return (
-                f"the prompt has {n_prompt} tokens; the model's context is {self.max_model_len} tokens "
-                "(one more is needed to generate)"
-            )
+            return f"the prompt has {n_prompt} tokens; {self.context_words('is')} (one more is needed to generate)"
         if n > self.max_num_seqs:
             return f"n={n} completions exceed max_num_seqs={self.max_num_seqs}"
         if beam and n > self.max_num_batched_tokens:
@@ -146,6 +150,13 @@ class Scheduler:
                 f"{self.pool.num_blocks}; raise the pool size or lower n / max_tokens"
             )
         return None
+
+    def context_words(self, link: str) -> str:
+        """``the model's context {link} N tokens``, or ``the context {link} N tokens by --max-model-len
+        (API: max_model_len)`` when that setting lowered it: the words say what to raise."""
+        if self.context_set_by_option:
+            return f"the context {link} {self.max_model_len} tokens by {MAX_MODEL_LEN_WORDS}"
+        return f"the model's context {link} {self.max_model_len} tokens"
 
     def worst_case_blocks(self, n_prompt: int, max_tokens: int, n: int) -> int:
         """Blocks a request holds at its longest: shared full prompt blocks + each completion's own."""

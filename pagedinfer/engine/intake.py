@@ -140,8 +140,8 @@ def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[i
         raise ValueError(f"model {engine.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
     if len(text) > engine.max_prompt_chars:
         raise ValueError(
-            f"the prompt has {len(text):,} characters: more than the model's context of "
-            f"{engine.max_model_len} tokens can hold (checked before tokenizing)"
+            f"the prompt has {len(text):,} characters: more than {engine.scheduler.context_words('of')} "
+            "can hold (checked before tokenizing)"
         )
     return text, tok(text, add_special_tokens=not chat)["input_ids"]
 

@@ -37,6 +37,19 @@ from pagedinfer.seeding import completion_seed
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
 
 
+class MaxModelLenCapped(UserWarning):
+    """``max_model_len`` above the model's context: the engine runs with the model's (vLLM refuses;
+    a batch job is better served capped, and told)."""
+
+
+def capped_context_words(name: str, requested: int | None, context: int) -> str | None:
+    """What to say when ``requested`` (the setting ``name``) exceeds the model's ``context``; None when
+    it does not. One wording for the API's warning and the command line's note."""
+    if requested is None or requested <= context:
+        return None
+    return f"{name} {requested} is above the model's context ({context} tokens): using {context}"
+
+
 def _no_token_reason(params: SamplingParams) -> str:
     given = [
         name
@@ -74,6 +87,8 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if words := capped_context_words("max_model_len", config.max_model_len, loaded.max_model_len):
+            warnings.warn(words, MaxModelLenCapped, stacklevel=3)  # at the caller of LLM(...)
         self.vocab_size: int = loaded.model.get_input_embeddings().num_embeddings
         kv_dtype = config.kv_dtype(loaded.dtype)  # [the pool's dtype]
         per_block = bytes_per_token(loaded.layer_shapes, kv_dtype) * config.block_size
@@ -97,6 +112,7 @@ class LLMEngine:
             self.max_model_len,
             loaded.eos_token_ids,
             config.schedule_policy,
+            context_set_by_option=self.max_model_len < loaded.max_model_len,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled

@@ -88,6 +88,7 @@ class EngineReplica:
             "device": str(self.engine.loaded.device),
             "threads": torch.get_num_threads(),
             "num_blocks": self.engine.pool.num_blocks,
+            "context": self.engine.loaded.max_model_len,  # the model's own (the driver's --max-model-len note)
         }
 
     def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
