@@ -159,6 +159,11 @@ class LLM:
         """vLLM's name: answer one conversation (a list of ``{"role", "content"}`` messages) or a list
         of them, each rendered with the tokenizer's chat template (generation prompt added) and run
         as a ``{"messages": ...}`` prompt of `generate` (a chat line of ``pagedinfer run``)."""
+        if not isinstance(messages, (list, tuple)):  # iterated, None or a string would fail obscurely
+            raise TypeError(
+                "messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a list "
+                f"of them, not {type(messages).__name__}"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": list(m)} for m in conversations], sampling_params, use_tqdm)
 

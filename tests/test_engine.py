@@ -1,6 +1,7 @@
 """The engine end to end on tiny models: sharing, copy-on-write, seeds, stopping, errors, statistics."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from conftest import ENGINE
 from models import hf_greedy, submit
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.config import EngineConfig
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.seeding import completion_seed
 
@@ -274,6 +276,23 @@ def test_prompts_that_are_not_prompts_are_a_type_error_saying_what_prompts_are(l
         llama.generate(prompts, use_tqdm=False)
     with pytest.raises(TypeError, match=words):
         next(llama.generate_iter(prompts))
+
+
+@pytest.mark.parametrize("messages", [None, "hello", 3])
+def test_chat_messages_that_are_not_conversations_are_a_type_error(llama, messages):
+    with pytest.raises(
+        TypeError, match=rf"^messages must be a conversation .* not {type(messages).__name__}$"
+    ):
+        llama.chat(messages, use_tqdm=False)
+
+
+@pytest.mark.parametrize("length", [0, -1, True, 2.5])
+def test_max_model_len_that_is_not_a_positive_integer_is_refused(length):
+    with pytest.raises(
+        ValueError,
+        match=rf"^max_model_len must be an integer >= 1 \(None: the model's context\), not {re.escape(repr(length))}$",
+    ):
+        EngineConfig(max_model_len=length)
 
 
 def test_generate_takes_prompts_from_a_generator(llama):
