@@ -189,10 +189,11 @@ def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, cache: Pa
 # One workload in a fresh process: the model loaded, a warm-up, the timed generate, the peak RSS.
 # Prints {"skipped": why} when pagedinfer refuses the configuration (a dtype and pool dtype pair).
 PAGEDINFER_JOB = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 sys.path.insert(0, {root!r})
 torch.set_num_threads({threads})
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.bench.machine import peak_rss_bytes  # VmHWM: ru_maxrss would count the forked parent's pages
 w = json.loads(sys.stdin.read())
 try:
     llm = LLM({model!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r},
@@ -206,7 +207,7 @@ params = SamplingParams(n=w["n"], temperature=0, max_tokens=w["max_new"], ignore
 t = time.perf_counter()
 outs = llm.generate([{{"prompt_token_ids": p}} for p in w["prompts"]], params, use_tqdm=False)
 wall = time.perf_counter() - t
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+rss = peak_rss_bytes() / 2**20
 print(json.dumps({{"wall_s": wall, "peak_rss_mb": rss, "outputs": [c.token_ids for o in outs for c in o.outputs]}}))
 """
 
