@@ -93,14 +93,19 @@ _SCALAR_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "n
 _LIST_KINDS = {"strs": str, "ints": int}
 
 
+def _is_item(item: object, kind: str) -> bool:
+    """Whether ``item`` may stand in a list of the list kind ``kind`` ("strs", "ints")."""
+    return type(item) is not bool and isinstance(item, _LIST_KINDS[kind])
+
+
 def _describe_list(value: object, accepted: tuple[str, ...]) -> str:
     """``describe(value)``, plus a list's first wrong item and its index where a list kind is accepted:
     "not a list" alone would not say what is wrong with ``["a", 5]``."""
-    item_types = [_LIST_KINDS[k] for k in accepted if k in _LIST_KINDS]
-    if not isinstance(value, (list, tuple)) or not item_types:
+    list_kinds = [k for k in accepted if k in _LIST_KINDS]
+    if not isinstance(value, (list, tuple)) or not list_kinds:
         return describe(value)
     for i, item in enumerate(value):
-        if type(item) is bool or not isinstance(item, tuple(item_types)):
+        if not any(_is_item(item, k) for k in list_kinds):
             return f"a list holding {describe(item)} at index {i}"
     return describe(value)
 
@@ -115,8 +120,7 @@ def check_kinds(params: object) -> None:
         if accepted and not any(
             isinstance(value, _SCALAR_KINDS[k]) and (k == "bool" or not boolean)
             if k in _SCALAR_KINDS
-            else isinstance(value, (list, tuple))
-            and all(isinstance(v, _LIST_KINDS[k]) and type(v) is not bool for v in value)
+            else isinstance(value, (list, tuple)) and all(_is_item(v, k) for v in value)
             if k in _LIST_KINDS
             else isinstance(value, dict) or dataclasses.is_dataclass(value)  # "object", or its dataclass
             for k in accepted

@@ -223,7 +223,7 @@ class LLMEngine:
                 return f"{name}={k} exceeds the model's vocabulary of {vocab} tokens"
         if any(t >= vocab for t in params.stop_token_ids):
             return f"stop_token_ids must be below the model's vocabulary size {vocab}"
-        return self.logits.validate(params) if params.shapes_logits else None  # no processor applies
+        return self.logits.validate(params)
 
     def add_lora(self, request: LoRARequest) -> int:
         """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
@@ -283,7 +283,7 @@ class LLMEngine:
         tok, p = self.loaded.tokenizer, req.params
         gen = torch.Generator()
         gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
-        state = self.logits.new_state(p) if p.shapes_logits else None
+        state = self.logits.new_state(p)
         if tok is None:
             return gen, None, state
         detok = IncrementalDetokenizer(
@@ -311,12 +311,12 @@ class LLMEngine:
         sampled, beams, prompt = None, None, None
         if plan.batch:
             # what the processors and the sampler read of each sequence that receives a token
-            rows = [
+            every = [
                 SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
-                for s in (t.seq for t in plan.targets + plan.beam_targets)
+                for s in (t.seq for t in (*plan.targets, *plan.beam_targets))
             ]
-            rows, beam_rows = rows[: len(plan.targets)], rows[len(plan.targets) :]
-            self.logits.prepare(rows + beam_rows)  # grammar masks, overlapping the forward pass
+            self.logits.prepare(every)  # grammar masks, overlapping the forward pass
+            rows, beam_rows = every[: len(plan.targets)], every[len(plan.targets) :]
             logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
             self.stats.graph_steps += self.runner.last_step_graphed
             if plan.targets:

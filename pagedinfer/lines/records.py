@@ -71,7 +71,7 @@ def success_record(
     k = 0 if beams else line.params.logprobs or 0
     if line.openai is not None:
         return _openai_success(
-            line.openai, out, usage, (k, line.params.prompt_logprobs or 0), token_text, model
+            line.openai, out, usage, k, line.params.prompt_logprobs or 0, token_text, model
         )
     # a plain line's id, line number and prompt, as its input gave it (a chat line: and the rendered text)
     record = {"id": line.id, "line": line.line, **line.prompt}
@@ -207,12 +207,12 @@ def _openai_success(
     info: OpenAIRequest,
     out: RequestOutput,
     usage: dict,
-    ks: tuple[int, int],
+    k: int,
+    k_prompt: int,
     token_text: TokenText,
     model: str,
 ) -> dict:
-    """``ks``: how many top logprobs to give per generated token and per prompt token."""
-    k, k_prompt = ks
+    """``k``, ``k_prompt``: how many top logprobs to give per generated token and per prompt token."""
     rid = _rid(info.custom_id)
     prompt_logprobs = _vllm_prompt_logprobs(out, k_prompt, token_text) if info.prompt_logprobs else None
     choices = []
