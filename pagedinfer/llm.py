@@ -256,13 +256,11 @@ class LLM:
         makes the lines it wrote durable there), ``on_step`` after it.
         """
         engine = self.engine
-        window = max_pending if max_pending is not None else 2 * engine.config.max_num_seqs
-        engine.reset_stats()
         feed = (
             (index, prepare(engine, r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
             for index, r in enumerate(requests)
         )
-        yield from GenerationLoop(engine, before_step, on_step).stream(feed, window)
+        yield from GenerationLoop(engine, before_step, on_step).stream(feed, max_pending)
 
 
 def _as_prompts(prompts: object) -> Iterable:

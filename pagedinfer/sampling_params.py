@@ -6,7 +6,7 @@ type checks and their messages come from the declaration. Every value that could
 sampler (a NaN, an infinite or vanishing temperature, an integer too large for a 64-bit tensor, a
 float where a count belongs, a lone surrogate in a stop string) is refused here, so a bad value
 fails its own request before anything runs. Checks that need the model (``logprobs`` against the
-vocabulary) live in `LLMEngine.params_error`.
+vocabulary) live in `engine.intake.prepare`.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class StructuredOutputsParams:
     whole output matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
     (EBNF) or llama.cpp GBNF grammar. ``disable_any_whitespace``: JSON without whitespace between
     tokens (shorter outputs, and no completion can spend its tokens on blank space). Plain data, so it
-    crosses to Ray replicas; the grammar is compiled by the engine (`LLMEngine.params_error`).
+    crosses to Ray replicas; the grammar is compiled by the engine (`engine.intake.prepare`).
     """
 
     json: str | dict | None = None
@@ -258,7 +258,9 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy; otherwise it must be at least `MIN_TEMPERATURE`. ``seed``
     (from `MIN_SEED` to `MAX_SEED`) makes the request reproducible on its own or amid any others:
-    completion ``i`` draws from a generator derived from (seed, prompt, i).
+    completion ``i`` draws from a generator derived from (seed, prompt, i). ``greedy``,
+    ``penalized`` and ``shapes_logits`` are derived from the fields when it is built: to change a
+    field, build another (`dataclasses.replace`).
     """
 
     n: int = field(default=1, metadata=kinds("int"))
@@ -347,15 +349,14 @@ class SamplingParams:
             self.structured_outputs = _structured(self.structured_outputs)
         if self.allowed_token_ids is not None or self.bad_words is not None:
             _check_logit_controls(self)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether anything besides temperature and the top-k/top-p/min-p filters changes its logits."""
-        return bool(
+        # derived once here (the engine reads them for every token): whether it draws at random, whether
+        # a penalty applies, and whether anything besides temperature and the top-k/top-p/min-p filters
+        # changes its logits (else no logits processor is asked about it)
+        self.greedy = self.temperature == 0.0
+        self.penalized = (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+        self.shapes_logits = bool(
             self.penalized
             or self.min_tokens
             or self.logit_bias
@@ -364,14 +365,10 @@ class SamplingParams:
             or self.structured_outputs
         )
 
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
 
 def _check_logit_controls(p: SamplingParams) -> None:
     """The logit controls' checks that need no model (those against the vocabulary:
-    `LLMEngine.params_error`); their types are checked with the other fields'."""
+    `engine.intake.prepare`); their types are checked with the other fields'."""
     if p.allowed_token_ids is not None:
         p.allowed_token_ids = list(p.allowed_token_ids)
         if not p.allowed_token_ids or not all(t >= 0 for t in p.allowed_token_ids):

@@ -197,12 +197,12 @@ def test_default_output_path(tmp_path):
 
 def test_stdout_output_prints_each_line_once_every_earlier_line_is_done(capsys):
     out = StreamOutput()
-    out.write({"id": 2}, 2)
-    out.write({"id": 1}, 1)
+    out.write({"id": 2}, 2, "id:2")
+    out.write({"id": 1}, 1, "id:1")
     assert capsys.readouterr().out == ""  # held until line 0 is done
-    out.write({"id": 0}, 0)
+    out.write({"id": 0}, 0, "id:0")
     assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == [0, 1, 2]
-    out.write({"id": 4}, 4)
+    out.write({"id": 4}, 4, "id:4")
     out.flush_held()  # interrupted: finished work is printed rather than lost
     assert capsys.readouterr().out == '{"id": 4}\n' and out.written == 4
 
@@ -211,8 +211,8 @@ def test_output_file_writes_full_lines_and_resume_drops_unreadable_ones(tmp_path
     path = tmp_path / "out.jsonl"
     out = OutputFile(path)
     out.start(truncate=True)
-    out.write({"id": 1, "line": 1, "text": "é"})
-    out.write({"custom_id": "c", "id": "batch_req_x"})
+    out.write({"id": 1, "line": 1, "text": "é"}, 0, "line:1")
+    out.write({"custom_id": "c", "id": "batch_req_x"}, 1, 'custom_id:"c"')
     out.sync()
     out.close()
     good = path.read_bytes()
@@ -237,11 +237,13 @@ def test_output_file_writes_full_lines_and_resume_drops_unreadable_ones(tmp_path
 def test_output_file_is_locked_for_the_run(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"id": 1}\n')
+    path.write_text('{"id": 2}\n{"id": 1}\n')
     first = OutputFile(path)
     with pytest.raises(OutputError, match="locked by another pagedinfer run"):
         OutputFile(path)
-    assert path.read_text() == '{"id": 1}\n'  # the second open truncated nothing
-    first.reorder(lambda key: 0)
+    assert path.read_text() == '{"id": 2}\n{"id": 1}\n'  # the second open truncated nothing
+    first.load_done()
+    assert first.reorder({"id:1": 1, "id:2": 2}.get)  # the file is replaced
     with pytest.raises(OutputError, match="locked"):  # still locked after the file was replaced
         OutputFile(path)
     first.close()
@@ -253,6 +255,7 @@ def test_reorder_restores_input_order(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in [{"id": 2}, {"id": 3}, {"id": "x"}, {"id": 1}]))
     ranks = {"id:1": 0, "id:2": 1, "id:3": 2}
     out = OutputFile(path)
+    out.load_done()
     assert out.reorder(ranks.get)
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == [1, 2, 3, "x"]  # unknown: last
     assert not out.reorder(ranks.get)  # already in order: untouched
@@ -260,12 +263,35 @@ def test_reorder_restores_input_order(tmp_path):
     assert not (tmp_path / "out.jsonl.tmp").exists()
 
 
+def test_reorder_reads_no_record_back(tmp_path, monkeypatch):
+    """Records kept by --resume and records written by this run, in mixed order, put in input order by
+    the keys kept as they were read and written: the file is not parsed again."""
+    from pagedinfer.cli import jsonl_output
+
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": 4}\n{"id": 2}\n{"id": "torn')  # two kept records, a torn last line
+    out = OutputFile(path)
+    assert out.load_done().keys == {"id:4", "id:2"}
+    out.start(truncate=False)
+    out.write({"id": 3, "text": "é"}, 0, "id:3")
+    out.write({"id": 1}, 1, "id:1")
+    monkeypatch.setattr(jsonl_output, "_key_of", lambda raw: pytest.fail("a record was read back"))
+    assert out.reorder({"id:1": 1, "id:2": 2, "id:3": 3, "id:4": 4}.get)
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+    out.write({"id": 5}, 2, "id:5")  # after a reorder, the kept offsets are the new file's
+    assert not out.reorder({"id:1": 1, "id:2": 2, "id:3": 3, "id:4": 4, "id:5": 5}.get)
+    monkeypatch.undo()
+    out.close()
+    assert OutputFile(path).load_done().keys == {f"id:{i}" for i in range(1, 6)}
+
+
 def test_a_failed_write_leaves_no_torn_line(tmp_path, monkeypatch):
     import os
 
     path = tmp_path / "out.jsonl"
     out = OutputFile(path)
-    out.write({"id": 1})
+    out.start(truncate=True)
+    out.write({"id": 1}, 0, "id:1")
     real_write = os.write
 
     def half_then_full(fd, data):
@@ -274,7 +300,7 @@ def test_a_failed_write_leaves_no_torn_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(OutputWriteError, match="No space left on device"):
-        out.write({"id": 2})
+        out.write({"id": 2}, 1, "id:2")
     monkeypatch.undo()
     out.close()
     assert path.read_text() == '{"id": 1}\n' and out.written == 1

@@ -584,11 +584,10 @@ def test_a_pool_too_small_for_its_completions_completes_with_the_records_of_a_ro
 def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     """The path of a line: the file opened and read once, each line parsed once, each runnable line
     prepared (tokenized and checked against the model and the pool) once, and nothing checked again."""
-    from pagedinfer import llm
     from pagedinfer.core.scheduler import Scheduler
     from pagedinfer.engine import intake
-    from pagedinfer.engine.llm_engine import LLMEngine
     from pagedinfer.lines import parse, source
+    from pagedinfer.logits.processor import LogitsPipeline
 
     calls: dict[str, int] = {}
 
@@ -604,9 +603,9 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     for owner, name in [
         (source.InputLines, "__init__"),
         (parse.LineParser, "parse"),
-        (llm, "prepare"),  # intake.prepare, as LLM.stream calls it
+        (intake, "prepare"),
         (intake, "_tokenize"),
-        (LLMEngine, "params_error"),
+        (LogitsPipeline, "validate"),
         (Scheduler, "rejection_reason"),
     ]:
         count(owner, name)
@@ -628,6 +627,6 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         "parse": 3,
         "prepare": 2,  # the two lines that can run: tokenized and checked once each
         "_tokenize": 2,
-        "params_error": 2,
+        "validate": 2,
         "rejection_reason": 2,
     }

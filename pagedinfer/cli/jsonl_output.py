@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import itertools
 import json
 import os
 import signal
@@ -183,6 +184,10 @@ class OutputFile:
         self._unsynced = False
         self._resume_fd: int | None = None
         self._fingerprint: Fingerprint | None = None  # the one on disk
+        # where each line of the file starts, and the key of the input line it answers (known from
+        # `load_done` or `start(truncate=True)` on): `reorder` reads no record back
+        self._offsets = array.array("q")
+        self._keys: list[str] | None = None
         try:
             self._fd = os.open(
                 path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
@@ -214,8 +219,9 @@ class OutputFile:
         Records may be in any order. A torn or unreadable line (a crash mid-write, a corrupted
         block) is removed from the file, atomically, so that its input line runs again.
         """
-        keys: set[str] = set()
-        dropped, errors, rewrite = 0, 0, False
+        keys: list[str] = []
+        offsets = array.array("q")
+        dropped, errors, rewrite, pos = 0, 0, False, 0  # pos: where the line starts once the file is clean
         with open(self._fd, "rb", closefd=False) as f:
             f.seek(0)
             for raw in f:
@@ -224,13 +230,16 @@ class OutputFile:
                     dropped += raw.strip() != b""
                     rewrite = True
                     continue
-                keys.add(key)
+                keys.append(key)
+                offsets.append(pos)
+                pos += len(raw) + (not raw.endswith(b"\n"))
                 errors += failed
                 rewrite |= not raw.endswith(b"\n")  # a complete last record without its newline
         if rewrite:
             self._rewrite(lambda raw: _key_of(raw)[0] is not None)
+        self._keys, self._offsets = keys, offsets
         self._fingerprint, options = self._read_resume_file()
-        return Done(keys, errors, dropped, self._fingerprint, options)
+        return Done(set(keys), errors, dropped, self._fingerprint, options)
 
     def start(self, truncate: bool, options: dict | None = None) -> None:
         """Begin writing: truncated for a fresh run, appended to for --resume. ``options`` (those the
@@ -241,25 +250,35 @@ class OutputFile:
             os.ftruncate(self._fd, 0)
             self._size = 0
             self._fingerprint = None
+            self._keys, self._offsets = [], array.array("q")
         if (truncate or options is not None) and self.resume_path is not None:
             self._replace_resume_file(options)
 
-    def write(self, record: dict, position: int | None = None) -> None:
-        """One record as one full line, written now (durable at the next `sync`); any ``position``."""
+    def write(self, record: dict, position: int, key: str) -> None:
+        """One record, answering the input line keyed ``key``, as one full line written now (durable at
+        the next `sync`); any ``position``. SIGINT/SIGTERM/SIGHUP wait until it is written (on the main
+        thread), so a stop never splits it and `written` always counts exactly the lines in the file."""
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        with _signals_held():  # `written` always counts exactly the lines in the file
-            try:
-                done = os.write(self._fd, data)  # O_APPEND: the whole line goes to the end
-                while done < len(data):  # only on a full disk or an interrupted write
-                    done += os.write(self._fd, data[done:])
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, self._size)  # no torn line left behind
-                raise OutputWriteError(f"cannot write output file {self.path}: {e.strerror or e}") from None
+        held = threading.current_thread() is threading.main_thread()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS) if held else None
+        try:
+            done = os.write(self._fd, data)  # O_APPEND: the whole line goes to the end
+            while done < len(data):  # only on a full disk or an interrupted write
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)  # no torn line left behind
+            raise OutputWriteError(f"cannot write output file {self.path}: {e.strerror or e}") from None
+        else:
+            self._offsets.append(self._size)
+            self._keys.append(key)
             self._size += len(data)
             self.written += 1
             self.errors_written += record.get("error") is not None
             self._unsynced = True
+        finally:
+            if held:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def sync(self, fingerprint: Fingerprint | None = None) -> None:
         """Make the lines written durable; first keep ``fingerprint`` (what the run has read) beside them."""
@@ -320,36 +339,31 @@ class OutputFile:
             os.close(fd)
         return _fingerprint_of(data[:_RESUME_BYTES]), _options_of(data[_RESUME_BYTES:])
 
-    def reorder(self, rank: Callable[[str | None], int | None]) -> bool:
+    def reorder(self, rank: Callable[[str], int | None]) -> bool:
         """Rewrite the file in input order (``rank`` of each record's key), if it is not already.
 
-        Keeps only line offsets in memory. Records with no rank keep their order at the end.
-        Raises OutputWriteError (the file is then left as it was: every line still there).
+        The keys and offsets are the ones kept as lines were written (or read by `load_done`): no
+        record is read back. Records with no rank keep their order at the end. Raises
+        OutputWriteError (the file is then left as it was: every line still there).
         """
-        offsets, ranks = array.array("q"), array.array("q")
-        ordered, last = True, -1
-        with open(self._fd, "rb", closefd=False) as f:
-            f.seek(0)
-            pos = 0
-            for raw in f:
-                r = rank(_key_of(raw)[0])
-                r = (1 << 62) + len(ranks) if r is None else r
-                offsets.append(pos)
-                ranks.append(r)
-                ordered &= r >= last
-                last = r
-                pos += len(raw)
-        if ordered:
+        keys, offsets = self._keys, self._offsets
+        ranks = array.array("q", ((1 << 62) + i if (r := rank(k)) is None else r for i, k in enumerate(keys)))
+        if all(a <= b for a, b in itertools.pairwise(ranks)):
             return False
         order = sorted(range(len(ranks)), key=ranks.__getitem__)
+        ends = offsets[1:] + array.array("q", [self._size])
         with open(self._fd, "rb", closefd=False) as src:
 
             def lines():
                 for i in order:
                     src.seek(offsets[i])
-                    yield src.readline()
+                    yield src.read(ends[i] - offsets[i])
 
             self._replace(lines())
+        self._keys = [keys[i] for i in order]
+        self._offsets = array.array(
+            "q", itertools.accumulate((ends[i] - offsets[i] for i in order[:-1]), initial=0)
+        )
         return True
 
     def _rewrite(self, keep: Callable[[bytes], bool]) -> None:
@@ -452,7 +466,8 @@ class StreamOutput:
             why = "no process is reading it" if e.errno == errno.ENXIO else (e.strerror or str(e))
             raise OutputError(f"cannot write output {path}: {why}") from None
 
-    def write(self, record: dict, position: int) -> None:
+    def write(self, record: dict, position: int, key: str) -> None:
+        """Print ``record`` once every record before ``position`` is printed (``key``: not needed)."""
         self.held[position] = record
         while self.next in self.held:
             self._emit(self.held.pop(self.next))
@@ -494,16 +509,3 @@ class StreamOutput:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Delay SIGINT/SIGTERM/SIGHUP across a write (main thread only), so a stop never splits it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -367,7 +367,9 @@ class _Run:
     def _fail(self, error: LineError, position: int, progress) -> None:
         from pagedinfer.lines.records import error_record
 
-        self.output.write(error_record(error), position)  # counted once written: a failed write is no record
+        self.output.write(
+            error_record(error), position, error.key
+        )  # counted once written: a failed write is no record
         self.outcome.fail(error)
         progress.advance()
 
@@ -407,7 +409,9 @@ class _Run:
                 outcome.write_error = outcome.write_error or str(e)
 
     def _run_engine(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
-        """The lines through `LLM.stream` (the one generation loop), each written as it finishes."""
+        """The lines through the one generation loop (as `LLM.stream` runs), each written as it finishes."""
+        from pagedinfer.engine.intake import prepare
+        from pagedinfer.engine.loop import GenerationLoop
         from pagedinfer.lines.records import TokenText, success_record
 
         llm, output, outcome = self.llm, self.output, self.outcome
@@ -415,24 +419,20 @@ class _Run:
         model_name = self.opts.model or "pagedinfer-demo"
         if self.opts.trace is not None:
             llm.engine.enable_trace()
-        pending: dict[int, tuple[LineRequest, int]] = {}  # LLM.stream's index -> (line, output position)
-
-        def requests():
-            for index, (position, item) in enumerate(rows):
-                pending[index] = (item, position)
-                yield item.prompt, item.params, str(item.id), item.lora
 
         def on_step(engine) -> None:
             progress.on_step(engine)
             if self.signals.requested is not None:
                 raise Interrupted
 
-        stream = llm.stream(
-            requests(), on_step=on_step, before_step=lambda: output.sync(self.source.fingerprint())
+        feed = (  # each request tagged with its line and the line's output position
+            ((item, position), prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora))
+            for position, item in rows
         )
+        loop = GenerationLoop(llm.engine, lambda: output.sync(self.source.fingerprint()), on_step)
+        stream = loop.stream(feed)
         try:
-            for index, result in stream:
-                item, position = pending.pop(index)
+            for (item, position), result in stream:
                 if result.error:
                     self._fail(item.failed(result.error), position, progress)
                     continue
@@ -445,7 +445,7 @@ class _Run:
                         progress,
                     )
                     continue
-                output.write(record, position)
+                output.write(record, position, item.key)
                 outcome.ok += 1
                 progress.advance()
         finally:
@@ -453,6 +453,8 @@ class _Run:
 
     def _run_replicas(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
         """``--data-parallel``: each line's record or error as a replica returns it."""
+        from pagedinfer.lines.records import record_key
+
         engines, outcome = self.llm, self.outcome
 
         def on_progress(completions: int) -> None:  # after every replica reply
@@ -466,7 +468,7 @@ class _Run:
                 if isinstance(result, LineError):
                     self._fail(result, position, progress)
                 else:
-                    self.output.write(result, position)
+                    self.output.write(result, position, record_key(result))
                     outcome.ok += 1
                     progress.advance()
         finally:

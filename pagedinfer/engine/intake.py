@@ -4,7 +4,7 @@ The one place a request is tokenized and checked, for every caller (`LLM.generat
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
 prompt added, within a time budget) and tokenized without adding special tokens again; a text too
 long for the context is refused before tokenizing; token ids must be in the vocabulary; the
-parameters must suit the model (`LLMEngine.params_error`); and the request must fit the model's
+parameters must suit the model (its vocabulary, EOS and logits processors); and the request must fit the model's
 context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
 else the reason starts with ``lora:``. Whatever raises while preparing one request
@@ -81,9 +81,26 @@ def prepare(
         slot = 0 if lora is None else _lora_slot(engine, lora)
         text, ids = _tokenize(engine, prompt)
         beam = params if isinstance(params, BeamSearchParams) else None
+        sampling = params if beam is None else beam.sampling_params()
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
-        reason = engine.params_error(params) or engine.scheduler.rejection_reason(
-            len(ids), params.n, max_tokens, beam is not None
+        # what the params cannot check alone: against the model's vocabulary and EOS, its processors
+        # (a grammar is compiled here, cached for the completions), the context and the pool
+        vocab = engine.vocab_size
+        if (
+            beam is not None
+            and beam.structured_outputs is not None
+            and (beam.ignore_eos or not engine.loaded.eos_token_ids)
+        ):
+            raise ValueError(
+                "structured_outputs in beam search needs the model's EOS (and no ignore_eos): beams end there"
+            )
+        for name, k in (("logprobs", sampling.logprobs), ("prompt_logprobs", sampling.prompt_logprobs)):
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}={k} exceeds the model's vocabulary of {vocab} tokens")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the model's vocabulary size {vocab}")
+        reason = engine.logits.validate(sampling) or engine.scheduler.rejection_reason(
+            len(ids), sampling.n, max_tokens, beam is not None
         )
     except ValueError as e:
         reason = _first_line(e) or type(e).__name__
@@ -91,8 +108,7 @@ def prepare(
         reason = f"tokenizing failed: {type(e).__name__}: {_first_line(e)}".rstrip(": ")
     if reason:
         return Rejected(request_id, text, ids, params, reason)
-    if beam is not None:
-        params = beam.sampling_params()
+    params = sampling
     seed = params.seed if params.seed is not None else engine.draw_seed()
     return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot)
 

@@ -210,21 +210,6 @@ class LLMEngine:
         longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
         return self.max_model_len * max(longest, 1)
 
-    def params_error(self, params: SamplingParams | BeamSearchParams) -> str | None:
-        """Why ``params`` cannot run on this model (the checks `SamplingParams` cannot make alone);
-        intake calls it once per request, and a grammar is compiled here (cached for its completions)."""
-        vocab = self.vocab_size
-        if isinstance(params, BeamSearchParams):
-            if params.structured_outputs is not None and (params.ignore_eos or not self.loaded.eos_token_ids):
-                return "structured_outputs in beam search needs the model's EOS (and no ignore_eos): beams end there"
-            params = params.sampling_params()
-        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if k is not None and k > vocab:
-                return f"{name}={k} exceeds the model's vocabulary of {vocab} tokens"
-        if any(t >= vocab for t in params.stop_token_ids):
-            return f"stop_token_ids must be below the model's vocabulary size {vocab}"
-        return self.logits.validate(params)
-
     def add_lora(self, request: LoRARequest) -> int:
         """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
         if self.lora is None:

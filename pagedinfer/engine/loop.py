@@ -1,6 +1,6 @@
 """The one generation loop: prepared requests in, engine steps, finished outputs out.
 
-`LLM.stream` (so `LLM.generate`, and ``pagedinfer run``) pulls requests from a lazy feed while fewer
+`LLM.stream` (so `LLM.generate`) and ``pagedinfer run`` pull requests from a lazy feed while fewer
 than a window of them are unfinished (`GenerationLoop.stream`); a Ray replica pushes rows in and
 steps for a time budget (`add`, `step`). Either way a step that raises (a request the model, the
 sampler or the detokenizer cannot serve) does not end the others: every request that was inside the
@@ -62,11 +62,17 @@ class GenerationLoop:
         """One engine step (or, when it raised, the reruns that isolate its fault)."""
         return list(self._step())
 
-    def stream(self, feed: Iterable[tuple[Any, EngineRequest | Rejected]], window: int) -> Iterator[Finished]:
-        """Run ``feed``'s requests, read lazily, at most ``window`` unfinished at once; yield each as it
-        finishes. Closing the generator drops the unfinished ones and frees their blocks."""
+    def stream(
+        self, feed: Iterable[tuple[Any, EngineRequest | Rejected]], window: int | None = None
+    ) -> Iterator[Finished]:
+        """Run ``feed``'s ``(tag, request)`` pairs, read lazily, at most ``window`` unfinished at once
+        (default: twice ``max_num_seqs``, enough to keep every batch full, so memory does not grow with
+        the number of requests); yield ``(tag, output)`` as each finishes. The engine's figures count
+        this stream alone. Closing the generator drops the unfinished ones and frees their blocks."""
+        window = 2 * self.engine.config.max_num_seqs if window is None else window
         if window < 1:
             raise ValueError("the window of unfinished requests must be >= 1")
+        self.engine.reset_stats()
         feed, more, start = iter(feed), True, time.perf_counter()
         try:
             while True:

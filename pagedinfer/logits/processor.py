@@ -5,7 +5,7 @@ its state) is told each token the sequence appends.
 The model is vLLM v1's ``LogitsProcessor`` (validate, update state, apply) with llama.cpp's ``accept``:
 
 * ``validate(params)``: the checks that need the model (token ids against the vocabulary, a grammar
-  that must compile); `LLMEngine.params_error` runs them once per request, so a bad value is that
+  that must compile); `engine.intake.prepare` runs them once per request, so a bad value is that
   request's error alone.
 * ``new_state(params)`` (stateful processors only): the state of one sequence at its first generated
   token. The sequence holds it (`LogitsState`), forks it when the sequence forks (beam search) and

@@ -8,7 +8,7 @@ faster and brings no dependency (xgrammar pulls triton); at batch 64 its masks a
 a step and are computed while the forward pass runs.
 
 * `GrammarCompiler`: one compiled matcher per distinct constraint (`StructuredOutputsParams.key`) in
-  a bounded LRU cache; every sequence starts from a copy of it. Compiled in `LLMEngine.params_error`
+  a bounded LRU cache; every sequence starts from a copy of it. Compiled in `engine.intake.prepare`
   (so an invalid or unsupported schema is that request's error, naming the problem), reused when the
   request's completions start.
 * `MatcherState`: one sequence's matcher, told every appended token, forked with a beam. When its
