@@ -40,6 +40,46 @@ static inline void store8_f16(_Float16 *p, v8 v) {
 #endif
 #endif
 
+// 16 floats: two 8-float chunks side by side, one AVX-512 register (two AVX2 ones, the same lanes
+// and so the same bits). A 16-bit row is widened 16 values per conversion.
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 cat16(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline v8 lo8(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 hi8(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+static inline v16 load16(const float *p) {
+  v16 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+#ifdef __AVX512F__  // one vpmovzxwd (or vcvtph2ps) of 16 values; GCC splits the portable form in two
+#include <immintrin.h>
+static inline v16 load16_bf16(const uint16_t *p) {
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#ifdef __FLT16_MAX__
+static inline v16 load16_f16(const _Float16 *p) {
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#endif
+#else
+static inline v16 load16_bf16(const uint16_t *p) { return cat16(load8_bf16(p), load8_bf16(p + 8)); }
+#ifdef __FLT16_MAX__
+static inline v16 load16_f16(const _Float16 *p) { return cat16(load8_f16(p), load8_f16(p + 8)); }
+#endif
+#endif
+
+// Chunk c of 16 floats of a row of 16 * kc2 (+ 8) floats: the last 8 alone, zero-padded.
+static inline __attribute__((always_inline)) v16 q_chunk(const float *q, int c, int kc2) {
+  return c < kc2 ? load16(q + 16 * c) : cat16(load8(q + 16 * c), (v8){0});
+}
+
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -142,11 +182,13 @@ typedef struct {
 
 #define ELEM float
 #define LOAD8 load8
+#define LOAD16 load16
 #define STORE8 store8
 #define FN(name) CAT(name, f32)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
+#undef LOAD16
 #undef STORE8
 #undef FN
 
@@ -155,22 +197,26 @@ typedef struct {
 #endif
 #define ELEM uint16_t
 #define LOAD8 load8_bf16
+#define LOAD16 load16_bf16
 #define STORE8 store8_bf16
 #define FN(name) CAT(name, bf16)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
+#undef LOAD16
 #undef STORE8
 #undef FN
 
 #ifdef __FLT16_MAX__
 #define ELEM _Float16
 #define LOAD8 load8_f16
+#define LOAD16 load16_f16
 #define STORE8 store8_f16
 #define FN(name) CAT(name, f16)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
+#undef LOAD16
 #undef STORE8
 #undef FN
 #endif
@@ -181,11 +227,13 @@ typedef struct {
 #define QSTORE8 store8
 #define ELEM uint16_t
 #define LOAD8 load8_bf16
+#define LOAD16 load16_bf16
 #define STORE8 store8_bf16
 #define FN(name) CAT(name, f32_kv_bf16)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
+#undef LOAD16
 #undef STORE8
 #undef FN
 
@@ -195,11 +243,13 @@ typedef struct {
 #define QSTORE8 store8
 #define ELEM _Float16
 #define LOAD8 load8_f16
+#define LOAD16 load16_f16
 #define STORE8 store8_f16
 #define FN(name) CAT(name, f32_kv_f16)
 #include "cpu_paged_decode_body.h"
 #undef ELEM
 #undef LOAD8
+#undef LOAD16
 #undef STORE8
 #undef FN
 #endif

@@ -58,9 +58,11 @@ static inline void FN(touch_lines)(const ELEM *p, size_t n) {
 #ifdef WIDEN_BLOCKS
 #define ROW float
 #define ROW_LOAD8 load8
+#define ROW_LOAD16 load16
 #else
 #define ROW ELEM
 #define ROW_LOAD8 LOAD8
+#define ROW_LOAD16 LOAD16
 #endif
 
 static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, float *wide) {
@@ -76,68 +78,95 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 }
 
 // Pass 1 over n K rows (row stride k_row, this KV head's first element at k) for G query heads of
-// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = q_h . k_t. Each K
-// chunk is loaded once for the G heads; 8 rows at a time are 8 independent FMA chains per head.
-static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const v8 *q, int kc,
+// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = q_h . k_t, q_h the
+// head_dim floats at q + h * head_dim. A row is read 16 values at a time (a last 8 alone where
+// head_dim is an odd number of 8s), into one 16-lane sum per head; lane l sums the values l, 16 + l,
+// ... in order, the two halves are added, then the 8 lanes (sum_lanes8 for 8 rows at once, hsum8
+// for a row alone). Each K chunk is loaded once for the G heads; 8 rows at a time (4 and 4 with
+// one head a tile, for AVX2's 16 registers) are independent FMA chains per head.
+#define LOGIT_ROWS (HEAD_TILE > 1 ? 8 : 4)
+static inline __attribute__((always_inline)) v16 FN(k_chunk)(const ROW *row, int c, int kc2) {
+  return c < kc2 ? ROW_LOAD16(row + 16 * c) : cat16(ROW_LOAD8(row + 16 * c), (v8){0});
+}
+
+static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const float *q, int head_dim,
                                                                   float *li, int lstride, const ROW *k,
                                                                   int n, size_t k_row, prefetch pf) {
+  const int kc2 = head_dim / 16, chunks = (head_dim + 8) / 16;  // chunks > kc2: a last 8 alone
   int t = 0;
   for (; t + 8 <= n; t += 8) {
     prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
-    v8 d[HEAD_TILE][8];
-    for (int h = 0; h < G; ++h)
-      for (int r = 0; r < 8; ++r) d[h][r] = (v8){0};
-    for (int c = 0; c < kc; ++c)
-      for (int r = 0; r < 8; ++r) {
-        const v8 kr = ROW_LOAD8(k + (t + r) * k_row + 8 * c);
-        for (int h = 0; h < G; ++h) d[h][r] += q[h * kc + c] * kr;
-      }
+    v8 s[HEAD_TILE][8];
+    for (int r0 = 0; r0 < 8; r0 += LOGIT_ROWS) {
+      v16 d[HEAD_TILE][LOGIT_ROWS];
+      for (int h = 0; h < G; ++h)
+        for (int r = 0; r < LOGIT_ROWS; ++r) d[h][r] = (v16){0};
+      for (int c = 0; c < chunks; ++c)
+        for (int r = 0; r < LOGIT_ROWS; ++r) {
+          const v16 kr = FN(k_chunk)(k + (t + r0 + r) * k_row, c, kc2);
+          for (int h = 0; h < G; ++h) d[h][r] += q_chunk(q + h * head_dim, c, kc2) * kr;
+        }
+      for (int h = 0; h < G; ++h)
+        for (int r = 0; r < LOGIT_ROWS; ++r) s[h][r0 + r] = lo8(d[h][r]) + hi8(d[h][r]);
+    }
     for (int h = 0; h < G; ++h) {
-      const v8 sums = sum_lanes8(d[h]);
+      const v8 sums = sum_lanes8(s[h]);
       memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
     }
   }
   if (t < n) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
   for (; t < n; ++t) {
-    v8 d[HEAD_TILE];
-    for (int h = 0; h < G; ++h) d[h] = (v8){0};
-    for (int c = 0; c < kc; ++c) {
-      const v8 kr = ROW_LOAD8(k + t * k_row + 8 * c);
-      for (int h = 0; h < G; ++h) d[h] += q[h * kc + c] * kr;
+    v16 d[HEAD_TILE];
+    for (int h = 0; h < G; ++h) d[h] = (v16){0};
+    for (int c = 0; c < chunks; ++c) {
+      const v16 kr = FN(k_chunk)(k + t * k_row, c, kc2);
+      for (int h = 0; h < G; ++h) d[h] += q_chunk(q + h * head_dim, c, kc2) * kr;
     }
-    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(d[h]);
+    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h]));
   }
 }
 
-// Pass 2 over n V rows for G query heads: acc[h] += sum over the rows of p[h * lstride + t] * v_t,
-// 8 output chunks at a time in registers (then the rest one at a time); each V chunk loaded once for
-// the G heads. The loops have constant bounds so that the accumulators stay in registers.
-static inline __attribute__((always_inline)) void FN(tile_values)(const int G, v8 *acc, int vc,
+// Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
+// (acc_h: the head_dim_v floats at acc + h * head_dim_v), VG 16-float output chunks at a time in
+// registers, then one at a time, then a last 8 alone; each V chunk loaded once for the G heads. Each
+// output value is the same chain of multiply-adds over t however wide the chunks. The loops have
+// constant bounds so that the accumulators stay in registers.
+static inline __attribute__((always_inline)) void FN(values_chunks)(const int G, const int VG, float *acc,
+                                                                    int head_dim_v, int c0,
+                                                                    const float *p, int lstride,
+                                                                    const ROW *v, int n, size_t v_row) {
+  v16 o[HEAD_TILE][VG];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < VG; ++c) o[h][c] = load16(acc + h * head_dim_v + 16 * (c0 + c));
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < VG; ++c) {
+      const v16 vv = ROW_LOAD16(v + t * v_row + 16 * (c0 + c));
+      for (int h = 0; h < G; ++h) o[h][c] += p[(size_t)h * lstride + t] * vv;
+    }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < VG; ++c) store16(acc + h * head_dim_v + 16 * (c0 + c), o[h][c]);
+}
+
+static inline __attribute__((always_inline)) void FN(tile_values)(const int G, float *acc, int head_dim_v,
                                                                   const float *p, int lstride,
                                                                   const ROW *v, int n, size_t v_row,
                                                                   prefetch pf) {
   for (int t = 0; t < n; t += 8) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+  const int vc2 = head_dim_v / 16;
   int c0 = 0;
-  for (; c0 + 8 <= vc; c0 += 8) {
-    v8 o[HEAD_TILE][8];
-    for (int h = 0; h < G; ++h)
-      for (int c = 0; c < 8; ++c) o[h][c] = acc[h * vc + c0 + c];
-    for (int t = 0; t < n; ++t)
-      for (int c = 0; c < 8; ++c) {
-        const v8 vv = ROW_LOAD8(v + t * v_row + 8 * (c0 + c));
-        for (int h = 0; h < G; ++h) o[h][c] += p[(size_t)h * lstride + t] * vv;
-      }
-    for (int h = 0; h < G; ++h)
-      for (int c = 0; c < 8; ++c) acc[h * vc + c0 + c] = o[h][c];
-  }
-  for (; c0 < vc; ++c0) {
+  for (; HEAD_TILE > 1 && c0 + 8 <= vc2; c0 += 8)
+    FN(values_chunks)(G, 8, acc, head_dim_v, c0, p, lstride, v, n, v_row);
+  for (; c0 + 4 <= vc2; c0 += 4) FN(values_chunks)(G, 4, acc, head_dim_v, c0, p, lstride, v, n, v_row);
+  for (; c0 < vc2; ++c0) FN(values_chunks)(G, 1, acc, head_dim_v, c0, p, lstride, v, n, v_row);
+  if (head_dim_v % 16) {  // a last 8 values
+    const int e = 16 * vc2;
     v8 o[HEAD_TILE];
-    for (int h = 0; h < G; ++h) o[h] = acc[h * vc + c0];
+    for (int h = 0; h < G; ++h) o[h] = load8(acc + h * head_dim_v + e);
     for (int t = 0; t < n; ++t) {
-      const v8 vv = ROW_LOAD8(v + t * v_row + 8 * c0);
+      const v8 vv = ROW_LOAD8(v + t * v_row + e);
       for (int h = 0; h < G; ++h) o[h] += p[(size_t)h * lstride + t] * vv;
     }
-    for (int h = 0; h < G; ++h) acc[h * vc + c0] = o[h];
+    for (int h = 0; h < G; ++h) store8(acc + h * head_dim_v + e, o[h]);
   }
 }
 
@@ -164,14 +193,16 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
       const ROW *kv = rows + (size_t)(s % num_heads / g) * head_dim;
       float *li = logits + (size_t)s * lstride + pc->pos;
       const prefetch pf = {(const char *)next, next_lines, tile * groups, tasks};
+      float *a = (float *)(acc + s * vc);
+      const float *qh = (const float *)(qs + s * kc);
       if (values) {
-        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
-        else if (G == 2) FN(tile_values)(2, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
-        else FN(tile_values)(1, acc + s * vc, vc, li, lstride, kv, pc->n, row, pf);
+        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, a, head_dim, li, lstride, kv, pc->n, row, pf);
+        else if (G == 2) FN(tile_values)(2, a, head_dim, li, lstride, kv, pc->n, row, pf);
+        else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, pf);
       } else {
-        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
-        else if (G == 2) FN(tile_logits)(2, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
-        else FN(tile_logits)(1, qs + s * kc, kc, li, lstride, kv, pc->n, row, pf);
+        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qh, head_dim, li, lstride, kv, pc->n, row, pf);
+        else if (G == 2) FN(tile_logits)(2, qh, head_dim, li, lstride, kv, pc->n, row, pf);
+        else FN(tile_logits)(1, qh, head_dim, li, lstride, kv, pc->n, row, pf);
       }
       s += G;
     }
@@ -297,3 +328,4 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const
 #undef QSTORE8
 #undef ROW
 #undef ROW_LOAD8
+#undef ROW_LOAD16
