@@ -491,6 +491,9 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
 #define HAVE_AMX 0
 #endif
 
+/* Whether a step of `rows` rows prefetches each next panel (not one float32 row: gemm_segment_run). */
+static inline int prefetches(int kind, int rows) { return rows > 1 || kind != K_F32; }
+
 /* One run of a linear's output columns in one format (pagedinfer/model/packed_linear.py builds them):
  * panels [P][panel_bytes(kind, k, group)], bias and scale (I8) [P][16] float32 or NULL. */
 typedef struct {
@@ -544,8 +547,8 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         for (int t = 0; t < np;) {
             const int n = tile_panels(m) <= np - t ? tile_panels(m) : 1;
             const uint8_t *next = t + n < np ? p + (t + n) * pbytes : pf;
-            tiles(m, n, xf, k, p + t * pbytes, pbytes, k, s->group, yf + t * cols, ldy, cols, m > 1 ? next : NULL,
-                  b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);
+            tiles(m, n, xf, k, p + t * pbytes, pbytes, k, s->group, yf + t * cols, ldy, cols,
+                  prefetches(s->kind, m) ? next : NULL, b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);
             t += n;
         }
         return;
@@ -587,10 +590,14 @@ static void partial_panel(const gemm_segment *s, const char *x, int m, int k, in
  * Threads take chunks of panels from a shared counter and claim their next chunk when they start
  * one, so the panel each one prefetches is always one it will multiply itself (with OpenMP's
  * dynamic schedule the next panel often went to the other thread, into the wrong core's cache). A
- * single row prefetches nothing: the hardware prefetcher alone streams it faster. SmolLM2's 121
- * linears, AMD EPYC (Zen 3, AVX2), 2 threads, alternating in one process: 1 row 33.0 -> 29.1 ms,
+ * single float32 row prefetches nothing: the hardware prefetcher alone streams it faster. SmolLM2's
+ * 121 linears, AMD EPYC (Zen 3, AVX2), 2 threads, alternating in one process: 1 row 33.0 -> 29.1 ms,
  * 16 rows 63.5 -> 56.9, 64 rows 161.5 -> 154.4 (2 rows: the same with and without the prefetch;
- * 4 and 8 rows: 14% and 11% faster with it). */
+ * 4 and 8 rows: 14% and 11% faster with it). Quantized and bfloat16 panels, with more work per byte,
+ * do prefetch at one row: the hardware prefetcher alone left 4-bit ones streaming at 11 GB/s
+ * (bench_gemm.py --rows 1, AMD EPYC Zen 5, 2 threads, two rounds alternating: Q4_1 7.3-7.4 ->
+ * 4.0-4.1 ms, Q4_0 7.0-7.1 -> 3.6-3.7, int8 5.6-5.9 -> 4.8-5.0, Q8_0 5.8 -> 5.6-5.9, bfloat16 8.9-11.8
+ * -> 8.1-8.7). */
 static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int64_t ldy, int m, int k, int gated) {
     const int cols = gated ? NR / 2 : NR, width = s->cols, panels = (width + cols - 1) / cols;
     const int chunk = m > MR ? (WP > 2 ? WP : 2) : tile_panels(m) > 2 ? tile_panels(m) : 2;
@@ -609,7 +616,8 @@ static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int6
             const int after = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); /* this thread's next chunk */
             const int j0 = c * chunk, j1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
             const int full = j1 * cols <= width ? j1 : j1 - 1; /* panels before the partial last one */
-            const uint8_t *next = rows > 1 && after < chunks ? (const uint8_t *)s->panels + after * chunk * pbytes : NULL;
+            const uint8_t *next =
+                prefetches(s->kind, rows) && after < chunks ? (const uint8_t *)s->panels + after * chunk * pbytes : NULL;
             if (full > j0)
                 rows_by_panels(s, xb, rows, k, j0, full - j0, yb + (int64_t)j0 * cols * e, ldy, cols,
                                full == j1 ? next : NULL, gated);

@@ -75,7 +75,9 @@ def linear_flops(module, x: torch.Tensor) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or int8 (float32, int8 weights)")
+    ap.add_argument(
+        "--dtype", default="float32", help="float32, bfloat16, int8 (float32, int8 weights), or auto (a GGUF's own types)"
+    )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=64)
