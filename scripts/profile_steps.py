@@ -76,7 +76,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument(
-        "--dtype", default="float32", help="float32, bfloat16, int8 (float32, int8 weights), or auto (a GGUF's own types)"
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16, int8 (float32, int8 weights), or auto (a GGUF's own types)",
     )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
