@@ -84,24 +84,25 @@ static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// exp(x) for x <= 0 (logit minus running maximum), 8 lanes at once: Cephes' expf polynomial after
+// exp(x) for x <= 0 (logit minus running maximum), 16 lanes at once: Cephes' expf polynomial after
 // x = n ln2 + r, |r| <= ln2 / 2; lanes below -87.3 (and -inf) give 0. About 1 ulp from expf.
-static inline v8 exp8_nonpos(v8 x) {
-  const v8 lo = (v8){0} - 87.3f;
-  const v8i under = x < lo;
-  x = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
-  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round to nearest, x <= 0
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  v8 p = (v8){0} + 1.9875691500e-4f;
+typedef int32_t v16i __attribute__((vector_size(64)));
+static inline v16 exp16_nonpos(v16 x) {
+  const v16 lo = (v16){0} - 87.3f;
+  const v16i under = x < lo;
+  x = (v16)(((v16i)x & ~under) | ((v16i)lo & under));
+  const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round to nearest, x <= 0
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v16 p = (v16){0} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v8 scale = (v8)((n + 127) << 23);  // 2^n
-  return (v8)((v8i)(p * scale) & ~under);
+  const v16 scale = (v16)((n + 127) << 23);  // 2^n
+  return (v16)((v16i)(p * scale) & ~under);
 }
 
 // Lane j of the result is the sum of the 8 lanes of a[j]: 8 dot products finished at once.
@@ -150,9 +151,16 @@ static float softmax_row(float *li, int n, float softcap, float *sum) {
   }
   float m = mx[0];
   for (int i = 1; i < 8; ++i) m = mx[i] > m ? mx[i] : m;
-  v8 sum8 = {0};
-  for (int t = 0; t < n8; t += 8) {
-    const v8 p = exp8_nonpos(load8(li + t) - m);
+  v8 sum8 = {0};  // added 8 lanes at a time in t order, however wide the exps
+  int t = 0;
+  for (; t + 16 <= n8; t += 16) {
+    const v16 p = exp16_nonpos(load16(li + t) - m);
+    store16(li + t, p);
+    sum8 += lo8(p);
+    sum8 += hi8(p);
+  }
+  if (t < n8) {
+    const v8 p = lo8(exp16_nonpos(cat16(load8(li + t), (v8){0}) - m));
     store8(li + t, p);
     sum8 += p;
   }
