@@ -157,7 +157,7 @@ class EngineConfig:
         length = self.max_model_len  # 0 read as "not set" would silently mean the model's whole context
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ValueError(
-                f"max_model_len must be an integer >= 1 (None: the model's context), not {length!r}"
+                f"max_model_len must be an integer >= 1, not {length!r} (unset: the model's context)"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)  # each checked alone, so an error names the one setting that is wrong

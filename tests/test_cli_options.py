@@ -63,6 +63,15 @@ def test_a_bad_scheduling_limit_names_its_own_option_alone(model, tmp_path, opti
         EngineConfig(**{setting: 0})
 
 
+def test_a_context_below_one_token_is_refused_by_the_engine_rule_in_the_option_words(model, tmp_path):
+    """--max-model-len is checked where EngineConfig checks max_model_len (one home for the rule)."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    one_line_error(
+        run(model, prompts, "--max-model-len", "0"),
+        "--max-model-len must be an integer >= 1, not 0 (unset: the model's context)",
+    )
+
+
 def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
     one_line_error(

@@ -290,7 +290,7 @@ def test_chat_messages_that_are_not_conversations_are_a_type_error(llama, messag
 def test_max_model_len_that_is_not_a_positive_integer_is_refused(length):
     with pytest.raises(
         ValueError,
-        match=rf"^max_model_len must be an integer >= 1 \(None: the model's context\), not {re.escape(repr(length))}$",
+        match=rf"^max_model_len must be an integer >= 1, not {re.escape(repr(length))} \(unset: the model's context\)$",
     ):
         EngineConfig(max_model_len=length)
 

@@ -250,13 +250,11 @@ class _Run:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
-        keys += ("max_num_batched_tokens",)
+        keys += ("max_num_batched_tokens", "max_model_len")
         try:
             EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
             raise UsageError(_option_words(str(e))) from None
-        if engine.get("max_model_len") is not None and engine["max_model_len"] < 1:
-            raise UsageError("--max-model-len must be >= 1")
 
     def _adapters(self) -> frozenset[str]:
         """The names of the ``--lora`` adapters (loaded with the model), which lines may name."""
