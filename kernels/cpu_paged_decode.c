@@ -5,7 +5,7 @@
 // Compiled at first use with the system C compiler and called through ctypes. Sequence ranges run
 // in parallel on OpenMP threads: linked by soname to the libgomp torch has already loaded, they are
 // torch's own workers, so no second pool competes with them for the cores. Head sizes must be
-// multiples of 8: rows are processed as 8-float vectors (vector extensions of GCC >= 12 or Clang).
+// multiples of 8: rows are processed 16 floats at a time, a last 8 alone (vector extensions of GCC >= 12 or Clang).
 // The element-typed functions live in cpu_paged_decode_body.h, instantiated at the end of this file:
 // paged_decode_ranges_{f32,bf16,f16} and store_kv_{...} (queries and pool of one type), and
 // _f32_kv_{bf16,f16} (float32 queries over a 16-bit pool); f16 where the compiler has _Float16.
