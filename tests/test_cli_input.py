@@ -236,7 +236,6 @@ def test_output_file_writes_full_lines_and_resume_drops_unreadable_ones(tmp_path
 
 def test_output_file_is_locked_for_the_run(tmp_path):
     path = tmp_path / "out.jsonl"
-    path.write_text('{"id": 1}\n')
     path.write_text('{"id": 2}\n{"id": 1}\n')
     first = OutputFile(path)
     with pytest.raises(OutputError, match="locked by another pagedinfer run"):

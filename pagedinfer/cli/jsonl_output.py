@@ -221,11 +221,13 @@ class OutputFile:
         """
         keys: list[str] = []
         offsets = array.array("q")
+        kept: list[bool] = []  # per line of the file: readable (kept by a rewrite)
         dropped, errors, rewrite, pos = 0, 0, False, 0  # pos: where the line starts once the file is clean
         with open(self._fd, "rb", closefd=False) as f:
             f.seek(0)
             for raw in f:
                 key, failed = _key_of(raw)
+                kept.append(key is not None)
                 if key is None:
                     dropped += raw.strip() != b""
                     rewrite = True
@@ -236,7 +238,7 @@ class OutputFile:
                 errors += failed
                 rewrite |= not raw.endswith(b"\n")  # a complete last record without its newline
         if rewrite:
-            self._rewrite(lambda raw: _key_of(raw)[0] is not None)
+            self._rewrite(kept)
         self._keys, self._offsets = keys, offsets
         self._fingerprint, options = self._read_resume_file()
         return Done(set(keys), errors, dropped, self._fingerprint, options)
@@ -366,10 +368,16 @@ class OutputFile:
         )
         return True
 
-    def _rewrite(self, keep: Callable[[bytes], bool]) -> None:
+    def _rewrite(self, kept: list[bool]) -> None:
+        """The file again with only the lines ``kept`` says (one flag per line, as `load_done` read
+        them), each ending in a newline."""
         with open(self._fd, "rb", closefd=False) as src:
             src.seek(0)
-            self._replace(raw if raw.endswith(b"\n") else raw + b"\n" for raw in src if keep(raw))
+            self._replace(
+                raw if raw.endswith(b"\n") else raw + b"\n"
+                for raw, keep in zip(src, kept, strict=True)
+                if keep
+            )
 
     def _replace(self, lines) -> None:
         """Write ``lines`` to a new file renamed over the output; keep the lock on it."""

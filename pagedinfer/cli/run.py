@@ -365,9 +365,8 @@ class _Run:
     def _fail(self, error: LineError, position: int, progress) -> None:
         from pagedinfer.lines.records import error_record
 
-        self.output.write(
-            error_record(error), position, error.key
-        )  # counted once written: a failed write is no record
+        # counted once written: a failed write is no record
+        self.output.write(error_record(error), position, error.key)
         self.outcome.fail(error)
         progress.advance()
 
