@@ -12,7 +12,6 @@ own seeds and restart from their first token. The engine's figures count the rer
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -105,40 +104,27 @@ class GenerationLoop:
         except Exception as exc:  # noqa: BLE001 - one request's fault must not end the others
             yield from self._isolate(exc)
             return
-        yield from self._answer(finished)
+        for req in finished:
+            yield self._inside.pop(req.order)[0], self.engine.output(req)
         if self.on_step is not None:  # after the answers: a stop it raises loses none of them
             self.on_step(self.engine)
 
-    def _answer(self, finished: list) -> Iterator[Finished]:
-        for req in finished:
-            yield self._inside.pop(req.order)[0], self.engine.output(req)
-
     def _isolate(self, exc: Exception) -> Iterator[Finished]:
-        """Rerun the requests that were inside when a step raised, halving the group that raises."""
+        """Rerun the requests that were inside when a step raised, half apart from half; a half whose
+        step raises again is halved the same way (its `_step` lands here), until the one at fault is
+        alone: it fails with the error."""
         inside = sorted(self._inside.items())
         self.close()
+        if len(inside) == 1:
+            yield self._failed(*inside[0], exc)
+            return
         half = len(inside) // 2
-        groups = deque([inside[:half], inside[half:]] if half else [inside])
-        while groups:
-            for order, (tag, prepared) in groups.popleft():
+        for group in (inside[:half], inside[half:]):
+            for order, (tag, prepared) in group:
                 self.engine.add_request(prepared, order)
                 self._inside[order] = (tag, prepared)
             while self._inside:
-                if self.before_step is not None:
-                    self.before_step()
-                try:
-                    finished = self.engine.step()
-                except Exception as again:  # noqa: BLE001 - still in this group: halve it
-                    exc, rest = again, sorted(self._inside.items())
-                    self.close()
-                    if len(rest) == 1:
-                        yield self._failed(*rest[0], exc)
-                    else:
-                        groups.extendleft([rest[len(rest) // 2 :], rest[: len(rest) // 2]])
-                    break
-                yield from self._answer(finished)
-                if self.on_step is not None:
-                    self.on_step(self.engine)
+                yield from self._step()
 
     def _failed(self, order: int, entry: tuple[Any, EngineRequest], exc: Exception) -> Finished:
         tag, prepared = entry

@@ -86,7 +86,23 @@ def success_record(
             None if top is None else _plain_logprobs(tid, top, kp, token_text)
             for tid, top in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
         ]
-    outputs = [_plain_output(c, k, token_text) for c in out.outputs]
+    outputs = []
+    for c in out.outputs:
+        entry = {
+            "index": c.index,
+            "text": c.text,
+            "token_ids": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+        }
+        if c.stop_reason is not None:
+            entry["stop_reason"] = c.stop_reason
+        if c.logprobs is not None:
+            entry["cumulative_logprob"] = c.cumulative_logprob
+            entry["logprobs"] = [
+                _plain_logprobs(tid, top, k, token_text)
+                for tid, top in zip(c.token_ids, c.logprobs, strict=False)
+            ]
+        outputs.append(entry)
     return {**record, "outputs": outputs, "usage": usage, "error": None}
 
 
@@ -161,24 +177,6 @@ def bounded(value: object) -> object:
 
 
 # -- plain --------------------------------------------------------------------------------------------
-def _plain_output(c: CompletionOutput, k: int, token_text: TokenText) -> dict:
-    entry: dict = {
-        "index": c.index,
-        "text": c.text,
-        "token_ids": list(c.token_ids),
-        "finish_reason": c.finish_reason,
-    }
-    if c.stop_reason is not None:
-        entry["stop_reason"] = c.stop_reason
-    if c.logprobs is not None:
-        entry["cumulative_logprob"] = c.cumulative_logprob
-        entry["logprobs"] = [
-            _plain_logprobs(tid, top, k, token_text)
-            for tid, top in zip(c.token_ids, c.logprobs, strict=False)
-        ]
-    return entry
-
-
 def _plain_logprobs(token_id: int, top: dict, k: int, token_text: TokenText) -> dict:
     chosen = top[token_id]
     return {
