@@ -97,6 +97,42 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
 #define STORE_TILE(y, acc, b, gated) store_tile(y, (acc)[0], (acc)[1], b, gated)
 #endif
 
+/* Whether a tile of ROWS rows reads kind f from its nibbles in registers (cpu_gemm_formats.h): at 1
+ * and 2 rows, where converting the weights is most of the work (bench_gemm.py, AMD EPYC Zen 5, 2
+ * threads, 4 rounds alternating, ms at 1 row: Q4_0 3.5 -> 2.9, Q4_1 3.8 -> 3.1, int4 3.7 -> 3.3; at
+ * 12 rows 5-10% slower, so not there). */
+#define DIRECT(f, ROWS) (fmt_direct(f) && (ROWS) <= 2)
+
+/* Step kk of group gi (k index i = g0 + kk) of a tile (below): the NP panels' 16 weights at i times
+ * ROWS values of x, into the accumulators; the prefetches spread over the k. */
+static inline __attribute__((always_inline)) void tile_step(const int f, const int ROWS, const int NP, const float *x,
+                                                            int64_t lda, const uint8_t *p, int64_t pbytes, int g,
+                                                            const uint8_t *pf, int gi, int gl, int kk, int i,
+                                                            const vh (*s)[PV_HALVES], const vh (*m)[PV_HALVES],
+                                                            const int8_t *const *q, vh (*acc)[4][PV_HALVES]) {
+    /* Q8_0 at one row: the next tile's 8.5 lines a group spread over the group, as int8's lines
+     * (a burst at the group's start: bench_gemm --rows 1, Zen 5, 4.7-5.7 -> 4.2-4.7 ms) */
+    if (f == K_Q8_0 && ROWS == 1 && pf && kk % 4 == 0) {
+        const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
+        for (int j = 0; j < NP; j++)
+            for (int64_t o = rec * kk / gl / 64 * 64; o < rec * (kk + 4) / gl; o += 64)
+                __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
+    }
+    if ((f == K_F32 || f == K_I8) && pf && i % (f == K_F32 ? 1 : 4) == 0) /* a 64-byte line's k */
+        for (int j = 0; j < NP; j++)
+            __builtin_prefetch(pf + j * pbytes + (int64_t)i * NR * (f == K_F32 ? 4 : 1), 0, 2);
+    vh w[4][PV_HALVES];
+    for (int j = 0; j < NP; j++)
+        for (int h = 0; h < PV_HALVES; h++)
+            w[j][h] = f == K_F32 ? vh_load((const float *)(p + j * pbytes) + (int64_t)i * NR + h * VW)
+                                 : group_weights(f, DIRECT(f, ROWS), s[j], m[j], q[j], kk, h);
+    for (int r = 0; r < ROWS; r++) {
+        const vh a = vh_splat(x[r * lda + i]);
+        for (int j = 0; j < NP; j++)
+            for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] += a * w[j][h];
+    }
+}
+
 /* ROWS rows of x (row stride lda) times NP consecutive panels of format f at p (pbytes apart) into y
  * (row stride ldy, panel j's columns at j * cols), each panel's accumulators in registers; pf: the
  * next tile's first panel, prefetched while these are multiplied (NULL: none); b, scale: the first
@@ -110,7 +146,6 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
         for (int j = 0; j < NP; j++)
             for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] = (vh){0};
     const int G = f == K_F32 || f == K_I8 ? k : fmt_group(f, g);
-    const int per_line = f == K_F32 ? 1 : 4; /* kk per 64-byte line of a float32 or int8 panel */
     int8_t buf[4][MAX_GROUP * NR]; /* a group's unpacked values per panel (formats stored in nibbles) */
     for (int g0 = 0, gi = 0; g0 < k; g0 += G, gi++) {
         const int gl = k - g0 < G ? k - g0 : G;
@@ -118,38 +153,21 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
         const int8_t *q[4];
         if (f != K_F32) {
             for (int j = 0; j < NP; j++)
-                group_setup(f, p + j * pbytes, gi, g0, gl, g, scale ? scale + j * NR : NULL, s[j], m[j], &q[j],
-                            buf[j]);
+                group_setup(f, DIRECT(f, ROWS), p + j * pbytes, gi, g0, gl, g, scale ? scale + j * NR : NULL, s[j],
+                            m[j], &q[j], buf[j]);
             if (pf && f != K_I8 && (f != K_Q8_0 || ROWS > 1)) {
                 const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
                 for (int j = 0; j < NP; j++)
                     for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
             }
         }
-        for (int kk = 0; kk < gl; kk++) {
-            const int i = g0 + kk;
-            /* Q8_0 at one row: the next tile's 8.5 lines a group spread over the group, as int8's lines
-             * (a burst at the group's start: bench_gemm --rows 1, Zen 5, 4.7-5.7 -> 4.2-4.7 ms) */
-            if (f == K_Q8_0 && ROWS == 1 && pf && kk % 4 == 0) {
-                const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
-                for (int j = 0; j < NP; j++)
-                    for (int64_t o = rec * kk / gl / 64 * 64; o < rec * (kk + 4) / gl; o += 64)
-                        __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
-            }
-            if ((f == K_F32 || f == K_I8) && pf && i % per_line == 0)
-                for (int j = 0; j < NP; j++)
-                    __builtin_prefetch(pf + j * pbytes + (int64_t)i * NR * (f == K_F32 ? 4 : 1), 0, 2);
-            vh w[4][PV_HALVES];
-            for (int j = 0; j < NP; j++)
-                for (int h = 0; h < PV_HALVES; h++)
-                    w[j][h] = f == K_F32 ? vh_load((const float *)(p + j * pbytes) + (int64_t)i * NR + h * VW)
-                                         : group_weights(f, s[j], m[j], q[j], kk, h);
-            for (int r = 0; r < ROWS; r++) {
-                const vh a = vh_splat(x[r * lda + i]);
-                for (int j = 0; j < NP; j++)
-                    for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] += a * w[j][h];
-            }
-        }
+        if (DIRECT(f, ROWS)) /* by 4, so that each step knows kk & 3 (nibble_values) */
+            for (int kk = 0; kk < gl; kk += 4)
+                for (int u = 0; u < 4 && kk + u < gl; u++)
+                    tile_step(f, ROWS, NP, x, lda, p, pbytes, g, pf, gi, gl, kk + u, g0 + kk + u, s, m, q, acc);
+        else
+            for (int kk = 0; kk < gl; kk++)
+                tile_step(f, ROWS, NP, x, lda, p, pbytes, g, pf, gi, gl, kk, g0 + kk, s, m, q, acc);
     }
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < NP; j++) STORE_TILE(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
@@ -229,7 +247,7 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
         const int gl = k - g0 < G ? k - g0 : G;
         vh s[PV_HALVES], m[PV_HALVES];
         const int8_t *q;
-        group_setup(f, p, gi, g0, gl, g, scale, s, m, &q, buf);
+        group_setup(f, 0, p, gi, g0, gl, g, scale, s, m, &q, buf);
         if (pf) {
             const int64_t at = f == K_I8 ? 0 : group_offset(f, gi, g);
             const int64_t rec = f == K_I8 ? (int64_t)k * NR : fmt_record_bytes(f, gl);
@@ -237,7 +255,7 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
         }
         for (int kk = 0; kk < gl; kk++)
             for (int h = 0; h < PV_HALVES; h++)
-                vh_store(w + (int64_t)(g0 + kk) * NR + h * VW, group_weights(f, s, m, q, kk, h));
+                vh_store(w + (int64_t)(g0 + kk) * NR + h * VW, group_weights(f, 0, s, m, q, kk, h));
     }
 }
 #define DEQUANTIZE(F)                                                                                       \

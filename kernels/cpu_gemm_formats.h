@@ -15,8 +15,13 @@
  * k): int8 as they are (Q8_0), or as nibbles in chunks of 4 k (32 bytes: value i of the chunk's 64,
  * i = 16 * kk + column, in the low nibble of byte i for i < 32, the high nibble of byte i - 32 else),
  * then for 5- and 6-bit types one bit plane per extra bit (8 bytes per chunk, bit i for value i).
- * A tile unpacks a group's values into int8 (offset removed) in a small buffer; from there each
- * k's 16 weights are one widening load, a conversion and a multiply (+ add) away.
+ * The tiles read the plain 4-bit kinds (fmt_direct: Q4_0, Q4_1, Q4_K, I4) from their nibbles in registers:
+ * 16 bytes of a chunk widened to 32-bit lanes hold two k's values (low and high nibbles), a mask or
+ * a shift apart, and w = q * s + m with m = -8 * s for Q4_0 and I4 (q * s and 8 * s exact, so the
+ * sum is (q - 8) * s exactly, as long as 8 * s is finite). Otherwise (other kinds, and dequantizing a
+ * panel for the wide tiles, faster that way) a group is unpacked into int8 (offset removed, planes
+ * added) in a small buffer; from there each k's 16 weights are one widening load, a conversion and a
+ * multiply (+ add) away.
  *
  *   Q8_0   G 32: d[16] f16 | q[32][16] i8                              w = d * q
  *   Q4_0   G 32: d[16] f16 | nibbles                                   w = d * (q - 8)
@@ -75,8 +80,13 @@ static inline __attribute__((always_inline)) int fmt_super_bytes(int f) {
 static inline __attribute__((always_inline)) int fmt_planes(int f) { /* bits above the nibble */
     return f == K_Q5_0 || f == K_Q5_1 || f == K_Q5_K ? 1 : f == K_Q6_K ? 2 : 0;
 }
-static inline __attribute__((always_inline)) int fmt_has_min(int f) {
-    return f == K_Q4_1 || f == K_Q5_1 || f == K_Q4_K || f == K_Q5_K;
+/* Read from the nibbles in registers (no offset to remove in int8, no bit planes). */
+static inline __attribute__((always_inline)) int fmt_direct(int f) {
+    return f == K_Q4_0 || f == K_Q4_1 || f == K_Q4_K || f == K_I4;
+}
+/* w = q * s + m (an offset, or read direct, Q4_0's and I4's -8 * s), not q * s. */
+static inline __attribute__((always_inline)) int fmt_has_min(int f, int direct) {
+    return f == K_Q4_1 || f == K_Q5_1 || f == K_Q4_K || f == K_Q5_K || (direct && (f == K_Q4_0 || f == K_I4));
 }
 /* Bytes of a group's scale fields. */
 static inline __attribute__((always_inline)) int fmt_head_bytes(int f) {
@@ -167,9 +177,9 @@ static inline void add_plane(const uint8_t *plane, int chunks, int8_t add, int8_
 
 /* Group gi (k values g0 .. g0 + gl - 1) of the panel at p: its scale s, offset m (formats with one),
  * each as PV_HALVES vectors, and int8 values q (16 per k; unpacked into buf, or in place for Q8_0 and
- * I8). scale: I8's per-panel column scales. */
-static inline __attribute__((always_inline)) void group_setup(int f, const uint8_t *p, int gi, int g0, int gl,
-                                                              int g, const float *scale, vh *s, vh *m,
+ * I8; direct, for fmt_direct kinds: q is the nibble chunks). scale: I8's per-panel column scales. */
+static inline __attribute__((always_inline)) void group_setup(int f, int direct, const uint8_t *p, int gi, int g0,
+                                                              int gl, int g, const float *scale, vh *s, vh *m,
                                                               const int8_t **q, int8_t *buf) {
     if (f == K_I8) {
         for (int h = 0; h < PV_HALVES; h++) s[h] = vh_load(scale + h * VW);
@@ -192,9 +202,15 @@ static inline __attribute__((always_inline)) void group_setup(int f, const uint8
             case K_Q6_K: s[h] = vh_f16((const uint16_t *)sup + c) * vh_i8((const int8_t *)r + c); break;
             default: s[h] = vh_load((const float *)r + c); break; /* I4, I4Z */
         }
+        if (direct && (f == K_Q4_0 || f == K_I4)) m[h] = vh_splat(-8.f) * s[h];
     }
     if (f == K_Q8_0) {
         *q = (const int8_t *)(r + 32);
+        return;
+    }
+    const uint8_t *nib = r + fmt_head_bytes(f);
+    if (direct) {
+        *q = (const int8_t *)nib;
         return;
     }
     static const int8_t zero[16] = {0};
@@ -207,17 +223,35 @@ static inline __attribute__((always_inline)) void group_setup(int f, const uint8
         o = (const int8_t *)(r + 64);
     }
     const int chunks = (gl + 3) / 4;
-    const uint8_t *nib = r + fmt_head_bytes(f);
     unpack_nibbles(nib, chunks, o, buf);
     if (fmt_planes(f) >= 1) add_plane(nib + 32 * chunks, chunks, 16, buf);
     if (fmt_planes(f) >= 2) add_plane(nib + 40 * chunks, chunks, 32, buf);
     *q = buf;
 }
 
+/* Half h of the 16 values at k index kk of a nibble group (q: its chunks), in float32: the chunk's
+ * bytes 16 * (kk & 1) .. + 15 hold k 4c + (kk & 1) in their low nibbles and the k two further in
+ * their high ones. Loops that know kk & 3 (unrolled by 4) widen each 16 bytes once for both k. */
+static inline __attribute__((always_inline)) vh nibble_values(const uint8_t *q, int kk, int h) {
+    const uint8_t *b = q + 32 * (kk >> 2) + 16 * (kk & 1) + h * VW;
+    const int high = kk & 2;
+#if defined(PV_ZMM)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    return (vh)_mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)));
+#elif defined(__AVX2__)
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    return (vh)_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+#else
+    vh v;
+    for (int i = 0; i < VW; i++) v[i] = (float)(high ? b[i] >> 4 : b[i] & 15);
+    return v;
+#endif
+}
+
 /* Half h of the 16 weights at k index kk of the group set up as above, in float32. */
-static inline __attribute__((always_inline)) vh group_weights(int f, const vh *s, const vh *m, const int8_t *q,
-                                                              int kk, int h) {
-    const vh v = vh_i8(q + (int64_t)kk * NR + h * VW);
-    return fmt_has_min(f) ? m[h] + v * s[h] : v * s[h];
+static inline __attribute__((always_inline)) vh group_weights(int f, int direct, const vh *s, const vh *m,
+                                                              const int8_t *q, int kk, int h) {
+    const vh v = direct ? nibble_values((const uint8_t *)q, kk, h) : vh_i8(q + (int64_t)kk * NR + h * VW);
+    return fmt_has_min(f, direct) ? m[h] + v * s[h] : v * s[h];
 }
 #endif

@@ -139,7 +139,7 @@ from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import gguf_blocks, packed_linear
 out = {{}}
 rng = np.random.default_rng(11)
-for kind in TYPES + ["int8", "int4-g128-zp"]:
+for kind in TYPES + ["int8", "int4", "int4-g128-zp"]:
     w = torch.from_numpy(rng.standard_normal((40, 512)).astype(np.float32))
     if kind.startswith("int"):
         lin = torch.nn.Linear(512, 40, bias=False)
