@@ -1,4 +1,5 @@
-// Paged decode attention for the CPU (float32, bfloat16, float16 K/V; float32 arithmetic): one query token per sequence, K/V read in place
+// Paged decode attention for the CPU (float32, bfloat16, float16 K/V; float32 sums, and in the
+// bfloat16 instantiation bfloat16 pair products, DOT_BF16): one query token per sequence, K/V read in place
 // through the block table, never gathered into a contiguous copy. All query heads of a KV head are
 // served from one read of each K/V row (grouped-query attention). Two passes over the context with
 // an exact softmax between them (cpu_paged_decode_body.h says why).
@@ -16,6 +17,9 @@
 #include <string.h>
 
 #include "cpu_vec.h" /* v8, load8, store8 */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* _mm_getcsr (DOT_BF16) */
+#endif
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -80,6 +84,40 @@ static inline __attribute__((always_inline)) v16 q_chunk(const float *q, int c, 
   return c < kc2 ? load16(q + 16 * c) : cat16(load8(q + 16 * c), (v8){0});
 }
 
+// bfloat16 logits (the bfloat16 instantiation): q . k as pair dot products, 32 values (16 pairs) a
+// chunk into 16 lanes; lane l adds q[2l+1] k[2l+1], then q[2l] k[2l], each product exact and each sum
+// rounded once. That is vdpbf16ps (AVX512_BF16), measured lane for lane on AMD Zen 5, and two FMAs on
+// the widened halves elsewhere; with subnormals flushed as vdpbf16ps flushes them (MXCSR's FTZ and
+// DAZ for the whole call in every build), the two give the same bits.
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// 32 values of a bfloat16 row as pairs; pair_tail: the last `left` (< 32) values, zero-padded.
+static inline __attribute__((always_inline)) v16u pair_chunk(const uint16_t *p) {
+  v16u v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline __attribute__((always_inline)) v16u pair_tail(const uint16_t *p, int left) {
+#ifdef __AVX512BW__
+  return (v16u)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), p);
+#else
+  v16u v = {0};
+  memcpy(&v, p, (size_t)left * 2);
+  return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) v16 dot_pairs(v16 acc, v16u q, v16u k) {
+#ifdef __AVX512BF16__
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)q, (__m512bh)k);
+#else
+  const v16u hi = (v16u){0} + 0xffff0000u;
+  acc += (v16)(q & hi) * (v16)(k & hi);
+  return acc + (v16)(q << 16) * (v16)(k << 16);
+#endif
+}
+
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -136,33 +174,67 @@ typedef struct {
   int task, tasks;
 } prefetch;
 
+// p rounded to the nearest bfloat16 (ties to even), as float32 (p >= 0 here: no NaN to keep).
+static inline v16 round_bf16(v16 p) {
+  const v16u b = (v16u)p;
+  return (v16)((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+}
+
+static inline v16 max16(v16 x, v16 m) {
+  const v16i gt = x > m;
+  return (v16)(((v16i)x & gt) | ((v16i)m & ~gt));
+}
+
 // Softmax of one state's logits row [0, n) in place (probabilities, unnormalised: exp(x - max)),
 // padding lanes to a multiple of 8 set to probability 0; returns the maximum and stores the sum.
-static float softmax_row(float *li, int n, float softcap, float *sum) {
+// bf16: the probabilities rounded to bfloat16 (summed so) and stored as bfloat16, value t at
+// ((uint16_t *)li)[t], for the bfloat16 pass over V (pair dot products).
+static float softmax_row(float *li, int n, float softcap, float *sum, int bf16) {
   if (softcap > 0.f)
     for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
   const int n8 = (n + 7) & ~7;
   for (int t = n; t < n8; ++t) li[t] = -INFINITY;
-  v8 mx = load8(li);
-  for (int t = 8; t < n8; t += 8) {
-    const v8 x = load8(li + t);
-    const v8i gt = x > mx;
-    mx = (v8)(((v8i)x & gt) | ((v8i)mx & ~gt));
-  }
-  float m = mx[0];
-  for (int i = 1; i < 8; ++i) m = mx[i] > m ? mx[i] : m;
-  v8 sum8 = {0};  // added 8 lanes at a time in t order, however wide the exps
+  // the maximum in 4 independent chains of 16 lanes (one chain waited on each compare): exact, so
+  // the same value in any order
+  v16 mx[4] = {(v16){0} - INFINITY, (v16){0} - INFINITY, (v16){0} - INFINITY, (v16){0} - INFINITY};
   int t = 0;
+  for (; t + 64 <= n8; t += 64)
+    for (int j = 0; j < 4; ++j) {
+      const v16 x = load16(li + t + 16 * j);
+      mx[j] = max16(x, mx[j]);
+    }
+  for (; t < n8; t += 8) {
+    const v16 x = cat16(load8(li + t), (v8){0} - INFINITY);
+    mx[0] = max16(x, mx[0]);
+  }
+  for (int j = 1; j < 4; ++j) mx[0] = max16(mx[j], mx[0]);
+  float m = mx[0][0];
+  for (int i = 1; i < 16; ++i) m = mx[0][i] > m ? mx[0][i] : m;
+  v8 sum8 = {0};  // added 8 lanes at a time in t order, however wide the exps
+  t = 0;
+  uint16_t *half = (uint16_t *)li;  // written behind the reads: value t at bytes 2t, 2t + 1
   for (; t + 16 <= n8; t += 16) {
-    const v16 p = exp16_nonpos(load16(li + t) - m);
-    store16(li + t, p);
+    v16 p = exp16_nonpos(load16(li + t) - m);
+    if (bf16) {
+      p = round_bf16(p);
+      const v16u b = (v16u)p >> 16;
+      for (int i = 0; i < 16; ++i) half[t + i] = (uint16_t)b[i];
+    } else {
+      store16(li + t, p);
+    }
     sum8 += lo8(p);
     sum8 += hi8(p);
   }
   if (t < n8) {
-    const v8 p = lo8(exp16_nonpos(cat16(load8(li + t), (v8){0}) - m));
-    store8(li + t, p);
-    sum8 += p;
+    v16 p16 = exp16_nonpos(cat16(load8(li + t), (v8){0}) - m);
+    if (bf16) {
+      p16 = round_bf16(p16);
+      const v16u b = (v16u)p16 >> 16;
+      for (int i = 0; i < 8; ++i) half[t + i] = (uint16_t)b[i];
+    } else {
+      store8(li + t, lo8(p16));
+    }
+    sum8 += lo8(p16);
   }
   *sum = hsum8(sum8);
   return m;
@@ -208,7 +280,9 @@ typedef struct {
 #define LOAD16 load16_bf16
 #define STORE8 store8_bf16
 #define FN(name) CAT(name, bf16)
+#define DOT_BF16
 #include "cpu_paged_decode_body.h"
+#undef DOT_BF16
 #undef ELEM
 #undef LOAD8
 #undef LOAD16

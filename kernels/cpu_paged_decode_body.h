@@ -7,7 +7,10 @@
 // query heads of a KV head go in tiles sharing each load (HEAD_TILE of them with AVX-512), and
 // where a tile is one head (AVX2) WIDEN_BLOCKS (16-bit elements) widens each K/V block to float32
 // once, into a per-thread buffer, before its heads read it. Logits, softmax and the output
-// accumulators are float32 in every instantiation.
+// accumulators are float32 in every instantiation. DOT_BF16 (bfloat16 queries and pool): the logits
+// are pair dot products of the stored values (dot_pairs), the probabilities are rounded to bfloat16
+// and pass 2 takes V's rows in pairs the same way (tile_values_bf16): products exact, every sum one
+// float32 rounding, vdpbf16ps where the CPU has it.
 //
 // Two passes over a sequence's context, not an online softmax block by block: pass 1 reads the K
 // blocks and writes every query head's logits over the whole context, the softmax then runs once
@@ -88,6 +91,59 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 static inline __attribute__((always_inline)) v16 FN(k_chunk)(const ROW *row, int c, int kc2) {
   return c < kc2 ? ROW_LOAD16(row + 16 * c) : cat16(ROW_LOAD8(row + 16 * c), (v8){0});
 }
+
+#ifdef DOT_BF16
+// The same over a bfloat16 pool with bfloat16 queries (q: G rows of head_dim values, qstride apart,
+// unscaled): each K chunk of 32 values, loaded once for the G heads, into pair dot products
+// (dot_pairs), lanes reduced as above; the logit is the dot product times scale.
+static inline __attribute__((always_inline)) v16 FN(pair_dot)(v16 acc, const uint16_t *q, const uint16_t *k, int c,
+                                                             int full, int left) {
+  return c < full ? dot_pairs(acc, pair_chunk(q + 32 * c), pair_chunk(k + 32 * c))
+                  : dot_pairs(acc, pair_tail(q + 32 * c, left), pair_tail(k + 32 * c, left));
+}
+
+static inline __attribute__((always_inline)) void FN(tile_logits_bf16)(const int G, const uint16_t *q, size_t qstride,
+                                                                       int head_dim, float scale, float *li,
+                                                                       int lstride, const uint16_t *k, int n,
+                                                                       size_t k_row, prefetch pf) {
+  const int full = head_dim / 32, left = head_dim % 32, chunks = full + (left > 0);
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+    v8 s[HEAD_TILE][8];
+    for (int r0 = 0; r0 < 8; r0 += LOGIT_ROWS) {
+      v16 d[HEAD_TILE][LOGIT_ROWS];
+      for (int h = 0; h < G; ++h)
+        for (int r = 0; r < LOGIT_ROWS; ++r) d[h][r] = (v16){0};
+      for (int c = 0; c < full; ++c)
+        for (int r = 0; r < LOGIT_ROWS; ++r) {
+          const v16u kr = pair_chunk(k + (t + r0 + r) * k_row + 32 * c);
+          for (int h = 0; h < G; ++h) d[h][r] = dot_pairs(d[h][r], pair_chunk(q + h * qstride + 32 * c), kr);
+        }
+      if (left)
+        for (int r = 0; r < LOGIT_ROWS; ++r) {
+          const v16u kr = pair_tail(k + (t + r0 + r) * k_row + 32 * full, left);
+          for (int h = 0; h < G; ++h)
+            d[h][r] = dot_pairs(d[h][r], pair_tail(q + h * qstride + 32 * full, left), kr);
+        }
+      for (int h = 0; h < G; ++h)
+        for (int r = 0; r < LOGIT_ROWS; ++r) s[h][r0 + r] = lo8(d[h][r]) + hi8(d[h][r]);
+    }
+    for (int h = 0; h < G; ++h) {
+      const v8 sums = sum_lanes8(s[h]) * scale;
+      memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
+    }
+  }
+  if (t < n) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+  for (; t < n; ++t) {
+    v16 d[HEAD_TILE];
+    for (int h = 0; h < G; ++h) d[h] = (v16){0};
+    for (int c = 0; c < chunks; ++c)
+      for (int h = 0; h < G; ++h) d[h] = FN(pair_dot)(d[h], q + h * qstride, k + t * k_row, c, full, left);
+    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h])) * scale;
+  }
+}
+#endif
 
 static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const float *q, int head_dim,
                                                                   float *li, int lstride, const ROW *k,
@@ -170,6 +226,98 @@ static inline __attribute__((always_inline)) void FN(tile_values)(const int G, f
   }
 }
 
+#ifdef DOT_BF16
+// Pass 2 with bfloat16 probabilities (p: value t of head h at p[h * pstride + t]): rows in pairs,
+// acc_h += p[t + 1] v_{t+1}, then += p[t] v_t (a last row alone), each a rounded multiply-add of
+// exact products: with AVX512_BF16 one vdpbf16ps per 16 columns and pair of rows (two rows
+// interleaved: column order 0-3, 8-11, 16-19, 24-27 | 4-7, ... in each 32; `acc` keeps that order,
+// pairs_order restores it), else the widened rows (v: ROW) two multiply-adds each, in that order.
+#if defined(__AVX512BF16__)
+#define PAIRED_V(head_dim_v) ((head_dim_v) % 32 == 0)
+#else
+#define PAIRED_V(head_dim_v) 0
+#endif
+
+static inline __attribute__((always_inline)) float FN(prob)(const uint16_t *p, size_t i) {
+  const uint32_t b = (uint32_t)p[i] << 16;
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+static inline __attribute__((always_inline)) void FN(tile_values_bf16)(const int G, float *acc, int head_dim_v,
+                                                                       const uint16_t *p, size_t pstride,
+                                                                       const uint16_t *raw, const ROW *v, int n,
+                                                                       size_t v_row, prefetch pf) {
+  for (int t = 0; t < n; t += 8) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+#if defined(__AVX512BF16__)
+  if (PAIRED_V(head_dim_v)) {
+    (void)v;
+    for (int c = 0; c < head_dim_v / 32; ++c) {  // 32 columns: two accumulators a head
+      __m512 o[HEAD_TILE][2];
+      for (int h = 0; h < G; ++h)
+        for (int x = 0; x < 2; ++x) o[h][x] = _mm512_loadu_ps(acc + h * head_dim_v + 32 * c + 16 * x);
+      int t = 0;
+      for (; t + 2 <= n; t += 2) {
+        const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * c);
+        const __m512i r1 = _mm512_loadu_si512(raw + (t + 1) * v_row + 32 * c);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        for (int h = 0; h < G; ++h) {
+          uint32_t pair;
+          memcpy(&pair, p + h * pstride + t, sizeof pair);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+          o[h][0] = _mm512_dpbf16_ps(o[h][0], lo, pp);
+          o[h][1] = _mm512_dpbf16_ps(o[h][1], hi, pp);
+        }
+      }
+      if (t < n) {  // a last row alone: paired with zeros
+        const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * c), z = _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, z), hi = (__m512bh)_mm512_unpackhi_epi16(r0, z);
+        for (int h = 0; h < G; ++h) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)p[h * pstride + t]);
+          o[h][0] = _mm512_dpbf16_ps(o[h][0], lo, pp);
+          o[h][1] = _mm512_dpbf16_ps(o[h][1], hi, pp);
+        }
+      }
+      for (int h = 0; h < G; ++h)
+        for (int x = 0; x < 2; ++x) _mm512_storeu_ps(acc + h * head_dim_v + 32 * c + 16 * x, o[h][x]);
+    }
+    return;
+  }
+#endif
+  (void)raw;
+  for (int c = 0; c < head_dim_v / 8; ++c) {  // 8 columns at a time
+    v8 o[HEAD_TILE];
+    for (int h = 0; h < G; ++h) o[h] = load8(acc + h * head_dim_v + 8 * c);
+    for (int t = 0; t < n; t += 2) {
+      if (t + 1 < n) {
+        const v8 vv = ROW_LOAD8(v + (t + 1) * v_row + 8 * c);
+        for (int h = 0; h < G; ++h) o[h] += FN(prob)(p, h * pstride + t + 1) * vv;
+      }
+      const v8 vv = ROW_LOAD8(v + t * v_row + 8 * c);
+      for (int h = 0; h < G; ++h) o[h] += FN(prob)(p, h * pstride + t) * vv;
+    }
+    for (int h = 0; h < G; ++h) store8(acc + h * head_dim_v + 8 * c, o[h]);
+  }
+}
+
+// The natural column order of a state's accumulators (head_dim_v floats) left by paired passes.
+static inline void pairs_order(float *a, int head_dim_v) {
+#if defined(__AVX512BF16__)
+  if (!PAIRED_V(head_dim_v)) return;
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c = 0; c < head_dim_v; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(a + c), hi = _mm512_loadu_ps(a + c + 16);
+    _mm512_storeu_ps(a + c, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(a + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+#else
+  (void)a, (void)head_dim_v;
+#endif
+}
+#endif
+
 // One pass over every piece of a group's context: its K rows into the logit rows (values = 0), or
 // its V rows into the accumulators (values = 1), tile by tile (state j * num_heads + i: query head
 // i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head). The next piece's
@@ -177,32 +325,59 @@ static inline __attribute__((always_inline)) void FN(tile_values)(const int G, f
 // piece's lines in `then` (the V pool after the K pass; NULL: none).
 static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, const ELEM *then,
                      size_t row, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
-                     v8 *acc, float *logits, int head_dim, float *wide) {
+                     v8 *acc, float *logits, int head_dim, float *wide, float scale) {
   const int tiles_per_kv = (g + HEAD_TILE - 1) / HEAD_TILE;
   for (int e = 0; e < np; ++e) {
     const piece *pc = pieces + e;
     const ELEM *next = e + 1 < np ? cache + pc[1].slot * row : then ? then + pieces->slot * row : NULL;
     const int next_n = e + 1 < np ? pc[1].n : then ? pieces->n : 0;
     const size_t next_lines = ((size_t)next_n * row * sizeof(ELEM) + 63) / 64;
-    const ROW *rows = FN(rows_of)(cache + pc->slot * row, (size_t)pc->n * row, e > 0, wide);
+    const ELEM *raw = cache + pc->slot * row;
+    const ROW *rows = NULL;
+#ifdef DOT_BF16  // the K pass reads the pool's own rows (pair dot products)
+    if (!values) {
+      if (e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
+    } else
+#endif
+      rows = FN(rows_of)(raw, (size_t)pc->n * row, e > 0, wide);
     const int groups = (pc->n + 7) / 8;  // of 8 rows: each tile prefetches a share per group
     const int tasks = (pc->j1 - pc->j0) * (num_heads / g) * tiles_per_kv * groups;
     for (int s = pc->j0 * num_heads, tile = 0; s < pc->j1 * num_heads; ++tile) {
       const int in_kv = s % num_heads % g, left = g - in_kv;
       const int G = left < HEAD_TILE ? left : HEAD_TILE;
-      const ROW *kv = rows + (size_t)(s % num_heads / g) * head_dim;
+      const size_t at = (size_t)(s % num_heads / g) * head_dim;  // this KV head's first value in a row
       float *li = logits + (size_t)s * lstride + pc->pos;
       const prefetch pf = {(const char *)next, next_lines, tile * groups, tasks};
       float *a = (float *)(acc + s * vc);
       const float *qh = (const float *)(qs + s * kc);
       if (values) {
+        const ROW *kv = rows + at;
+#ifdef DOT_BF16  // probabilities as bfloat16: 2 * lstride values apart
+        const uint16_t *pb = (const uint16_t *)(logits + (size_t)s * lstride) + pc->pos, *vb = raw + at;
+        const size_t pst = (size_t)lstride * 2;
+        if (G == HEAD_TILE) FN(tile_values_bf16)(HEAD_TILE, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
+        else if (G == 2) FN(tile_values_bf16)(2, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
+        else FN(tile_values_bf16)(1, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
+#else
         if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, a, head_dim, li, lstride, kv, pc->n, row, pf);
         else if (G == 2) FN(tile_values)(2, a, head_dim, li, lstride, kv, pc->n, row, pf);
         else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, pf);
+#endif
       } else {
+#ifdef DOT_BF16  // queries as stored: kc * 16 values apart
+        const uint16_t *qb = (const uint16_t *)qh, *kb = raw + at;
+        const size_t qst = (size_t)kc * 16;
+        if (G == HEAD_TILE) FN(tile_logits_bf16)(HEAD_TILE, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
+        else if (G == 2) FN(tile_logits_bf16)(2, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
+        else FN(tile_logits_bf16)(1, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
+        (void)qh;
+#else
+        const ROW *kv = rows + at;
+        (void)scale;
         if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qh, head_dim, li, lstride, kv, pc->n, row, pf);
         else if (G == 2) FN(tile_logits)(2, qh, head_dim, li, lstride, kv, pc->n, row, pf);
         else FN(tile_logits)(1, qh, head_dim, li, lstride, kv, pc->n, row, pf);
+#endif
       }
       s += G;
     }
@@ -219,6 +394,10 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
   // contiguous in the pool) is read from memory once per step and layer. Neighbouring sequences
   // whose tables start with the same physical blocks (completions of one prompt) are served together
   // over those blocks: their shared rows are read once.
+#if defined(DOT_BF16) && (defined(__x86_64__) || defined(__i386__))
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ and DAZ: subnormals flushed in every build, as vdpbf16ps does
+#endif
   const int kc = head_dim / 8, vc = head_dim_v / 8, g = num_heads / num_kv_heads;
   const size_t k_row = (size_t)num_kv_heads * head_dim, v_row = (size_t)num_kv_heads * head_dim_v;
   int max_len = 0;
@@ -279,32 +458,46 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
         const QELEM *src = q + rows[s0 + j] * q_token_stride + (int64_t)i * q_head_stride;
+#ifdef DOT_BF16  // as stored; the scale multiplies the logits
+        memcpy(qs + st * kc, src, (size_t)head_dim * sizeof *src);
+#else
         for (int c = 0; c < kc; ++c) qs[st * kc + c] = QLOAD8(src + 8 * c) * scale;
+#endif
         for (int c = 0; c < vc; ++c) acc[st * vc + c] = (v8){0};
       }
     FN(pass)(0, pieces, np, k_cache, v_cache, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
-             head_dim, wide);
+             head_dim, wide, scale);
     float denom[nm * num_heads];
     for (int j = 0; j < nm; ++j) {
       const int len = ctx_lens[s0 + j], n = window > 0 && len > window ? window : len;
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
-        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st);
+#ifdef DOT_BF16
+        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st, 1);
+#else
+        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st, 0);
+#endif
         if (sinks) denom[st] += expf(sinks[i] - m);
       }
     }
     FN(pass)(1, pieces, np, v_cache, NULL, v_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
-             head_dim_v, wide);
+             head_dim_v, wide, scale);
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
         QELEM *dst = out + (rows[s0 + j] * num_heads + i) * (int64_t)head_dim_v;
         const v8 inv = (v8){0} + 1.f / denom[st];
+#ifdef DOT_BF16
+        pairs_order((float *)(acc + st * vc), head_dim_v);
+#endif
         for (int c = 0; c < vc; ++c) QSTORE8(dst + 8 * c, acc[st * vc + c] * inv);
       }
     s0 = s1;
   }
   free(mem);
+#if defined(DOT_BF16) && (defined(__x86_64__) || defined(__i386__))
+  _mm_setcsr(csr);
+#endif
 }
 
 // paged_decode over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread.
