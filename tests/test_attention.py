@@ -440,11 +440,15 @@ def test_decode_kernel_head_tiles_equal_one_head_at_a_time(monkeypatch, tmp_path
     """The AVX-512 build serves the query heads of a KV head in tiles of 3 sharing each K/V load (16-bit
     rows widened in registers); the AVX2 build one head at a time (16-bit blocks widened into a
     buffer first). Every product and sum is taken in the same order, so the two give the same bits:
-    groups of 3, 4 (a tile of 3 and one of 1) and 2 heads, a head size with a chunk past 8 vectors."""
+    groups of 3, 4 (a tile of 3 and one of 1) and 2 heads, a head size with a chunk past 8 vectors.
+    bfloat16's pair products (vdpbf16ps where the CPU has it) equal two FMAs in the other builds."""
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
     outs = {}
     try:
-        for name, flags in (("avx512", ""), ("avx2", "-mno-avx512f")):
+        builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
+        if dtype == torch.bfloat16 and cpu_kernel.cpu_flags(("avx512_bf16",)):
+            builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
+        for name, flags in builds:
             monkeypatch.setenv("PAGEDINFER_CC_FLAGS", flags)
             cpu_kernel._library.cache_clear()
             assert cpu_kernel.available(dtype)
@@ -464,9 +468,10 @@ def test_decode_kernel_head_tiles_equal_one_head_at_a_time(monkeypatch, tmp_path
                     check_sequences(out, q, kc, vc, meta, d**-0.5)
     finally:
         cpu_kernel._library.cache_clear()
-    assert len(list(tmp_path.glob("cpu_paged_decode-*.so"))) == 2  # two builds, not one compared with itself
-    for hq in (9, 8, 4):
-        assert torch.equal(outs["avx512", hq], outs["avx2", hq]), hq
+    assert len(list(tmp_path.glob("cpu_paged_decode-*.so"))) == len(builds)  # not one compared with itself
+    for name, _ in builds[1:]:
+        for hq in (9, 8, 4):
+            assert torch.equal(outs["avx512", hq], outs[name, hq]), (name, hq)
 
 
 def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
