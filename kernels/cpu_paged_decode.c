@@ -79,11 +79,6 @@ static inline v16 load16_f16(const _Float16 *p) { return cat16(load8_f16(p), loa
 #endif
 #endif
 
-// Chunk c of 16 floats of a row of 16 * kc2 (+ 8) floats: the last 8 alone, zero-padded.
-static inline __attribute__((always_inline)) v16 q_chunk(const float *q, int c, int kc2) {
-  return c < kc2 ? load16(q + 16 * c) : cat16(load8(q + 16 * c), (v8){0});
-}
-
 // bfloat16 logits (the bfloat16 instantiation): q . k as pair dot products, 32 values (16 pairs) a
 // chunk into 16 lanes; lane l adds q[2l+1] k[2l+1], then q[2l] k[2l], each product exact and each sum
 // rounded once. That is vdpbf16ps (AVX512_BF16), measured lane for lane on AMD Zen 5, and two FMAs on

@@ -81,32 +81,44 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 }
 
 // Pass 1 over n K rows (row stride k_row, this KV head's first element at k) for G query heads of
-// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = q_h . k_t, q_h the
-// head_dim floats at q + h * head_dim. A row is read 16 values at a time (a last 8 alone where
-// head_dim is an odd number of 8s), into one 16-lane sum per head; lane l sums the values l, 16 + l,
-// ... in order, the two halves are added, then the 8 lanes (sum_lanes8 for 8 rows at once, hsum8
-// for a row alone). Each K chunk is loaded once for the G heads; 8 rows at a time (4 and 4 with
-// one head a tile, for AVX2's 16 registers) are independent FMA chains per head.
+// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = (q_h . k_t) * scale,
+// q_h the head_dim values at q + h * qstride. A row is read a chunk at a time (16 floats; DOT_BF16:
+// 32 bfloat16 values as 16 pairs, dot_pairs), a last partial chunk zero-padded, into one 16-lane sum
+// per head; lane l sums its values of each chunk in order, the two halves are added, then the 8
+// lanes (sum_lanes8 for 8 rows at once, hsum8 for a row alone). Each K chunk is loaded once for the
+// G heads; 8 rows at a time (4 and 4 with one head a tile, for AVX2's 16 registers) are independent
+// chains per head. (Float queries come scaled: scale 1.)
 #define LOGIT_ROWS (HEAD_TILE > 1 ? 8 : 4)
-static inline __attribute__((always_inline)) v16 FN(k_chunk)(const ROW *row, int c, int kc2) {
-  return c < kc2 ? ROW_LOAD16(row + 16 * c) : cat16(ROW_LOAD8(row + 16 * c), (v8){0});
-}
-
 #ifdef DOT_BF16
-// The same over a bfloat16 pool with bfloat16 queries (q: G rows of head_dim values, qstride apart,
-// unscaled): each K chunk of 32 values, loaded once for the G heads, into pair dot products
-// (dot_pairs), lanes reduced as above; the logit is the dot product times scale.
-static inline __attribute__((always_inline)) v16 FN(pair_dot)(v16 acc, const uint16_t *q, const uint16_t *k, int c,
-                                                             int full, int left) {
-  return c < full ? dot_pairs(acc, pair_chunk(q + 32 * c), pair_chunk(k + 32 * c))
-                  : dot_pairs(acc, pair_tail(q + 32 * c, left), pair_tail(k + 32 * c, left));
+#define LOGIT_CHUNK 32
+#define KROW ELEM
+#define QROW uint16_t
+typedef v16u FN(chunk);
+static inline __attribute__((always_inline)) v16u FN(k_chunk)(const ELEM *p) { return pair_chunk(p); }
+static inline __attribute__((always_inline)) v16u FN(k_tail)(const ELEM *p, int left) { return pair_tail(p, left); }
+#define Q_CHUNK pair_chunk
+#define Q_TAIL pair_tail
+#define DOT dot_pairs
+#else
+#define LOGIT_CHUNK 16
+#define KROW ROW
+#define QROW float
+typedef v16 FN(chunk);
+static inline __attribute__((always_inline)) v16 FN(k_chunk)(const ROW *p) { return ROW_LOAD16(p); }
+static inline __attribute__((always_inline)) v16 FN(k_tail)(const ROW *p, int left) {
+  (void)left;  // 8: head_dim is a multiple of 8
+  return cat16(ROW_LOAD8(p), (v8){0});
 }
+#define Q_CHUNK load16
+#define Q_TAIL(p, left) cat16(load8(p), (v8){0})
+#define DOT(acc, q, k) ((acc) + (q) * (k))
+#endif
 
-static inline __attribute__((always_inline)) void FN(tile_logits_bf16)(const int G, const uint16_t *q, size_t qstride,
-                                                                       int head_dim, float scale, float *li,
-                                                                       int lstride, const uint16_t *k, int n,
-                                                                       size_t k_row, prefetch pf) {
-  const int full = head_dim / 32, left = head_dim % 32, chunks = full + (left > 0);
+static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
+                                                                  int head_dim, float scale, float *li,
+                                                                  int lstride, const KROW *k, int n,
+                                                                  size_t k_row, prefetch pf) {
+  const int full = head_dim / LOGIT_CHUNK, left = head_dim % LOGIT_CHUNK, at = LOGIT_CHUNK * full;
   int t = 0;
   for (; t + 8 <= n; t += 8) {
     prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
@@ -117,14 +129,13 @@ static inline __attribute__((always_inline)) void FN(tile_logits_bf16)(const int
         for (int r = 0; r < LOGIT_ROWS; ++r) d[h][r] = (v16){0};
       for (int c = 0; c < full; ++c)
         for (int r = 0; r < LOGIT_ROWS; ++r) {
-          const v16u kr = pair_chunk(k + (t + r0 + r) * k_row + 32 * c);
-          for (int h = 0; h < G; ++h) d[h][r] = dot_pairs(d[h][r], pair_chunk(q + h * qstride + 32 * c), kr);
+          const FN(chunk) kr = FN(k_chunk)(k + (t + r0 + r) * k_row + LOGIT_CHUNK * c);
+          for (int h = 0; h < G; ++h) d[h][r] = DOT(d[h][r], Q_CHUNK(q + h * qstride + LOGIT_CHUNK * c), kr);
         }
       if (left)
         for (int r = 0; r < LOGIT_ROWS; ++r) {
-          const v16u kr = pair_tail(k + (t + r0 + r) * k_row + 32 * full, left);
-          for (int h = 0; h < G; ++h)
-            d[h][r] = dot_pairs(d[h][r], pair_tail(q + h * qstride + 32 * full, left), kr);
+          const FN(chunk) kr = FN(k_tail)(k + (t + r0 + r) * k_row + at, left);
+          for (int h = 0; h < G; ++h) d[h][r] = DOT(d[h][r], Q_TAIL(q + h * qstride + at, left), kr);
         }
       for (int h = 0; h < G; ++h)
         for (int r = 0; r < LOGIT_ROWS; ++r) s[h][r0 + r] = lo8(d[h][r]) + hi8(d[h][r]);
@@ -138,49 +149,21 @@ static inline __attribute__((always_inline)) void FN(tile_logits_bf16)(const int
   for (; t < n; ++t) {
     v16 d[HEAD_TILE];
     for (int h = 0; h < G; ++h) d[h] = (v16){0};
-    for (int c = 0; c < chunks; ++c)
-      for (int h = 0; h < G; ++h) d[h] = FN(pair_dot)(d[h], q + h * qstride, k + t * k_row, c, full, left);
+    for (int c = 0; c < full; ++c) {
+      const FN(chunk) kr = FN(k_chunk)(k + t * k_row + LOGIT_CHUNK * c);
+      for (int h = 0; h < G; ++h) d[h] = DOT(d[h], Q_CHUNK(q + h * qstride + LOGIT_CHUNK * c), kr);
+    }
+    if (left) {
+      const FN(chunk) kr = FN(k_tail)(k + t * k_row + at, left);
+      for (int h = 0; h < G; ++h) d[h] = DOT(d[h], Q_TAIL(q + h * qstride + at, left), kr);
+    }
     for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h])) * scale;
   }
 }
-#endif
-
-static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const float *q, int head_dim,
-                                                                  float *li, int lstride, const ROW *k,
-                                                                  int n, size_t k_row, prefetch pf) {
-  const int kc2 = head_dim / 16, chunks = (head_dim + 8) / 16;  // chunks > kc2: a last 8 alone
-  int t = 0;
-  for (; t + 8 <= n; t += 8) {
-    prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
-    v8 s[HEAD_TILE][8];
-    for (int r0 = 0; r0 < 8; r0 += LOGIT_ROWS) {
-      v16 d[HEAD_TILE][LOGIT_ROWS];
-      for (int h = 0; h < G; ++h)
-        for (int r = 0; r < LOGIT_ROWS; ++r) d[h][r] = (v16){0};
-      for (int c = 0; c < chunks; ++c)
-        for (int r = 0; r < LOGIT_ROWS; ++r) {
-          const v16 kr = FN(k_chunk)(k + (t + r0 + r) * k_row, c, kc2);
-          for (int h = 0; h < G; ++h) d[h][r] += q_chunk(q + h * head_dim, c, kc2) * kr;
-        }
-      for (int h = 0; h < G; ++h)
-        for (int r = 0; r < LOGIT_ROWS; ++r) s[h][r0 + r] = lo8(d[h][r]) + hi8(d[h][r]);
-    }
-    for (int h = 0; h < G; ++h) {
-      const v8 sums = sum_lanes8(s[h]);
-      memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
-    }
-  }
-  if (t < n) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
-  for (; t < n; ++t) {
-    v16 d[HEAD_TILE];
-    for (int h = 0; h < G; ++h) d[h] = (v16){0};
-    for (int c = 0; c < chunks; ++c) {
-      const v16 kr = FN(k_chunk)(k + t * k_row, c, kc2);
-      for (int h = 0; h < G; ++h) d[h] += q_chunk(q + h * head_dim, c, kc2) * kr;
-    }
-    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h]));
-  }
-}
+#undef LOGIT_CHUNK
+#undef Q_CHUNK
+#undef Q_TAIL
+#undef DOT
 
 // Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
 // (acc_h: the head_dim_v floats at acc + h * head_dim_v), VG 16-float output chunks at a time in
@@ -364,20 +347,21 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
         else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, pf);
 #endif
       } else {
-#ifdef DOT_BF16  // queries as stored: kc * 16 values apart
-        const uint16_t *qb = (const uint16_t *)qh, *kb = raw + at;
+#ifdef DOT_BF16  // queries as stored (kc * 16 values apart), the pool's own rows; the logits scaled
+        const QROW *qb = (const uint16_t *)qh;
+        const KROW *kb = raw + at;
         const size_t qst = (size_t)kc * 16;
-        if (G == HEAD_TILE) FN(tile_logits_bf16)(HEAD_TILE, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
-        else if (G == 2) FN(tile_logits_bf16)(2, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
-        else FN(tile_logits_bf16)(1, qb, qst, head_dim, scale, li, lstride, kb, pc->n, row, pf);
-        (void)qh;
-#else
-        const ROW *kv = rows + at;
+        const float sc = scale;
+#else  // queries scaled already
+        const QROW *qb = qh;
+        const KROW *kb = rows + at;
+        const size_t qst = (size_t)head_dim;
+        const float sc = 1.f;
         (void)scale;
-        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qh, head_dim, li, lstride, kv, pc->n, row, pf);
-        else if (G == 2) FN(tile_logits)(2, qh, head_dim, li, lstride, kv, pc->n, row, pf);
-        else FN(tile_logits)(1, qh, head_dim, li, lstride, kv, pc->n, row, pf);
 #endif
+        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
+        else if (G == 2) FN(tile_logits)(2, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
+        else FN(tile_logits)(1, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
       }
       s += G;
     }
@@ -522,3 +506,5 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const
 #undef ROW
 #undef ROW_LOAD8
 #undef ROW_LOAD16
+#undef KROW
+#undef QROW
