@@ -18,14 +18,13 @@
 
 #include "cpu_vec.h" /* v8, load8, store8 */
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h> /* _mm_getcsr (DOT_BF16) */
+#include <immintrin.h> /* the vector intrinsics below; _mm_getcsr (DOT_BF16) */
 #endif
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 #ifdef __FLT16_MAX__  // _Float16 (GCC >= 12, Clang): float16 K/V
 #ifdef __F16C__  // x86: one vcvtph2ps / vcvtps2ph per 8 values (GCC 12 converts lane by lane otherwise)
-#include <immintrin.h>
 static inline v8 load8_f16(const _Float16 *p) {
   return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
@@ -63,7 +62,6 @@ static inline v16 load16(const float *p) {
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 #ifdef __AVX512F__  // one vpmovzxwd (or vcvtph2ps) of 16 values; GCC splits the portable form in two
-#include <immintrin.h>
 static inline v16 load16_bf16(const uint16_t *p) {
   return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
@@ -180,6 +178,22 @@ static inline v16 max16(v16 x, v16 m) {
   return (v16)(((v16i)x & gt) | ((v16i)m & ~gt));
 }
 
+// The probabilities p of values t .. t + count - 1 (count 16 or 8) into the row, as float32 or, bf16,
+// rounded to bfloat16 and stored as such (value t at bytes 2t, 2t + 1: behind the reads); returns
+// what was stored, as float32, for the sum.
+static inline v16 put_probs(float *li, int t, v16 p, int count, int bf16) {
+  if (bf16) {
+    p = round_bf16(p);
+    const v16u b = (v16u)p >> 16;
+    for (int i = 0; i < count; ++i) ((uint16_t *)li)[t + i] = (uint16_t)b[i];
+  } else if (count == 16) {
+    store16(li + t, p);
+  } else {
+    store8(li + t, lo8(p));
+  }
+  return p;
+}
+
 // Softmax of one state's logits row [0, n) in place (probabilities, unnormalised: exp(x - max)),
 // padding lanes to a multiple of 8 set to probability 0; returns the maximum and stores the sum.
 // bf16: the probabilities rounded to bfloat16 (summed so) and stored as bfloat16, value t at
@@ -206,31 +220,12 @@ static float softmax_row(float *li, int n, float softcap, float *sum, int bf16) 
   float m = mx[0][0];
   for (int i = 1; i < 16; ++i) m = mx[0][i] > m ? mx[0][i] : m;
   v8 sum8 = {0};  // added 8 lanes at a time in t order, however wide the exps
-  t = 0;
-  uint16_t *half = (uint16_t *)li;  // written behind the reads: value t at bytes 2t, 2t + 1
-  for (; t + 16 <= n8; t += 16) {
-    v16 p = exp16_nonpos(load16(li + t) - m);
-    if (bf16) {
-      p = round_bf16(p);
-      const v16u b = (v16u)p >> 16;
-      for (int i = 0; i < 16; ++i) half[t + i] = (uint16_t)b[i];
-    } else {
-      store16(li + t, p);
-    }
+  for (t = 0; t + 16 <= n8; t += 16) {
+    const v16 p = put_probs(li, t, exp16_nonpos(load16(li + t) - m), 16, bf16);
     sum8 += lo8(p);
     sum8 += hi8(p);
   }
-  if (t < n8) {
-    v16 p16 = exp16_nonpos(cat16(load8(li + t), (v8){0}) - m);
-    if (bf16) {
-      p16 = round_bf16(p16);
-      const v16u b = (v16u)p16 >> 16;
-      for (int i = 0; i < 8; ++i) half[t + i] = (uint16_t)b[i];
-    } else {
-      store8(li + t, lo8(p16));
-    }
-    sum8 += lo8(p16);
-  }
+  if (t < n8) sum8 += lo8(put_probs(li, t, exp16_nonpos(cat16(load8(li + t), (v8){0}) - m), 8, bf16));
   *sum = hsum8(sum8);
   return m;
 }

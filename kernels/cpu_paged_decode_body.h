@@ -90,6 +90,7 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 // chains per head. (Float queries come scaled: scale 1.)
 #define LOGIT_ROWS (HEAD_TILE > 1 ? 8 : 4)
 #ifdef DOT_BF16
+#define BF16_PROBS 1 /* softmax_row's probabilities in bfloat16, for tile_values_bf16 */
 #define LOGIT_CHUNK 32
 #define KROW ELEM
 #define QROW uint16_t
@@ -100,6 +101,7 @@ static inline __attribute__((always_inline)) v16u FN(k_tail)(const ELEM *p, int 
 #define Q_TAIL pair_tail
 #define DOT dot_pairs
 #else
+#define BF16_PROBS 0
 #define LOGIT_CHUNK 16
 #define KROW ROW
 #define QROW float
@@ -456,11 +458,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
       const int len = ctx_lens[s0 + j], n = window > 0 && len > window ? window : len;
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
-#ifdef DOT_BF16
-        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st, 1);
-#else
-        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st, 0);
-#endif
+        const float m = softmax_row(logits + (size_t)st * lstride, n, softcap, denom + st, BF16_PROBS);
         if (sinks) denom[st] += expf(sinks[i] - m);
       }
     }
@@ -508,3 +506,4 @@ void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const
 #undef ROW_LOAD16
 #undef KROW
 #undef QROW
+#undef BF16_PROBS
