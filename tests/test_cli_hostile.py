@@ -380,6 +380,31 @@ def test_sigterm_during_a_long_template_is_honoured_at_once(tmp_path):
     ) and "Traceback" not in err
 
 
+def test_a_stop_during_the_last_lines_intake_still_stops_the_run(model, tmp_path, monkeypatch):
+    """A SIGTERM that arrives while the last line is prepared, when no engine step follows (every line
+    refused at intake), is still the run's outcome: exit 143 and the interrupted report, as it is
+    after a step (timed, this is what test_sigterm_during_a_long_template_... hits on a fast CPU)."""
+    real = intake.prepare
+    calls = []
+
+    def prepare(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it: generation is under way
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(intake, "prepare", prepare)
+    lines = [
+        {"id": f"v{i}", "prompt_token_ids": [10**6], "max_tokens": 2} for i in range(2)
+    ]  # past the vocab
+    path = write_jsonl(tmp_path / "s.jsonl", lines)
+    result = run(model, path)
+    assert len(calls) == 2
+    assert result.exit_code == 143, result.output
+    assert "interrupted by SIGTERM" in " ".join(result.output.split())
+    assert [r["id"] for r in read_jsonl(tmp_path / "s.out.jsonl")] == ["v0", "v1"]
+
+
 # -- crashes ------------------------------------------------------------------------------------------
 def _crash_job(tmp_path: Path) -> Path:
     rng = random.Random(27)

@@ -389,13 +389,16 @@ class _Run:
                     else:
                         self._run_engine(rows, progress)
         except Interrupted:
-            outcome.signal = self.signals.requested
+            pass  # the stop it answers is recorded below
         except OutputClosed as e:
             outcome.closed, outcome.write_error = True, str(e)
         except OutputWriteError as e:
             outcome.write_error = str(e)
         finally:
             self.signals.generating = False
+        # a stop that arrived during generation ends the run as stopped, also when no step boundary
+        # came after it to raise Interrupted (the last lines all refused at intake)
+        outcome.signal = self.signals.requested
         if isinstance(self.output, StreamOutput):
             with contextlib.suppress(OutputWriteError):
                 self.output.flush_held()  # interrupted: records that finished ahead of an earlier line
