@@ -584,6 +584,8 @@ def test_a_pool_too_small_for_its_completions_completes_with_the_records_of_a_ro
 def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     """The path of a line: the file opened and read once, each line parsed once, each runnable line
     prepared (tokenized and checked against the model and the pool) once, and nothing checked again."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     from pagedinfer.core.scheduler import Scheduler
     from pagedinfer.engine import intake
     from pagedinfer.lines import parse, source
@@ -604,7 +606,7 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         (source.InputLines, "__init__"),
         (parse.LineParser, "parse"),
         (intake, "prepare"),
-        (intake, "_tokenize"),
+        (PreTrainedTokenizerBase, "__call__"),
         (LogitsPipeline, "validate"),
         (Scheduler, "rejection_reason"),
     ]:
@@ -615,7 +617,7 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         source.InputLines, "__iter__", lambda self: (read.append(n) or (n, t) for n, t in real_iter(self))
     )
     lines = [
-        {"prompt": "hello", "max_tokens": 2},
+        {"prompt": "hello", "max_tokens": 2, "logit_bias": {"5": 0.5}},
         {"prompt": 5},
         {"prompt_token_ids": [3, 4], "max_tokens": 2},
     ]
@@ -626,7 +628,7 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         "__init__": 1,  # the input opened once
         "parse": 3,
         "prepare": 2,  # the two lines that can run: tokenized and checked once each
-        "_tokenize": 2,
-        "validate": 2,
+        "__call__": 1,  # the text prompt tokenized once
+        "validate": 1,  # the one line whose logits a processor shapes
         "rejection_reason": 2,
     }

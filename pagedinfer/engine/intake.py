@@ -79,7 +79,41 @@ def prepare(
                 f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
         slot = 0 if lora is None else _lora_slot(engine, lora)
-        text, ids = _tokenize(engine, prompt)
+        # the prompt's text and token ids, whatever its form (kept only once they pass); a chat
+        # prompt's rendered template carries its special tokens: none are added again
+        chat = isinstance(prompt, dict) and "messages" in prompt
+        given_ids = isinstance(prompt, dict) and not chat and "prompt_token_ids" in prompt
+        if chat:
+            rendered = _render_chat(engine, prompt["messages"])
+        elif isinstance(prompt, dict):
+            if not given_ids and "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
+            rendered = prompt.get("prompt")
+        else:
+            rendered = prompt
+        if given_ids:
+            given, vocab = prompt["prompt_token_ids"], engine.vocab_size
+            if not isinstance(given, list) or not all(is_int(t) and 0 <= t < vocab for t in given):
+                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
+            if rendered is not None and (not isinstance(rendered, str) or unicode_error(rendered)):
+                raise ValueError("the prompt text must be a valid Unicode string")
+            text, ids = rendered, list(given)
+        else:
+            if not isinstance(rendered, str):
+                raise ValueError(f"a prompt must be a string or a dict, not {type(rendered).__name__}")
+            if (why := unicode_error(rendered)) is not None:
+                raise ValueError(f"the prompt {why}")
+            tok = engine.loaded.tokenizer
+            if tok is None:
+                raise ValueError(
+                    f"model {engine.loaded.name} has no tokenizer: give prompts as prompt_token_ids"
+                )
+            if len(rendered) > engine.max_prompt_chars:
+                raise ValueError(
+                    f"the prompt has {len(rendered):,} characters: more than "
+                    f"{engine.scheduler.context_words('of')} can hold (checked before tokenizing)"
+                )
+            text, ids = rendered, tok(rendered, add_special_tokens=not chat)["input_ids"]
         beam = params if isinstance(params, BeamSearchParams) else None
         sampling = params if beam is None else beam.sampling_params()
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
@@ -99,7 +133,9 @@ def prepare(
                 raise ValueError(f"{name}={k} exceeds the model's vocabulary of {vocab} tokens")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the model's vocabulary size {vocab}")
-        reason = engine.logits.validate(sampling) or engine.scheduler.rejection_reason(
+        # the pipeline is asked only when a processor applies
+        shaped = engine.logits.validate(sampling) if sampling.shapes_logits else None
+        reason = shaped or engine.scheduler.rejection_reason(
             len(ids), sampling.n, max_tokens, beam is not None
         )
     except ValueError as e:
@@ -125,41 +161,6 @@ def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
         return engine.lora.slot_of(lora)
     except AdapterError as e:
         raise ValueError(f"lora: {e}") from None
-
-
-def _tokenize(engine: LLMEngine, prompt: str | dict) -> tuple[str | None, list[int]]:
-    """(text, token ids) of any prompt form; raises ValueError naming what is wrong. A chat prompt's
-    rendered template carries its special tokens: none are added again."""
-    chat = isinstance(prompt, dict) and "messages" in prompt
-    if chat:
-        text = _render_chat(engine, prompt["messages"])
-    elif isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids, vocab = prompt["prompt_token_ids"], engine.vocab_size
-            if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-            text = prompt.get("prompt")
-            if text is not None and (not isinstance(text, str) or unicode_error(text)):
-                raise ValueError("the prompt text must be a valid Unicode string")
-            return text, list(ids)
-        if "prompt" not in prompt:
-            raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
-        text = prompt["prompt"]
-    else:
-        text = prompt
-    if not isinstance(text, str):
-        raise ValueError(f"a prompt must be a string or a dict, not {type(text).__name__}")
-    if (why := unicode_error(text)) is not None:
-        raise ValueError(f"the prompt {why}")
-    tok = engine.loaded.tokenizer
-    if tok is None:
-        raise ValueError(f"model {engine.loaded.name} has no tokenizer: give prompts as prompt_token_ids")
-    if len(text) > engine.max_prompt_chars:
-        raise ValueError(
-            f"the prompt has {len(text):,} characters: more than {engine.scheduler.context_words('of')} "
-            "can hold (checked before tokenizing)"
-        )
-    return text, tok(text, add_special_tokens=not chat)["input_ids"]
 
 
 def _render_chat(engine: LLMEngine, messages: list[dict]) -> str:

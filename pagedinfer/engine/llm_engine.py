@@ -268,7 +268,7 @@ class LLMEngine:
         tok, p = self.loaded.tokenizer, req.params
         gen = torch.Generator()
         gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
-        state = self.logits.new_state(p)
+        state = self.logits.new_state(p) if p.shapes_logits else None
         if tok is None:
             return gen, None, state
         detok = IncrementalDetokenizer(

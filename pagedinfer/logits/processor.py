@@ -103,17 +103,16 @@ class LogitsPipeline:
         self.processors = processors
 
     def validate(self, params: SamplingParams) -> str | None:
-        if not params.shapes_logits:  # no processor applies: none is asked (as in prepare and apply)
-            return None
+        """The first processor's objection to ``params``; asked only when ``params.shapes_logits``
+        (a request no processor applies to never reaches the pipeline)."""
         for p in self.processors:
             if p.wants(params) and (why := p.validate(params)) is not None:
                 return why
         return None
 
     def new_state(self, params: SamplingParams) -> LogitsState | None:
-        """A new sequence's states, or None when no stateful processor applies to ``params``."""
-        if not params.shapes_logits:
-            return None
+        """A new sequence's states, or None when no stateful processor applies to ``params``; asked
+        only when ``params.shapes_logits``."""
         states = {p.name: p.new_state(params) for p in self.processors if p.wants(params)}
         states = {name: s for name, s in states.items() if s is not None}
         return LogitsState(states) if states else None
