@@ -533,11 +533,17 @@ typedef struct {
  * in registers are faster (the same products, so the same bits). bench_gemm.py, AMD EPYC Zen 5, 2
  * threads, buffer -> blocks, ms: int8 16 rows 20.8-21.0 -> 13.5-13.7, 20 rows 21.8-22.2 -> 16.2-16.5;
  * Q8_0 16 rows 19.5-20.5 -> 14.0-14.3; Q6_K 16 rows 18.8-19.8 -> 15.0; at 24 rows even or slower.
- * The 4-bit kinds unpack nibbles at every row block: 4-15% slower at 13-24 rows that way, so not. */
+ * Q4_0 and Q4_1 unpack their nibbles again for every row block, which pays up to 16 rows only (Q4_0 13
+ * rows 10.8 -> 10.2, 16 rows 12.8 -> 12.0; Q4_1 10.7 -> 10.0, 12.8 -> 11.7; 17-20 rows 2-13% slower);
+ * int4 and Q4_K at 13-16 rows were as fast or slower split, so they keep the buffer. */
 #ifndef SPLIT_ROWS
 #define SPLIT_ROWS 20
 #endif
-static const char SPLITS[K_COUNT] = {[K_I8] = 1, [K_Q8_0] = 1, [K_Q6_K] = 1};
+#ifndef SPLIT_ROWS_4BIT
+#define SPLIT_ROWS_4BIT 16
+#endif
+static const char SPLITS[K_COUNT] = {[K_I8] = SPLIT_ROWS,       [K_Q8_0] = SPLIT_ROWS,      [K_Q6_K] = SPLIT_ROWS,
+                                     [K_Q4_0] = SPLIT_ROWS_4BIT, [K_Q4_1] = SPLIT_ROWS_4BIT};
 /* m rows of x times the full panels j .. j + np - 1 of segment s into y (panel j's first column; row
  * stride ldy); pf: the panel
  * to prefetch meanwhile (NULL: none); one tile at a time, or through the float32 buffer past MR rows. */
@@ -559,7 +565,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         return;
     }
 #endif
-    if (SPLITS[s->kind] && m > MR && m <= SPLIT_ROWS) { /* row blocks of in-register tiles */
+    if (m > MR && m <= SPLITS[s->kind]) { /* row blocks of in-register tiles (SPLITS: up to how many rows) */
         const int per = (m + (m + MR - 1) / MR - 1) / ((m + MR - 1) / MR);
         for (int r = 0; r < m; r += per)
             rows_by_panels(s, x + (int64_t)r * k * 4, m - r < per ? m - r : per, k, j, np, y + (int64_t)r * ldy * 4,

@@ -59,7 +59,7 @@ def test_panels_dequantize_as_gguf_py(kind):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-ROWS = (*range(1, 14), 16, 20, 24, 33, 64, 300)  # 13-20: row blocks in registers (8- and 6-bit kinds)
+ROWS = (*range(1, 14), 16, 20, 24, 33, 64, 300)  # 13-20: row blocks in registers (8- and 6-bit kinds; Q4_0 and Q4_1 to 16)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -148,7 +148,7 @@ for kind in TYPES + ["int8", "int4", "int4-g128-zp"]:
     else:
         q = packed_linear.gguf_linear([gguf_blocks.GGUFWeight(kind, blocks(w.numpy(), kind), 512)], [None], False)
     torch.manual_seed(0)
-    out[kind] = [q(torch.randn(rows, 512)) for rows in (1, 2, 3, 5, 8, 12, 13, 40)]
+    out[kind] = [q(torch.randn(rows, 512)) for rows in (1, 2, 3, 5, 8, 12, 13, 16, 20, 40)]
 torch.save(out, sys.argv[1])
 """
     )
