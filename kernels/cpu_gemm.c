@@ -119,8 +119,10 @@ static inline __attribute__((always_inline)) void tile_step(const int f, const i
             for (int64_t o = rec * kk / gl / 64 * 64; o < rec * (kk + 4) / gl; o += 64)
                 __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
     }
-    /* a 64-byte line's k: int8's every fourth; float32's every one, or its share (due: k steps to the next) */
-    if (f == K_F32 ? pf && (*due)-- == 0 && (*due = step - 1, 1) : f == K_I8 && pf && i % 4 == 0)
+    /* a 64-byte line's k: int8's every fourth; float32's every `step`th (due: the steps before its next) */
+    const int fetch = f == K_F32 ? pf && --*due < 0 : f == K_I8 && pf && i % 4 == 0;
+    if (f == K_F32 && fetch) *due = step - 1;
+    if (fetch)
         for (int j = 0; j < NP; j++)
             __builtin_prefetch(pf + j * pbytes + (int64_t)i * NR * (f == K_F32 ? 4 : 1), 0, 2);
     vh w[4][PV_HALVES];
