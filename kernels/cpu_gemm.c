@@ -559,8 +559,8 @@ typedef struct {
 #ifndef SPLIT_ROWS_4BIT
 #define SPLIT_ROWS_4BIT 16
 #endif
-static const char SPLITS[K_COUNT] = {[K_I8] = SPLIT_ROWS,       [K_Q8_0] = SPLIT_ROWS,      [K_Q6_K] = SPLIT_ROWS,
-                                     [K_Q4_0] = SPLIT_ROWS_4BIT, [K_Q4_1] = SPLIT_ROWS_4BIT};
+static const int SPLITS[K_COUNT] = {[K_I8] = SPLIT_ROWS, [K_Q8_0] = SPLIT_ROWS, [K_Q6_K] = SPLIT_ROWS,
+                                    [K_Q4_0] = SPLIT_ROWS_4BIT, [K_Q4_1] = SPLIT_ROWS_4BIT};
 /* m rows of x times the full panels j .. j + np - 1 of segment s into y (panel j's first column; row
  * stride ldy); pf: the panel
  * to prefetch meanwhile (NULL: none); one tile at a time, or through the float32 buffer past MR rows. */

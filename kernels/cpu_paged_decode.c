@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_vec.h" /* v8, load8, store8 */
+#include "cpu_vec.h" /* v8, load8, store8, and from and to bfloat16 */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h> /* the vector intrinsics below; _mm_getcsr (DOT_BF16) */
 #endif
@@ -167,30 +167,23 @@ typedef struct {
   int task, tasks;
 } prefetch;
 
-// p rounded to the nearest bfloat16 (ties to even), as float32 (p >= 0 here: no NaN to keep).
-static inline v16 round_bf16(v16 p) {
-  const v16u b = (v16u)p;
-  return (v16)((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
-}
-
 static inline v16 max16(v16 x, v16 m) {
   const v16i gt = x > m;
   return (v16)(((v16i)x & gt) | ((v16i)m & ~gt));
 }
 
 // The probabilities p of values t .. t + count - 1 (count 16 or 8) into the row, as float32 or, bf16,
-// rounded to bfloat16 and stored as such (value t at bytes 2t, 2t + 1: behind the reads); returns
-// what was stored, as float32, for the sum.
+// rounded to bfloat16 (cpu_vec.h's store8_bf16 and round8_bf16) and stored as such (value t at bytes
+// 2t, 2t + 1: behind the reads); returns what was stored, as float32, for the sum.
 static inline v16 put_probs(float *li, int t, v16 p, int count, int bf16) {
   if (bf16) {
-    p = round_bf16(p);
-    const v16u b = (v16u)p >> 16;
-    for (int i = 0; i < count; ++i) ((uint16_t *)li)[t + i] = (uint16_t)b[i];
-  } else if (count == 16) {
-    store16(li + t, p);
-  } else {
-    store8(li + t, lo8(p));
+    uint16_t *pb = (uint16_t *)li + t;
+    store8_bf16(pb, lo8(p));
+    if (count == 16) store8_bf16(pb + 8, hi8(p));
+    return cat16(round8_bf16(lo8(p)), round8_bf16(hi8(p)));
   }
+  if (count == 16) store16(li + t, p);
+  else store8(li + t, lo8(p));
   return p;
 }
 

@@ -79,6 +79,7 @@ def prepare(
                 f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
         slot = 0 if lora is None else _lora_slot(engine, lora)
+        vocab = engine.vocab_size
         # the prompt's text and token ids, whatever its form (kept only once they pass); a chat
         # prompt's rendered template carries its special tokens: none are added again
         chat = isinstance(prompt, dict) and "messages" in prompt
@@ -92,7 +93,7 @@ def prepare(
         else:
             rendered = prompt
         if given_ids:
-            given, vocab = prompt["prompt_token_ids"], engine.vocab_size
+            given = prompt["prompt_token_ids"]
             if not isinstance(given, list) or not all(is_int(t) and 0 <= t < vocab for t in given):
                 raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
             if rendered is not None and (not isinstance(rendered, str) or unicode_error(rendered)):
@@ -119,7 +120,6 @@ def prepare(
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
         # what the params cannot check alone: against the model's vocabulary and EOS, its processors
         # (a grammar is compiled here, cached for the completions), the context and the pool
-        vocab = engine.vocab_size
         if (
             beam is not None
             and beam.structured_outputs is not None
