@@ -17,8 +17,11 @@
  * More than MR rows (AVX-512): tiles of WR = 6 rows by WP = 4 panels (24 accumulators, each broadcast
  * of x feeding four FMAs), which on an Intel Xeon ran 0.85-1.2x oneDNN's float32 GEMM at 64-1024 rows
  * where 12 x 1 tiles ran 0.54-0.9x (8 x 3 as fast, 12 x 2 and 4 x 4 slower; -DWR=8 -DWP=3 builds
- * others). A quantized chunk of WP panels is dequantized once into a per-thread float32 buffer, which
- * these tiles then read from cache for every WR rows. AVX2 builds keep MR x 1 tiles (WR = MR, WP = 1).
+ * others). Over a quantized chunk of WP panels the first WR rows go through a tile that converts in
+ * registers and also stores the float32 weights it forms into a per-thread buffer, which the float32
+ * tiles of the other rows then read from cache (a pass that dequantized the chunk before the tiles
+ * left int8 16-20% behind float32 at 24-64 rows, waiting on memory). Every row block prefetches its
+ * share of the next chunk's lines. AVX2 builds keep MR x 1 tiles (WR = MR, WP = 1).
  *
  * Threads take panels a chunk at a time (dynamically: on these shared 2-vCPU machines one core is
  * often slower than the other, and a static split left the faster one waiting); each panel is read
@@ -103,14 +106,24 @@ static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
  * 12 rows 5-10% slower, so not there). */
 #define DIRECT(f, ROWS) (fmt_direct(f) && (ROWS) <= 2)
 
+/* Lines to prefetch spread evenly over a tile's k steps: `lines` lines from `at` of each of the
+ * tile's NP panels' successors (pbytes apart), the share of the next panels that one of the row
+ * blocks over the same panels fetches. */
+typedef struct {
+    const uint8_t *at; /* the next line of the first panel */
+    int64_t pbytes;
+    int lines, acc; /* acc: lines * steps so far, less k per line fetched */
+} spread;
+
 /* Step kk of group gi (k index i = g0 + kk) of a tile (below): the NP panels' 16 weights at i times
- * ROWS values of x, into the accumulators; the prefetches spread over the k. */
+ * ROWS values of x, into the accumulators (and, with wout, into wout: panel j's k x 16 floats at
+ * j * k * NR); the prefetches spread over the k. */
 static inline __attribute__((always_inline)) void tile_step(const int f, const int ROWS, const int NP, const float *x,
-                                                            int64_t lda, const uint8_t *p, int64_t pbytes, int g,
-                                                            const uint8_t *pf, int *due, int step, int gi, int gl,
+                                                            int64_t lda, const uint8_t *p, int64_t pbytes, int k,
+                                                            int g, const uint8_t *pf, spread *sp, int gi, int gl,
                                                             int kk, int i, const vh (*s)[PV_HALVES],
                                                             const vh (*m)[PV_HALVES], const int8_t *const *q,
-                                                            vh (*acc)[4][PV_HALVES]) {
+                                                            float *wout, vh (*acc)[4][PV_HALVES]) {
     /* Q8_0 at one row: the next tile's 8.5 lines a group spread over the group, as int8's lines
      * (a burst at the group's start: bench_gemm --rows 1, Zen 5, 4.7-5.7 -> 4.2-4.7 ms) */
     if (f == K_Q8_0 && ROWS == 1 && pf && kk % 4 == 0) {
@@ -119,10 +132,14 @@ static inline __attribute__((always_inline)) void tile_step(const int f, const i
             for (int64_t o = rec * kk / gl / 64 * 64; o < rec * (kk + 4) / gl; o += 64)
                 __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
     }
-    /* a 64-byte line's k: int8's every fourth; float32's every `step`th (due: the steps before its next) */
-    const int fetch = f == K_F32 ? pf && --*due < 0 : f == K_I8 && pf && i % 4 == 0;
-    if (f == K_F32 && fetch) *due = step - 1;
-    if (fetch)
+    if (sp->lines)
+        if ((sp->acc += sp->lines) >= k) { /* lines <= k (two blocks or more): one a step at most */
+            sp->acc -= k;
+            for (int j = 0; j < NP; j++) __builtin_prefetch(sp->at + j * sp->pbytes, 0, 2);
+            sp->at += 64;
+        }
+    /* a 64-byte line's k: float32's every one, int8's every fourth */
+    if (pf && (f == K_F32 || (f == K_I8 && i % 4 == 0)))
         for (int j = 0; j < NP; j++)
             __builtin_prefetch(pf + j * pbytes + (int64_t)i * NR * (f == K_F32 ? 4 : 1), 0, 2);
     vh w[4][PV_HALVES];
@@ -130,6 +147,9 @@ static inline __attribute__((always_inline)) void tile_step(const int f, const i
         for (int h = 0; h < PV_HALVES; h++)
             w[j][h] = f == K_F32 ? vh_load((const float *)(p + j * pbytes) + (int64_t)i * NR + h * VW)
                                  : group_weights(f, DIRECT(f, ROWS), s[j], m[j], q[j], kk, h);
+    if (wout)
+        for (int j = 0; j < NP; j++)
+            for (int h = 0; h < PV_HALVES; h++) vh_store(wout + ((int64_t)j * k + i) * NR + h * VW, w[j][h]);
     for (int r = 0; r < ROWS; r++) {
         const vh a = vh_splat(x[r * lda + i]);
         for (int j = 0; j < NP; j++)
@@ -139,15 +159,17 @@ static inline __attribute__((always_inline)) void tile_step(const int f, const i
 
 /* ROWS rows of x (row stride lda) times NP consecutive panels of format f at p (pbytes apart) into y
  * (row stride ldy, panel j's columns at j * cols), each panel's accumulators in registers; pf: the
- * next tile's first panel, prefetched while these are multiplied (NULL: none; float32: only the
- * lines k = phase (mod step), its share when `step` row blocks read the same panels); b, scale: the
- * first panel's bias and (I8) column scales, the next panels' NR floats apart. */
+ * next tile's first panel, prefetched while these are multiplied (NULL: none); or rlines lines from
+ * rpf spread over the k (a row block's share of the next panels); b, scale: the first panel's bias
+ * and (I8) column scales, the next panels' NR floats apart; wout: where the panels' float32 weights
+ * go as they are formed (NULL: nowhere). */
 static inline __attribute__((always_inline)) void tile(const int f, const int ROWS, const int NP, const float *x,
                                                        int64_t lda, const uint8_t *p, int64_t pbytes, int k, int g,
-                                                       float *y, int64_t ldy, int cols, const uint8_t *pf, int phase,
-                                                       int step, const float *b, const float *scale, int gated) {
+                                                       float *y, int64_t ldy, int cols, const uint8_t *pf,
+                                                       const uint8_t *rpf, int64_t rpbytes, int rlines,
+                                                       const float *b, const float *scale, int gated, float *wout) {
     vh acc[MR][4][PV_HALVES];
-    int due = phase;
+    spread sp = {rpf, rpbytes, rpf ? rlines : 0, 0};
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < NP; j++)
             for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] = (vh){0};
@@ -170,11 +192,11 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
         if (DIRECT(f, ROWS)) /* by 4, so that each step knows kk & 3 (nibble_values) */
             for (int kk = 0; kk < gl; kk += 4)
                 for (int u = 0; u < 4 && kk + u < gl; u++)
-                    tile_step(f, ROWS, NP, x, lda, p, pbytes, g, pf, &due, step, gi, gl, kk + u, g0 + kk + u, s, m,
-                              q, acc);
+                    tile_step(f, ROWS, NP, x, lda, p, pbytes, k, g, pf, &sp, gi, gl, kk + u, g0 + kk + u, s, m, q,
+                              wout, acc);
         else
             for (int kk = 0; kk < gl; kk++)
-                tile_step(f, ROWS, NP, x, lda, p, pbytes, g, pf, &due, step, gi, gl, kk, g0 + kk, s, m, q, acc);
+                tile_step(f, ROWS, NP, x, lda, p, pbytes, k, g, pf, &sp, gi, gl, kk, g0 + kk, s, m, q, wout, acc);
     }
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < NP; j++) STORE_TILE(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
@@ -182,7 +204,9 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
 
 /* tiles_<format>(rows, np, ...): the tile of that shape (rows <= MR; np = tile_panels(rows), or 1). */
 #define TILE_CASE(F, R, NP)                                                                                 \
-    case (R) * 8 + (NP): tile(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, phase, step, b, scale, gated); return;
+    case (R) * 8 + (NP):                                                                                    \
+        tile(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, rpf, rpbytes, rlines, b, scale, gated, wout); \
+        return;
 #if defined(PV_ZMM)
 #define TILE_CASES(F)                                                                                        \
     TILE_CASE(F, 1, 4) TILE_CASE(F, 2, 2) TILE_CASE(F, 3, 2) TILE_CASE(F, 1, 1) TILE_CASE(F, 2, 1)          \
@@ -197,7 +221,10 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
     static void tiles_##F(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes,   \
                           int k, int g, float *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,  \
                           const float *scale, int gated) {                                                   \
-        const int phase = 0, step = 1;                                                                       \
+        const uint8_t *const rpf = NULL;                                                                     \
+        const int64_t rpbytes = 0;                                                                           \
+        const int rlines = 0;                                                                                \
+        float *const wout = NULL;                                                                            \
         switch (rows * 8 + np) { TILE_CASES(F) }                                                             \
     }
 TILES(K_F32)
@@ -207,28 +234,37 @@ TILES(K_I8)
 #define WR 6 /* past MR rows: tiles of WR rows by WP float32 panels, 24 accumulators */
 #define WP 4
 #endif
+#define FIRST_CASES(F) TILE_CASE(F, WR, 1) TILE_CASE(F, WR, 2) TILE_CASE(F, WR, 3) TILE_CASE(F, WR, 4)
 #define WIDE_ROW(R) TILE_CASE(K_F32, R, 1) TILE_CASE(K_F32, R, 2) TILE_CASE(K_F32, R, 3) TILE_CASE(K_F32, R, 4)
-static void wide_tiles(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k, int g,
-                       float *y, int64_t ldy, int cols, const uint8_t *pf, int phase, int step, const float *b,
-                       const float *scale, int gated) {
-    switch (rows * 8 + np) { WIDE_ROW(1) WIDE_ROW(2) WIDE_ROW(3) WIDE_ROW(4) WIDE_ROW(5) WIDE_ROW(6)
-#if WR > 6
-WIDE_ROW(7) WIDE_ROW(8)
-#endif
+#define WIDE_CASES                                                                                           \
+    WIDE_ROW(1) WIDE_ROW(2) WIDE_ROW(3) WIDE_ROW(4) WIDE_ROW(5) WIDE_ROW(6) WIDE_MORE
 #if WR > 8
-WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12)
+#define WIDE_MORE WIDE_ROW(7) WIDE_ROW(8) WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12)
+#elif WR > 6
+#define WIDE_MORE WIDE_ROW(7) WIDE_ROW(8)
+#else
+#define WIDE_MORE
 #endif
-    }
-}
 #else
 #define WR MR
 #define WP 1
-static void wide_tiles(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k, int g,
-                       float *y, int64_t ldy, int cols, const uint8_t *pf, int phase, int step, const float *b,
-                       const float *scale, int gated) {
-    switch (rows * 8 + np) { TILE_CASES(K_F32) }
-}
+#define FIRST_CASES(F) TILE_CASE(F, WR, 1)
+#define WIDE_CASES TILE_CASES(K_F32)
 #endif
+/* wide_<format>(rows, np, ...): past MR rows, a block of at most WR rows by np <= WP panels, with its
+ * share (rlines lines from rpf) of the next panels to prefetch: float32 at any rows, reading float32
+ * panels or the buffer w; a quantized format at WR rows, converting in registers and storing the
+ * float32 weights into w for the blocks after it over the same panels. */
+#define WIDE(F, CASES, WOUT)                                                                                 \
+    static void wide_##F(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes,    \
+                         int k, int g, float *y, int64_t ldy, int cols, const uint8_t *rpf, int64_t rpbytes, \
+                         int rlines, const float *b, const float *scale, int gated, float *w) {              \
+        const uint8_t *const pf = NULL;                                                                      \
+        float *const wout = WOUT;                                                                            \
+        (void)w;                                                                                             \
+        switch (rows * 8 + np) { CASES }                                                                     \
+    }
+WIDE(K_F32, WIDE_CASES, NULL)
 TILES(K_I4)
 TILES(K_I4Z)
 TILES(K_Q8_0)
@@ -239,7 +275,26 @@ TILES(K_Q5_1)
 TILES(K_Q4_K)
 TILES(K_Q5_K)
 TILES(K_Q6_K)
+WIDE(K_I8, FIRST_CASES(K_I8), w)
+WIDE(K_I4, FIRST_CASES(K_I4), w)
+WIDE(K_I4Z, FIRST_CASES(K_I4Z), w)
+WIDE(K_Q8_0, FIRST_CASES(K_Q8_0), w)
+WIDE(K_Q4_0, FIRST_CASES(K_Q4_0), w)
+WIDE(K_Q4_1, FIRST_CASES(K_Q4_1), w)
+WIDE(K_Q5_0, FIRST_CASES(K_Q5_0), w)
+WIDE(K_Q5_1, FIRST_CASES(K_Q5_1), w)
+WIDE(K_Q4_K, FIRST_CASES(K_Q4_K), w)
+WIDE(K_Q5_K, FIRST_CASES(K_Q5_K), w)
+WIDE(K_Q6_K, FIRST_CASES(K_Q6_K), w)
 
+typedef void (*wide_fn)(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
+                        int g, float *y, int64_t ldy, int cols, const uint8_t *rpf, int64_t rpbytes,
+                        int rlines, const float *b, const float *scale, int gated, float *w);
+static const wide_fn WIDE_OF[K_COUNT] = {
+    [K_F32] = wide_K_F32,   [K_I8] = wide_K_I8,     [K_I4] = wide_K_I4,     [K_I4Z] = wide_K_I4Z,
+    [K_Q8_0] = wide_K_Q8_0, [K_Q4_0] = wide_K_Q4_0, [K_Q4_1] = wide_K_Q4_1, [K_Q5_0] = wide_K_Q5_0,
+    [K_Q5_1] = wide_K_Q5_1, [K_Q4_K] = wide_K_Q4_K, [K_Q5_K] = wide_K_Q5_K, [K_Q6_K] = wide_K_Q6_K,
+};
 typedef void (*tiles_fn)(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
                          int g, float *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,
                          const float *scale, int gated);
@@ -249,10 +304,9 @@ static const tiles_fn TILES_OF[K_COUNT] = {
     [K_Q5_1] = tiles_K_Q5_1, [K_Q4_K] = tiles_K_Q4_K, [K_Q5_K] = tiles_K_Q5_K, [K_Q6_K] = tiles_K_Q6_K,
 };
 
-/* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by);
- * pf: the next panel, prefetched meanwhile (NULL: none). */
+/* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by). */
 static inline __attribute__((always_inline)) void dequantize_panel(const int f, const uint8_t *p, int k, int g,
-                                                                   const float *scale, float *w, const uint8_t *pf) {
+                                                                   const float *scale, float *w) {
     const int G = f == K_I8 ? k : fmt_group(f, g);
     int8_t buf[MAX_GROUP * NR];
     for (int g0 = 0, gi = 0; g0 < k; g0 += G, gi++) {
@@ -260,19 +314,14 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
         vh s[PV_HALVES], m[PV_HALVES];
         const int8_t *q;
         group_setup(f, 0, p, gi, g0, gl, g, scale, s, m, &q, buf);
-        if (pf) {
-            const int64_t at = f == K_I8 ? 0 : group_offset(f, gi, g);
-            const int64_t rec = f == K_I8 ? (int64_t)k * NR : fmt_record_bytes(f, gl);
-            for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + at + o, 0, 2);
-        }
         for (int kk = 0; kk < gl; kk++)
             for (int h = 0; h < PV_HALVES; h++)
                 vh_store(w + (int64_t)(g0 + kk) * NR + h * VW, group_weights(f, 0, s, m, q, kk, h));
     }
 }
 #define DEQUANTIZE(F)                                                                                       \
-    static void dequantize_##F(const uint8_t *p, int k, int g, const float *scale, float *w, const uint8_t *pf) { \
-        dequantize_panel(F, p, k, g, scale, w, pf);                                                         \
+    static void dequantize_##F(const uint8_t *p, int k, int g, const float *scale, float *w) {             \
+        dequantize_panel(F, p, k, g, scale, w);                                                             \
     }
 DEQUANTIZE(K_I8)
 DEQUANTIZE(K_I4)
@@ -285,7 +334,7 @@ DEQUANTIZE(K_Q5_1)
 DEQUANTIZE(K_Q4_K)
 DEQUANTIZE(K_Q5_K)
 DEQUANTIZE(K_Q6_K)
-typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale, float *w, const uint8_t *pf);
+typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale, float *w);
 static const dequantize_fn DEQUANTIZE_OF[K_COUNT] = {
     [K_I8] = dequantize_K_I8,     [K_I4] = dequantize_K_I4,     [K_I4Z] = dequantize_K_I4Z,
     [K_Q8_0] = dequantize_K_Q8_0, [K_Q4_0] = dequantize_K_Q4_0, [K_Q4_1] = dequantize_K_Q4_1,
@@ -545,25 +594,20 @@ typedef struct {
     const float *bias, *scale;
 } gemm_segment;
 
-/* Past MR rows the quantized panels are dequantized into a float32 buffer for the wide tiles. For 8-
- * and 6-bit values, up to SPLIT_ROWS rows, row blocks of at most MR rows through the tiles that convert
- * in registers are faster (the same products, so the same bits). bench_gemm.py, AMD EPYC Zen 5, 2
- * threads, buffer -> blocks, ms: int8 16 rows 20.8-21.0 -> 13.5-13.7, 20 rows 21.8-22.2 -> 16.2-16.5;
- * Q8_0 16 rows 19.5-20.5 -> 14.0-14.3; Q6_K 16 rows 18.8-19.8 -> 15.0; at 24 rows even or slower.
- * Q4_0 and Q4_1 unpack their nibbles again for every row block, which pays up to 16 rows only (Q4_0 13
- * rows 10.8 -> 10.2, 16 rows 12.8 -> 12.0; Q4_1 10.7 -> 10.0, 12.8 -> 11.7; 17-20 rows 2-13% slower);
- * int4 and Q4_K at 13-16 rows were as fast or slower split, so they keep the buffer. */
+/* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). Up to
+ * SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through the tiles that convert
+ * in registers are faster (the same products, so the same bits): bench_gemm.py, AMD EPYC Zen 5, 2
+ * threads, 3 rounds alternating, buffer -> blocks, ms at 16 rows: int8 13.2-15.0 -> 11.9-12.7, Q8_0
+ * 13.2-15.0 -> 12.5-13.4, Q6_K 13.9-15.6 -> 13.5-14.4, Q4_0 15.1-15.6 -> 13.3-13.8, Q4_1 15.5-15.8 ->
+ * 13.0-13.6; at 17-20 rows the buffer is faster (int8 18 rows 13.0-13.3 against 13.3-13.7, Q6_K 13.5-13.9
+ * against 14.5-15.7). int4 and Q4_K at 13-16 rows were as fast or slower split. */
 #ifndef SPLIT_ROWS
-#define SPLIT_ROWS 20
+#define SPLIT_ROWS 16
 #endif
-#ifndef SPLIT_ROWS_4BIT
-#define SPLIT_ROWS_4BIT 16
-#endif
-static const int SPLITS[K_COUNT] = {[K_I8] = SPLIT_ROWS, [K_Q8_0] = SPLIT_ROWS, [K_Q6_K] = SPLIT_ROWS,
-                                    [K_Q4_0] = SPLIT_ROWS_4BIT, [K_Q4_1] = SPLIT_ROWS_4BIT};
+static const char SPLIT[K_COUNT] = {[K_I8] = 1, [K_Q8_0] = 1, [K_Q6_K] = 1, [K_Q4_0] = 1, [K_Q4_1] = 1};
 /* m rows of x times the full panels j .. j + np - 1 of segment s into y (panel j's first column; row
- * stride ldy); pf: the panel
- * to prefetch meanwhile (NULL: none); one tile at a time, or through the float32 buffer past MR rows. */
+ * stride ldy); pf: the panel to prefetch meanwhile (NULL: none); one tile at a time, or past MR rows
+ * row blocks over chunks of WP panels. */
 static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, int j, int np, char *y,
                            int64_t ldy, int cols, const uint8_t *pf, int gated) {
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
@@ -582,7 +626,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         return;
     }
 #endif
-    if (m > MR && m <= SPLITS[s->kind]) { /* row blocks of in-register tiles (SPLITS: up to how many rows) */
+    if (m > MR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* row blocks of in-register tiles */
         const int per = (m + (m + MR - 1) / MR - 1) / ((m + MR - 1) / MR);
         for (int r = 0; r < m; r += per)
             rows_by_panels(s, x + (int64_t)r * k * 4, m - r < per ? m - r : per, k, j, np, y + (int64_t)r * ldy * 4,
@@ -602,22 +646,24 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         }
         return;
     }
+    /* Groups of WP panels, each by blocks of WR rows (m > MR >= WR: the first block has WR rows). A
+     * quantized group's first block converts its weights in registers and leaves them in the thread's
+     * buffer as float32 for the other blocks (the same products: the same bits). Every block
+     * prefetches its share of the next group's lines, so memory streams while the FMAs run. */
     float *w = s->kind == K_F32 ? NULL : thread_buffer((size_t)WP * k * NR);
+    const int passes = (m + WR - 1) / WR;
     for (int t = 0; t < np; t += WP) {
         const int n = np - t < WP ? np - t : WP;
         const uint8_t *pt = p + t * pbytes, *next = t + n < np ? pt + n * pbytes : pf;
-        int64_t wbytes = pbytes;
-        if (s->kind != K_F32) { /* dequantize once (prefetching the next panel), then the float32 tiles */
-            for (int u = 0; u < n; u++)
-                DEQUANTIZE_OF[s->kind](pt + u * pbytes, k, s->group, sc ? sc + (t + u) * NR : NULL,
-                                       w + (int64_t)u * k * NR, u + 1 < n ? pt + (u + 1) * pbytes : next);
-            pt = (const uint8_t *)w, next = NULL, wbytes = (int64_t)k * NR * 4;
-        }
-        const int passes = (m + WR - 1) / WR; /* over these panels: each prefetches its share of the next */
+        const int lines = next ? (int)((pbytes + 63) / 64) : 0; /* of each next panel, over the passes */
         for (int r = 0, pass = 0; r < m; r += WR, pass++) {
-            const int rows = m - r < WR ? m - r : WR;
-            wide_tiles(rows, n, xf + (int64_t)r * k, k, pt, wbytes, k, 0, yf + r * ldy + t * cols, ldy, cols, next,
-                       pass, passes, b ? b + t * NR : NULL, NULL, gated);
+            const int rows = m - r < WR ? m - r : WR, lo = lines * pass / passes;
+            const int buffered = w && pass > 0; /* float32 tiles over the buffer the first block filled */
+            WIDE_OF[buffered ? K_F32 : s->kind](rows, n, xf + (int64_t)r * k, k, buffered ? (const uint8_t *)w : pt,
+                                                buffered ? (int64_t)k * NR * 4 : pbytes, k, s->group,
+                                                yf + r * ldy + t * cols, ldy, cols, next ? next + (int64_t)lo * 64 : NULL,
+                                                pbytes, lines * (pass + 1) / passes - lo, b ? b + t * NR : NULL,
+                                                sc ? sc + t * NR : NULL, gated, w);
         }
     }
 }
@@ -721,7 +767,7 @@ void gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, f
                 for (int kk = 0; kk < k; kk++) out[(int64_t)i * k + kk] = ((const float *)p)[(int64_t)kk * NR + c];
                 continue;
             }
-            DEQUANTIZE_OF[s->kind](p, k, s->group, s->scale ? s->scale + j * NR : NULL, w, NULL);
+            DEQUANTIZE_OF[s->kind](p, k, s->group, s->scale ? s->scale + j * NR : NULL, w);
             for (int kk = 0; kk < k; kk++) out[(int64_t)i * k + kk] = w[(int64_t)kk * NR + c];
         }
     }

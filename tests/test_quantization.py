@@ -56,10 +56,10 @@ def test_quantize_int4_rounds_each_group_to_its_own_scale(zero_points):
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (64, 40, True), (36, 50, True), (200, 72, False)])
 def test_quantized_panels_give_the_float32_products_of_the_dequantized_weight(name, gated, k, n, bias):
-    """Every tile shape (one row by several panels; up to MR rows in registers; more: the panel
-    dequantized into a buffer for the float32 tiles), partial panels, a short last int4 group (k =
-    36, 200), bias, SiLU x up: the same bits as cpu_gemm.c's float32 panels holding the dequantized
-    weight (q * s for int8, (q - z) * s for int4)."""
+    """Every tile shape (one row by several panels; up to MR rows in registers; more: the first rows
+    converting in registers into a buffer that the float32 tiles of the other rows read), partial
+    panels, a short last int4 group (k = 36, 200), bias, SiLU x up: the same bits as cpu_gemm.c's
+    float32 panels holding the dequantized weight (q * s for int8, (q - z) * s for int4)."""
     if packed_linear._gemm_library() is None:
         pytest.fail("the panel kernel did not build (is a C compiler installed?)")
     quant = QUANTIZATIONS[name]
@@ -70,7 +70,7 @@ def test_quantized_panels_give_the_float32_products_of_the_dequantized_weight(na
     float32 = packed_linear.PackedLinear(lin, panels=True)
     assert packed.kinds == [{8: "I8", 4: "I4Z" if quant.zero_points else "I4"}[quant.bits]]
     assert float32.kinds == ["F32"]
-    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 16, 20, 64, 300):  # int8 13-20: row blocks in registers
+    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 16, 17, 20, 64, 300):  # int8 13-16: row blocks in registers
         x = torch.randn(rows, k)
         assert torch.equal(packed(x), float32(x)), f"{rows} rows"
 
