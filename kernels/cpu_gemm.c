@@ -14,14 +14,16 @@
  * count and tile shape (batch-invariant). With AVX-512 a panel row is one 512-bit register (MR 12);
  * elsewhere two 8-float vectors (MR 6); both give the same bits (cpu_panel_vec.h).
  *
- * More than MR rows (AVX-512): tiles of WR = 6 rows by WP = 4 panels (24 accumulators, each broadcast
- * of x feeding four FMAs), which on an Intel Xeon ran 0.85-1.2x oneDNN's float32 GEMM at 64-1024 rows
- * where 12 x 1 tiles ran 0.54-0.9x (8 x 3 as fast, 12 x 2 and 4 x 4 slower; -DWR=8 -DWP=3 builds
- * others). Over a quantized chunk of WP panels the first WR rows go through a tile that converts in
- * registers and also stores the float32 weights it forms into a per-thread buffer, which the float32
- * tiles of the other rows then read from cache (a pass that dequantized the chunk before the tiles
- * left int8 16-20% behind float32 at 24-64 rows, waiting on memory). Every row block prefetches its
- * share of the next chunk's lines. AVX2 builds keep MR x 1 tiles (WR = MR, WP = 1).
+ * More than MR rows (AVX-512): row blocks of up to WR = 8 rows by WP = 3 panels (24 accumulators, each
+ * broadcast of x feeding three FMAs). On an Intel Xeon 6 x 4 tiles ran 0.85-1.2x oneDNN's float32 GEMM
+ * at 64-1024 rows where 12 x 1 tiles ran 0.54-0.9x (8 x 3 as fast, 12 x 2 and 4 x 4 slower); on an AMD
+ * EPYC Zen 5 8 x 3 ran 3-6% faster than 6 x 4 at 64 rows (float32, int8) and bfloat16's 8 x 3 2-4% at
+ * 64-256 rows (-DWR=6 -DWP=4, -DWRB=6 -DWPB=4 build those). Over a quantized chunk of WP panels the
+ * first row block goes through a tile that converts in registers and also stores the float32 weights
+ * it forms into a per-thread buffer, which the float32 tiles of the other rows then read from cache
+ * (a pass that dequantized the chunk before the tiles left int8 16-20% behind float32 at 24-64 rows,
+ * waiting on memory). Every row block prefetches its share of the next chunk's lines. AVX2 builds
+ * keep MR x 1 tiles (WR = MR, WP = 1).
  *
  * Threads take panels a chunk at a time (dynamically: on these shared 2-vCPU machines one core is
  * often slower than the other, and a static split left the faster one waiting); each panel is read
@@ -231,25 +233,36 @@ TILES(K_F32)
 TILES(K_I8)
 #if defined(PV_ZMM)
 #ifndef WR
-#define WR 6 /* past MR rows: tiles of WR rows by WP float32 panels, 24 accumulators */
-#define WP 4
+#define WR 8 /* past MR rows: tiles of WR rows by WP float32 panels, 24 accumulators */
+#define WP 3
 #endif
-#define FIRST_CASES(F) TILE_CASE(F, WR, 1) TILE_CASE(F, WR, 2) TILE_CASE(F, WR, 3) TILE_CASE(F, WR, 4)
-#define WIDE_ROW(R) TILE_CASE(K_F32, R, 1) TILE_CASE(K_F32, R, 2) TILE_CASE(K_F32, R, 3) TILE_CASE(K_F32, R, 4)
-#define WIDE_CASES                                                                                           \
-    WIDE_ROW(1) WIDE_ROW(2) WIDE_ROW(3) WIDE_ROW(4) WIDE_ROW(5) WIDE_ROW(6) WIDE_MORE
-#if WR > 8
-#define WIDE_MORE WIDE_ROW(7) WIDE_ROW(8) WIDE_ROW(9) WIDE_ROW(10) WIDE_ROW(11) WIDE_ROW(12)
-#elif WR > 6
-#define WIDE_MORE WIDE_ROW(7) WIDE_ROW(8)
+#if WR < 6 || WR > 8 || WP < 1 || WP > 4
+#error "WR: 6 to 8 rows (FIRST_CASES), WP: 1 to 4 panels"
+#endif
+#if WP == 4 /* the tiles of R rows by 1 to WP panels */
+#define WIDE_ROW_OF(F, R) TILE_CASE(F, R, 1) TILE_CASE(F, R, 2) TILE_CASE(F, R, 3) TILE_CASE(F, R, 4)
+#elif WP == 3
+#define WIDE_ROW_OF(F, R) TILE_CASE(F, R, 1) TILE_CASE(F, R, 2) TILE_CASE(F, R, 3)
+#elif WP == 2
+#define WIDE_ROW_OF(F, R) TILE_CASE(F, R, 1) TILE_CASE(F, R, 2)
 #else
-#define WIDE_MORE
+#define WIDE_ROW_OF(F, R) TILE_CASE(F, R, 1)
 #endif
+#define WIDE_CASES                                                                                           \
+    WIDE_ROW_OF(K_F32, 1) WIDE_ROW_OF(K_F32, 2) WIDE_ROW_OF(K_F32, 3) WIDE_ROW_OF(K_F32, 4)                  \
+    WIDE_ROW_OF(K_F32, 5) WIDE_ROW_OF(K_F32, 6) WIDE_ROW_OF(K_F32, 7) WIDE_ROW_OF(K_F32, 8)
+/* Row blocks of equal rows, ceil(m / ceil(m / WR)) (17 rows: 6, 6, 5 rather than 8, 8, 1): WR - 2 to WR
+ * past MR rows, the first block's, which a quantized group's converting tiles cover. */
+#define BALANCED 1
+#define FIRST_CASES(F) WIDE_ROW_OF(F, WR - 2) WIDE_ROW_OF(F, WR - 1) WIDE_ROW_OF(F, WR)
 #else
 #define WR MR
 #define WP 1
-#define FIRST_CASES(F) TILE_CASE(F, WR, 1)
 #define WIDE_CASES TILE_CASES(K_F32)
+/* Full blocks first: with these tiles of one panel fewer rows give fewer FMA chains (AVX2 build, 7 and
+ * 8 rows as 4 + 3 and 4 + 4: 5-17% slower than 6 + 1 and 6 + 2). */
+#define BALANCED 0
+#define FIRST_CASES(F) TILE_CASE(F, WR, 1)
 #endif
 /* wide_<format>(rows, np, ...): past MR rows, a block of at most WR rows by np <= WP panels, with its
  * share (rlines lines from rpf) of the next panels to prefetch: float32 at any rows, reading float32
@@ -404,17 +417,18 @@ BKERNEL(6)
 BKERNEL(7)
 BKERNEL(8)
 
-/* Past MRB rows: tiles of WRB rows by WPB pair panels, 24 accumulators (4 panel loads and 6 x
+/* Past MRB rows: tiles of WRB rows by WPB pair panels, 24 accumulators (3 panel loads and 8 x
  * broadcasts for 24 vdpbf16ps, where an 8 x 1 tile loads 9 for 8 and runs at 0.68x oneDNN's rate at
- * 256-2048 rows on an AMD EPYC Zen 5). Each sum takes the same vdpbf16ps steps in the same order as
+ * 256-2048 rows on an AMD EPYC Zen 5; 6 x 4 ran 2-4% slower than 8 x 3 at 64-256 rows and 5-25% at
+ * 9-16, in blocks of equal rows). Each sum takes the same vdpbf16ps steps in the same order as
  * in an 8 x 1 tile, so the bits do not depend on the tile. pf: the next panels, prefetched beside
  * the loads, spread over the row blocks: block `phase` of `step` fetches the lines kp = phase (mod
  * step). (All of them in the first block left memory idle during the others: bench_gemm.py --dtype
  * bfloat16, AMD EPYC Zen 5, 2 threads, alternating, ms: 13 rows 8.2 -> 7.1, 16 rows 8.6 -> 6.9, 24
  * rows 11.1 -> 9.3, 48 rows 18.2 -> 15.5, 64 rows 22.6 -> 20.7, 256 rows 79.3 -> 77.0.) */
 #ifndef WRB
-#define WRB 6
-#define WPB 4
+#define WRB 8
+#define WPB 3
 #endif
 #define BWIDE(ROWS)                                                                                \
     static void bwide_##ROWS(const uint16_t *x, int64_t lda, const uint16_t *p, int64_t pstride, int k, \
@@ -479,9 +493,9 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
     if (m > MRB)
         for (; t + WPB <= np; t += WPB) {
             const uint16_t *next = t + 2 * WPB <= np ? p + (t + WPB) * pstride : t + WPB < np ? NULL : pf;
-            const int passes = (m + WRB - 1) / WRB;
-            for (int r = 0, pass = 0; r < m; r += WRB, pass++) {
-                const int rows = m - r < WRB ? m - r : WRB;
+            const int passes = (m + WRB - 1) / WRB, per = (m + passes - 1) / passes; /* equal blocks */
+            for (int r = 0, pass = 0; r < m; r += per, pass++) {
+                const int rows = m - r < per ? m - r : per;
                 wide[rows](x + (int64_t)r * k, k, p + t * pstride, pstride, k, y + (int64_t)r * ldy + t * cols, ldy,
                            cols, next, pass, passes, b ? b + t * NR : NULL, gated);
             }
@@ -651,13 +665,13 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
      * buffer as float32 for the other blocks (the same products: the same bits). Every block
      * prefetches its share of the next group's lines, so memory streams while the FMAs run. */
     float *w = s->kind == K_F32 ? NULL : thread_buffer((size_t)WP * k * NR);
-    const int passes = (m + WR - 1) / WR;
+    const int passes = (m + WR - 1) / WR, per = BALANCED ? (m + passes - 1) / passes : WR; /* rows a block */
     for (int t = 0; t < np; t += WP) {
         const int n = np - t < WP ? np - t : WP;
         const uint8_t *pt = p + t * pbytes, *next = t + n < np ? pt + n * pbytes : pf;
         const int lines = next ? (int)((pbytes + 63) / 64) : 0; /* of each next panel, over the passes */
-        for (int r = 0, pass = 0; r < m; r += WR, pass++) {
-            const int rows = m - r < WR ? m - r : WR, lo = lines * pass / passes;
+        for (int r = 0, pass = 0; r < m; r += per, pass++) {
+            const int rows = m - r < per ? m - r : per, lo = lines * pass / passes;
             const int buffered = w && pass > 0; /* float32 tiles over the buffer the first block filled */
             WIDE_OF[buffered ? K_F32 : s->kind](rows, n, xf + (int64_t)r * k, k, buffered ? (const uint8_t *)w : pt,
                                                 buffered ? (int64_t)k * NR * 4 : pbytes, k, s->group,
@@ -694,9 +708,20 @@ static void partial_panel(const gemm_segment *s, const char *x, int m, int k, in
  * (bench_gemm.py --rows 1, AMD EPYC Zen 5, 2 threads, two rounds alternating: Q4_1 7.3-7.4 ->
  * 4.0-4.1 ms, Q4_0 7.0-7.1 -> 3.6-3.7, int8 5.6-5.9 -> 4.8-5.0, Q8_0 5.8 -> 5.6-5.9, bfloat16 8.9-11.8
  * -> 8.1-8.7). */
+/* Panels a thread takes at a time at m rows: one wide tile's (its row blocks then share them), else
+ * enough for tiles of tile_panels(m) panels and for the prefetch of the next to pay. */
+static inline int chunk_panels(int kind, int m) {
+#if HAVE_BF16
+    if (kind == K_BF16 && m > MRB) return WPB;
+#else
+    (void)kind;
+#endif
+    return m > MR ? (WP > 2 ? WP : 2) : tile_panels(m) > 2 ? tile_panels(m) : 2;
+}
+
 static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int64_t ldy, int m, int k, int gated) {
     const int cols = gated ? NR / 2 : NR, width = s->cols, panels = (width + cols - 1) / cols;
-    const int chunk = m > MR ? (WP > 2 ? WP : 2) : tile_panels(m) > 2 ? tile_panels(m) : 2;
+    const int chunk = chunk_panels(s->kind, m);
     const int chunks = (panels + chunk - 1) / chunk;
     const int e = s->kind == K_BF16 ? 2 : 4, mr = s->kind == K_BF16 ? 8 : MR;
     const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
