@@ -1,5 +1,5 @@
 /* The elementwise parts of a Llama-family layer on float32 or bfloat16 rows, one call each instead of
- * 3-8 torch ops, and the greedy sampler's argmax.
+ * 3-8 torch ops, and the sampler's argmax and temperature draw.
  *
  * A decode step at batch 1-16 spends more time dispatching small torch ops than computing them;
  * these loops do each chain (residual add + RMSNorm, per-head RMSNorm + RoPE in place, SiLU x up)
@@ -109,4 +109,86 @@ int argmax_rows_f32(const float *x, int rows, int cols, int64_t stride, int64_t 
         nan_rows += nan;
     }
     return nan_rows;
+}
+
+/* The sampler's weights of x[0, n) (n <= SAMPLE_BLOCK) into w: exp(x / temp - top), 0 where that is
+ * below exp's range (a masked token stays impossible); returns their float32 sum, lane by lane then
+ * across the lanes. The same tokens always go the same way (8 at a time, then one by one), so a
+ * block's weights come out with the same bits however often they are formed. */
+#define SAMPLE_BLOCK 256
+static float block_weights(const float *x, int n, float temp, float top, float *w) {
+    v8 sum = {0};
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const v8 d = load8(x + c) / temp - top;
+#if defined(__AVX2__) && defined(__FMA__)
+        const v8 e = (v8)exp_poly8((__m256)d);
+#else
+        v8 e;
+        for (int i = 0; i < 8; i++) e[i] = exp_poly(d[i]);
+#endif
+        typedef int32_t v8i __attribute__((vector_size(32)));
+        const v8 kept = (v8)((v8i)e & (d >= -87.0f));
+        store8(w + c, kept);
+        sum += kept;
+    }
+    float s = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+    for (; c < n; c++) {
+        const float d = x[c] / temp - top;
+        w[c] = d >= -87.0f ? exp_poly(d) : 0.0f;
+        s += w[c];
+    }
+    return s;
+}
+
+/* The temperature sampler for n rows without top-k, top-p or min-p: for each i, row rows[i] of x
+ * [*, cols] (row stride `stride`) tempered by temps[i], weights w_c = exp(x_c / temp - max), and
+ * out[i] = the first token whose running sum of weights passes u[i] (in [0, 1)) times the row's
+ * total: the CDF inverted at one uniform number, as the torch sampler does it in five passes over
+ * [n, V] tensors (divide, max, exp, cumsum, search) where this reads the row twice and writes
+ * nothing. The total: float32 sums of blocks of SAMPLE_BLOCK tokens, added in double; the crossing
+ * block is found on those, then its tokens' weights are added in order (a rounding shortfall there
+ * takes the block's last token of nonzero weight). Returns how many rows have no finite maximum
+ * (NaN, infinity or every token masked: out[i] = -1, the caller asks torch). */
+int sample_rows_f32(const float *x, int n, const int64_t *rows, int cols, int64_t stride, const float *temps,
+                    const float *u, int64_t *out) {
+    int bad_rows = 0;
+#pragma omp parallel for if ((int64_t)n * cols >= MIN_PARALLEL) reduction(+ : bad_rows)
+    for (int i = 0; i < n; i++) {
+        const float *row = x + rows[i] * stride;
+        int nan = 0;
+        int64_t arg;
+        first_max(row, cols, &arg, &nan);
+        const float top = row[arg] / temps[i];
+        if (nan || !isfinite(top)) {
+            out[i] = -1;
+            bad_rows++;
+            continue;
+        }
+        const int blocks = (cols + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+        float sums[blocks], w[SAMPLE_BLOCK];
+        double total = 0.0;
+        for (int b = 0; b < blocks; b++) {
+            const int c0 = b * SAMPLE_BLOCK;
+            total += sums[b] = block_weights(row + c0, cols - c0 < SAMPLE_BLOCK ? cols - c0 : SAMPLE_BLOCK,
+                                             temps[i], top, w);
+        }
+        const double target = (double)u[i] * total;
+        double before = 0.0;
+        int b = 0, last = 0; /* the block whose sum crosses the target; else the last of nonzero sum */
+        for (; b < blocks && before + sums[b] <= target; b++) {
+            before += sums[b];
+            if (sums[b] > 0.0f) last = b;
+        }
+        if (b == blocks) b = last, before = -INFINITY; /* then its last token of nonzero weight */
+        const int c0 = b * SAMPLE_BLOCK, len = cols - c0 < SAMPLE_BLOCK ? cols - c0 : SAMPLE_BLOCK;
+        block_weights(row + c0, len, temps[i], top, w); /* the same bits as above */
+        int pick = -1;
+        for (int c = 0; c < len && pick < 0; c++)
+            if ((before += w[c]) > target) pick = c;
+        for (int c = len - 1; pick < 0 && c >= 0; c--)
+            if (w[c] > 0.0f) pick = c;
+        out[i] = (int64_t)c0 + pick; /* pick >= 0: the block holds a weight above 0 (the maximum's at least) */
+    }
+    return bad_rows;
 }

@@ -98,6 +98,41 @@ def test_c_argmax_equals_torchs(cols):
     assert torch.equal(fused_ops.argmax(rows), rows.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("cols", [5, 300, 49152])
+def test_c_temperature_draw_inverts_each_rows_cdf(cols):
+    """The sampler's C draw: each row's token is where its tempered CDF passes the row's uniform number
+    (the torch ops' token on random rows: the sums differ only in rounding), whatever other rows are
+    drawn beside it; masked (-inf) tokens are never drawn, even at u just below 1 (the rounding
+    fallback); draws follow softmax(x / T) (200,000 draws of a 5-token row); a row with a NaN or all
+    tokens masked, or a tensor off the C loop, gives None (the torch ops then run)."""
+    if not fused_ops.use_c(torch.empty(1)):
+        pytest.fail("the C chains did not build (is a C compiler installed?)")
+    gen = torch.Generator().manual_seed(cols)
+    wide = torch.randn(8, cols + 3, generator=gen) * 3
+    logits = wide[:, :cols]  # [8, cols], row stride cols + 3
+    logits[2, ::2] = float("-inf")
+    logits[3, cols // 2 :] = float("-inf")  # its last tokens masked, drawn at u just below 1
+    u = torch.rand(8, generator=gen)  # [8]
+    u[3] = 1.0 - 2.0**-24  # the largest float below 1
+    temps = [0.8, 1.0, 0.5, 1.3, 0.8, 2.0, 1.0, 0.7]
+    out = fused_ops.sample(logits, list(range(8)), temps, u)  # [8]
+    cdf = torch.softmax(logits / torch.tensor(temps).unsqueeze(1), dim=-1).cumsum(-1)  # [8, cols]
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert torch.equal(out[[0, 1, 2, 4, 5, 6, 7]], expected[[0, 1, 2, 4, 5, 6, 7]])
+    assert logits[3, out[3]] > float("-inf") and logits[2, out[2]] > float("-inf")
+    alone = [fused_ops.sample(logits, [r], [temps[r]], u[r : r + 1]) for r in (6, 1, 4)]
+    assert [int(t) for t in alone] == [int(out[6]), int(out[1]), int(out[4])]
+    five = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]]).expand(200_000, 5).contiguous()
+    draws = fused_ops.sample(five, list(range(200_000)), [1.0] * 200_000, torch.rand(200_000, generator=gen))
+    freq = torch.bincount(draws, minlength=5) / 200_000
+    torch.testing.assert_close(freq, torch.softmax(five[0], dim=0), atol=0.004, rtol=0)
+    logits[5, 1] = float("nan")
+    assert fused_ops.sample(logits, [0, 5], [1.0, 1.0], u[:2]) is None
+    logits[6] = float("-inf")
+    assert fused_ops.sample(logits, [6], [1.0], u[:1]) is None
+    assert fused_ops.sample(logits.double(), [0], [1.0], u[:1]) is None
+
+
 def test_bfloat16_c_chains_round_like_transformers_modules():
     """In bfloat16 the C loops round where transformers' modules do: residual add, LlamaRMSNorm (float32
     inside, two roundings), apply_rotary_pos_emb and silu(gate) * up come out bit for bit (the SiLU's exp

@@ -3,8 +3,9 @@
 The C loops (kernels/cpu_llama_ops.c, built like the decode kernel) replace 3-8 small torch ops per
 chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. The bfloat16 loops compute
 in float32 and round where transformers' bfloat16 modules round. Without a compiler, off the CPU or
-in float16, the same chains run as torch ops (same results up to rounding). The greedy sampler's
-argmax lives here too: torch's CPU argmax is not vectorized.
+in float16, the same chains run as torch ops (same results up to rounding). The sampler's argmax and
+temperature draw live here too: torch's CPU argmax is not vectorized, and its draw takes five passes
+over [R, V] tensors.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _library() -> ctypes.CDLL | None:
             getattr(dll, f"{name}_{suffix}").restype = None
     dll.argmax_rows_f32.argtypes = [ptr, i32, i32, i64, ptr]
     dll.argmax_rows_f32.restype = ctypes.c_int  # rows holding a NaN
+    dll.sample_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, ptr, ptr]
+    dll.sample_rows_f32.restype = ctypes.c_int  # rows without a finite maximum
     return dll
 
 
@@ -166,3 +169,29 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
     )
     return logits.argmax(dim=-1) if nan_rows else out
+
+
+def sample(
+    logits: torch.Tensor, rows: list[int], temperatures: list[float], uniform: torch.Tensor
+) -> torch.Tensor | None:
+    """``[len(rows)]`` int64: each of ``logits[rows]`` ``[V]`` tempered, its CDF inverted at ``uniform[i]``
+    in [0, 1) (no top-k, top-p or min-p), in one C call; None where the C loop cannot serve (not a
+    float32 CPU tensor of unit column stride, no compiler) or a row has no finite maximum: the torch
+    ops then run."""
+    if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
+        return None
+    picks = torch.tensor(rows, dtype=torch.int64)  # [R]
+    temps = torch.tensor(temperatures, dtype=torch.float32)  # [R]
+    u = uniform.to(torch.float32).contiguous()  # [R]
+    out = torch.empty(len(rows), dtype=torch.int64)  # [R]
+    bad = _library().sample_rows_f32(
+        logits.data_ptr(),
+        len(rows),
+        picks.data_ptr(),
+        logits.shape[1],
+        logits.stride(0),
+        temps.data_ptr(),
+        u.data_ptr(),
+        out.data_ptr(),
+    )
+    return None if bad else out

@@ -3,7 +3,8 @@
 First the logits processors shape the rows that use them (`pagedinfer.logits`: penalties, min_tokens,
 logit_bias, bad_words, allowed_token_ids, grammars). Then greedy rows take the argmax, and sampled
 rows are tempered, filtered (top-k, top-p, min-p) and drawn by inverting their CDF at one uniform
-number from each completion's own generator: the draw depends only on that completion's generator and
+number from each completion's own generator (rows with a temperature alone in one C call on the CPU,
+`fused_ops.sample`): the draw depends only on that completion's generator and
 logits, never on its neighbours, and costs one scalar of randomness per row. Only rows with a
 processor or logprobs take extra (tensor) work; the log-normaliser over the vocabulary is computed
 only for rows that asked for logprobs, over the model's own logits (before any processor).
@@ -56,15 +57,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], pipeline: LogitsPipeline
     )
     if sampled:
         picks = torch.tensor(sampled, device=dev)  # [Rs]
-        temps = torch.tensor([params[i].temperature for i in sampled], device=dev).unsqueeze(1)  # [Rs, 1]
-        tempered = logits.div_(temps) if all_sampled else logits[picks] / temps  # [Rs, V]
-        probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
-        cdf = probs.cumsum_(dim=-1)  # [Rs, V]
+        temperatures = [params[i].temperature for i in sampled]
         # drawn from each completion's host generator, so a seed gives the same numbers on every device
         gens = [rows[i].generator for i in sampled]
         uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)  # [Rs]
-        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        tokens[picks] = picked.clamp_(max=cdf.shape[1] - 1)
+        filtered = any(params[i].top_k or params[i].top_p < 1.0 or params[i].min_p > 0 for i in sampled)
+        picked = None if filtered else fused_ops.sample(logits, sampled, temperatures, uniform)  # [Rs]
+        if picked is None:  # top-k / top-p / min-p, or off the C loop: the same draw as torch ops
+            temps = torch.tensor(temperatures, device=dev).unsqueeze(1)  # [Rs, 1]
+            tempered = logits.div_(temps) if all_sampled else logits[picks] / temps  # [Rs, V]
+            probs = _filtered_probs(tempered, [params[i] for i in sampled])  # [Rs, V]
+            cdf = probs.cumsum_(dim=-1)  # [Rs, V]
+            picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+            picked.clamp_(max=cdf.shape[1] - 1)
+        tokens[picks] = picked
     chosen: list[float | None] = [None] * len(rows)
     top: list[dict[int, Logprob] | None] = [None] * len(rows)
     if want:
