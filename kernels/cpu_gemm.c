@@ -608,15 +608,21 @@ typedef struct {
     const float *bias, *scale;
 } gemm_segment;
 
-/* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). Up to
- * SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through the tiles that convert
- * in registers are faster (the same products, so the same bits): bench_gemm.py, AMD EPYC Zen 5, 2
- * threads, 3 rounds alternating, buffer -> blocks, ms at 16 rows: int8 13.2-15.0 -> 11.9-12.7, Q8_0
- * 13.2-15.0 -> 12.5-13.4, Q6_K 13.9-15.6 -> 13.5-14.4, Q4_0 15.1-15.6 -> 13.3-13.8, Q4_1 15.5-15.8 ->
- * 13.0-13.6; at 17-20 rows the buffer is faster (int8 18 rows 13.0-13.3 against 13.3-13.7, Q6_K 13.5-13.9
- * against 14.5-15.7). int4 and Q4_K at 13-16 rows were as fast or slower split. */
+/* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). In
+ * the AVX2 build, up to SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through
+ * the tiles that convert in registers are faster (the same products, so the same bits): bench_gemm.py,
+ * AMD EPYC Zen 5, -mno-avx512f, 2 threads, 3 rounds, buffer -> blocks, ms: 8 rows Q4_0 13.4-13.6 ->
+ * 12.4-12.8, Q8_0 13.3-13.5 -> 11.9-12.4, int8 13.4-13.6 -> 11.8-12.1; 16 rows 22.5-23.6 -> 20.8-22.5.
+ * With AVX-512 they were too, up to 16 rows (16 rows int8 13.2-15.0 -> 11.9-12.7, Q4_0 15.1-15.6 ->
+ * 13.3-13.8), until the wide tiles became 8 x 3 in blocks of equal rows: now the buffer is as fast or
+ * faster at 13-16 rows (13 rows Q8_0 10.2-12.2 -> 9.7-10.1 through it, Q4_0 10.7-11.3 -> 10.2-10.7;
+ * 16 rows even), so that build does not split. int4 and Q4_K never paid split. */
 #ifndef SPLIT_ROWS
+#if defined(PV_ZMM)
+#define SPLIT_ROWS MR /* none */
+#else
 #define SPLIT_ROWS 16
+#endif
 #endif
 static const char SPLIT[K_COUNT] = {[K_I8] = 1, [K_Q8_0] = 1, [K_Q6_K] = 1, [K_Q4_0] = 1, [K_Q4_1] = 1};
 /* m rows of x times the full panels j .. j + np - 1 of segment s into y (panel j's first column; row

@@ -59,18 +59,17 @@ def test_panels_dequantize_as_gguf_py(kind):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-# 13-16: row blocks in registers (Q8_0, Q6_K, Q4_0, Q4_1); 17 on: the first 6 rows convert into a buffer
+# past 12 rows the first row block converts into a buffer (the AVX2 build: row blocks of 6 to 16 rows)
 ROWS = (*range(1, 14), 16, 17, 20, 24, 33, 64, 300)
 
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_products_equal_the_float32_panels_on_the_dequantized_weight(kind, gated):
-    """Every tile shape (1 row by four panels, 2-3 rows by two, up to 12 rows in registers, 13-16 rows
-    in row blocks of those for Q8_0, Q6_K, Q4_0 and Q4_1; more: the first 6 rows converting in
-    registers into a buffer that the float32 tiles of the other rows read), a partial last panel (n =
-    72), a bias, SiLU x up: the same bits as cpu_gemm.c's float32 panels holding the dequantized
-    weights."""
+    """Every tile shape (1 row by four panels, 2-3 rows by two, up to 12 rows in registers; more: the
+    first row block converting in registers into a buffer that the float32 tiles of the other rows
+    read), a partial last panel (n = 72), a bias, SiLU x up: the same bits as cpu_gemm.c's float32
+    panels holding the dequantized weights."""
     rng = np.random.default_rng(3)
     n, k = 72, 512
     w = rng.standard_normal((n, k)).astype(np.float32)

@@ -70,7 +70,7 @@ def test_quantized_panels_give_the_float32_products_of_the_dequantized_weight(na
     float32 = packed_linear.PackedLinear(lin, panels=True)
     assert packed.kinds == [{8: "I8", 4: "I4Z" if quant.zero_points else "I4"}[quant.bits]]
     assert float32.kinds == ["F32"]
-    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 16, 17, 20, 64, 300):  # int8 13-16: row blocks in registers
+    for rows in (1, 2, 3, 5, 6, 7, 12, 13, 16, 17, 20, 64, 300):
         x = torch.randn(rows, k)
         assert torch.equal(packed(x), float32(x)), f"{rows} rows"
 
