@@ -717,6 +717,9 @@ static void partial_panel(const gemm_segment *s, const char *x, int m, int k, in
 /* Panels a thread takes at a time at m rows: one wide tile's (its row blocks then share them), else
  * enough for tiles of tile_panels(m) panels and for the prefetch of the next to pay. */
 static inline int chunk_panels(int kind, int m) {
+#if HAVE_AMX /* AMX multiplies panels two at a time: an even chunk (4 past MR rows, as before 8 x 3) */
+    if (kind == K_BF16 && amx_ready()) return m > MR ? 4 : tile_panels(m) > 2 ? tile_panels(m) : 2;
+#endif
 #if HAVE_BF16
     if (kind == K_BF16 && m > MRB) return WPB;
 #else
