@@ -73,6 +73,13 @@ static inline int tile_panels(int rows) {
 #endif
 }
 
+/* Rows a block when m rows are cut into the fewest blocks of at most `most` rows, of equal size but
+ * the last (17 rows, at most 8: 6, 6, 5). */
+static inline int equal_blocks(int m, int most) {
+    const int blocks = (m + most - 1) / most;
+    return (m + blocks - 1) / blocks;
+}
+
 /* silu(g) * u as cpu_llama_ops.c's silu_mul computes it: g / (1 + exp(-g)) * u. */
 static inline v8 silu_mul8(v8 g, v8 u) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -251,8 +258,8 @@ TILES(K_I8)
 #define WIDE_CASES                                                                                           \
     WIDE_ROW_OF(K_F32, 1) WIDE_ROW_OF(K_F32, 2) WIDE_ROW_OF(K_F32, 3) WIDE_ROW_OF(K_F32, 4)                  \
     WIDE_ROW_OF(K_F32, 5) WIDE_ROW_OF(K_F32, 6) WIDE_ROW_OF(K_F32, 7) WIDE_ROW_OF(K_F32, 8)
-/* Row blocks of equal rows, ceil(m / ceil(m / WR)) (17 rows: 6, 6, 5 rather than 8, 8, 1): WR - 2 to WR
- * past MR rows, the first block's, which a quantized group's converting tiles cover. */
+/* Row blocks of equal rows (equal_blocks; 17 rows: 6, 6, 5 rather than 8, 8, 1): WR - 2 to WR past MR
+ * rows, the first block's, which a quantized group's converting tiles cover. */
 #define BALANCED 1
 #define FIRST_CASES(F) WIDE_ROW_OF(F, WR - 2) WIDE_ROW_OF(F, WR - 1) WIDE_ROW_OF(F, WR)
 #else
@@ -266,8 +273,8 @@ TILES(K_I8)
 #endif
 /* wide_<format>(rows, np, ...): past MR rows, a block of at most WR rows by np <= WP panels, with its
  * share (rlines lines from rpf) of the next panels to prefetch: float32 at any rows, reading float32
- * panels or the buffer w; a quantized format at WR rows, converting in registers and storing the
- * float32 weights into w for the blocks after it over the same panels. */
+ * panels or the buffer w; a quantized format at a first block's rows (FIRST_CASES), converting in
+ * registers and storing the float32 weights into w for the blocks after it over the same panels. */
 #define WIDE(F, CASES, WOUT)                                                                                 \
     static void wide_##F(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes,    \
                          int k, int g, float *y, int64_t ldy, int cols, const uint8_t *rpf, int64_t rpbytes, \
@@ -493,7 +500,7 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
     if (m > MRB)
         for (; t + WPB <= np; t += WPB) {
             const uint16_t *next = t + 2 * WPB <= np ? p + (t + WPB) * pstride : t + WPB < np ? NULL : pf;
-            const int passes = (m + WRB - 1) / WRB, per = (m + passes - 1) / passes; /* equal blocks */
+            const int passes = (m + WRB - 1) / WRB, per = equal_blocks(m, WRB);
             for (int r = 0, pass = 0; r < m; r += per, pass++) {
                 const int rows = m - r < per ? m - r : per;
                 wide[rows](x + (int64_t)r * k, k, p + t * pstride, pstride, k, y + (int64_t)r * ldy + t * cols, ldy,
@@ -647,7 +654,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     }
 #endif
     if (m > MR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* row blocks of in-register tiles */
-        const int per = (m + (m + MR - 1) / MR - 1) / ((m + MR - 1) / MR);
+        const int per = equal_blocks(m, MR);
         for (int r = 0; r < m; r += per)
             rows_by_panels(s, x + (int64_t)r * k * 4, m - r < per ? m - r : per, k, j, np, y + (int64_t)r * ldy * 4,
                            ldy, cols, r ? NULL : pf, gated);
@@ -666,12 +673,12 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         }
         return;
     }
-    /* Groups of WP panels, each by blocks of WR rows (m > MR >= WR: the first block has WR rows). A
-     * quantized group's first block converts its weights in registers and leaves them in the thread's
+    /* Groups of WP panels, each by blocks of at most WR rows (m > MR: the first block has WR - 2 to WR,
+     * FIRST_CASES). A quantized group's first block converts its weights in registers and leaves them in the thread's
      * buffer as float32 for the other blocks (the same products: the same bits). Every block
      * prefetches its share of the next group's lines, so memory streams while the FMAs run. */
     float *w = s->kind == K_F32 ? NULL : thread_buffer((size_t)WP * k * NR);
-    const int passes = (m + WR - 1) / WR, per = BALANCED ? (m + passes - 1) / passes : WR; /* rows a block */
+    const int passes = (m + WR - 1) / WR, per = BALANCED ? equal_blocks(m, WR) : WR; /* rows a block */
     for (int t = 0; t < np; t += WP) {
         const int n = np - t < WP ? np - t : WP;
         const uint8_t *pt = p + t * pbytes, *next = t + n < np ? pt + n * pbytes : pf;

@@ -115,22 +115,22 @@ def test_c_temperature_draw_inverts_each_rows_cdf(cols):
     u = torch.rand(8, generator=gen)  # [8]
     u[3] = 1.0 - 2.0**-24  # the largest float below 1
     temps = [0.8, 1.0, 0.5, 1.3, 0.8, 2.0, 1.0, 0.7]
-    out = fused_ops.sample(logits, list(range(8)), temps, u)  # [8]
+    out = fused_ops.sample(logits, torch.arange(8), temps, u)  # [8]
     cdf = torch.softmax(logits / torch.tensor(temps).unsqueeze(1), dim=-1).cumsum(-1)  # [8, cols]
     expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     assert torch.equal(out[[0, 1, 2, 4, 5, 6, 7]], expected[[0, 1, 2, 4, 5, 6, 7]])
     assert logits[3, out[3]] > float("-inf") and logits[2, out[2]] > float("-inf")
-    alone = [fused_ops.sample(logits, [r], [temps[r]], u[r : r + 1]) for r in (6, 1, 4)]
+    alone = [fused_ops.sample(logits, torch.tensor([r]), [temps[r]], u[r : r + 1]) for r in (6, 1, 4)]
     assert [int(t) for t in alone] == [int(out[6]), int(out[1]), int(out[4])]
     five = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]]).expand(200_000, 5).contiguous()
-    draws = fused_ops.sample(five, list(range(200_000)), [1.0] * 200_000, torch.rand(200_000, generator=gen))
+    draws = fused_ops.sample(five, torch.arange(200_000), [1.0] * 200_000, torch.rand(200_000, generator=gen))
     freq = torch.bincount(draws, minlength=5) / 200_000
     torch.testing.assert_close(freq, torch.softmax(five[0], dim=0), atol=0.004, rtol=0)
     logits[5, 1] = float("nan")
-    assert fused_ops.sample(logits, [0, 5], [1.0, 1.0], u[:2]) is None
+    assert fused_ops.sample(logits, torch.tensor([0, 5]), [1.0, 1.0], u[:2]) is None
     logits[6] = float("-inf")
-    assert fused_ops.sample(logits, [6], [1.0], u[:1]) is None
-    assert fused_ops.sample(logits.double(), [0], [1.0], u[:1]) is None
+    assert fused_ops.sample(logits, torch.tensor([6]), [1.0], u[:1]) is None
+    assert fused_ops.sample(logits.double(), torch.tensor([0]), [1.0], u[:1]) is None
 
 
 def test_bfloat16_c_chains_round_like_transformers_modules():

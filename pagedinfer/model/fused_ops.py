@@ -172,21 +172,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
 
 
 def sample(
-    logits: torch.Tensor, rows: list[int], temperatures: list[float], uniform: torch.Tensor
+    logits: torch.Tensor, rows: torch.Tensor, temperatures: list[float], uniform: torch.Tensor
 ) -> torch.Tensor | None:
-    """``[len(rows)]`` int64: each of ``logits[rows]`` ``[V]`` tempered, its CDF inverted at ``uniform[i]``
-    in [0, 1) (no top-k, top-p or min-p), in one C call; None where the C loop cannot serve (not a
-    float32 CPU tensor of unit column stride, no compiler) or a row has no finite maximum: the torch
-    ops then run."""
+    """``[R]`` int64: each of ``logits[rows]`` ``[V]`` (``rows`` ``[R]`` int64) tempered, its CDF inverted
+    at ``uniform[i]`` in [0, 1) (no top-k, top-p or min-p), in one C call; None where the C loop cannot
+    serve (not a float32 CPU tensor of unit column stride, no compiler) or a row has no finite maximum:
+    the torch ops then run."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
         return None
-    picks = torch.tensor(rows, dtype=torch.int64)  # [R]
+    picks = rows.to(torch.int64).contiguous()  # [R]
     temps = torch.tensor(temperatures, dtype=torch.float32)  # [R]
     u = uniform.to(torch.float32).contiguous()  # [R]
-    out = torch.empty(len(rows), dtype=torch.int64)  # [R]
+    out = torch.empty(len(picks), dtype=torch.int64)  # [R]
     bad = _library().sample_rows_f32(
         logits.data_ptr(),
-        len(rows),
+        len(picks),
         picks.data_ptr(),
         logits.shape[1],
         logits.stride(0),

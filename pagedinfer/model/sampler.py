@@ -61,8 +61,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], pipeline: LogitsPipeline
         # drawn from each completion's host generator, so a seed gives the same numbers on every device
         gens = [rows[i].generator for i in sampled]
         uniform = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(dev)  # [Rs]
-        filtered = any(params[i].top_k or params[i].top_p < 1.0 or params[i].min_p > 0 for i in sampled)
-        picked = None if filtered else fused_ops.sample(logits, sampled, temperatures, uniform)  # [Rs]
+        filtered = any(_truncates(params[i]) or params[i].min_p > 0 for i in sampled)
+        picked = None if filtered else fused_ops.sample(logits, picks, temperatures, uniform)  # [Rs]
         if picked is None:  # top-k / top-p / min-p, or off the C loop: the same draw as torch ops
             temps = torch.tensor(temperatures, device=dev).unsqueeze(1)  # [Rs, 1]
             tempered = logits.div_(temps) if all_sampled else logits[picks] / temps  # [Rs, V]
@@ -99,13 +99,18 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -
     return out
 
 
+def _truncates(params) -> bool:
+    """Whether top-k or top-p cuts this row's distribution (its sorted logits are needed)."""
+    return bool(params.top_k) or params.top_p < 1.0
+
+
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Unnormalised probabilities after top-k, top-p and min-p, computed in place in ``logits``.
 
     Each filter applies per row; rows without them pay only ``exp(logit - max)``. The CDF
     inversion scales its uniform number by each row's total, so no normalising pass is needed.
     """
-    if any(p.top_k or p.top_p < 1.0 for p in params):
+    if any(_truncates(p) for p in params):
         vocab, dev = logits.shape[-1], logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
         top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)  # [R, 1]
