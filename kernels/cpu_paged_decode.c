@@ -176,6 +176,13 @@ static inline v16 max16(v16 x, v16 m) {
 // rounded to bfloat16 (cpu_vec.h's store8_bf16 and round8_bf16) and stored as such (value t at bytes
 // 2t, 2t + 1: behind the reads); returns what was stored, as float32, for the sum.
 static inline v16 put_probs(float *li, int t, v16 p, int count, int bf16) {
+#ifdef __AVX512BF16__  // one vcvtneps2bf16: the same rounding (p is never NaN or subnormal: FTZ)
+  if (bf16 && count == 16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)p);
+    memcpy((uint16_t *)li + t, &h, sizeof h);
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+  }
+#endif
   if (bf16) {
     uint16_t *pb = (uint16_t *)li + t;
     store8_bf16(pb, lo8(p));
