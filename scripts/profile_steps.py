@@ -113,6 +113,13 @@ def main() -> None:
     clocks.wrap(cpu_kernel, "store_kv", "kv_store")
     clocks.wrap(llm_engine, "sample", "sampler")
     engine = llm.engine
+    # the decoder layers' weights (packed panels hold them outside parameters()): the one-call step's
+    # GEMMs multiply each once per row
+    layer_weights = sum(
+        m.in_features * m.out_features
+        for m in engine.loaded.model.layers.modules()
+        if isinstance(m, (PackedLinear, nn.Linear))
+    )
     steps: list[dict] = []
     step = engine.step
 
@@ -143,9 +150,7 @@ def main() -> None:
             rec["decode_attention"] += c_attention
             rows = len(plan_tokens)
             if c_gemm:  # the one-call step: every layer's GEMMs at ``rows`` rows, lm_head timed apart
-                clocks.flops += (
-                    2 * rows * (sum(p.numel() for p in llm.engine.loaded.model.layers.parameters()))
-                )
+                clocks.flops += 2 * rows * layer_weights
             rec |= {
                 "wall": wall,
                 "flops": clocks.flops,
