@@ -151,21 +151,6 @@ static inline v8 sum_lanes8(const v8 *a) {
 #undef PAIRS
 }
 
-// Task s of `tasks` prefetches its share of the next block's lines: spread over the block's work,
-// the reads of the next block overlap its arithmetic. (Issued all at once ahead of a pass, they
-// filled the core's miss buffers: batch-16 calls 1.4x slower, AMD EPYC Zen 3; prefetching two blocks
-// ahead instead of one, or none, was slower too.)
-static inline void prefetch_share(const char *next, size_t lines, int s, int tasks) {
-  const size_t share = (lines + tasks - 1) / tasks, l0 = s * share;
-  for (size_t i = l0; i < l0 + share && i < lines; ++i) __builtin_prefetch(next + 64 * i, 0, 3);
-}
-
-// The lines a tile of the passes prefetches: tasks [task, task + its 8-row groups) of `tasks`.
-typedef struct {
-  const char *next;
-  size_t lines;
-  int task, tasks;
-} prefetch;
 
 static inline v16 max16(v16 x, v16 m) {
   const v16i gt = x > m;
@@ -236,6 +221,95 @@ typedef struct {
   size_t slot;
   int n, pos, j0, j1;
 } piece;
+
+// The pieces of a group of sequences [s0, *s1) (neighbours whose tables start with the same block,
+// at most gmax; none with a window): the full blocks all of them read whole, once, then each
+// member's own rows block by block. Returns the piece count.
+static int group_pieces(piece *pieces, int s0, int s_end, int *s1_out, int gmax, const int32_t *block_tables,
+                        const int32_t *ctx_lens, int max_blocks, int block_size, int window) {
+  const int32_t *lead = block_tables + (size_t)s0 * max_blocks;
+  int s1 = s0 + 1, min_len = ctx_lens[s0];
+  while (window <= 0 && s1 < s_end && s1 - s0 < gmax && ctx_lens[s1] >= block_size && min_len >= block_size &&
+         block_tables[(size_t)s1 * max_blocks] == lead[0]) {
+    min_len = ctx_lens[s1] < min_len ? ctx_lens[s1] : min_len;
+    ++s1;
+  }
+  const int nm = s1 - s0;
+  int shared = nm > 1 ? min_len / block_size : 0;  // full blocks every member reads whole
+  for (int j = s0 + 1; j < s1; ++j) {
+    const int32_t *table = block_tables + (size_t)j * max_blocks;
+    int b = 0;
+    while (b < shared && table[b] == lead[b]) ++b;
+    shared = b;
+  }
+  int np = 0;
+  for (int b = 0; b < shared; ++b)
+    pieces[np++] = (piece){(size_t)lead[b] * block_size, block_size, b * block_size, 0, nm};
+  for (int j = 0; j < nm; ++j) {  // each member's own blocks, after the shared ones
+    const int s = s0 + j, len = ctx_lens[s];
+    const int first = (window > 0 && len > window) ? len - window : shared * block_size;
+    const int origin = window > 0 && len > window ? first : 0;  // logit position 0
+    const int32_t *table = block_tables + (size_t)s * max_blocks;
+    for (int b = first / block_size; b * block_size < len; ++b) {
+      const int t0 = b * block_size > first ? b * block_size : first;
+      const int t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+      pieces[np++] = (piece){(size_t)table[b] * block_size + t0 % block_size, t1 - t0, t0 - origin, j, j + 1};
+    }
+  }
+  *s1_out = s1;
+  return np;
+}
+
+// The rows the next pass will read, prefetched one pass ahead: the K pass of a group prefetches
+// its V rows, its V pass the next group's K rows, a share of lines at every 8-row group of every
+// tile (ahead_step), so that a whole pass of arithmetic covers the reads. The first group's K pass,
+// which nobody prefetched, prefetches its own pieces after the first, then its V rows. (The engine's
+// calls, their K/V read from memory, took 1.5-1.7x their time over cached rows when each piece
+// prefetched only the next one; docs/kernels.md has the figures.)
+typedef struct {
+  const piece *pieces;
+  int np;
+  const char *base;  // the pool: piece p's rows at base + p.slot * row bytes
+  size_t row;
+} rows_list;
+
+typedef struct {
+  rows_list list[2];      // the lines of list[0], then list[1]
+  int at, e;              // the list and its piece at the cursor
+  size_t line, share;     // the cursor's line in that piece; lines a step
+} ahead;
+
+// The lines of piece p of a list: 64-byte lines from the one holding its first byte.
+static inline const char *first_line(const rows_list *l, const piece *p) {
+  return (const char *)((uintptr_t)(l->base + p->slot * l->row) & ~(uintptr_t)63);
+}
+
+static inline size_t piece_lines(const rows_list *l, const piece *p) {
+  return (size_t)(l->base + (p->slot + p->n) * l->row - first_line(l, p) + 63) / 64;
+}
+
+// A cursor over the lines of `first` then `then`, `steps` steps in all.
+static ahead ahead_of(rows_list first, rows_list then, size_t steps) {
+  size_t lines = 0;
+  for (int e = 0; e < first.np; ++e) lines += piece_lines(&first, first.pieces + e);
+  for (int e = 0; e < then.np; ++e) lines += piece_lines(&then, then.pieces + e);
+  return (ahead){{first, then}, 0, 0, 0, steps ? (lines + steps - 1) / steps : lines};
+}
+
+static inline void ahead_step(ahead *a) {
+  for (size_t left = a->share; left && a->at < 2;) {
+    const rows_list *l = a->list + a->at;
+    if (a->e == l->np) {
+      ++a->at, a->e = 0;
+      continue;
+    }
+    const piece *p = l->pieces + a->e;
+    const char *at = first_line(l, p);
+    const size_t lines = piece_lines(l, p);
+    for (; left && a->line < lines; --left, ++a->line) __builtin_prefetch(at + 64 * a->line, 0, 3);
+    if (a->line == lines) ++a->e, a->line = 0;
+  }
+}
 
 // Query heads of one KV head that share each load of a K/V row chunk (a "tile"): with AVX-512's 32
 // vector registers, 3 heads x 8 rows of logit accumulators + 3 query chunks fit, and a 16-bit pool

@@ -119,11 +119,11 @@ static inline __attribute__((always_inline)) v16 FN(k_tail)(const ROW *p, int le
 static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
                                                                   int head_dim, float scale, float *li,
                                                                   int lstride, const KROW *k, int n,
-                                                                  size_t k_row, prefetch pf) {
+                                                                  size_t k_row, ahead *pf) {
   const int full = head_dim / LOGIT_CHUNK, left = head_dim % LOGIT_CHUNK, at = LOGIT_CHUNK * full;
   int t = 0;
   for (; t + 8 <= n; t += 8) {
-    prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+    ahead_step(pf);
     v8 s[HEAD_TILE][8];
     for (int r0 = 0; r0 < 8; r0 += LOGIT_ROWS) {
       v16 d[HEAD_TILE][LOGIT_ROWS];
@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
       memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
     }
   }
-  if (t < n) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+  if (t < n) ahead_step(pf);
   for (; t < n; ++t) {
     v16 d[HEAD_TILE];
     for (int h = 0; h < G; ++h) d[h] = (v16){0};
@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void FN(values_chunks)(const int G,
 static inline __attribute__((always_inline)) void FN(tile_values)(const int G, float *acc, int head_dim_v,
                                                                   const float *p, int lstride,
                                                                   const ROW *v, int n, size_t v_row,
-                                                                  prefetch pf) {
-  for (int t = 0; t < n; t += 8) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+                                                                  ahead *pf) {
+  for (int t = 0; t < n; t += 8) ahead_step(pf);
   const int vc2 = head_dim_v / 16;
   int c0 = 0;
   for (; HEAD_TILE > 1 && c0 + 8 <= vc2; c0 += 8)
@@ -233,8 +233,8 @@ static inline __attribute__((always_inline)) float FN(prob)(const uint16_t *p, s
 static inline __attribute__((always_inline)) void FN(tile_values_bf16)(const int G, float *acc, int head_dim_v,
                                                                        const uint16_t *p, size_t pstride,
                                                                        const uint16_t *raw, const ROW *v, int n,
-                                                                       size_t v_row, prefetch pf) {
-  for (int t = 0; t < n; t += 8) prefetch_share(pf.next, pf.lines, pf.task + t / 8, pf.tasks);
+                                                                       size_t v_row, ahead *pf) {
+  for (int t = 0; t < n; t += 8) ahead_step(pf);
 #if defined(__AVX512BF16__)
   if (PAIRED_V(head_dim_v)) {
     (void)v;
@@ -303,36 +303,37 @@ static inline void pairs_order(float *a, int head_dim_v) {
 }
 #endif
 
+// The prefetch steps of a pass over pieces[0, np): one per 8-row group of every tile.
+static size_t FN(pass_steps)(const piece *pieces, int np, int num_heads, int g) {
+  size_t steps = 0;
+  for (int e = 0; e < np; ++e)
+    steps += (size_t)(pieces[e].j1 - pieces[e].j0) * (num_heads / g) * ((g + HEAD_TILE - 1) / HEAD_TILE) *
+             ((pieces[e].n + 7) / 8);
+  return steps;
+}
+
 // One pass over every piece of a group's context: its K rows into the logit rows (values = 0), or
 // its V rows into the accumulators (values = 1), tile by tile (state j * num_heads + i: query head
-// i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head). The next piece's
-// lines are prefetched during each piece, each tile its share, and after the last one the first
-// piece's lines in `then` (the V pool after the K pass; NULL: none).
-static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, const ELEM *then,
+// i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head), stepping `next` (the
+// next pass's rows) as it goes. cold: nobody prefetched the first piece (the first group's K pass).
+static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, ahead *next, int cold,
                      size_t row, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
                      v8 *acc, float *logits, int head_dim, float *wide, float scale) {
-  const int tiles_per_kv = (g + HEAD_TILE - 1) / HEAD_TILE;
   for (int e = 0; e < np; ++e) {
     const piece *pc = pieces + e;
-    const ELEM *next = e + 1 < np ? cache + pc[1].slot * row : then ? then + pieces->slot * row : NULL;
-    const int next_n = e + 1 < np ? pc[1].n : then ? pieces->n : 0;
-    const size_t next_lines = ((size_t)next_n * row * sizeof(ELEM) + 63) / 64;
     const ELEM *raw = cache + pc->slot * row;
     const ROW *rows = NULL;
 #ifdef DOT_BF16  // the K pass reads the pool's own rows (pair dot products)
     if (!values) {
-      if (e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
+      if (cold && e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
     } else
 #endif
-      rows = FN(rows_of)(raw, (size_t)pc->n * row, e > 0, wide);
-    const int groups = (pc->n + 7) / 8;  // of 8 rows: each tile prefetches a share per group
-    const int tasks = (pc->j1 - pc->j0) * (num_heads / g) * tiles_per_kv * groups;
-    for (int s = pc->j0 * num_heads, tile = 0; s < pc->j1 * num_heads; ++tile) {
+      rows = FN(rows_of)(raw, (size_t)pc->n * row, !cold || e > 0, wide);
+    for (int s = pc->j0 * num_heads; s < pc->j1 * num_heads;) {
       const int in_kv = s % num_heads % g, left = g - in_kv;
       const int G = left < HEAD_TILE ? left : HEAD_TILE;
       const size_t at = (size_t)(s % num_heads / g) * head_dim;  // this KV head's first value in a row
       float *li = logits + (size_t)s * lstride + pc->pos;
-      const prefetch pf = {(const char *)next, next_lines, tile * groups, tasks};
       float *a = (float *)(acc + s * vc);
       const float *qh = (const float *)(qs + s * kc);
       if (values) {
@@ -340,13 +341,13 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
 #ifdef DOT_BF16  // probabilities as bfloat16: 2 * lstride values apart
         const uint16_t *pb = (const uint16_t *)(logits + (size_t)s * lstride) + pc->pos, *vb = raw + at;
         const size_t pst = (size_t)lstride * 2;
-        if (G == HEAD_TILE) FN(tile_values_bf16)(HEAD_TILE, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
-        else if (G == 2) FN(tile_values_bf16)(2, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
-        else FN(tile_values_bf16)(1, a, head_dim, pb, pst, vb, kv, pc->n, row, pf);
+        if (G == HEAD_TILE) FN(tile_values_bf16)(HEAD_TILE, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
+        else if (G == 2) FN(tile_values_bf16)(2, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
+        else FN(tile_values_bf16)(1, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
 #else
-        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, a, head_dim, li, lstride, kv, pc->n, row, pf);
-        else if (G == 2) FN(tile_values)(2, a, head_dim, li, lstride, kv, pc->n, row, pf);
-        else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, pf);
+        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, a, head_dim, li, lstride, kv, pc->n, row, next);
+        else if (G == 2) FN(tile_values)(2, a, head_dim, li, lstride, kv, pc->n, row, next);
+        else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, next);
 #endif
       } else {
 #ifdef DOT_BF16  // queries as stored (kc * 16 values apart), the pool's own rows; the logits scaled
@@ -361,9 +362,9 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
         const float sc = 1.f;
         (void)scale;
 #endif
-        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
-        else if (G == 2) FN(tile_logits)(2, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
-        else FN(tile_logits)(1, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, pf);
+        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
+        else if (G == 2) FN(tile_logits)(2, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
+        else FN(tile_logits)(1, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
       }
       s += G;
     }
@@ -401,45 +402,20 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
 #else
   const size_t wide_floats = 0;
 #endif
+  const size_t piece_max = (size_t)gmax * max_blocks;  // a group's pieces: each member's blocks, at most
   const size_t bytes = (size_t)states_max * ((kc + vc) * sizeof(v8) + lstride * sizeof(float)) +
-                       (size_t)gmax * max_blocks * sizeof(piece) + wide_floats * sizeof(float);
+                       2 * piece_max * sizeof(piece) + wide_floats * sizeof(float);
   char *mem = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
   if (!mem) abort();  // no way to report from here; about a megabyte at the shapes served
   v8 *qs = (v8 *)mem, *acc = qs + (size_t)states_max * kc;
   float *logits = (float *)(acc + (size_t)states_max * vc);
-  piece *pieces = (piece *)(logits + (size_t)states_max * lstride);
-  float *wide = (float *)(pieces + (size_t)gmax * max_blocks);
-  for (int s0 = s_begin; s0 < s_end;) {
-    const int32_t *lead = block_tables + (size_t)s0 * max_blocks;
-    int s1 = s0 + 1, min_len = ctx_lens[s0];
-    while (window <= 0 && s1 < s_end && s1 - s0 < gmax && ctx_lens[s1] >= block_size &&
-           min_len >= block_size && block_tables[(size_t)s1 * max_blocks] == lead[0]) {
-      min_len = ctx_lens[s1] < min_len ? ctx_lens[s1] : min_len;
-      ++s1;
-    }
+  piece *pieces = (piece *)(logits + (size_t)states_max * lstride), *next_pieces = pieces + piece_max;
+  float *wide = (float *)(next_pieces + piece_max);
+  const size_t k_bytes = k_row * sizeof(ELEM), v_bytes = v_row * sizeof(ELEM);
+  int s1, np = group_pieces(pieces, s_begin, s_end, &s1, gmax, block_tables, ctx_lens, max_blocks, block_size,
+                            window);
+  for (int s0 = s_begin, cold = 1; s0 < s_end; cold = 0) {
     const int nm = s1 - s0;
-    int shared = nm > 1 ? min_len / block_size : 0;  // full blocks every member reads whole
-    for (int j = s0 + 1; j < s1; ++j) {
-      const int32_t *table = block_tables + (size_t)j * max_blocks;
-      int b = 0;
-      while (b < shared && table[b] == lead[b]) ++b;
-      shared = b;
-    }
-    int np = 0;
-    for (int b = 0; b < shared; ++b)
-      pieces[np++] = (piece){(size_t)lead[b] * block_size, block_size, b * block_size, 0, nm};
-    for (int j = 0; j < nm; ++j) {  // each member's own blocks, after the shared ones
-      const int s = s0 + j, len = ctx_lens[s];
-      const int first = (window > 0 && len > window) ? len - window : shared * block_size;
-      const int origin = window > 0 && len > window ? first : 0;  // logit position 0
-      const int32_t *table = block_tables + (size_t)s * max_blocks;
-      for (int b = first / block_size; b * block_size < len; ++b) {
-        const int t0 = b * block_size > first ? b * block_size : first;
-        const int t1 = (b + 1) * block_size < len ? (b + 1) * block_size : len;
-        pieces[np++] = (piece){(size_t)table[b] * block_size + t0 % block_size, t1 - t0,
-                                   t0 - origin, j, j + 1};
-      }
-    }
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;
@@ -451,7 +427,10 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
 #endif
         for (int c = 0; c < vc; ++c) acc[st * vc + c] = (v8){0};
       }
-    FN(pass)(0, pieces, np, k_cache, v_cache, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
+    const rows_list own_k = {pieces + 1, cold ? np - 1 : 0, (const char *)k_cache, k_bytes};
+    const rows_list own_v = {pieces, np, (const char *)v_cache, v_bytes};
+    ahead next = ahead_of(own_k, own_v, FN(pass_steps)(pieces, np, num_heads, g));
+    FN(pass)(0, pieces, np, k_cache, &next, cold, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
              head_dim, wide, scale);
     float denom[nm * num_heads];
     for (int j = 0; j < nm; ++j) {
@@ -462,7 +441,13 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
         if (sinks) denom[st] += expf(sinks[i] - m);
       }
     }
-    FN(pass)(1, pieces, np, v_cache, NULL, v_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
+    int s2 = s1, next_np = 0;  // the next group, its K rows prefetched during this V pass
+    if (s1 < s_end)
+      next_np = group_pieces(next_pieces, s1, s_end, &s2, gmax, block_tables, ctx_lens, max_blocks, block_size,
+                             window);
+    const rows_list next_k = {next_pieces, next_np, (const char *)k_cache, k_bytes}, none = {NULL, 0, NULL, 0};
+    next = ahead_of(next_k, none, FN(pass_steps)(pieces, np, num_heads, g));
+    FN(pass)(1, pieces, np, v_cache, &next, 0, v_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
              head_dim_v, wide, scale);
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
@@ -474,7 +459,9 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
 #endif
         for (int c = 0; c < vc; ++c) QSTORE8(dst + 8 * c, acc[st * vc + c] * inv);
       }
-    s0 = s1;
+    piece *const done = pieces;
+    pieces = next_pieces, next_pieces = done, np = next_np;
+    s0 = s1, s1 = s2;
   }
   free(mem);
 #if defined(DOT_BF16) && (defined(__x86_64__) || defined(__i386__))
