@@ -120,8 +120,12 @@ static inline float hsum8(v8 v) {
 typedef int32_t v16i __attribute__((vector_size(64)));
 static inline v16 exp16_nonpos(v16 x) {
   const v16 lo = (v16){0} - 87.3f;
+#ifdef __AVX512F__  // lanes below lo zeroed by the mask of the last step, 2^n applied by vscalefps
+  const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, (__m512)lo, _CMP_NLT_UQ);
+#else
   const v16i under = x < lo;
   x = (v16)(((v16i)x & ~under) | ((v16i)lo & under));
+#endif
   const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round to nearest, x <= 0
   const v16 nf = __builtin_convertvector(n, v16);
   const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
@@ -132,8 +136,12 @@ static inline v16 exp16_nonpos(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
+#ifdef __AVX512F__
+  return (v16)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);  // p 2^n: exact, as the product
+#else
   const v16 scale = (v16)((n + 127) << 23);  // 2^n
   return (v16)((v16i)(p * scale) & ~under);
+#endif
 }
 
 // Lane j of the result is the sum of the 8 lanes of a[j]: 8 dot products finished at once.
