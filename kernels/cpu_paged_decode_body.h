@@ -230,6 +230,54 @@ static inline __attribute__((always_inline)) float FN(prob)(const uint16_t *p, s
   return f;
 }
 
+#if defined(__AVX512BF16__)
+// CB chunks of 32 columns from c (two accumulators each a head), each broadcast probability pair
+// serving all CB: one chunk at a time had broadcast every pair again for each chunk.
+static inline __attribute__((always_inline)) void FN(values_pairs)(const int G, const int CB, float *acc,
+                                                                   int head_dim_v, int c, const uint16_t *p,
+                                                                   size_t pstride, const uint16_t *raw, int n,
+                                                                   size_t v_row) {
+  __m512 o[HEAD_TILE][2 * 2];
+  for (int h = 0; h < G; ++h)
+    for (int x = 0; x < 2 * CB; ++x) o[h][x] = _mm512_loadu_ps(acc + h * head_dim_v + 32 * c + 16 * x);
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m512bh lo[2], hi[2];
+    for (int b = 0; b < CB; ++b) {
+      const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * (c + b));
+      const __m512i r1 = _mm512_loadu_si512(raw + (t + 1) * v_row + 32 * (c + b));
+      lo[b] = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi[b] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int h = 0; h < G; ++h) {
+      uint32_t pair;
+      memcpy(&pair, p + h * pstride + t, sizeof pair);
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int b = 0; b < CB; ++b) {
+        o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], lo[b], pp);
+        o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], hi[b], pp);
+      }
+    }
+  }
+  if (t < n) {  // a last row alone: paired with zeros
+    const __m512i z = _mm512_setzero_si512();
+    __m512bh lo[2], hi[2];
+    for (int b = 0; b < CB; ++b) {
+      const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * (c + b));
+      lo[b] = (__m512bh)_mm512_unpacklo_epi16(r0, z), hi[b] = (__m512bh)_mm512_unpackhi_epi16(r0, z);
+    }
+    for (int h = 0; h < G; ++h) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)p[h * pstride + t]);
+      for (int b = 0; b < CB; ++b) {
+        o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], lo[b], pp);
+        o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], hi[b], pp);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int x = 0; x < 2 * CB; ++x) _mm512_storeu_ps(acc + h * head_dim_v + 32 * c + 16 * x, o[h][x]);
+}
+#endif
+
 static inline __attribute__((always_inline)) void FN(tile_values_bf16)(const int G, float *acc, int head_dim_v,
                                                                        const uint16_t *p, size_t pstride,
                                                                        const uint16_t *raw, const ROW *v, int n,
@@ -238,35 +286,10 @@ static inline __attribute__((always_inline)) void FN(tile_values_bf16)(const int
 #if defined(__AVX512BF16__)
   if (PAIRED_V(head_dim_v)) {
     (void)v;
-    for (int c = 0; c < head_dim_v / 32; ++c) {  // 32 columns: two accumulators a head
-      __m512 o[HEAD_TILE][2];
-      for (int h = 0; h < G; ++h)
-        for (int x = 0; x < 2; ++x) o[h][x] = _mm512_loadu_ps(acc + h * head_dim_v + 32 * c + 16 * x);
-      int t = 0;
-      for (; t + 2 <= n; t += 2) {
-        const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * c);
-        const __m512i r1 = _mm512_loadu_si512(raw + (t + 1) * v_row + 32 * c);
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-        for (int h = 0; h < G; ++h) {
-          uint32_t pair;
-          memcpy(&pair, p + h * pstride + t, sizeof pair);
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-          o[h][0] = _mm512_dpbf16_ps(o[h][0], lo, pp);
-          o[h][1] = _mm512_dpbf16_ps(o[h][1], hi, pp);
-        }
-      }
-      if (t < n) {  // a last row alone: paired with zeros
-        const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * c), z = _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, z), hi = (__m512bh)_mm512_unpackhi_epi16(r0, z);
-        for (int h = 0; h < G; ++h) {
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)p[h * pstride + t]);
-          o[h][0] = _mm512_dpbf16_ps(o[h][0], lo, pp);
-          o[h][1] = _mm512_dpbf16_ps(o[h][1], hi, pp);
-        }
-      }
-      for (int h = 0; h < G; ++h)
-        for (int x = 0; x < 2; ++x) _mm512_storeu_ps(acc + h * head_dim_v + 32 * c + 16 * x, o[h][x]);
-    }
+    const int chunks = head_dim_v / 32;
+    int c = 0;
+    for (; c + 2 <= chunks; c += 2) FN(values_pairs)(G, 2, acc, head_dim_v, c, p, pstride, raw, n, v_row);
+    if (c < chunks) FN(values_pairs)(G, 1, acc, head_dim_v, c, p, pstride, raw, n, v_row);
     return;
   }
 #endif
