@@ -231,6 +231,28 @@ static inline __attribute__((always_inline)) float FN(prob)(const uint16_t *p, s
 }
 
 #if defined(__AVX512BF16__)
+// o[h] += head h's probabilities at t and t + 1 (p[h * pstride], p[h * pstride + 1]) times rows t and
+// t + 1 (at r, v_row apart) of CB chunks of 32 columns; two = 0: row t alone, paired with zeros.
+static inline __attribute__((always_inline)) void FN(pairs_step)(const int G, const int CB, const int two,
+                                                                 __m512 (*o)[4], const uint16_t *r, size_t v_row,
+                                                                 const uint16_t *p, size_t pstride) {
+  __m512bh lo[2], hi[2];
+  for (int b = 0; b < CB; ++b) {
+    const __m512i x0 = _mm512_loadu_si512(r + 32 * b);
+    const __m512i x1 = two ? _mm512_loadu_si512(r + v_row + 32 * b) : _mm512_setzero_si512();
+    lo[b] = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi[b] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+  }
+  for (int h = 0; h < G; ++h) {
+    uint32_t pair = p[h * pstride];  // p[t] low, p[t + 1] high
+    if (two) memcpy(&pair, p + h * pstride, sizeof pair);
+    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+    for (int b = 0; b < CB; ++b) {
+      o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], lo[b], pp);
+      o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], hi[b], pp);
+    }
+  }
+}
+
 // CB chunks of 32 columns from c (two accumulators each a head), each broadcast probability pair
 // serving all CB: one chunk at a time had broadcast every pair again for each chunk.
 static inline __attribute__((always_inline)) void FN(values_pairs)(const int G, const int CB, float *acc,
@@ -241,38 +263,8 @@ static inline __attribute__((always_inline)) void FN(values_pairs)(const int G, 
   for (int h = 0; h < G; ++h)
     for (int x = 0; x < 2 * CB; ++x) o[h][x] = _mm512_loadu_ps(acc + h * head_dim_v + 32 * c + 16 * x);
   int t = 0;
-  for (; t + 2 <= n; t += 2) {
-    __m512bh lo[2], hi[2];
-    for (int b = 0; b < CB; ++b) {
-      const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * (c + b));
-      const __m512i r1 = _mm512_loadu_si512(raw + (t + 1) * v_row + 32 * (c + b));
-      lo[b] = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi[b] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-    }
-    for (int h = 0; h < G; ++h) {
-      uint32_t pair;
-      memcpy(&pair, p + h * pstride + t, sizeof pair);
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-      for (int b = 0; b < CB; ++b) {
-        o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], lo[b], pp);
-        o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], hi[b], pp);
-      }
-    }
-  }
-  if (t < n) {  // a last row alone: paired with zeros
-    const __m512i z = _mm512_setzero_si512();
-    __m512bh lo[2], hi[2];
-    for (int b = 0; b < CB; ++b) {
-      const __m512i r0 = _mm512_loadu_si512(raw + t * v_row + 32 * (c + b));
-      lo[b] = (__m512bh)_mm512_unpacklo_epi16(r0, z), hi[b] = (__m512bh)_mm512_unpackhi_epi16(r0, z);
-    }
-    for (int h = 0; h < G; ++h) {
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)p[h * pstride + t]);
-      for (int b = 0; b < CB; ++b) {
-        o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], lo[b], pp);
-        o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], hi[b], pp);
-      }
-    }
-  }
+  for (; t + 2 <= n; t += 2) FN(pairs_step)(G, CB, 1, o, raw + t * v_row + 32 * c, v_row, p + t, pstride);
+  if (t < n) FN(pairs_step)(G, CB, 0, o, raw + t * v_row + 32 * c, v_row, p + t, pstride);
   for (int h = 0; h < G; ++h)
     for (int x = 0; x < 2 * CB; ++x) _mm512_storeu_ps(acc + h * head_dim_v + 32 * c + 16 * x, o[h][x]);
 }
@@ -452,7 +444,8 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
       }
     const rows_list own_k = {pieces + 1, cold ? np - 1 : 0, (const char *)k_cache, k_bytes};
     const rows_list own_v = {pieces, np, (const char *)v_cache, v_bytes};
-    ahead next = ahead_of(own_k, own_v, FN(pass_steps)(pieces, np, num_heads, g));
+    const size_t steps = FN(pass_steps)(pieces, np, num_heads, g);  // of each of the group's two passes
+    ahead next = ahead_of(own_k, own_v, steps);
     FN(pass)(0, pieces, np, k_cache, &next, cold, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
              head_dim, wide, scale);
     float denom[nm * num_heads];
@@ -469,7 +462,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
       next_np = group_pieces(next_pieces, s1, s_end, &s2, gmax, block_tables, ctx_lens, max_blocks, block_size,
                              window);
     const rows_list next_k = {next_pieces, next_np, (const char *)k_cache, k_bytes}, none = {NULL, 0, NULL, 0};
-    next = ahead_of(next_k, none, FN(pass_steps)(pieces, np, num_heads, g));
+    next = ahead_of(next_k, none, steps);
     FN(pass)(1, pieces, np, v_cache, &next, 0, v_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
              head_dim_v, wide, scale);
     for (int j = 0; j < nm; ++j)
