@@ -167,6 +167,253 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
 #undef Q_TAIL
 #undef DOT
 
+#if defined(DOT_BF16) && defined(__AVX512BF16__)
+// Runs of shared blocks (blocks every member of a group reads whole: the prompt of n completions, a
+// common prefix) in layouts that serve many query heads at once, the same products and sums in the
+// same order as tile_logits and values_pairs, so the same bits (a sequence served with others still
+// equals itself alone). Up to SHARED_ROWS rows of a KV head at a time:
+// - K transposed into pairs across rows (kt: pair p of rows 16i .. 16i + 15 in one vector, a row a
+//   lane): a query head multiplies a broadcast pair of its own into 16 rows at once, with no
+//   horizontal sums (which took most of tile_logits' time: shuffles, and spills of its 24
+//   accumulators); lane l of tile_logits' sums (pairs l, l + 16, ...) is vector l here, lane l + 8 is
+//   added to it (lo8 + hi8), then sum_lanes8's tree over the 8 lanes.
+// - V rows unpacked once into the pairs pairs_step forms, each pair of rows then serving the 4
+//   accumulators of SHARED_STATES query heads (24 chains in flight, where a tile of 3 heads left the
+//   multiply-adds waiting on their own latency).
+// The transposes and the unpacking pay where many heads share them: SHARED_MEMBERS members or more
+// (docs/kernels.md has the figures).
+#define SHARED_ROWS 64
+#define SHARED_STATES 6
+#define SHARED_MEMBERS 8
+
+// The shared pieces from e on taken as one run (0: none, piece e goes through the tiles): a head
+// size of 64 or 128, rows a multiple of 16, at most SHARED_ROWS, read by the same SHARED_MEMBERS or
+// more members.
+static int FN(shared_run)(const piece *pieces, int e, int np, int head_dim) {
+  if (head_dim != 64 && head_dim != 128) return 0;
+  const piece *first = pieces + e;
+  int count = 0, rows = 0;
+  for (const piece *p = first; e + count < np; ++p, ++count) {
+    if (p->j1 - p->j0 < SHARED_MEMBERS || p->j0 != first->j0 || p->j1 != first->j1 || p->n % 16 ||
+        p->pos != first->pos + rows || rows + p->n > SHARED_ROWS)
+      break;
+    rows += p->n;
+  }
+  return count;
+}
+
+static int FN(run_rows)(const piece *run, int count) {
+  int rows = 0;
+  for (int i = 0; i < count; ++i) rows += run[i].n;
+  return rows;
+}
+
+// n rows (a multiple of 16; k_row values apart, head_dim values each) into kt: pair p of rows
+// [16i, 16i + 16) at kt[i * head_dim / 2 + p], 16 x 16 pairs at a time.
+static void FN(transpose_k)(__m512i *kt, const uint16_t *k, int n, size_t k_row, int head_dim) {
+  const int pairs = head_dim / 2;
+  for (int i = 0; i < n / 16; ++i, kt += pairs)
+    for (int c = 0; c < pairs; c += 16) {
+      __m512i x[16], y[16];
+      for (int r = 0; r < 16; ++r) x[r] = _mm512_loadu_si512(k + (16 * i + r) * k_row + 2 * c);
+      for (int r = 0; r < 16; r += 2) {  // 128-bit lane L: pairs 4L, 4L + 1 (lo), 4L + 2, 4L + 3 (hi)
+        y[r] = _mm512_unpacklo_epi32(x[r], x[r + 1]);
+        y[r + 1] = _mm512_unpackhi_epi32(x[r], x[r + 1]);
+      }
+      for (int r = 0; r < 16; r += 4) {  // x[r + j]: pair 4L + j of rows r .. r + 3 in lane L
+        x[r] = _mm512_unpacklo_epi64(y[r], y[r + 2]);
+        x[r + 1] = _mm512_unpackhi_epi64(y[r], y[r + 2]);
+        x[r + 2] = _mm512_unpacklo_epi64(y[r + 1], y[r + 3]);
+        x[r + 3] = _mm512_unpackhi_epi64(y[r + 1], y[r + 3]);
+      }
+      for (int j = 0; j < 4; ++j) {  // lane L of rows 0-3, 4-7, 8-11, 12-15 side by side
+        const __m512i a0 = _mm512_shuffle_i32x4(x[j], x[4 + j], 0x44), a1 = _mm512_shuffle_i32x4(x[j], x[4 + j], 0xee);
+        const __m512i b0 = _mm512_shuffle_i32x4(x[8 + j], x[12 + j], 0x44);
+        const __m512i b1 = _mm512_shuffle_i32x4(x[8 + j], x[12 + j], 0xee);
+        kt[c + j] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+        kt[c + 4 + j] = _mm512_shuffle_i32x4(a0, b0, 0xdd);
+        kt[c + 8 + j] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+        kt[c + 12 + j] = _mm512_shuffle_i32x4(a1, b1, 0xdd);
+      }
+    }
+}
+
+// acc += the pair products of q and the transposed rows at m, m read as vdpbf16ps' memory operand
+// (GCC 12 loads it into a register first: 0.58 against 0.42 TSC cycles a product, Zen 5).
+#define DOT_MEM(acc, q, m) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(q), "m"(m))
+
+// Lanes l and l + 8 of tile_logits' sums, added, for one query head (q: its pairs) over R groups of
+// 16 transposed rows, CH chunks of 32 values a row: e[r] lane i for row 16r + i.
+static inline __attribute__((always_inline)) void FN(lanes_shared)(const int R, const int CH, __m512 *e, int l,
+                                                                   const uint32_t *q, const __m512i *kt) {
+  __m512 a[SHARED_ROWS / 16], b[SHARED_ROWS / 16];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps(), b[r] = _mm512_setzero_ps();
+  for (int c = 0; c < CH; ++c) {  // independent products side by side, each chain in chunk order
+    const __m512bh qa = (__m512bh)_mm512_set1_epi32((int)q[16 * c + l]);
+    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[16 * c + l + 8]);
+    for (int r = 0; r < R; ++r) DOT_MEM(a[r], qa, kt[16 * CH * r + 16 * c + l]);
+    for (int r = 0; r < R; ++r) DOT_MEM(b[r], qb, kt[16 * CH * r + 16 * c + l + 8]);
+  }
+  for (int r = 0; r < R; ++r) e[r] = _mm512_add_ps(a[r], b[r]);
+}
+
+// One query head's logits over R x 16 transposed rows: li[t] as tile_logits writes them.
+static inline __attribute__((always_inline)) void FN(logits_shared)(const int R, const int CH, const uint32_t *q,
+                                                                    float scale, float *li, const __m512i *kt) {
+  __m512 e[SHARED_ROWS / 16], x[SHARED_ROWS / 16], y[SHARED_ROWS / 16], z[SHARED_ROWS / 16];
+  // sum_lanes8's tree, lane by lane: ((0 1)(2 3))((4 5)(6 7)); written out (as two loops GCC spilled
+  // more of the accumulators: W3-shaped calls 5-8% slower)
+  FN(lanes_shared)(R, CH, e, 0, q, kt);
+  for (int r = 0; r < R; ++r) x[r] = e[r];
+  FN(lanes_shared)(R, CH, e, 1, q, kt);
+  for (int r = 0; r < R; ++r) x[r] = _mm512_add_ps(x[r], e[r]);
+  FN(lanes_shared)(R, CH, e, 2, q, kt);
+  for (int r = 0; r < R; ++r) y[r] = e[r];
+  FN(lanes_shared)(R, CH, e, 3, q, kt);
+  for (int r = 0; r < R; ++r) x[r] = _mm512_add_ps(x[r], _mm512_add_ps(y[r], e[r]));
+  FN(lanes_shared)(R, CH, e, 4, q, kt);
+  for (int r = 0; r < R; ++r) y[r] = e[r];
+  FN(lanes_shared)(R, CH, e, 5, q, kt);
+  for (int r = 0; r < R; ++r) y[r] = _mm512_add_ps(y[r], e[r]);
+  FN(lanes_shared)(R, CH, e, 6, q, kt);
+  for (int r = 0; r < R; ++r) z[r] = e[r];
+  FN(lanes_shared)(R, CH, e, 7, q, kt);
+  for (int r = 0; r < R; ++r) {
+    const __m512 sum = _mm512_add_ps(x[r], _mm512_add_ps(y[r], _mm512_add_ps(z[r], e[r])));
+    _mm512_storeu_ps(li + 16 * r, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+  }
+}
+
+// Pass 2's pairs of V rows (vt: pair p, chunk c of 32 columns: lo then hi as pairs_step forms them)
+// into the accumulators of S query heads (states; their bfloat16 probabilities from logit position
+// pos), CH chunks a row, 64 columns at a time; the prefetch steps spread over the pairs (a tile's
+// at once filled the miss buffers: over K/V from memory 5% slower than the tiles, 16 prompts x 4).
+static inline __attribute__((always_inline)) void FN(values_shared)(const int S, const int CH, v8 *acc,
+                                                                    const int *states, const float *logits,
+                                                                    int lstride, int pos, const __m512i *vt,
+                                                                    int pairs, int vc, ahead *pf, int steps) {
+  const int per = CH / 2 * pairs;  // iterations of the pair loop
+  int owed = 0;
+  for (int c = 0; c < CH; c += 2) {
+    __m512 o[SHARED_STATES][4];
+    const uint16_t *pb[SHARED_STATES];
+    for (int m = 0; m < S; ++m) {
+      float *a = (float *)(acc + (size_t)states[m] * vc) + 32 * c;
+      for (int x = 0; x < 4; ++x) o[m][x] = _mm512_loadu_ps(a + 16 * x);
+      pb[m] = (const uint16_t *)(logits + (size_t)states[m] * lstride) + pos;
+    }
+    for (int p = 0; p < pairs; ++p) {
+      const __m512i *v = vt + ((size_t)p * CH + c) * 2;
+      const __m512bh v0 = (__m512bh)v[0], v1 = (__m512bh)v[1], v2 = (__m512bh)v[2], v3 = (__m512bh)v[3];
+      for (int m = 0; m < S; ++m) {
+        uint32_t pair;  // the probabilities of rows 2p (low) and 2p + 1 (high)
+        memcpy(&pair, pb[m] + 2 * p, sizeof pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+        o[m][0] = _mm512_dpbf16_ps(o[m][0], v0, pp);
+        o[m][1] = _mm512_dpbf16_ps(o[m][1], v1, pp);
+        o[m][2] = _mm512_dpbf16_ps(o[m][2], v2, pp);
+        o[m][3] = _mm512_dpbf16_ps(o[m][3], v3, pp);
+      }
+      for (owed += steps; owed >= per; owed -= per) ahead_step(pf);
+    }
+    for (int m = 0; m < S; ++m) {
+      float *a = (float *)(acc + (size_t)states[m] * vc) + 32 * c;
+      for (int x = 0; x < 4; ++x) _mm512_storeu_ps(a + 16 * x, o[m][x]);
+    }
+  }
+}
+
+// Each shape compiled apart: inlined into one caller, GCC 12 spilled their accumulators (the
+// transposed logits then no faster than tile_logits').
+typedef void (*FN(logits_fn))(const uint32_t *q, float scale, float *li, const __m512i *kt);
+typedef void (*FN(values_fn))(v8 *acc, const int *states, const float *logits, int lstride, int pos,
+                              const __m512i *vt, int pairs, int vc, ahead *pf, int steps);
+#define SHAPE(R, CH)                                                                                        \
+  static __attribute__((noinline)) void FN(logits_shared_##R##_##CH)(const uint32_t *q, float scale, float *li, \
+                                                                      const __m512i *kt) {                 \
+    FN(logits_shared)(R, CH, q, scale, li, kt);                                                              \
+  }
+SHAPE(1, 2)
+SHAPE(2, 2)
+SHAPE(3, 2)
+SHAPE(4, 2)
+SHAPE(1, 4)
+SHAPE(2, 4)
+SHAPE(3, 4)
+SHAPE(4, 4)
+#undef SHAPE
+#define SHAPE(S, CH)                                                                                        \
+  static __attribute__((noinline)) void FN(values_shared_##S##_##CH)(v8 *acc, const int *states,             \
+                                                                      const float *logits, int lstride,      \
+                                                                      int pos, const __m512i *vt, int pairs, \
+                                                                      int vc, ahead *pf, int steps) {        \
+    FN(values_shared)(S, CH, acc, states, logits, lstride, pos, vt, pairs, vc, pf, steps);                   \
+  }
+SHAPE(1, 2)
+SHAPE(6, 2) /* SHARED_STATES */
+SHAPE(1, 4)
+SHAPE(6, 4)
+#undef SHAPE
+
+// Pass 1 over a run (shared_run's): per KV head, its rows transposed into kt, then every member's
+// query heads of it; the prefetch stepped as the tiles step it (one step per 8 rows of each tile of
+// HEAD_TILE heads), a member's at a time.
+static void FN(shared_logits)(const piece *run, int count, const uint16_t *cache, size_t row, int num_heads, int g,
+                              int kc, int lstride, const v8 *qs, float *logits, int head_dim, __m512i *kt,
+                              float scale, ahead *next) {
+  const int rows = FN(run_rows)(run, count), pairs = head_dim / 2;
+  const int steps = (g + HEAD_TILE - 1) / HEAD_TILE * (rows / 8);
+  const FN(logits_fn) shapes[2][4] = {
+      {FN(logits_shared_1_2), FN(logits_shared_2_2), FN(logits_shared_3_2), FN(logits_shared_4_2)},
+      {FN(logits_shared_1_4), FN(logits_shared_2_4), FN(logits_shared_3_4), FN(logits_shared_4_4)}};
+  const FN(logits_fn) shape = shapes[head_dim == 128][rows / 16 - 1];
+  for (int kv = 0; kv < num_heads / g; ++kv) {
+    for (int i = 0, at = 0; i < count; at += run[i].n / 16, ++i)
+      FN(transpose_k)(kt + (size_t)at * pairs, cache + run[i].slot * row + (size_t)kv * head_dim, run[i].n, row,
+                      head_dim);
+    for (int j = run->j0; j < run->j1; ++j) {
+      for (int st = 0; st < steps; ++st) ahead_step(next);
+      for (int h = 0; h < g; ++h) {
+        const int s = j * num_heads + kv * g + h;
+        shape((const uint32_t *)(qs + (size_t)s * kc), scale, logits + (size_t)s * lstride + run->pos, kt);
+      }
+    }
+  }
+}
+
+// Pass 2 over a run: per KV head, its V rows unpacked into vt, then the states of every member's
+// query heads of it (member, then head), SHARED_STATES at a time, each with its share of the
+// prefetch steps the tiles would take.
+static void FN(shared_values)(const piece *run, int count, const uint16_t *cache, size_t row, int num_heads, int g,
+                              int vc, int lstride, v8 *acc, const float *logits, int head_dim_v, __m512i *vt,
+                              ahead *next) {
+  const int rows = FN(run_rows)(run, count), chunks = head_dim_v / 32, total = (run->j1 - run->j0) * g;
+  const size_t steps = (size_t)(run->j1 - run->j0) * ((g + HEAD_TILE - 1) / HEAD_TILE) * (rows / 8);
+  for (int kv = 0; kv < num_heads / g; ++kv) {
+    __m512i *w = vt;
+    for (int i = 0; i < count; ++i)
+      for (int t = 0; t < run[i].n; t += 2) {
+        const uint16_t *r = cache + (run[i].slot + t) * row + (size_t)kv * head_dim_v;
+        for (int c = 0; c < chunks; ++c, w += 2) {
+          const __m512i x0 = _mm512_loadu_si512(r + 32 * c), x1 = _mm512_loadu_si512(r + row + 32 * c);
+          w[0] = _mm512_unpacklo_epi16(x0, x1), w[1] = _mm512_unpackhi_epi16(x0, x1);
+        }
+      }
+    size_t stepped = 0;
+    for (int k = 0; k < total;) {
+      const int S = total - k >= SHARED_STATES ? SHARED_STATES : 1;
+      int states[SHARED_STATES];
+      for (int m = 0; m < S; ++m) states[m] = (run->j0 + (k + m) / g) * num_heads + kv * g + (k + m) % g;
+      const FN(values_fn) shape = S == SHARED_STATES ? (chunks == 2 ? FN(values_shared_6_2) : FN(values_shared_6_4))
+                                                     : (chunks == 2 ? FN(values_shared_1_2) : FN(values_shared_1_4));
+      const size_t due = steps * (size_t)(k + S) / (size_t)total;
+      shape(acc, states, logits, lstride, run->pos, vt, rows / 2, vc, next, (int)(due - stepped));
+      k += S, stepped = due;
+    }
+  }
+}
+#endif
+
 // Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
 // (acc_h: the head_dim_v floats at acc + h * head_dim_v), VG 16-float output chunks at a time in
 // registers, then one at a time, then a last 8 alone; each V chunk loaded once for the G heads. Each
@@ -333,15 +580,26 @@ static size_t FN(pass_steps)(const piece *pieces, int np, int num_heads, int g) 
 // next pass's rows) as it goes. cold: nobody prefetched the first piece (the first group's K pass).
 static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, ahead *next, int cold,
                      size_t row, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
-                     v8 *acc, float *logits, int head_dim, float *wide, float scale) {
+                     v8 *acc, float *logits, int head_dim, float *wide, void *kt, float scale) {
+  (void)kt;  // the bfloat16 instantiation's, with AVX512-BF16 (shared_logits, shared_values)
   for (int e = 0; e < np; ++e) {
     const piece *pc = pieces + e;
     const ELEM *raw = cache + pc->slot * row;
     const ROW *rows = NULL;
 #ifdef DOT_BF16  // the K pass reads the pool's own rows (pair dot products)
-    if (!values) {
-      if (cold && e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
-    } else
+    if (!values && cold && e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
+#ifdef __AVX512BF16__  // runs of shared blocks in their own layouts
+    const int count = FN(shared_run)(pieces, e, np, head_dim);
+    if (count && !values)
+      FN(shared_logits)(pc, count, cache, row, num_heads, g, kc, lstride, qs, logits, head_dim, kt, scale, next);
+    else if (count)
+      FN(shared_values)(pc, count, cache, row, num_heads, g, vc, lstride, acc, logits, head_dim, kt, next);
+    if (count) {
+      e += count - 1;
+      continue;
+    }
+#endif
+    if (values)
 #endif
       rows = FN(rows_of)(raw, (size_t)pc->n * row, !cold || e > 0, wide);
     for (int s = pc->j0 * num_heads; s < pc->j1 * num_heads;) {
@@ -411,18 +669,25 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
   gmax = gmax < s_end - s_begin ? gmax : s_end - s_begin;
   const int states_max = gmax * num_heads;
   // one heap block per call: scaled queries, accumulators, logit rows, the group's pieces (each
-  // member's blocks, at most), and room for one block widened to float32 (WIDEN_BLOCKS)
+  // member's blocks, at most), and room for one block widened to float32 (WIDEN_BLOCKS) or, first,
+  // for SHARED_ROWS rows of a KV head's K transposed (shared_logits; whole 64-byte lines)
 #ifdef WIDEN_BLOCKS
   const size_t wide_floats = (size_t)block_size * (k_row > v_row ? k_row : v_row);
 #else
   const size_t wide_floats = 0;
 #endif
+#if defined(DOT_BF16) && defined(__AVX512BF16__)
+  const size_t kt_bytes = (size_t)SHARED_ROWS * (head_dim > head_dim_v ? head_dim : head_dim_v) * 2;
+#else
+  const size_t kt_bytes = 0;
+#endif
   const size_t piece_max = (size_t)gmax * max_blocks;  // a group's pieces: each member's blocks, at most
-  const size_t bytes = (size_t)states_max * ((kc + vc) * sizeof(v8) + lstride * sizeof(float)) +
+  const size_t bytes = kt_bytes + (size_t)states_max * ((kc + vc) * sizeof(v8) + lstride * sizeof(float)) +
                        2 * piece_max * sizeof(piece) + wide_floats * sizeof(float);
   char *mem = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
   if (!mem) abort();  // no way to report from here; about a megabyte at the shapes served
-  v8 *qs = (v8 *)mem, *acc = qs + (size_t)states_max * kc;
+  void *kt = mem;
+  v8 *qs = (v8 *)(mem + kt_bytes), *acc = qs + (size_t)states_max * kc;
   float *logits = (float *)(acc + (size_t)states_max * vc);
   piece *pieces = (piece *)(logits + (size_t)states_max * lstride), *next_pieces = pieces + piece_max;
   float *wide = (float *)(next_pieces + piece_max);
@@ -447,7 +712,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
     const size_t steps = FN(pass_steps)(pieces, np, num_heads, g);  // of each of the group's two passes
     ahead next = ahead_of(own_k, own_v, steps);
     FN(pass)(0, pieces, np, k_cache, &next, cold, k_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
-             head_dim, wide, scale);
+             head_dim, wide, kt, scale);
     float denom[nm * num_heads];
     for (int j = 0; j < nm; ++j) {
       const int len = ctx_lens[s0 + j], n = window > 0 && len > window ? window : len;
@@ -464,7 +729,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
     const rows_list next_k = {next_pieces, next_np, (const char *)k_cache, k_bytes}, none = {NULL, 0, NULL, 0};
     next = ahead_of(next_k, none, steps);
     FN(pass)(1, pieces, np, v_cache, &next, 0, v_row, num_heads, g, kc, vc, lstride, qs, acc, logits,
-             head_dim_v, wide, scale);
+             head_dim_v, wide, kt, scale);
     for (int j = 0; j < nm; ++j)
       for (int i = 0; i < num_heads; ++i) {
         const int st = j * num_heads + i;

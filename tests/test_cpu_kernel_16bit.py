@@ -92,31 +92,42 @@ def test_half_kernel_underflowing_probabilities(dtype):
     check_sequences(out, q, kc, vc, meta, 60.0)
 
 
-def test_half_kernel_serves_completions_sharing_prompt_blocks_together(dtype, monkeypatch):
-    """20 completions sharing 3 prompt blocks: attended together, each equals itself run alone, bit for bit."""
-    bs, kvh, hq, d = 4, 2, 6, 16
-    gen = torch.Generator().manual_seed(7)
-    tables = [[0, 1, 2, 3 + 2 * i, 4 + 2 * i] for i in range(20)]
-    lens = [13 + i % 6 for i in range(20)]
-    bt, ctx = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)  # [20, 5], [20]
-    kc = torch.randn(50, bs, kvh, d, generator=gen).to(dtype)  # [NB, bs, kvh, D]
-    vc = torch.randn(50, bs, kvh, d, generator=gen).to(dtype)
-    q = torch.randn(20, hq, d, generator=gen).to(dtype)  # [S, Hq, D]
-    rows = torch.arange(20)
+def together_equals_alone(dtype, tables, lens, bs, kvh, hq, d, scale, seed, monkeypatch):
+    """Sequences over ``tables`` attended in one call, then each alone: equal bit for bit, and each
+    within the dtype's tolerance of the float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    members, nb = len(tables), max(max(t) for t in tables) + 1
+    bt, ctx = (
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+    )  # [S, blocks], [S]
+    kc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)  # [NB, bs, kvh, D]
+    vc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)
+    q = torch.randn(members, hq, d, generator=gen).to(dtype)  # [S, Hq, D]
+    rows = torch.arange(members)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    together = torch.empty(20, hq, d, dtype=dtype)
-    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, cpu_kernel.split(lens, 1), 0.25, 0, 0.0, None)
-    for i in range(20):
-        alone = torch.empty(20, hq, d, dtype=dtype)
+    together = torch.empty(members, hq, d, dtype=dtype)
+    cpu_kernel.paged_decode(
+        together, q, kc, vc, bt, ctx, rows, cpu_kernel.split(lens, 1), scale, 0, 0.0, None
+    )
+    for i in range(members):
+        alone = torch.empty(members, hq, d, dtype=dtype)
         args = (bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], cpu_kernel.split([lens[i]], 1))
-        cpu_kernel.paged_decode(alone, q, kc, vc, *args, 0.25, 0, 0.0, None)
+        cpu_kernel.paged_decode(alone, q, kc, vc, *args, scale, 0, 0.0, None)
         assert torch.equal(together[i], alone[i]), f"sequence {i}"
         pos = torch.arange(lens[i])
         slots = bt[i, pos // bs].long() * bs + pos % bs
         keys, values = kc.view(-1, kvh, d)[slots], vc.view(-1, kvh, d)[slots]
-        want = reference(q[i : i + 1], keys, values, torch.tensor([lens[i] - 1]), 0.25, 0, 0.0, None)
+        want = reference(q[i : i + 1], keys, values, torch.tensor([lens[i] - 1]), scale, 0, 0.0, None)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(together[i : i + 1].double(), want, atol=tol, rtol=tol)
+
+
+def test_half_kernel_serves_completions_sharing_prompt_blocks_together(dtype, monkeypatch):
+    """20 completions sharing 3 prompt blocks: attended together, each equals itself run alone, bit for bit."""
+    tables = [[0, 1, 2, 3 + 2 * i, 4 + 2 * i] for i in range(20)]
+    lens = [13 + i % 6 for i in range(20)]
+    together_equals_alone(dtype, tables, lens, 4, 2, 6, 16, 0.25, 7, monkeypatch)
 
 
 def test_bfloat16_output_rounds_to_nearest_even():
@@ -161,3 +172,26 @@ def test_mismatched_dtypes_are_refused():
             0.0,
             None,
         )
+
+
+@pytest.mark.parametrize(
+    "bs,d,members,shared",
+    [
+        (16, 64, 20, 5),
+        (16, 128, 9, 9),
+        (32, 64, 13, 3),
+        (64, 64, 8, 2),
+        (16, 64, 7, 5),
+        (128, 64, 9, 1),
+        (16, 32, 9, 2),
+    ],
+)
+def test_completions_over_shared_runs_equal_themselves_alone(dtype, bs, d, members, shared, monkeypatch):
+    """Blocks shared by 8 or more completions go through the bfloat16 kernel's own layouts where the
+    CPU has AVX512-BF16 (K transposed, V unpacked, runs of up to 64 rows, 6 query heads a tile; head
+    size 64 or 128), the tiles otherwise (7 members, 128-row blocks, head size 32): each completion
+    equals itself attended alone, bit for bit, and the float64 reference."""
+    own = 3  # blocks of each member's own after the shared ones
+    tables = [list(range(shared)) + [shared + own * i + b for b in range(own)] for i in range(members)]
+    lens = [shared * bs + 1 + (7 * i) % (own * bs - 1) for i in range(members)]
+    together_equals_alone(dtype, tables, lens, bs, 3, 9, d, 0.125, bs + d + members, monkeypatch)
