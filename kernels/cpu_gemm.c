@@ -92,9 +92,8 @@ static inline v8 silu_mul8(v8 g, v8 u) {
 }
 
 /* A tile's accumulators out: 16 columns plus the panel's bias (b, or NULL), or 8 columns of
- * silu(lo) * hi when gated. */
-__attribute__((noinline)) /* out of the kernels' loops: their accumulators keep the registers */
-static void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
+ * silu(lo) * hi when gated. Inline, as store_tile_bf16 (below) says why. */
+static inline __attribute__((always_inline)) void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
     if (b) lo += load8(b), hi += load8(b + 8);
     if (gated) {
         store8(y, silu_mul8(lo, hi));
@@ -379,8 +378,10 @@ static float *thread_buffer(size_t n) {
 
 #define MRB 8 /* rows per bfloat16 tile: 12, 16 and 24 ran 10-45% slower at 64-2048 rows */
 
-/* A tile row's 16 float32 sums (+ bias) out as 16 bfloat16, or 8 of silu(gate) * up when gated. */
-__attribute__((noinline)) static void store_tile_bf16(uint16_t *y, __m512 acc, const float *b, int gated) {
+/* A tile row's 16 float32 sums (+ bias) out as 16 bfloat16, or 8 of silu(gate) * up when gated.
+ * Inline: called once per accumulator, as a function it had the tiles spill all of them (SmolLM2's
+ * linears at 64 rows 3-7% faster inline, AMD EPYC Zen 5; docs/kernels.md). */
+static inline __attribute__((always_inline)) void store_tile_bf16(uint16_t *y, __m512 acc, const float *b, int gated) {
     if (b) acc = _mm512_add_ps(acc, _mm512_loadu_ps(b));
     v8 lo = (v8)_mm512_castps512_ps256(acc), hi = (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
     if (!gated) {
