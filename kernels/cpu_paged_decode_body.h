@@ -670,7 +670,7 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
   const int states_max = gmax * num_heads;
   // one heap block per call: scaled queries, accumulators, logit rows, the group's pieces (each
   // member's blocks, at most), and room for one block widened to float32 (WIDEN_BLOCKS) or, first,
-  // for SHARED_ROWS rows of a KV head's K transposed (shared_logits; whole 64-byte lines)
+  // for SHARED_ROWS rows of a KV head's K transposed or V unpacked (the shared runs; whole lines)
 #ifdef WIDEN_BLOCKS
   const size_t wide_floats = (size_t)block_size * (k_row > v_row ? k_row : v_row);
 #else
