@@ -167,6 +167,15 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
 #undef Q_TAIL
 #undef DOT
 
+// The prefetch steps of a pass over pieces[0, np): one per 8-row group of every tile.
+static size_t FN(pass_steps)(const piece *pieces, int np, int num_heads, int g) {
+  size_t steps = 0;
+  for (int e = 0; e < np; ++e)
+    steps += (size_t)(pieces[e].j1 - pieces[e].j0) * (num_heads / g) * ((g + HEAD_TILE - 1) / HEAD_TILE) *
+             ((pieces[e].n + 7) / 8);
+  return steps;
+}
+
 #if defined(DOT_BF16) && defined(__AVX512BF16__)
 // Runs of shared blocks (blocks every member of a group reads whole: the prompt of n completions, a
 // common prefix) in layouts that serve many query heads at once, the same products and sums in the
@@ -186,26 +195,21 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
 #define SHARED_STATES 6
 #define SHARED_MEMBERS 8
 
-// The shared pieces from e on taken as one run (0: none, piece e goes through the tiles): a head
-// size of 64 or 128, rows a multiple of 16, at most SHARED_ROWS, read by the same SHARED_MEMBERS or
-// more members.
-static int FN(shared_run)(const piece *pieces, int e, int np, int head_dim) {
+// The shared pieces from e on taken as one run (0: none, piece e goes through the tiles) and their
+// rows (*rows): a head size of 64 or 128, rows a multiple of 16, at most SHARED_ROWS, read by the
+// same SHARED_MEMBERS or more members.
+static int FN(shared_run)(const piece *pieces, int e, int np, int head_dim, int *rows) {
+  *rows = 0;
   if (head_dim != 64 && head_dim != 128) return 0;
   const piece *first = pieces + e;
-  int count = 0, rows = 0;
+  int count = 0;
   for (const piece *p = first; e + count < np; ++p, ++count) {
     if (p->j1 - p->j0 < SHARED_MEMBERS || p->j0 != first->j0 || p->j1 != first->j1 || p->n % 16 ||
-        p->pos != first->pos + rows || rows + p->n > SHARED_ROWS)
+        p->pos != first->pos + *rows || *rows + p->n > SHARED_ROWS)
       break;
-    rows += p->n;
+    *rows += p->n;
   }
   return count;
-}
-
-static int FN(run_rows)(const piece *run, int count) {
-  int rows = 0;
-  for (int i = 0; i < count; ++i) rows += run[i].n;
-  return rows;
 }
 
 // n rows (a multiple of 16; k_row values apart, head_dim values each) into kt: pair p of rows
@@ -358,11 +362,11 @@ SHAPE(6, 4)
 // Pass 1 over a run (shared_run's): per KV head, its rows transposed into kt, then every member's
 // query heads of it; the prefetch stepped as the tiles step it (one step per 8 rows of each tile of
 // HEAD_TILE heads), a member's at a time.
-static void FN(shared_logits)(const piece *run, int count, const uint16_t *cache, size_t row, int num_heads, int g,
-                              int kc, int lstride, const v8 *qs, float *logits, int head_dim, __m512i *kt,
-                              float scale, ahead *next) {
-  const int rows = FN(run_rows)(run, count), pairs = head_dim / 2;
-  const int steps = (g + HEAD_TILE - 1) / HEAD_TILE * (rows / 8);
+static void FN(shared_logits)(const piece *run, int count, int rows, const uint16_t *cache, size_t row,
+                              int num_heads, int g, int kc, int lstride, const v8 *qs, float *logits, int head_dim,
+                              __m512i *kt, float scale, ahead *next) {
+  const int pairs = head_dim / 2;
+  const size_t steps = FN(pass_steps)(run, count, g, g) / (size_t)(run->j1 - run->j0);  // a member's, a KV head
   const FN(logits_fn) shapes[2][4] = {
       {FN(logits_shared_1_2), FN(logits_shared_2_2), FN(logits_shared_3_2), FN(logits_shared_4_2)},
       {FN(logits_shared_1_4), FN(logits_shared_2_4), FN(logits_shared_3_4), FN(logits_shared_4_4)}};
@@ -372,7 +376,7 @@ static void FN(shared_logits)(const piece *run, int count, const uint16_t *cache
       FN(transpose_k)(kt + (size_t)at * pairs, cache + run[i].slot * row + (size_t)kv * head_dim, run[i].n, row,
                       head_dim);
     for (int j = run->j0; j < run->j1; ++j) {
-      for (int st = 0; st < steps; ++st) ahead_step(next);
+      for (size_t st = 0; st < steps; ++st) ahead_step(next);
       for (int h = 0; h < g; ++h) {
         const int s = j * num_heads + kv * g + h;
         shape((const uint32_t *)(qs + (size_t)s * kc), scale, logits + (size_t)s * lstride + run->pos, kt);
@@ -384,11 +388,11 @@ static void FN(shared_logits)(const piece *run, int count, const uint16_t *cache
 // Pass 2 over a run: per KV head, its V rows unpacked into vt, then the states of every member's
 // query heads of it (member, then head), SHARED_STATES at a time, each with its share of the
 // prefetch steps the tiles would take.
-static void FN(shared_values)(const piece *run, int count, const uint16_t *cache, size_t row, int num_heads, int g,
-                              int vc, int lstride, v8 *acc, const float *logits, int head_dim_v, __m512i *vt,
-                              ahead *next) {
-  const int rows = FN(run_rows)(run, count), chunks = head_dim_v / 32, total = (run->j1 - run->j0) * g;
-  const size_t steps = (size_t)(run->j1 - run->j0) * ((g + HEAD_TILE - 1) / HEAD_TILE) * (rows / 8);
+static void FN(shared_values)(const piece *run, int count, int rows, const uint16_t *cache, size_t row,
+                              int num_heads, int g, int vc, int lstride, v8 *acc, const float *logits,
+                              int head_dim_v, __m512i *vt, ahead *next) {
+  const int chunks = head_dim_v / 32, total = (run->j1 - run->j0) * g;
+  const size_t steps = FN(pass_steps)(run, count, g, g);  // the tiles' over one KV head
   for (int kv = 0; kv < num_heads / g; ++kv) {
     __m512i *w = vt;
     for (int i = 0; i < count; ++i)
@@ -412,6 +416,7 @@ static void FN(shared_values)(const piece *run, int count, const uint16_t *cache
     }
   }
 }
+#undef DOT_MEM
 #endif
 
 // Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
@@ -565,15 +570,6 @@ static inline void pairs_order(float *a, int head_dim_v) {
 }
 #endif
 
-// The prefetch steps of a pass over pieces[0, np): one per 8-row group of every tile.
-static size_t FN(pass_steps)(const piece *pieces, int np, int num_heads, int g) {
-  size_t steps = 0;
-  for (int e = 0; e < np; ++e)
-    steps += (size_t)(pieces[e].j1 - pieces[e].j0) * (num_heads / g) * ((g + HEAD_TILE - 1) / HEAD_TILE) *
-             ((pieces[e].n + 7) / 8);
-  return steps;
-}
-
 // One pass over every piece of a group's context: its K rows into the logit rows (values = 0), or
 // its V rows into the accumulators (values = 1), tile by tile (state j * num_heads + i: query head
 // i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head), stepping `next` (the
@@ -589,11 +585,13 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
 #ifdef DOT_BF16  // the K pass reads the pool's own rows (pair dot products)
     if (!values && cold && e == 0) FN(touch_lines)(raw, (size_t)pc->n * row);
 #ifdef __AVX512BF16__  // runs of shared blocks in their own layouts
-    const int count = FN(shared_run)(pieces, e, np, head_dim);
+    int run_rows;
+    const int count = FN(shared_run)(pieces, e, np, head_dim, &run_rows);
     if (count && !values)
-      FN(shared_logits)(pc, count, cache, row, num_heads, g, kc, lstride, qs, logits, head_dim, kt, scale, next);
+      FN(shared_logits)(pc, count, run_rows, cache, row, num_heads, g, kc, lstride, qs, logits, head_dim, kt, scale,
+                        next);
     else if (count)
-      FN(shared_values)(pc, count, cache, row, num_heads, g, vc, lstride, acc, logits, head_dim, kt, next);
+      FN(shared_values)(pc, count, run_rows, cache, row, num_heads, g, vc, lstride, acc, logits, head_dim, kt, next);
     if (count) {
       e += count - 1;
       continue;
