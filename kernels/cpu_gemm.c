@@ -56,6 +56,19 @@
 #include "cpu_gemm_formats.h" /* formats, vh, NR */
 #include "cpu_vec.h"          /* v8, load8, store8 */
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* Two k's 16 float32 weights (a: k, b: k + 1) as one vector of a bfloat16 pair panel: word c holds
+ * (a[c], b[c]), each rounded to nearest even as torch rounds (vcvtne2ps2bf16 would flush a float32
+ * subnormal, which no format's weight is: the smallest is a float16 subnormal times a small integer). */
+static inline __attribute__((always_inline)) __m512bh bf16_pairs(__m512 a, __m512 b) {
+    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+#endif
+
 #if defined(PV_ZMM)
 #define MR 12 /* rows per tile: 8 and 16 measured slower (docs/kernels.md) */
 #else
@@ -323,24 +336,47 @@ static const tiles_fn TILES_OF[K_COUNT] = {
     [K_Q5_1] = tiles_K_Q5_1, [K_Q4_K] = tiles_K_Q4_K, [K_Q5_K] = tiles_K_Q5_K, [K_Q6_K] = tiles_K_Q6_K,
 };
 
-/* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by). */
+/* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by); or,
+ * with pairs (AVX512-BF16 builds), as a bfloat16 pair panel there instead (K_BF16's layout: 32-bit word
+ * 16 kp + c holds column c's weights at k 2 kp and 2 kp + 1, each rounded to bfloat16 as torch rounds),
+ * so bfloat16 activations over a quantized weight take the products of a bfloat16 linear over the
+ * dequantized weight: the same tiles over the same panel, the same bits. pf: a panel to prefetch
+ * meanwhile (NULL: none), a group's record per group (int8's 64-byte line every 4 k). */
 static inline __attribute__((always_inline)) void dequantize_panel(const int f, const uint8_t *p, int k, int g,
-                                                                   const float *scale, float *w) {
+                                                                   const float *scale, float *w, uint32_t *pairs,
+                                                                   const uint8_t *pf) {
     const int G = f == K_I8 ? k : fmt_group(f, g);
     int8_t buf[MAX_GROUP * NR];
     for (int g0 = 0, gi = 0; g0 < k; g0 += G, gi++) {
         const int gl = k - g0 < G ? k - g0 : G;
         vh s[PV_HALVES], m[PV_HALVES];
         const int8_t *q;
-        group_setup(f, 0, p, gi, g0, gl, g, scale, s, m, &q, buf);
+        const int direct = pairs && fmt_direct(f); /* the pairs read nibbles in registers */
+        group_setup(f, direct, p, gi, g0, gl, g, scale, s, m, &q, buf);
+        if (pf && f != K_I8) {
+            const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
+            for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + at + o, 0, 2);
+        }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (pairs) { /* gl is even: k is (bfloat16 x is read in pairs), and so is every group length */
+            for (int kk = 0; kk < gl; kk += 2) {
+                if (pf && f == K_I8 && kk % 4 == 0) __builtin_prefetch(pf + (int64_t)(g0 + kk) * NR, 0, 2);
+                const __m512bh w = bf16_pairs((__m512)group_weights(f, direct, s, m, q, kk, 0),
+                                              (__m512)group_weights(f, direct, s, m, q, kk + 1, 0));
+                _mm512_storeu_si512(pairs + (int64_t)(g0 + kk) / 2 * NR, (__m512i)w);
+            }
+            continue;
+        }
+#endif
         for (int kk = 0; kk < gl; kk++)
             for (int h = 0; h < PV_HALVES; h++)
                 vh_store(w + (int64_t)(g0 + kk) * NR + h * VW, group_weights(f, 0, s, m, q, kk, h));
     }
 }
 #define DEQUANTIZE(F)                                                                                       \
-    static void dequantize_##F(const uint8_t *p, int k, int g, const float *scale, float *w) {             \
-        dequantize_panel(F, p, k, g, scale, w);                                                             \
+    static void dequantize_##F(const uint8_t *p, int k, int g, const float *scale, float *w, uint32_t *pairs, \
+                               const uint8_t *pf) {                                                        \
+        dequantize_panel(F, p, k, g, scale, w, pairs, pf);                                                  \
     }
 DEQUANTIZE(K_I8)
 DEQUANTIZE(K_I4)
@@ -353,7 +389,8 @@ DEQUANTIZE(K_Q5_1)
 DEQUANTIZE(K_Q4_K)
 DEQUANTIZE(K_Q5_K)
 DEQUANTIZE(K_Q6_K)
-typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale, float *w);
+typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale, float *w, uint32_t *pairs,
+                              const uint8_t *pf);
 static const dequantize_fn DEQUANTIZE_OF[K_COUNT] = {
     [K_I8] = dequantize_K_I8,     [K_I4] = dequantize_K_I4,     [K_I4Z] = dequantize_K_I4Z,
     [K_Q8_0] = dequantize_K_Q8_0, [K_Q4_0] = dequantize_K_Q4_0, [K_Q4_1] = dequantize_K_Q4_1,
@@ -374,8 +411,6 @@ static float *thread_buffer(size_t n) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
 #define MRB 8 /* rows per bfloat16 tile: 12, 16 and 24 ran 10-45% slower at 64-2048 rows */
 
 /* A tile row's 16 float32 sums (+ bias) out as 16 bfloat16, or 8 of silu(gate) * up when gated.
@@ -512,6 +547,86 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
         rows_by_panel_bf16(x, m, k, p + t * pstride, k, y + t * cols, ldy, t + 1 < np ? p + (t + 1) * pstride : pf,
                            b ? b + t * NR : NULL, gated);
 }
+
+/* ROWS (<= MRB) rows of bfloat16 x times NP quantized panels of format f, each k pair's weights
+ * converted in registers (bf16_pairs) and multiplied as bkernel multiplies a pair panel's: the same
+ * vdpbf16ps steps in the same order, so the same bits as a bfloat16 linear over the dequantized
+ * weight, without the pass through a buffer (at these rows the conversion is most of the work). pf:
+ * the next tile's first panel, each group's record lines fetched meanwhile (NULL: none). */
+static inline __attribute__((always_inline)) void qtile_bf16(const int f, const int ROWS, const int NP, const uint16_t *x,
+                                                             int64_t lda, const uint8_t *p, int64_t pbytes, int k, int g,
+                                                             uint16_t *y, int64_t ldy, int cols, const uint8_t *pf,
+                                                             const float *b, const float *scale, int gated) {
+    __m512 acc[MRB][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < NP; j++) acc[r][j] = _mm512_setzero_ps();
+    const int G = f == K_I8 ? k : fmt_group(f, g), direct = fmt_direct(f);
+    int8_t buf[4][MAX_GROUP * NR];
+    for (int g0 = 0, gi = 0; g0 < k; g0 += G, gi++) {
+        const int gl = k - g0 < G ? k - g0 : G;
+        vh s[4][PV_HALVES], m[4][PV_HALVES];
+        const int8_t *q[4];
+        for (int j = 0; j < NP; j++)
+            group_setup(f, direct, p + j * pbytes, gi, g0, gl, g, scale ? scale + j * NR : NULL, s[j], m[j], &q[j],
+                        buf[j]);
+        if (pf && f != K_I8) {
+            const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
+            for (int j = 0; j < NP; j++)
+                for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
+        }
+        for (int kk = 0; kk < gl; kk += 2) {
+            if (pf && f == K_I8 && kk % 4 == 0)
+                for (int j = 0; j < NP; j++) __builtin_prefetch(pf + j * pbytes + (int64_t)(g0 + kk) * NR, 0, 2);
+            __m512bh w[4];
+            for (int j = 0; j < NP; j++)
+                w[j] = bf16_pairs((__m512)group_weights(f, direct, s[j], m[j], q[j], kk, 0),
+                                  (__m512)group_weights(f, direct, s[j], m[j], q[j], kk + 1, 0));
+            for (int r = 0; r < ROWS; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * lda + g0 + kk, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < NP; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < NP; j++) store_tile_bf16(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
+}
+
+/* qtiles_<format>(rows, np, ...): the in-register tile of that shape (rows <= MRB; np = tile_panels(rows), or 1). */
+#define QTILE_CASE(F, R, NP)                                                                                \
+    case (R) * 8 + (NP):                                                                                    \
+        qtile_bf16(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, b, scale, gated);                    \
+        return;
+#define QTILES(F)                                                                                           \
+    static void qtiles_##F(int rows, int np, const uint16_t *x, int64_t lda, const uint8_t *p, int64_t pbytes, \
+                           int k, int g, uint16_t *y, int64_t ldy, int cols, const uint8_t *pf, const float *b, \
+                           const float *scale, int gated) {                                                 \
+        switch (rows * 8 + np) {                                                                            \
+            QTILE_CASE(F, 1, 4) QTILE_CASE(F, 2, 2) QTILE_CASE(F, 3, 2) QTILE_CASE(F, 1, 1)                 \
+            QTILE_CASE(F, 2, 1) QTILE_CASE(F, 3, 1) QTILE_CASE(F, 4, 1) QTILE_CASE(F, 5, 1)                 \
+            QTILE_CASE(F, 6, 1) QTILE_CASE(F, 7, 1) QTILE_CASE(F, 8, 1)                                     \
+        }                                                                                                   \
+    }
+QTILES(K_I8)
+QTILES(K_I4)
+QTILES(K_I4Z)
+QTILES(K_Q8_0)
+QTILES(K_Q4_0)
+QTILES(K_Q4_1)
+QTILES(K_Q5_0)
+QTILES(K_Q5_1)
+QTILES(K_Q4_K)
+QTILES(K_Q5_K)
+QTILES(K_Q6_K)
+typedef void (*qtiles_fn)(int rows, int np, const uint16_t *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
+                          int g, uint16_t *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,
+                          const float *scale, int gated);
+static const qtiles_fn QTILES_OF[K_COUNT] = {
+    [K_I8] = qtiles_K_I8,     [K_I4] = qtiles_K_I4,     [K_I4Z] = qtiles_K_I4Z,   [K_Q8_0] = qtiles_K_Q8_0,
+    [K_Q4_0] = qtiles_K_Q4_0, [K_Q4_1] = qtiles_K_Q4_1, [K_Q5_0] = qtiles_K_Q5_0, [K_Q5_1] = qtiles_K_Q5_1,
+    [K_Q4_K] = qtiles_K_Q4_K, [K_Q5_K] = qtiles_K_Q5_K, [K_Q6_K] = qtiles_K_Q6_K,
+};
 #define HAVE_BF16 1
 #else
 #define HAVE_BF16 0
@@ -605,16 +720,38 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
 #define HAVE_AMX 0
 #endif
 
+#if HAVE_BF16
+/* m rows of bfloat16 x times np pair panels at p (pbytes apart) into y: AMX tiles where they serve,
+ * else vdpbf16ps tiles; pf: the panel after them, prefetched meanwhile (NULL: none). */
+static void pair_panels(const char *x, int m, int k, const uint8_t *p, int64_t pbytes, int np, char *y, int64_t ldy,
+                        int cols, const float *b, int gated, const uint8_t *pf) {
+#if HAVE_AMX
+    if (m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready()) {
+        rows_by_panels_amx((const uint16_t *)x, m, k, p, pbytes, np, (uint16_t *)y, ldy, cols, b, gated, pf);
+        return;
+    }
+#endif
+    rows_by_panels_bf16((const uint16_t *)x, m, k, (const uint16_t *)p, pbytes / 2, np, (uint16_t *)y, ldy, cols,
+                        (const uint16_t *)pf, b, gated);
+}
+#endif
+
 /* Whether a step of `rows` rows prefetches each next panel (not one float32 row: gemm_segment_run). */
 static inline int prefetches(int kind, int rows) { return rows > 1 || kind != K_F32; }
 
 /* One run of a linear's output columns in one format (pagedinfer/model/packed_linear.py builds them):
- * panels [P][panel_bytes(kind, k, group)], bias and scale (I8) [P][16] float32 or NULL. */
+ * panels [P][panel_bytes(kind, k, group)], bias and scale (I8) [P][16] float32 or NULL. bf16_io: x and
+ * y in bfloat16 over a quantized kind (AVX512-BF16 builds): each chunk's panels are converted into
+ * bfloat16 pair panels (dequantize_panel) and multiplied as K_BF16's are. */
 typedef struct {
     int kind, group, cols; /* cols: this segment's outputs (the gated half's for a gated one) */
     const void *panels;
     const float *bias, *scale;
+    int bf16_io;
 } gemm_segment;
+
+/* x and y of the segment are bfloat16 (else float32). */
+static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s->bf16_io; }
 
 /* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). In
  * the AVX2 build, up to SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through
@@ -641,16 +778,28 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
     const uint8_t *p = (const uint8_t *)s->panels + j * pbytes;
     const float *b = s->bias ? s->bias + j * NR : NULL, *sc = s->scale ? s->scale + j * NR : NULL;
-#if HAVE_AMX
-    if (s->kind == K_BF16 && m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready()) {
-        rows_by_panels_amx((const uint16_t *)x, m, k, p, pbytes, np, (uint16_t *)y, ldy, cols, b, gated, pf);
-        return;
-    }
-#endif
 #if HAVE_BF16
     if (s->kind == K_BF16) {
-        rows_by_panels_bf16((const uint16_t *)x, m, k, (const uint16_t *)p, pbytes / 2, np, (uint16_t *)y, ldy, cols,
-                            (const uint16_t *)pf, b, gated);
+        pair_panels(x, m, k, p, pbytes, np, y, ldy, cols, b, gated, pf);
+        return;
+    }
+    if (s->bf16_io && m <= MRB) { /* in registers: tiles of tile_panels(m) panels */
+        for (int t = 0; t < np;) {
+            const int n = tile_panels(m) <= np - t ? tile_panels(m) : 1;
+            QTILES_OF[s->kind](m, n, (const uint16_t *)x, k, p + t * pbytes, pbytes, k, s->group,
+                               (uint16_t *)y + t * cols, ldy, cols, t + n < np ? p + (t + n) * pbytes : pf,
+                               b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);
+            t += n;
+        }
+        return;
+    }
+    if (s->bf16_io) { /* the panels as pairs in the thread's buffer, the next chunk's fetched meanwhile */
+        const int64_t pair_bytes = (int64_t)k * NR * 2;
+        uint8_t *w = (uint8_t *)thread_buffer((size_t)np * k * NR / 2);
+        for (int t = 0; t < np; t++)
+            DEQUANTIZE_OF[s->kind](p + t * pbytes, k, s->group, sc ? sc + t * NR : NULL, NULL,
+                                   (uint32_t *)(w + t * pair_bytes), pf ? pf + t * pbytes : NULL);
+        pair_panels(x, m, k, w, pair_bytes, np, y, ldy, cols, b, gated, NULL);
         return;
     }
 #endif
@@ -738,9 +887,9 @@ static inline int chunk_panels(int kind, int m) {
 
 static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int64_t ldy, int m, int k, int gated) {
     const int cols = gated ? NR / 2 : NR, width = s->cols, panels = (width + cols - 1) / cols;
-    const int chunk = chunk_panels(s->kind, m);
+    const int chunk = chunk_panels(bf16_io(s) ? K_BF16 : s->kind, m);
     const int chunks = (panels + chunk - 1) / chunk;
-    const int e = s->kind == K_BF16 ? 2 : 4, mr = s->kind == K_BF16 ? 8 : MR;
+    const int e = bf16_io(s) ? 2 : 4, mr = bf16_io(s) ? 8 : MR;
     const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
     const int mc = (int)((m + blocks - 1) / blocks + mr - 1) / mr * mr;
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
@@ -782,13 +931,13 @@ int gemm_amx(void) {
 int64_t gemm_panel_bytes(int kind, int k, int group) { return panel_bytes(kind, k, group); }
 
 /* y[m, sum of cols] = x[m, k] @ W^T (+ bias) for W in nseg segments, each writing its columns (x and y
- * float32, or bfloat16 for BF16 panels); gated: silu(gate) * up of each paired panel (one segment).
+ * float32, or bfloat16 for BF16 panels and bf16_io segments); gated: silu(gate) * up of each paired panel (one segment).
  * Safe at m = 0 (nothing to do). */
 void gemm_segments(const gemm_segment *seg, int nseg, const void *x, void *y, int m, int k, int gated) {
     if (m <= 0 || k <= 0) return;
     int64_t width = 0;
     for (int i = 0; i < nseg; i++) width += seg[i].cols;
-    const int e = seg[0].kind == K_BF16 ? 2 : 4;
+    const int e = bf16_io(&seg[0]) ? 2 : 4;
     for (int i = 0, at = 0; i < nseg; at += seg[i].cols, i++)
         gemm_segment_run(&seg[i], x, (char *)y + (int64_t)at * e, width, m, k, gated);
 }
@@ -809,7 +958,7 @@ void gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, f
                 for (int kk = 0; kk < k; kk++) out[(int64_t)i * k + kk] = ((const float *)p)[(int64_t)kk * NR + c];
                 continue;
             }
-            DEQUANTIZE_OF[s->kind](p, k, s->group, s->scale ? s->scale + j * NR : NULL, w);
+            DEQUANTIZE_OF[s->kind](p, k, s->group, s->scale ? s->scale + j * NR : NULL, w, NULL, NULL);
             for (int kk = 0; kk < k; kk++) out[(int64_t)i * k + kk] = w[(int64_t)kk * NR + c];
         }
     }

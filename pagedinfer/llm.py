@@ -43,8 +43,10 @@ class LLM:
     ``quantization``: ``None``, or (CPU, a float checkpoint) ``int8``: every linear's weight in int8
     with one float32 scale per output channel; ``int4``, ``int4-zp``, ``int4-g128``, ``int4-g128-zp``:
     4-bit weights with a float32 scale per group of 32 (or 128) inputs, symmetric or with zero
-    points; activations in float32 (a quarter or an eighth of the weight bytes per step; outputs
-    close to, not equal to, float32's). A ``.gguf`` model keeps its tensors' types without it.
+    points; activations in float32, or bfloat16 with ``dtype="bfloat16"`` (AVX512-BF16 CPUs); a
+    quarter or an eighth of the weight bytes per step; outputs close to, not equal to, the unquantized
+    model's. A ``.gguf`` model keeps its tensors' types without it (under float32 activations, or
+    bfloat16 ones with ``dtype="bfloat16"``).
     ``kv_cache_dtype`` (vLLM's name): ``auto`` (the model's dtype), or ``bfloat16`` / ``float16`` under
     float32 activations: the pool holds twice the tokens per byte and decode attention reads half the
     bytes; keys and values are rounded as they are written, so outputs are close to, not equal to,

@@ -41,7 +41,7 @@ def gguf_linear(lin: nn.Linear, kind: str) -> PackedLinear:
     multiple of 256, as in SmolLM2's 576-wide linears), as the GGUF loader packs it."""
     import gguf
 
-    w = lin.weight.detach().numpy()
+    w = lin.weight.detach().float().numpy()
     if kind in FALLBACK and w.shape[1] % 256:
         kind = FALLBACK[kind]
     if kind in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py has no quantizer for K-quants: random blocks, sane scales
@@ -60,7 +60,12 @@ def gguf_linear(lin: nn.Linear, kind: str) -> PackedLinear:
     records = panel_formats.pack_records(kind, values, fields, gated)
     cols = w.shape[0] // 2 if gated else w.shape[0]
     seg = panel_formats.Segment(
-        kind, cols, torch.from_numpy(records), in_features=w.shape[1], gated_pairs=gated
+        kind,
+        cols,
+        torch.from_numpy(records),
+        in_features=w.shape[1],
+        gated_pairs=gated,
+        bf16_io=lin.weight.dtype == torch.bfloat16,  # --dtype bfloat16: bfloat16 activations
     )
     return PackedLinear.from_segments(w.shape[1], w.shape[0], gated, [seg])
 

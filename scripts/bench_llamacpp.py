@@ -20,14 +20,15 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
   b1: batch-1 decode: one 32-token prompt, n=1, 128 new (tokens/s = 128 / wall)
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--workloads A,B,C,D,b1] [--formats F32,BF16,Q4_1]
-       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0]
+       [--impls pagedinfer,transformers] [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16]
        [--kv-cache-dtypes auto,float16] [--threads 2] [--repeats 1] [--json FILE] [--max-new N]
 
 pagedinfer runs once per implementation, dtype and pool dtype, each workload in its own process (so
 its peak RSS is the workload's). Its dtypes: float32 and bfloat16 (the weights cast from the float32
 directory, so bfloat16 rounds the same values llama.cpp's BF16 file holds), ``int8`` / ``int4``
 (float32 with its linear weights quantized, ``--quantization``), or a GGUF format name (``Q4_1``,
-``Q8_0``, ``Q4_0``...): the same GGUF file llama.cpp runs, its tensors kept in their types. A pool
+``Q8_0``, ``Q4_0``...): the same GGUF file llama.cpp runs, its tensors kept in their types; a quantized
+dtype with ``:bfloat16`` (``Q4_0:bfloat16``, ``int8:bfloat16``) runs it under bfloat16 activations. A pool
 dtype of ``--kv-cache-dtypes`` (default auto: the model's; float16 is llama.cpp's default K/V type)
 that pagedinfer refuses for a dtype is skipped with a line saying why. ``--repeats`` runs every
 system that many times, alternating, and keeps each one's best wall time.
@@ -216,8 +217,10 @@ QUANTIZATIONS = ("int8", "int4")  # pagedinfer dtypes that are float32 with quan
 
 def run_pagedinfer(model: Path, impl: str, dtype: str, kv: str, w: Workload, threads: int) -> dict:
     """One workload through pagedinfer in its own process: ``model`` a directory (dtype float32,
-    bfloat16, int8 or int4) or a GGUF file run in its own types (dtype "auto")."""
-    dtype, quantization = ("float32", dtype) if dtype in QUANTIZATIONS else (dtype, None)
+    bfloat16, int8 or int4, the last two with ``:bfloat16`` for bfloat16 activations) or a GGUF file
+    run in its own types (dtype "auto", or "bfloat16")."""
+    weights, _, act = dtype.partition(":")
+    dtype, quantization = (act or "float32", weights) if weights in QUANTIZATIONS else (dtype, None)
     code = PAGEDINFER_JOB.format(
         root=str(ROOT),
         threads=threads,
@@ -253,7 +256,8 @@ def main() -> None:
         "--dtypes",
         default="float32",
         help="pagedinfer's dtypes: float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
-        "(Q4_1, Q8_0, Q4_0...: that GGUF file, its tensors kept in their types)",
+        "(Q4_1, Q8_0, Q4_0...: that GGUF file, its tensors kept in their types); a quantized one with "
+        ":bfloat16 (Q4_0:bfloat16, int8:bfloat16) under bfloat16 activations",
     )
     ap.add_argument(
         "--kv-cache-dtypes",
@@ -273,8 +277,10 @@ def main() -> None:
     driver = build(cache)
     q4 = q4_gguf(cache)
     dtypes = args.dtypes.split(",")
-    gguf_dtypes = [d for d in dtypes if d[:1].isupper()]  # GGUF formats are upper case (Q4_1, Q8_0, F32)
-    ggufs = {f: gguf_file(q4, f, cache) for f in dict.fromkeys(args.formats.split(",") + gguf_dtypes)}
+    # GGUF formats are upper case (Q4_1, Q8_0, F32; Q4_0:bfloat16 under bfloat16 activations)
+    gguf_dtypes = {d: d.partition(":") for d in dtypes if d[:1].isupper()}
+    formats = args.formats.split(",") + [f for f, _, _ in gguf_dtypes.values()]
+    ggufs = {f: gguf_file(q4, f, cache) for f in dict.fromkeys(formats)}
     model_dir = hf_dir(q4)
     from transformers import AutoConfig
 
@@ -289,7 +295,11 @@ def main() -> None:
                 suffix = ("" if kv == "auto" else f", K/V {kv}") + (
                     "" if impl == "pagedinfer" else f" ({impl} layers)"
                 )
-                model, run_dtype = (ggufs[dtype], "auto") if dtype in gguf_dtypes else (model_dir, dtype)
+                if dtype in gguf_dtypes:
+                    fmt, _, act = gguf_dtypes[dtype]
+                    model, run_dtype = ggufs[fmt], act or "auto"
+                else:
+                    model, run_dtype = model_dir, dtype
                 systems.append(
                     System(
                         f"pagedinfer {dtype}{suffix}",

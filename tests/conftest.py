@@ -40,6 +40,14 @@ def model_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gguf_dir(model_root) -> Path:
+    """Where the GGUF tests write their random models and files (tests/test_gguf_types.py)."""
+    out = model_root / "gguf-types"
+    out.mkdir(exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model(model_root):
     """Path of a saved tiny model of the given family (built once per session)."""
     return lambda family: save_model(family, model_root)

@@ -94,7 +94,7 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu_in_one_line(model, tmp_pat
 def test_a_load_error_of_the_demo_model_hints_at_model_only_when_the_demo_model_is_the_problem(tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
     result = invoke("run", prompts, "--device", "cpu", "--dtype", "float16", "--quantization", "int8")
-    one_line_error(result, "--quantization int8 keeps activations in float32")
+    one_line_error(result, "--quantization int8 runs under float32 or bfloat16 activations")
     assert "--model" not in result.stderr  # another model would fail the same way
 
 

@@ -187,13 +187,6 @@ SHAPE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def gguf_dir(model_root) -> Path:
-    out = model_root / "gguf-types"
-    out.mkdir(exist_ok=True)
-    return out
-
-
 def random_model(gguf_dir: Path, arch: str, tied: bool) -> Path:
     path = gguf_dir / f"{arch}-{'tied' if tied else 'untied'}"
     if not (path / "config.json").exists():

@@ -138,8 +138,10 @@ def test_quantization_refusals_are_one_line(tiny_model):
         ModelLoadError, match="unknown quantization 'int3': use int8, int4, int4-zp, int4-g128, "
     ):
         LLM(path, quantization="int3", **ENGINE)
-    with pytest.raises(ModelLoadError, match="keeps activations in float32: use --dtype auto or float32"):
-        LLM(path, quantization="int8", **{**ENGINE, "dtype": "bfloat16"})
+    with pytest.raises(
+        ModelLoadError, match="runs under float32 or bfloat16 activations: use --dtype auto, float32"
+    ):
+        LLM(path, quantization="int8", **{**ENGINE, "dtype": "float16"})
     with pytest.raises(DTypeError, match="runs on the CPU only"):
         choose_dtype("auto", None, torch.device("cuda"), QUANTIZATIONS["int8"])
     with pytest.raises(ModelLoadError, match="model family 'gpt2' keeps weights in Conv1D, which would stay"):
@@ -147,7 +149,7 @@ def test_quantization_refusals_are_one_line(tiny_model):
 
 
 def test_cli_quantization_option(tmp_path):
-    """``--quantization int8`` / ``int4-g128`` run and say so in the report; with ``--dtype bfloat16`` it
+    """``--quantization int8`` / ``int4-g128`` run and say so in the report; with ``--dtype float16`` it
     stops at once."""
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ab"}, {"prompt": "cd"}])
     model = str(tiny_model())
@@ -159,6 +161,6 @@ def test_cli_quantization_option(tmp_path):
         assert ok.exit_code == 0, ok.output
         assert [r["error"] for r in read_jsonl(tmp_path / "p.out.jsonl")] == [None, None]
         assert f"linear weights {says}" in (tmp_path / "r.json").read_text()
-    bad = CliRunner().invoke(app, [*args, "--quantization", "int8", "--dtype", "bfloat16"])
+    bad = CliRunner().invoke(app, [*args, "--quantization", "int8", "--dtype", "float16"])
     assert bad.exit_code == 2
-    assert "use --dtype auto or float32" in bad.output and "Traceback" not in bad.output
+    assert "use --dtype auto, float32 or bfloat16" in bad.output and "Traceback" not in bad.output

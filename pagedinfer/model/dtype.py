@@ -71,7 +71,7 @@ def choose_dtype(
     dtype: str | torch.dtype, config, device: torch.device, quantization: Quantization | None = None
 ) -> DTypeChoice:
     """The run's dtype and the reason for it (explicit, or what ``auto`` found). With ``quantization``
-    (int8 or int4 weights) the activations are float32, on the CPU."""
+    (int8 or int4 weights, on the CPU) the activations are float32, or bfloat16 when asked for."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype) and dtype not in DTYPE_NAMES:
         raise DTypeError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     if quantization:
@@ -79,11 +79,14 @@ def choose_dtype(
             raise DTypeError(
                 f"--quantization {quantization.name} runs on the CPU only (the device is {device.type})"
             )
-        if DTYPE_NAMES.get(dtype, dtype) not in ("auto", "float32", torch.float32):
+        wanted = DTYPE_NAMES.get(dtype, dtype)
+        if wanted not in ("auto", "float32", "bfloat16", torch.float32, torch.bfloat16):
             raise DTypeError(
-                f"--quantization {quantization.name} keeps activations in float32: use --dtype auto or float32"
+                f"--quantization {quantization.name} runs under float32 or bfloat16 activations: use --dtype "
+                "auto, float32 or bfloat16"
             )
-        return DTypeChoice(torch.float32, f"float32 activations; linear weights {quantization.description}")
+        act = torch.bfloat16 if wanted in ("bfloat16", torch.bfloat16) else torch.float32
+        return DTypeChoice(act, f"{str(act)[6:]} activations; linear weights {quantization.description}")
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")
     if dtype != "auto":

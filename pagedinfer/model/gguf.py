@@ -216,8 +216,8 @@ def state_dict(
     """The Llama-family tensors under Hugging Face names, and the types that were dequantized.
 
     ``keep_blocks``: matrices of a type in `gguf_blocks.BLOCKS` stay as their blocks (`GGUFWeight`,
-    for the panels), the other matrices are dequantized to float32; else every tensor is dequantized
-    to ``dtype``. Q and K rows are un-permuted for llama files, as transformers does."""
+    for the panels, multiplied under ``dtype`` activations: float32 or bfloat16), the other tensors are
+    dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. Q and K rows are un-permuted for llama files, as transformers does."""
     import gguf
 
     names = hf_names(ckpt.arch, config.num_hidden_layers)
@@ -235,7 +235,8 @@ def state_dict(
             permute = heads if ".attn_q." in info.name else kv_heads
         if keep_blocks and info.kind in BLOCKS and len(info.shape) == 2:
             data = raw if permute is None else _reverse_permute(raw, permute)
-            sd[hf] = GGUFWeight(info.kind, data, info.shape[1], lambda i=info: ckpt.release(i))
+            release = lambda i=info: ckpt.release(i)  # noqa: E731
+            sd[hf] = GGUFWeight(info.kind, data, info.shape[1], release, dtype == torch.bfloat16)
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
@@ -250,13 +251,13 @@ def state_dict(
     return sd, dequantized
 
 
-def dequantized_note(path: Path, kinds: Counter) -> None:
-    """One line on stderr naming the matrices' types that were dequantized to float32."""
+def dequantized_note(path: Path, kinds: Counter, dtype: torch.dtype = torch.float32) -> None:
+    """One line on stderr naming the matrices' types that were dequantized (to ``dtype``)."""
     if kinds:
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         sys.stderr.write(
             f"pagedinfer: {path.name}: tensors of types the panels do not keep ({listed}) are dequantized to "
-            f"float32; kept as stored: {', '.join(BLOCKS)}\n"
+            f"{str(dtype)[6:]}; kept as stored: {', '.join(BLOCKS)}\n"
         )
 
 

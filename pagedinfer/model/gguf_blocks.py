@@ -37,6 +37,7 @@ class GGUFWeight:
     data: np.ndarray  # [out, row bytes] uint8 (a view of the memory-mapped file, or a copy)
     in_features: int
     release: Callable[[], None] | None = None  # drops the file's pages once the blocks are packed
+    bf16_io: bool = False  # multiplied under bfloat16 activations (the run's dtype), else float32
 
     @property
     def out_features(self) -> int:
@@ -58,7 +59,8 @@ def concat(parts: list[GGUFWeight]) -> list[GGUFWeight]:
             continue
         releases = [p.release for p in run if p.release]
         data = np.concatenate([p.data for p in run])
-        out.append(GGUFWeight(run[0].kind, data, run[0].in_features, lambda r=releases: [f() for f in r]))
+        release = lambda r=releases: [f() for f in r]  # noqa: E731
+        out.append(GGUFWeight(run[0].kind, data, run[0].in_features, release, run[0].bf16_io))
     return out
 
 

@@ -16,7 +16,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
 from pagedinfer.config import QUANTIZATIONS
-from pagedinfer.model import decode_step, fused_ops, gguf, hub, llama, packed_linear
+from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
@@ -144,33 +144,36 @@ def load_model(
         own = _own_gguf(name, config, model_impl, dev)
     else:
         own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
-    keep_blocks = (
+    keep_blocks = (  # float32 activations (auto), or bfloat16 ones (--dtype bfloat16) over the blocks
         bool(ckpt)
         and own
-        and dtype == "auto"
+        and (dtype == "auto" or choice.dtype == torch.bfloat16)
         and quant is None
-        and packed_linear.panel_dtype(torch.float32, 2)
+        and packed_linear.panel_dtype(choice.dtype, 2)
     )
+    # quantized weights are made from the checkpoint's values, the other tensors cast after packing
+    load_dtype = torch.float32 if quant else choice.dtype
     try:
         if dummy:
             model = random_model(
-                config, 0, choice.dtype, dev, attn_implementation=attention.transformers_name()
+                config, 0, load_dtype, dev, attn_implementation=attention.transformers_name()
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
             sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
             if keep_blocks:
-                gguf.dequantized_note(ckpt.path, dequantized)
-                choice = DTypeChoice(torch.float32, _gguf_reason(ckpt, dequantized))
+                gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
+                reason = _gguf_reason(ckpt, dequantized, choice.dtype)
+                choice = DTypeChoice(choice.dtype, reason or choice.reason)
             model = llama.from_gguf(config, sd)
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
-            model = llama.load(config, own, choice.dtype, dev)
+            model = llama.load(config, own, load_dtype, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
             model, info = AutoModelForCausalLM.from_pretrained(
                 src,
-                dtype=choice.dtype,
+                dtype=load_dtype,
                 attn_implementation=attention.transformers_name(),
                 output_loading_info=True,
                 **src_kwargs,
@@ -186,9 +189,12 @@ def load_model(
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
-    if quant and not packed_linear.panel_dtype(torch.float32, 2):
+    if quant and not packed_linear.panel_dtype(choice.dtype, 2):
         raise ModelLoadError(
             f"quantization {quant.name} needs the CPU panel kernel, which did not build (no C compiler?)"
+            if choice.dtype == torch.float32
+            else f"quantization {quant.name} under bfloat16 activations needs AVX512-BF16 (this CPU or its "
+            "kernel build lacks it): use --dtype float32"
         )
     if quant or (envs.pack_weights() and packed_linear.can_pack(model)):
         gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU
@@ -197,9 +203,12 @@ def load_model(
             min_weights=0 if quant else None,
             panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
             quantization=quant,
+            activations=choice.dtype,
         )
     if quant:
         _check_quantized(model, config.model_type, quant.name)
+        for p in model.parameters():  # the tensors left (norms, embeddings) in the activations' dtype; not
+            p.data = p.data.to(choice.dtype)  # buffers: RoPE's frequencies stay float32, as a bfloat16 load keeps them
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(
@@ -268,11 +277,18 @@ def _own_gguf(name: str, config, impl: str, device: torch.device) -> bool:
     return reason is None
 
 
-def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized) -> str:
-    """The report's dtype reason for a GGUF kept in its types: which types, how many matrices each."""
-    kept = {k: n for k, n in ckpt.kinds().items() if k not in dequantized}
+def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> str | None:
+    """The report's dtype reason for a GGUF kept in its types: the activations, which types, how many
+    matrices each (None under bfloat16 activations when no matrix kept its blocks: float ones are cast)."""
+    kept = {
+        k: n
+        for k, n in ckpt.kinds().items()
+        if k not in dequantized and (dtype == torch.float32 or k in gguf_blocks.BLOCKS)
+    }
+    if not kept:
+        return None
     types = ", ".join(f"{k} x{n}" for k, n in sorted(kept.items(), key=lambda kv: -kv[1]))
-    return f"float32 activations; weights as stored in the GGUF ({types})"
+    return f"{str(dtype)[6:]} activations; weights as stored in the GGUF ({types})"
 
 
 def _check_quantized(model: torch.nn.Module, family: str, quantization: str) -> None:

@@ -61,6 +61,7 @@ class GemmSegment(ctypes.Structure):  # kernels/cpu_gemm.c: gemm_segment
         ("panels", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
+        ("bf16_io", ctypes.c_int),
     ]
 
 
@@ -71,6 +72,7 @@ def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
     c.panels = s.panels.data_ptr()
     c.bias = None if s.bias is None else s.bias.data_ptr()
     c.scale = None if s.scale is None else s.scale.data_ptr()
+    c.bf16_io = int(s.bf16_io)
     return c
 
 
@@ -79,7 +81,8 @@ class PackedLinear(nn.Module):
 
     ``panels``: the weight in kernels/cpu_gemm.c's panels (float32; bfloat16 where that kernel has
     its AVX512-BF16 half); otherwise (or for another dtype, or where that kernel did not build)
-    oneDNN's prepacked layout. ``quantization``: the weight quantized to int8 or int4 panels.
+    oneDNN's prepacked layout. ``quantization``: the weight quantized to int8 or int4 panels, under
+    ``activations`` (float32, the default, or bfloat16 where the kernel has AVX512-BF16).
     ``segments``: panels already made (a GGUF's blocks, `from_segments`). A `GatedLinear` stays
     gated: its output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
     """
@@ -90,6 +93,7 @@ class PackedLinear(nn.Module):
         panels: bool = False,
         quantization: Quantization | None = None,
         segments: list[Segment] | None = None,
+        activations: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -101,16 +105,18 @@ class PackedLinear(nn.Module):
             return
         weight = linear.weight.detach().contiguous()  # [out, in]
         bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        if quantization is not None and (weight.dtype != torch.float32 or _gemm_library() is None):
+        if quantization is not None and not panel_dtype(activations, self.in_features):
             raise ValueError(
-                f"{quantization.name} weights need a float32 model and the panel kernel (a C compiler)"
+                f"{quantization.name} weights need the panel kernel (a C compiler) for {activations} activations "
+                "(bfloat16: AVX512-BF16 and an even in_features)"
             )
         if quantization is None and not (panels and panel_dtype(weight.dtype, self.in_features)):
             self.segments = None
             self.bias = None if bias is None else bias.clone()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)  # opaque oneDNN layout
             return
-        self._set_segments([quantized_segment(weight, bias, self.gated, quantization)])
+        bf16_io = quantization is not None and activations == torch.bfloat16
+        self._set_segments([quantized_segment(weight, bias, self.gated, quantization, bf16_io)])
 
     @classmethod
     def from_segments(
@@ -179,8 +185,9 @@ class PackedLinear(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of inputs and outputs: bfloat16 for bfloat16 panels, float32 for every other kind."""
-        return torch.bfloat16 if self.segments and self.segments[0].kind == "BF16" else torch.float32
+        """The dtype of inputs and outputs: bfloat16 for bfloat16 panels and quantized ones under bfloat16
+        activations, float32 for the others."""
+        return self.segments[0].activation_dtype if self.segments else torch.float32
 
     @property
     def kinds(self) -> list[str]:
@@ -201,12 +208,19 @@ def ungated(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [
 
 
 def quantized_segment(
-    weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, quantization: Quantization | None
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    quantization: Quantization | None,
+    bf16_io: bool = False,
 ) -> Segment:
     """A float weight ``[out, in]`` (+ bias ``[out]``) as one segment of panels: float32 / bfloat16 as
-    they are, or quantized to int8 or int4."""
+    they are, or quantized to int8 or int4 from its values (multiplied under bfloat16 activations with
+    ``bf16_io``, else float32)."""
     out, k = weight.shape
     cols = out // 2 if gated else out
+    if bias is not None and bf16_io:  # as a bfloat16 linear holds it
+        bias = bias.to(torch.bfloat16)
     packed_bias = (
         None if bias is None else panel_formats.pack_float(bias.float().unsqueeze(1), gated)
     )  # [P, 1, 16]
@@ -215,6 +229,7 @@ def quantized_segment(
         return Segment(
             kind, cols, panel_formats.pack_float(weight, gated), packed_bias, in_features=k, gated_pairs=gated
         )
+    weight = weight.float()
     if quantization.bits == 8:
         q, scale = panel_formats.quantize_int8(weight)  # [out, in] int8, [out] float32
         return Segment(
@@ -225,6 +240,7 @@ def quantized_segment(
             panel_formats.pack_float(scale.unsqueeze(1), gated),
             in_features=k,
             gated_pairs=gated,
+            bf16_io=bf16_io,
         )
     q, scale, zero = panel_formats.quantize_int4(weight, quantization.group, quantization.zero_points)
     records = panel_formats.pack_int4(q, scale, zero, quantization.group, gated)  # [P, bytes]
@@ -237,6 +253,7 @@ def quantized_segment(
         group=quantization.group,
         in_features=k,
         gated_pairs=gated,
+        bf16_io=bf16_io,
     )
 
 
@@ -248,14 +265,17 @@ def gguf_segment(w: GGUFWeight, bias: torch.Tensor | None, gated: bool) -> Segme
         w.release()
     packed_bias = None if bias is None else panel_formats.pack_float(bias.float().unsqueeze(1), gated)
     cols = w.out_features // 2 if gated else w.out_features
-    return Segment(w.kind, cols, records, packed_bias, in_features=w.in_features, gated_pairs=gated)
+    return Segment(
+        w.kind, cols, records, packed_bias, in_features=w.in_features, gated_pairs=gated, bf16_io=w.bf16_io
+    )
 
 
 def gguf_linear(
     parts: list[torch.Tensor | GGUFWeight], biases: list[torch.Tensor | None], gated: bool
 ) -> PackedLinear:
     """A linear over row-concatenated parts of a GGUF (q, k, v; gate, up; or one weight), each run of one
-    type one segment (float parts, dequantized or float32 in the file, in float32 panels). A gated
+    type one segment (float parts, dequantized or float in the file, in panels of the run's dtype:
+    float32, or bfloat16 where the blocks are multiplied under bfloat16 activations). A gated
     pair of one type becomes paired panels (silu(gate) * up in the kernel); of two types, two
     segments multiplied apart."""
     k = parts[0].in_features if isinstance(parts[0], GGUFWeight) else parts[0].shape[1]
@@ -272,8 +292,8 @@ def gguf_linear(
     segments = []
     for kind, run, run_bias in runs:
         bias = None if run_bias[0] is None else torch.cat(run_bias)
-        if kind == "F32":
-            segments.append(quantized_segment(torch.cat(run).float().contiguous(), bias, pair, None))
+        if kind == "F32":  # the float tensors are in the run's dtype already (`gguf.state_dict`)
+            segments.append(quantized_segment(torch.cat(run).contiguous(), bias, pair, None))
         else:
             (w,) = gguf_blocks.concat(run)
             segments.append(gguf_segment(w, bias, pair))
@@ -289,8 +309,9 @@ class PanelEmbedding(nn.Module):
         self.table = table
         self.num_embeddings, self.embedding_dim = table.cols, table.in_features
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H] float32
-        return panel_rows(self.table, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H] in the activations' dtype
+        rows = panel_rows(self.table, ids.reshape(-1))  # [n, H] float32, rounded once to bfloat16 if so
+        return rows.to(self.table.activation_dtype).view(*ids.shape, self.embedding_dim)
 
 
 def dequantized(segment: Segment) -> torch.Tensor:
@@ -371,6 +392,7 @@ def pack_linears(
     min_weights: int | None = None,
     panels: bool | None = None,
     quantization: Quantization | None = None,
+    activations: torch.dtype = torch.float32,
 ) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
@@ -378,7 +400,8 @@ def pack_linears(
     `panels_by_default` says for this CPU. ``min_weights`` None: every linear on the panels (a row's
     products then never depend on the rows beside it: MKL's do, at small row counts on an AMD Zen 5),
     `MIN_WEIGHTS` under oneDNN. ``quantization``: float32 weights quantized to int8 or int4
-    (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says.
+    (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says,
+    multiplied under ``activations`` (bfloat16: the caller casts the model's other tensors after).
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -398,7 +421,7 @@ def pack_linears(
     }
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, panels, quantization))
+        setattr(parent, name, PackedLinear(child, panels, quantization, activations=activations))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             _release_pages(child.weight)  # its last user is packed

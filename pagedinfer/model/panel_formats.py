@@ -74,6 +74,12 @@ class Segment:
     group: int = 0  # I4's group length
     in_features: int = 0
     gated_pairs: bool = False  # a fused gate-up: cols is the half, the panels hold 2 * cols rows
+    bf16_io: bool = False  # a quantized kind under bfloat16 activations (x and y bfloat16; BF16: always)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the kernel reads x and writes y in."""
+        return torch.bfloat16 if self.kind == "BF16" or self.bf16_io else torch.float32
 
     @property
     def weights(self) -> int:
