@@ -78,7 +78,10 @@ def build(path: str, plain: list[nn.Linear]) -> list:
     if path in ("f32", "bf16"):
         return [PackedLinear(lin, panels=True) for lin in plain]
     if path in QUANTIZATIONS:
-        return [PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[path]) for lin in plain]
+        return [  # under the run's activations (--dtype bfloat16: bfloat16)
+            PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[path], activations=lin.weight.dtype)
+            for lin in plain
+        ]
     return [gguf_linear(lin, path) for lin in plain]
 
 

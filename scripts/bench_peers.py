@@ -20,7 +20,9 @@ Precisions (``--dtypes``), equal on every system: float32 (weights, activations 
 (all three; OpenVINO: its bf16 inference precision and K/V on the float32 export); int8 (linear weights
 int8 per output channel, activations and K/V float32: our ``--quantization int8``, OpenVINO's int8
 export with dynamic activation quantization off; vLLM's CPU build has int8 only from a pre-quantized
-checkpoint, so it is skipped there).
+checkpoint, so it is skipped there); int8:bfloat16 (the same int8 weights, activations and K/V
+bfloat16: our ``--quantization int8 --dtype bfloat16``, OpenVINO's int8 export at its bf16 inference
+precision; not in the default list).
 
 Workloads (``--workloads``; random token prompts from fixed seeds, ``ignore_eos``, so every completion is
 exactly its max_tokens long):
@@ -38,7 +40,7 @@ side by side, ratios (pagedinfer / peer at equal precision, and best against bes
 start to ready), peak RSS, and greedy agreement with our float32 (sequences identical).
 
 Usage: python scripts/bench_peers.py [--cache DIR] [--systems pagedinfer,vllm,openvino]
-       [--dtypes float32,bfloat16,int8] [--workloads A,B,C,D,b1,W1,W3] [--repeats 2] [--quick]
+       [--dtypes float32,bfloat16,int8,int8:bfloat16] [--workloads A,B,C,D,b1,W1,W3] [--repeats 2] [--quick]
        [--threads 2] [--max-num-batched-tokens 4096] [--json FILE]
 """
 
@@ -55,7 +57,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("pagedinfer", "vllm", "openvino")
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "int8:bfloat16")
+DEFAULT_DTYPES = DTYPES[:3]
 WORKLOADS = ("A", "B", "C", "D", "b1", "W1", "W3")
 REFERENCE = ("pagedinfer", "float32")  # whose greedy tokens the others are compared with
 KV_GIB = 2  # every system's K/V pool
@@ -73,7 +76,10 @@ PEER_PACKAGES = {  # pip install steps; a step starting with "-" runs pip uninst
         ["-torchvision"],
     ],
 }
-NOT_SUPPORTED = {("vllm", "int8"): "vLLM's CPU build runs int8 only from a pre-quantized checkpoint"}
+NOT_SUPPORTED = {
+    ("vllm", dtype): "vLLM's CPU build runs int8 only from a pre-quantized checkpoint"
+    for dtype in ("int8", "int8:bfloat16")
+}
 RESULT_TAG = "@@bench_peers "  # prefixes the worker's result lines on its stdout
 
 
@@ -111,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pagedinfer-peers")
     ap.add_argument("--systems", type=lambda v: _names(v, SYSTEMS, "system"), default=SYSTEMS)
-    ap.add_argument("--dtypes", type=lambda v: _names(v, DTYPES, "dtype"), default=DTYPES)
+    ap.add_argument("--dtypes", type=lambda v: _names(v, DTYPES, "dtype"), default=DEFAULT_DTYPES)
     ap.add_argument("--workloads", type=lambda v: _names(v, WORKLOADS, "workload"), default=WORKLOADS)
     ap.add_argument("--repeats", type=_positive, default=2, help="timed runs per system (taking turns)")
     ap.add_argument(
@@ -305,7 +311,8 @@ class PagedinferRunner:
         import torch
 
         torch.set_num_threads(spec["threads"])
-        dtype, quantization = ("float32", "int8") if spec["dtype"] == "int8" else (spec["dtype"], None)
+        weights, _, act = spec["dtype"].partition(":")  # int8:bfloat16: int8 weights, bfloat16 activations
+        dtype, quantization = (act or "float32", "int8") if weights == "int8" else (spec["dtype"], None)
         self.llm = LLM(
             spec["model"],
             device="cpu",
@@ -336,8 +343,8 @@ class VllmRunner:
     def __init__(self, spec: dict) -> None:
         from vllm import LLM
 
-        if spec["dtype"] == "int8":
-            raise RuntimeError(NOT_SUPPORTED[("vllm", "int8")])
+        if ("vllm", spec["dtype"]) in NOT_SUPPORTED:
+            raise RuntimeError(NOT_SUPPORTED[("vllm", spec["dtype"])])
         self.llm = LLM(
             model=spec["model"],
             dtype=spec["dtype"],
@@ -375,7 +382,7 @@ class OpenvinoRunner:
 
         self.ov_genai = ov_genai
         self.spec = spec
-        hint = "bf16" if spec["dtype"] == "bfloat16" else "f32"
+        hint = "bf16" if spec["dtype"] in ("bfloat16", "int8:bfloat16") else "f32"
         self.properties = {
             "INFERENCE_NUM_THREADS": spec["threads"],
             "INFERENCE_PRECISION_HINT": hint,
@@ -477,7 +484,7 @@ def run(opts: Options) -> dict:
             elif system == "openvino":
                 try:
                     models[system, dtype] = openvino_export(
-                        cache, pythons[system], model_dir, "int8" if dtype == "int8" else "fp32"
+                        cache, pythons[system], model_dir, "int8" if dtype.startswith("int8") else "fp32"
                     )
                 except RuntimeError as e:
                     skipped[f"{system} {dtype}"] = str(e)

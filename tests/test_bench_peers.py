@@ -29,6 +29,7 @@ def test_defaults_and_choices(bench, tmp_path):
     opts = bench.parse_args(["--systems", "vllm,pagedinfer", "--dtypes", "bfloat16", "--workloads", "C,W3"])
     assert (opts.systems, opts.dtypes, opts.workloads) == (("vllm", "pagedinfer"), ("bfloat16",), ("C", "W3"))
     assert bench.parse_args(["--quick", "--repeats", "5"]).repeats == 1  # --quick: one run each
+    assert bench.parse_args(["--dtypes", "int8:bfloat16,int8"]).dtypes == ("int8:bfloat16", "int8")
 
 
 @pytest.mark.parametrize(
