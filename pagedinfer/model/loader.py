@@ -207,10 +207,10 @@ def load_model(
         )
     if quant:
         _check_quantized(model, config.model_type, quant.name)
-        for p in model.parameters():  # the tensors left (norms, embeddings) in the activations' dtype; not
-            p.data = p.data.to(
-                choice.dtype
-            )  # buffers: RoPE's frequencies stay float32, as a bfloat16 load keeps them
+        # the tensors left (norms, embeddings) in the activations' dtype; not the buffers: RoPE's
+        # frequencies stay float32, as a bfloat16 load keeps them
+        for p in model.parameters():
+            p.data = p.data.to(choice.dtype)
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(
