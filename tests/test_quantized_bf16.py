@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from conftest import DEVICE, ENGINE
 from models import count_one_call_steps
 from test_gguf_types import PROMPTS, TYPES, blocks, dequantize, gguf_file
@@ -22,6 +23,7 @@ from pagedinfer import LLM, SamplingParams
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import gguf, gguf_blocks, packed_linear
 from pagedinfer.model.fused_ops import GatedLinear
+from pagedinfer.model.loader import ModelLoadError
 
 pytestmark = [
     pytest.mark.skipif(DEVICE != "cpu", reason="the panels run on the CPU"),
@@ -114,6 +116,26 @@ def test_a_gguf_run_under_bfloat16_equals_the_bfloat16_run_of_its_dequantized_we
     want, _, ref = run(gguf.convert(path, tmp_path / "dequantized"), monkeypatch, dtype="bfloat16")
     assert ref.engine.loaded.model.layers[0].qkv_proj.kinds == ["BF16"]
     assert got == want
+
+
+def test_refusals_are_one_line(model_root, monkeypatch):
+    """An odd input width (x is read in pairs), or a CPU without AVX512-BF16: one line naming what, no
+    traceback."""
+    odd = model_root / "qwen2-odd-width"
+    if not odd.exists():
+        config = tf.Qwen2Config(
+            vocab_size=256, hidden_size=63, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        )  # fmt: skip
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(odd)
+    with pytest.raises(ModelLoadError, match=r"int8 weights under bfloat16 activations need AVX512-BF16 and an even "
+                       r"input width \(this linear takes 63\); use --dtype float32"):  # fmt: skip
+        LLM(str(odd), quantization="int8", **{**ENGINE, "dtype": "bfloat16"})
+    monkeypatch.setattr(packed_linear, "panel_dtype", lambda dtype, k: dtype == torch.float32)
+    with pytest.raises(
+        ModelLoadError, match="quantization int4 under bfloat16 activations needs AVX512-BF16"
+    ):
+        LLM(str(odd), quantization="int4", **{**ENGINE, "dtype": "bfloat16"})
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4-g128-zp"])

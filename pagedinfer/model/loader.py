@@ -198,13 +198,16 @@ def load_model(
         )
     if quant or (envs.pack_weights() and packed_linear.can_pack(model)):
         gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU
-        packed_linear.pack_linears(  # quantized: every linear, however small (the run says so)
-            model,
-            min_weights=0 if quant else None,
-            panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
-            quantization=quant,
-            activations=choice.dtype,
-        )
+        try:
+            packed_linear.pack_linears(  # quantized: every linear, however small (the run says so)
+                model,
+                min_weights=0 if quant else None,
+                panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
+                quantization=quant,
+                activations=choice.dtype,
+            )
+        except ValueError as e:  # a linear the quantized panels cannot take under these activations
+            raise ModelLoadError(f"cannot quantize {name!r}: {e}; use --dtype float32") from None
     if quant:
         _check_quantized(model, config.model_type, quant.name)
         # the tensors left (norms, embeddings) in the activations' dtype; not the buffers: RoPE's

@@ -106,9 +106,13 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach().contiguous()  # [out, in]
         bias = None if linear.bias is None else linear.bias.detach()  # [out]
         if quantization is not None and not panel_dtype(activations, self.in_features):
+            need = (
+                "the panel kernel (a C compiler)"
+                if activations == torch.float32
+                else f"AVX512-BF16 and an even input width (this linear takes {self.in_features})"
+            )
             raise ValueError(
-                f"{quantization.name} weights need the panel kernel (a C compiler) for {activations} activations "
-                "(bfloat16: AVX512-BF16 and an even in_features)"
+                f"{quantization.name} weights under {str(activations)[6:]} activations need {need}"
             )
         if quantization is None and not (panels and panel_dtype(weight.dtype, self.in_features)):
             self.segments = None
