@@ -69,6 +69,10 @@ static inline __attribute__((always_inline)) __m512bh bf16_pairs(__m512 a, __m51
 }
 #endif
 
+/* X(kind) for every quantized kind: the per-kind instances of the kernels below and their tables. */
+#define QUANTIZED_KINDS(X)                                                                                   \
+    X(K_I8) X(K_I4) X(K_I4Z) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q5_0) X(K_Q5_1) X(K_Q4_K) X(K_Q5_K) X(K_Q6_K)
+
 #if defined(PV_ZMM)
 #define MR 12 /* rows per tile: 8 and 16 measured slower (docs/kernels.md) */
 #else
@@ -249,7 +253,7 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
         switch (rows * 8 + np) { TILE_CASES(F) }                                                             \
     }
 TILES(K_F32)
-TILES(K_I8)
+QUANTIZED_KINDS(TILES)
 #if defined(PV_ZMM)
 #ifndef WR
 #define WR 8 /* past MR rows: tiles of WR rows by WP float32 panels, 24 accumulators */
@@ -297,44 +301,19 @@ TILES(K_I8)
         switch (rows * 8 + np) { CASES }                                                                     \
     }
 WIDE(K_F32, WIDE_CASES, NULL)
-TILES(K_I4)
-TILES(K_I4Z)
-TILES(K_Q8_0)
-TILES(K_Q4_0)
-TILES(K_Q4_1)
-TILES(K_Q5_0)
-TILES(K_Q5_1)
-TILES(K_Q4_K)
-TILES(K_Q5_K)
-TILES(K_Q6_K)
-WIDE(K_I8, FIRST_CASES(K_I8), w)
-WIDE(K_I4, FIRST_CASES(K_I4), w)
-WIDE(K_I4Z, FIRST_CASES(K_I4Z), w)
-WIDE(K_Q8_0, FIRST_CASES(K_Q8_0), w)
-WIDE(K_Q4_0, FIRST_CASES(K_Q4_0), w)
-WIDE(K_Q4_1, FIRST_CASES(K_Q4_1), w)
-WIDE(K_Q5_0, FIRST_CASES(K_Q5_0), w)
-WIDE(K_Q5_1, FIRST_CASES(K_Q5_1), w)
-WIDE(K_Q4_K, FIRST_CASES(K_Q4_K), w)
-WIDE(K_Q5_K, FIRST_CASES(K_Q5_K), w)
-WIDE(K_Q6_K, FIRST_CASES(K_Q6_K), w)
+#define WIDE_QUANTIZED(F) WIDE(F, FIRST_CASES(F), w)
+QUANTIZED_KINDS(WIDE_QUANTIZED)
 
 typedef void (*wide_fn)(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
                         int g, float *y, int64_t ldy, int cols, const uint8_t *rpf, int64_t rpbytes,
                         int rlines, const float *b, const float *scale, int gated, float *w);
-static const wide_fn WIDE_OF[K_COUNT] = {
-    [K_F32] = wide_K_F32,   [K_I8] = wide_K_I8,     [K_I4] = wide_K_I4,     [K_I4Z] = wide_K_I4Z,
-    [K_Q8_0] = wide_K_Q8_0, [K_Q4_0] = wide_K_Q4_0, [K_Q4_1] = wide_K_Q4_1, [K_Q5_0] = wide_K_Q5_0,
-    [K_Q5_1] = wide_K_Q5_1, [K_Q4_K] = wide_K_Q4_K, [K_Q5_K] = wide_K_Q5_K, [K_Q6_K] = wide_K_Q6_K,
-};
+#define WIDE_ENTRY(F) [F] = wide_##F,
+static const wide_fn WIDE_OF[K_COUNT] = {[K_F32] = wide_K_F32, QUANTIZED_KINDS(WIDE_ENTRY)};
 typedef void (*tiles_fn)(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
                          int g, float *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,
                          const float *scale, int gated);
-static const tiles_fn TILES_OF[K_COUNT] = {
-    [K_F32] = tiles_K_F32,   [K_I8] = tiles_K_I8,     [K_I4] = tiles_K_I4,     [K_I4Z] = tiles_K_I4Z,
-    [K_Q8_0] = tiles_K_Q8_0, [K_Q4_0] = tiles_K_Q4_0, [K_Q4_1] = tiles_K_Q4_1, [K_Q5_0] = tiles_K_Q5_0,
-    [K_Q5_1] = tiles_K_Q5_1, [K_Q4_K] = tiles_K_Q4_K, [K_Q5_K] = tiles_K_Q5_K, [K_Q6_K] = tiles_K_Q6_K,
-};
+#define TILES_ENTRY(F) [F] = tiles_##F,
+static const tiles_fn TILES_OF[K_COUNT] = {[K_F32] = tiles_K_F32, QUANTIZED_KINDS(TILES_ENTRY)};
 
 /* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by); or,
  * with pairs (AVX512-BF16 builds), as a bfloat16 pair panel there instead (K_BF16's layout: 32-bit word
@@ -378,25 +357,11 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
                                const uint8_t *pf) {                                                        \
         dequantize_panel(F, p, k, g, scale, w, pairs, pf);                                                  \
     }
-DEQUANTIZE(K_I8)
-DEQUANTIZE(K_I4)
-DEQUANTIZE(K_I4Z)
-DEQUANTIZE(K_Q8_0)
-DEQUANTIZE(K_Q4_0)
-DEQUANTIZE(K_Q4_1)
-DEQUANTIZE(K_Q5_0)
-DEQUANTIZE(K_Q5_1)
-DEQUANTIZE(K_Q4_K)
-DEQUANTIZE(K_Q5_K)
-DEQUANTIZE(K_Q6_K)
+QUANTIZED_KINDS(DEQUANTIZE)
 typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale, float *w, uint32_t *pairs,
                               const uint8_t *pf);
-static const dequantize_fn DEQUANTIZE_OF[K_COUNT] = {
-    [K_I8] = dequantize_K_I8,     [K_I4] = dequantize_K_I4,     [K_I4Z] = dequantize_K_I4Z,
-    [K_Q8_0] = dequantize_K_Q8_0, [K_Q4_0] = dequantize_K_Q4_0, [K_Q4_1] = dequantize_K_Q4_1,
-    [K_Q5_0] = dequantize_K_Q5_0, [K_Q5_1] = dequantize_K_Q5_1, [K_Q4_K] = dequantize_K_Q4_K,
-    [K_Q5_K] = dequantize_K_Q5_K, [K_Q6_K] = dequantize_K_Q6_K,
-};
+#define DEQUANTIZE_ENTRY(F) [F] = dequantize_##F,
+static const dequantize_fn DEQUANTIZE_OF[K_COUNT] = {QUANTIZED_KINDS(DEQUANTIZE_ENTRY)};
 
 /* The calling thread's buffer of at least n floats (kept for the thread's life: a panel's worth). */
 static float *thread_buffer(size_t n) {
@@ -608,25 +573,12 @@ static inline __attribute__((always_inline)) void qtile_bf16(const int f, const 
             QTILE_CASE(F, 6, 1) QTILE_CASE(F, 7, 1) QTILE_CASE(F, 8, 1)                                     \
         }                                                                                                   \
     }
-QTILES(K_I8)
-QTILES(K_I4)
-QTILES(K_I4Z)
-QTILES(K_Q8_0)
-QTILES(K_Q4_0)
-QTILES(K_Q4_1)
-QTILES(K_Q5_0)
-QTILES(K_Q5_1)
-QTILES(K_Q4_K)
-QTILES(K_Q5_K)
-QTILES(K_Q6_K)
+QUANTIZED_KINDS(QTILES)
 typedef void (*qtiles_fn)(int rows, int np, const uint16_t *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
                           int g, uint16_t *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,
                           const float *scale, int gated);
-static const qtiles_fn QTILES_OF[K_COUNT] = {
-    [K_I8] = qtiles_K_I8,     [K_I4] = qtiles_K_I4,     [K_I4Z] = qtiles_K_I4Z,   [K_Q8_0] = qtiles_K_Q8_0,
-    [K_Q4_0] = qtiles_K_Q4_0, [K_Q4_1] = qtiles_K_Q4_1, [K_Q5_0] = qtiles_K_Q5_0, [K_Q5_1] = qtiles_K_Q5_1,
-    [K_Q4_K] = qtiles_K_Q4_K, [K_Q5_K] = qtiles_K_Q5_K, [K_Q6_K] = qtiles_K_Q6_K,
-};
+#define QTILES_ENTRY(F) [F] = qtiles_##F,
+static const qtiles_fn QTILES_OF[K_COUNT] = {QUANTIZED_KINDS(QTILES_ENTRY)};
 #define HAVE_BF16 1
 #else
 #define HAVE_BF16 0
