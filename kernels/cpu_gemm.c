@@ -43,7 +43,10 @@
  * float32 accumulators, 8 rows per tile; the sums are rounded once to bfloat16 as a bfloat16
  * linear's output is, and the gated epilogue rounds gate and up first and silu(gate) again, as
  * cpu_llama_ops.c's bfloat16 silu_mul does. Requires an even k (x is read in pairs). With AMX, from
- * AMX_MIN_ROWS rows and k a multiple of 32, the same panels feed TDPBF16PS as its B tiles.
+ * AMX_MIN_ROWS rows and k a multiple of 32, the same panels feed TDPBF16PS as its B tiles. Quantized
+ * panels under bfloat16 activations (a segment's bf16_io) become such pair panels in registers, each
+ * weight rounded to bfloat16 (qtile_bf16; past 8 rows the first row block leaves them in a buffer for
+ * the others), so their products are a bfloat16 linear's over the dequantized weight, bit for bit.
  *
  * A linear is one or more segments (gemm_segment: a run of output columns in one format, e.g. the
  * fused QKV of a GGUF whose V is Q6_K and Q, K are Q4_K), each written into its columns of y.
@@ -486,10 +489,11 @@ static void rows_by_panel_bf16(const uint16_t *x, int m, int64_t lda, const uint
 }
 
 /* m rows of bfloat16 x times np pair panels (pstride apart) into y: WRB x WPB tiles past MRB rows
- * while WPB panels are left, then panel by panel in MRB-row tiles. */
+ * while WPB panels are left, then panel by panel in MRB-row tiles; `done`: the first block of rows over
+ * the first WPB panels is in y already (a quantized chunk's converting block, rows_by_panels). */
 static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t *p, int64_t pstride, int np,
                                 uint16_t *y, int64_t ldy, int cols, const uint16_t *pf, const float *b,
-                                int gated) {
+                                int gated, int done) {
     static void (*const wide[WRB + 1])(const uint16_t *, int64_t, const uint16_t *, int64_t, int, uint16_t *,
                                        int64_t, int, const uint16_t *, int, int, const float *, int) = {
         NULL, bwide_1, bwide_2, bwide_3, bwide_4, bwide_5, bwide_6,
@@ -502,7 +506,7 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
         for (; t + WPB <= np; t += WPB) {
             const uint16_t *next = t + 2 * WPB <= np ? p + (t + WPB) * pstride : t + WPB < np ? NULL : pf;
             const int passes = (m + WRB - 1) / WRB, per = equal_blocks(m, WRB);
-            for (int r = 0, pass = 0; r < m; r += per, pass++) {
+            for (int r = t || !done ? 0 : per, pass = r ? 1 : 0; r < m; r += per, pass++) {
                 const int rows = m - r < per ? m - r : per;
                 wide[rows](x + (int64_t)r * k, k, p + t * pstride, pstride, k, y + (int64_t)r * ldy + t * cols, ldy,
                            cols, next, pass, passes, b ? b + t * NR : NULL, gated);
@@ -517,11 +521,14 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
  * converted in registers (bf16_pairs) and multiplied as bkernel multiplies a pair panel's: the same
  * vdpbf16ps steps in the same order, so the same bits as a bfloat16 linear over the dequantized
  * weight, without the pass through a buffer (at these rows the conversion is most of the work). pf:
- * the next tile's first panel, each group's record lines fetched meanwhile (NULL: none). */
+ * the next tile's first panel, each group's record lines fetched meanwhile (NULL: none). wout: where
+ * the pairs also go, as NP pair panels (k / 2 x 16 words each), for the row blocks after this one
+ * (NULL: nowhere). */
 static inline __attribute__((always_inline)) void qtile_bf16(const int f, const int ROWS, const int NP, const uint16_t *x,
                                                              int64_t lda, const uint8_t *p, int64_t pbytes, int k, int g,
                                                              uint16_t *y, int64_t ldy, int cols, const uint8_t *pf,
-                                                             const float *b, const float *scale, int gated) {
+                                                             const float *b, const float *scale, int gated,
+                                                             uint32_t *wout) {
     __m512 acc[MRB][4];
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < NP; j++) acc[r][j] = _mm512_setzero_ps();
@@ -546,6 +553,9 @@ static inline __attribute__((always_inline)) void qtile_bf16(const int f, const 
             for (int j = 0; j < NP; j++)
                 w[j] = bf16_pairs((__m512)group_weights(f, direct, s[j], m[j], q[j], kk, 0),
                                   (__m512)group_weights(f, direct, s[j], m[j], q[j], kk + 1, 0));
+            if (wout)
+                for (int j = 0; j < NP; j++)
+                    _mm512_storeu_si512(wout + ((int64_t)j * k + g0 + kk) / 2 * NR, (__m512i)w[j]);
             for (int r = 0; r < ROWS; r++) {
                 int32_t pair;
                 memcpy(&pair, x + r * lda + g0 + kk, sizeof pair);
@@ -558,25 +568,27 @@ static inline __attribute__((always_inline)) void qtile_bf16(const int f, const 
         for (int j = 0; j < NP; j++) store_tile_bf16(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
 }
 
-/* qtiles_<format>(rows, np, ...): the in-register tile of that shape (rows <= MRB; np = tile_panels(rows), or 1). */
+/* qtiles_<format>(rows, np, ...): the in-register tile of that shape (rows <= MRB; np = tile_panels(rows),
+ * or 1; or, the first row block past MRB rows, 5 to 8 rows by WPB panels, wout given). */
 #define QTILE_CASE(F, R, NP)                                                                                \
     case (R) * 8 + (NP):                                                                                    \
-        qtile_bf16(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, b, scale, gated);                    \
+        qtile_bf16(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, b, scale, gated, wout);              \
         return;
 #define QTILES(F)                                                                                           \
     static void qtiles_##F(int rows, int np, const uint16_t *x, int64_t lda, const uint8_t *p, int64_t pbytes, \
                            int k, int g, uint16_t *y, int64_t ldy, int cols, const uint8_t *pf, const float *b, \
-                           const float *scale, int gated) {                                                 \
+                           const float *scale, int gated, uint32_t *wout) {                                 \
         switch (rows * 8 + np) {                                                                            \
             QTILE_CASE(F, 1, 4) QTILE_CASE(F, 2, 2) QTILE_CASE(F, 3, 2) QTILE_CASE(F, 1, 1)                 \
             QTILE_CASE(F, 2, 1) QTILE_CASE(F, 3, 1) QTILE_CASE(F, 4, 1) QTILE_CASE(F, 5, 1)                 \
-            QTILE_CASE(F, 6, 1) QTILE_CASE(F, 7, 1) QTILE_CASE(F, 8, 1)                                     \
+            QTILE_CASE(F, 6, 1) QTILE_CASE(F, 7, 1) QTILE_CASE(F, 8, 1) QTILE_CASE(F, 5, WPB)               \
+            QTILE_CASE(F, 6, WPB) QTILE_CASE(F, 7, WPB) QTILE_CASE(F, 8, WPB)                               \
         }                                                                                                   \
     }
 QUANTIZED_KINDS(QTILES)
 typedef void (*qtiles_fn)(int rows, int np, const uint16_t *x, int64_t lda, const uint8_t *p, int64_t pbytes, int k,
                           int g, uint16_t *y, int64_t ldy, int cols, const uint8_t *pf, const float *b,
-                          const float *scale, int gated);
+                          const float *scale, int gated, uint32_t *wout);
 #define QTILES_ENTRY(F) [F] = qtiles_##F,
 static const qtiles_fn QTILES_OF[K_COUNT] = {QUANTIZED_KINDS(QTILES_ENTRY)};
 #define HAVE_BF16 1
@@ -684,7 +696,7 @@ static void pair_panels(const char *x, int m, int k, const uint8_t *p, int64_t p
     }
 #endif
     rows_by_panels_bf16((const uint16_t *)x, m, k, (const uint16_t *)p, pbytes / 2, np, (uint16_t *)y, ldy, cols,
-                        (const uint16_t *)pf, b, gated);
+                        (const uint16_t *)pf, b, gated, 0);
 }
 #endif
 
@@ -740,7 +752,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
             const int n = tile_panels(m) <= np - t ? tile_panels(m) : 1;
             QTILES_OF[s->kind](m, n, (const uint16_t *)x, k, p + t * pbytes, pbytes, k, s->group,
                                (uint16_t *)y + t * cols, ldy, cols, t + n < np ? p + (t + n) * pbytes : pf,
-                               b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);
+                               b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated, NULL);
             t += n;
         }
         return;
@@ -748,6 +760,19 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     if (s->bf16_io) { /* the panels as pairs in the thread's buffer, the next chunk's fetched meanwhile */
         const int64_t pair_bytes = (int64_t)k * NR * 2;
         uint8_t *w = (uint8_t *)thread_buffer((size_t)np * k * NR / 2);
+        const int per = equal_blocks(m, WRB); /* the first block's rows (5 to 8), as rows_by_panels_bf16 cuts */
+#if HAVE_AMX
+        const int amx = m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready(); /* every row on the tiles, as BF16 */
+#else
+        const int amx = 0;
+#endif
+        if (np == WPB && !amx) { /* the first block converts as it multiplies, the others read its pairs */
+            QTILES_OF[s->kind](per, np, (const uint16_t *)x, k, p, pbytes, k, s->group, (uint16_t *)y, ldy, cols, pf, b,
+                               sc, gated, (uint32_t *)w);
+            rows_by_panels_bf16((const uint16_t *)x, m, k, (const uint16_t *)w, pair_bytes / 2, np, (uint16_t *)y, ldy,
+                                cols, NULL, b, gated, 1);
+            return;
+        }
         for (int t = 0; t < np; t++)
             DEQUANTIZE_OF[s->kind](p + t * pbytes, k, s->group, sc ? sc + t * NR : NULL, NULL,
                                    (uint32_t *)(w + t * pair_bytes), pf ? pf + t * pbytes : NULL);
