@@ -216,8 +216,9 @@ def state_dict(
     """The Llama-family tensors under Hugging Face names, and the types that were dequantized.
 
     ``keep_blocks``: matrices of a type in `gguf_blocks.BLOCKS` stay as their blocks (`GGUFWeight`,
-    for the panels, multiplied under ``dtype`` activations: float32 or bfloat16), the other tensors are
-    dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. Q and K rows are un-permuted for llama files, as transformers does."""
+    for the panels, multiplied under ``dtype`` activations: float32 or bfloat16), the other tensors
+    are dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. Q and K rows are
+    un-permuted for llama files, as transformers does."""
     import gguf
 
     names = hf_names(ckpt.arch, config.num_hidden_layers)
@@ -235,8 +236,8 @@ def state_dict(
             permute = heads if ".attn_q." in info.name else kv_heads
         if keep_blocks and info.kind in BLOCKS and len(info.shape) == 2:
             data = raw if permute is None else _reverse_permute(raw, permute)
-            release = lambda i=info: ckpt.release(i)  # noqa: E731
-            sd[hf] = GGUFWeight(info.kind, data, info.shape[1], release, dtype == torch.bfloat16)
+            bf16_io = dtype == torch.bfloat16
+            sd[hf] = GGUFWeight(info.kind, data, info.shape[1], lambda i=info: ckpt.release(i), bf16_io)
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1

@@ -59,8 +59,11 @@ def concat(parts: list[GGUFWeight]) -> list[GGUFWeight]:
             continue
         releases = [p.release for p in run if p.release]
         data = np.concatenate([p.data for p in run])
-        release = lambda r=releases: [f() for f in r]  # noqa: E731
-        out.append(GGUFWeight(run[0].kind, data, run[0].in_features, release, run[0].bf16_io))
+        out.append(
+            GGUFWeight(
+                run[0].kind, data, run[0].in_features, lambda r=releases: [f() for f in r], run[0].bf16_io
+            )
+        )
     return out
 
 
