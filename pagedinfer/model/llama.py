@@ -60,11 +60,19 @@ def _fused(
     cls: type[nn.Linear] = nn.Linear,
 ) -> nn.Module:
     """One linear from row-concatenated parts (q, k, v; gate, up; or one weight): float tensors are
-    concatenated into an ``nn.Linear`` the loader packs; a GGUF's blocks go to panels in their own
-    types at once (`packed_linear.gguf_linear`)."""
+    concatenated into an ``nn.Linear`` the loader packs (one part as it is; the parts' pages, the
+    checkpoint's memory map, handed back once copied: resident beside the copies they raised a float32
+    load's peak by 280 MB on SmolLM2-135M); a GGUF's blocks go to panels in their own types at once
+    (`packed_linear.gguf_linear`)."""
     bias = None if biases[0] is None else torch.cat(biases)
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return _linear(torch.cat(parts), bias, cls)
+        if len(parts) == 1:
+            return _linear(parts[0], bias, cls)
+        weight = torch.cat(parts)
+        for p in parts:
+            if p.device.type == "cpu":
+                packed_linear.release_pages(p)
+        return _linear(weight, bias, cls)
     return packed_linear.gguf_linear(parts, biases, gated=cls is fused_ops.GatedLinear)
 
 
@@ -286,8 +294,12 @@ def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) ->
     """Build the model from its config and the checkpoint's tensors (cast to ``dtype`` on ``device``)."""
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items() if "rotary_emb" not in k}
+        for name, stored in load_file(str(f)).items():
+            if "rotary_emb" in name:
+                continue
+            sd[name] = stored.to(device=device, dtype=dtype)
+            if sd[name].data_ptr() != stored.data_ptr():  # a copy: the stored pages need not stay resident
+                packed_linear.release_pages(stored)
     try:
         return LlamaFamilyForCausalLM(config, sd).to(device).eval()
     except KeyError as e:  # a tensor the config implies (a layer, a projection) is not in the files

@@ -437,15 +437,15 @@ def pack_linears(
         setattr(parent, name, PackedLinear(child, panels, quantization, activations=activations))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
-            _release_pages(child.weight)  # its last user is packed
+            release_pages(child.weight)  # its last user is packed
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
     _trim_heap()
     return len(targets)
 
 
-def _release_pages(t: torch.Tensor) -> None:
-    """Hand the pages wholly inside ``t`` back to the OS now (its contents are gone after).
+def release_pages(t: torch.Tensor) -> None:
+    """Hand the pages wholly inside ``t`` (a CPU tensor) back to the OS now (its contents are gone after).
 
     Without this the unpacked and packed weights are resident together until the last linear is
     packed, which raises the process's peak RSS by the model's size.
