@@ -14,12 +14,12 @@ import pytest
 import torch
 import transformers as tf
 from conftest import DEVICE, ENGINE
-from models import count_one_call_steps
+from models import count_one_call_steps, save_lora
 from test_gguf_types import PROMPTS, TYPES, blocks, dequantize, gguf_file
 from test_quantization import dequantized_copy, dequantized_weight
 from torch import nn
 
-from pagedinfer import LLM, SamplingParams
+from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import gguf, gguf_blocks, packed_linear
 from pagedinfer.model.fused_ops import GatedLinear
@@ -153,3 +153,29 @@ def test_a_quantized_run_under_bfloat16_equals_the_bfloat16_run_of_the_dequantiz
     assert loaded.model.layers[0].qkv_proj.activation_dtype == torch.bfloat16
     want, _, _ = run(dequantized_copy(path, tmp_path / "dequantized", name), monkeypatch, dtype="bfloat16")
     assert got == want
+
+
+def test_lora_lines_over_a_quantized_base_under_bfloat16(tiny_model, model_root, tmp_path):
+    """Per-line LoRA over an int8 base under bfloat16 activations: adapter and base lines in one batch
+    give the tokens of the bfloat16 run of the dequantized checkpoint with the same adapter (and the
+    adapter's lines differ from the base's)."""
+    path = tiny_model("qwen2")
+    adapter = LoRARequest("r8", 1, str(save_lora(path, model_root / "loras", "qwen2-bf16-r8", 8, seed=21)))
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
+
+    def run(model: Path, lines: list, **kw) -> list:
+        llm = LLM(
+            str(model),
+            block_size=4,
+            num_blocks=128,
+            enable_lora=True,
+            **{**ENGINE, "dtype": "bfloat16", **kw},
+        )
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lines)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    mixed = [None, adapter, adapter, None]
+    got = run(path, mixed, quantization="int8")
+    assert got == run(dequantized_copy(path, tmp_path / "dequantized", "int8"), mixed)
+    base = run(path, [None] * len(PROMPTS), quantization="int8")
+    assert (got[0], got[3]) == (base[0], base[3]) and (got[1], got[2]) != (base[1], base[2])
