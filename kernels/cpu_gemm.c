@@ -134,6 +134,15 @@ static inline __attribute__((always_inline)) void store_tile(float *y, v8 lo, v8
  * 12 rows 5-10% slower, so not there). */
 #define DIRECT(f, ROWS) (fmt_direct(f) && (ROWS) <= 2)
 
+/* Group gi's record (gl values a column) of each of np panels from pf (pbytes apart), fetched ahead:
+ * what the tile after this one reads, a group at a time as this one reads its own. */
+static inline __attribute__((always_inline)) void prefetch_group(int f, const uint8_t *pf, int np, int64_t pbytes,
+                                                                 int gi, int g, int gl) {
+    const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
+    for (int j = 0; j < np; j++)
+        for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
+}
+
 /* Lines to prefetch spread evenly over a tile's k steps: `lines` lines from `at` of each of the
  * tile's NP panels' successors (pbytes apart), the share of the next panels that one of the row
  * blocks over the same panels fetches. */
@@ -211,11 +220,7 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
             for (int j = 0; j < NP; j++)
                 group_setup(f, DIRECT(f, ROWS), p + j * pbytes, gi, g0, gl, g, scale ? scale + j * NR : NULL, s[j],
                             m[j], &q[j], buf[j]);
-            if (pf && f != K_I8 && (f != K_Q8_0 || ROWS > 1)) {
-                const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
-                for (int j = 0; j < NP; j++)
-                    for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
-            }
+            if (pf && f != K_I8 && (f != K_Q8_0 || ROWS > 1)) prefetch_group(f, pf, NP, pbytes, gi, g, gl);
         }
         if (DIRECT(f, ROWS)) /* by 4, so that each step knows kk & 3 (nibble_values) */
             for (int kk = 0; kk < gl; kk += 4)
@@ -335,10 +340,7 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
         const int8_t *q;
         const int direct = pairs && fmt_direct(f); /* the pairs read nibbles in registers */
         group_setup(f, direct, p, gi, g0, gl, g, scale, s, m, &q, buf);
-        if (pf && f != K_I8) {
-            const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
-            for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + at + o, 0, 2);
-        }
+        if (pf && f != K_I8) prefetch_group(f, pf, 1, 0, gi, g, gl);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (pairs) { /* gl is even: k is (bfloat16 x is read in pairs), and so is every group length */
             for (int kk = 0; kk < gl; kk += 2) {
@@ -489,8 +491,8 @@ static void rows_by_panel_bf16(const uint16_t *x, int m, int64_t lda, const uint
 }
 
 /* m rows of bfloat16 x times np pair panels (pstride apart) into y: WRB x WPB tiles past MRB rows
- * while WPB panels are left, then panel by panel in MRB-row tiles; `done`: the first block of rows over
- * the first WPB panels is in y already (a quantized chunk's converting block, rows_by_panels). */
+ * while WPB panels are left, then panel by panel in MRB-row tiles; `done`: rows [0, done) over the
+ * first WPB panels are in y already (a quantized chunk's converting block, rows_by_panels). */
 static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t *p, int64_t pstride, int np,
                                 uint16_t *y, int64_t ldy, int cols, const uint16_t *pf, const float *b,
                                 int gated, int done) {
@@ -506,7 +508,7 @@ static void rows_by_panels_bf16(const uint16_t *x, int m, int k, const uint16_t 
         for (; t + WPB <= np; t += WPB) {
             const uint16_t *next = t + 2 * WPB <= np ? p + (t + WPB) * pstride : t + WPB < np ? NULL : pf;
             const int passes = (m + WRB - 1) / WRB, per = equal_blocks(m, WRB);
-            for (int r = t || !done ? 0 : per, pass = r ? 1 : 0; r < m; r += per, pass++) {
+            for (int r = t ? 0 : done, pass = r / per; r < m; r += per, pass++) {
                 const int rows = m - r < per ? m - r : per;
                 wide[rows](x + (int64_t)r * k, k, p + t * pstride, pstride, k, y + (int64_t)r * ldy + t * cols, ldy,
                            cols, next, pass, passes, b ? b + t * NR : NULL, gated);
@@ -541,11 +543,7 @@ static inline __attribute__((always_inline)) void qtile_bf16(const int f, const 
         for (int j = 0; j < NP; j++)
             group_setup(f, direct, p + j * pbytes, gi, g0, gl, g, scale ? scale + j * NR : NULL, s[j], m[j], &q[j],
                         buf[j]);
-        if (pf && f != K_I8) {
-            const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
-            for (int j = 0; j < NP; j++)
-                for (int64_t o = 0; o < rec; o += 64) __builtin_prefetch(pf + j * pbytes + at + o, 0, 2);
-        }
+        if (pf && f != K_I8) prefetch_group(f, pf, NP, pbytes, gi, g, gl);
         for (int kk = 0; kk < gl; kk += 2) {
             if (pf && f == K_I8 && kk % 4 == 0)
                 for (int j = 0; j < NP; j++) __builtin_prefetch(pf + j * pbytes + (int64_t)(g0 + kk) * NR, 0, 2);
@@ -760,7 +758,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     if (s->bf16_io) { /* the panels as pairs in the thread's buffer, the next chunk's fetched meanwhile */
         const int64_t pair_bytes = (int64_t)k * NR * 2;
         uint8_t *w = (uint8_t *)thread_buffer((size_t)np * k * NR / 2);
-        const int per = equal_blocks(m, WRB); /* the first block's rows (5 to 8), as rows_by_panels_bf16 cuts */
+        const int per = equal_blocks(m, WRB); /* the first block's rows: 5 to 8 */
 #if HAVE_AMX
         const int amx = m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready(); /* every row on the tiles, as BF16 */
 #else
@@ -770,7 +768,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
             QTILES_OF[s->kind](per, np, (const uint16_t *)x, k, p, pbytes, k, s->group, (uint16_t *)y, ldy, cols, pf, b,
                                sc, gated, (uint32_t *)w);
             rows_by_panels_bf16((const uint16_t *)x, m, k, (const uint16_t *)w, pair_bytes / 2, np, (uint16_t *)y, ldy,
-                                cols, NULL, b, gated, 1);
+                                cols, NULL, b, gated, per);
             return;
         }
         for (int t = 0; t < np; t++)

@@ -151,7 +151,7 @@ def load_model(
         and quant is None
         and packed_linear.panel_dtype(choice.dtype, 2)
     )
-    # quantized weights are made from the checkpoint's values, the other tensors cast after packing
+    # quantized weights are made from the checkpoint's values, the other tensors cast as they are packed
     load_dtype = torch.float32 if quant else choice.dtype
     try:
         if dummy:
@@ -210,10 +210,6 @@ def load_model(
             raise ModelLoadError(f"cannot quantize {name!r}: {e}; use --dtype float32") from None
     if quant:
         _check_quantized(model, config.model_type, quant.name)
-        # the tensors left (norms, embeddings) in the activations' dtype; not the buffers: RoPE's
-        # frequencies stay float32, as a bfloat16 load keeps them
-        for p in model.parameters():
-            p.data = p.data.to(choice.dtype)
     shapes = probe_layers(model, dev)
     if not shapes:
         raise ModelLoadError(

@@ -414,7 +414,9 @@ def pack_linears(
     products then never depend on the rows beside it: MKL's do, at small row counts on an AMD Zen 5),
     `MIN_WEIGHTS` under oneDNN. ``quantization``: float32 weights quantized to int8 or int4
     (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says,
-    multiplied under ``activations`` (bfloat16: the caller casts the model's other tensors after).
+    multiplied under ``activations``, the model's other parameters then copied into that dtype (the
+    checkpoint is read in float32 for the quantizer; buffers keep theirs: RoPE's frequencies stay float32,
+    as a bfloat16 load keeps them).
 
     A tied output head keeps its embedding (the lookup still needs it) and gains a packed copy.
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
@@ -438,7 +440,10 @@ def pack_linears(
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             release_pages(child.weight)  # its last user is packed
-    for tensor in [*model.parameters(), *model.buffers()]:
+    dtype = activations if quantization is not None else None  # None: each keeps its own
+    for tensor in model.parameters():
+        tensor.data = tensor.data.to(dtype or tensor.dtype, copy=True)
+    for tensor in model.buffers():
         tensor.data = tensor.data.clone()
     _trim_heap()
     return len(targets)
