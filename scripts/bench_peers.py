@@ -76,9 +76,19 @@ PEER_PACKAGES = {  # pip install steps; a step starting with "-" runs pip uninst
         ["-torchvision"],
     ],
 }
+
+
+def precision(dtype: str) -> tuple[str | None, str]:
+    """A ``--dtypes`` name as (quantized weights or None, activations): int8 -> (int8, float32),
+    int8:bfloat16 -> (int8, bfloat16), bfloat16 -> (None, bfloat16)."""
+    weights, _, act = dtype.partition(":")
+    return (weights, act or "float32") if weights == "int8" else (None, dtype)
+
+
 NOT_SUPPORTED = {
     ("vllm", dtype): "vLLM's CPU build runs int8 only from a pre-quantized checkpoint"
-    for dtype in ("int8", "int8:bfloat16")
+    for dtype in DTYPES
+    if precision(dtype)[0]
 }
 RESULT_TAG = "@@bench_peers "  # prefixes the worker's result lines on its stdout
 
@@ -311,8 +321,7 @@ class PagedinferRunner:
         import torch
 
         torch.set_num_threads(spec["threads"])
-        weights, _, act = spec["dtype"].partition(":")  # int8:bfloat16: int8 weights, bfloat16 activations
-        dtype, quantization = (act or "float32", "int8") if weights == "int8" else (spec["dtype"], None)
+        quantization, dtype = precision(spec["dtype"])
         self.llm = LLM(
             spec["model"],
             device="cpu",
@@ -382,7 +391,7 @@ class OpenvinoRunner:
 
         self.ov_genai = ov_genai
         self.spec = spec
-        hint = "bf16" if spec["dtype"] in ("bfloat16", "int8:bfloat16") else "f32"
+        hint = "bf16" if precision(spec["dtype"])[1] == "bfloat16" else "f32"
         self.properties = {
             "INFERENCE_NUM_THREADS": spec["threads"],
             "INFERENCE_PRECISION_HINT": hint,
@@ -484,7 +493,7 @@ def run(opts: Options) -> dict:
             elif system == "openvino":
                 try:
                     models[system, dtype] = openvino_export(
-                        cache, pythons[system], model_dir, "int8" if dtype.startswith("int8") else "fp32"
+                        cache, pythons[system], model_dir, precision(dtype)[0] or "fp32"
                     )
                 except RuntimeError as e:
                     skipped[f"{system} {dtype}"] = str(e)

@@ -163,7 +163,7 @@ def test_lora_lines_over_a_quantized_base_under_bfloat16(tiny_model, model_root,
     adapter = LoRARequest("r8", 1, str(save_lora(path, model_root / "loras", "qwen2-bf16-r8", 8, seed=21)))
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
 
-    def run(model: Path, lines: list, **kw) -> list:
+    def tokens(model: Path, lines: list, **kw) -> list:
         llm = LLM(
             str(model),
             block_size=4,
@@ -175,7 +175,7 @@ def test_lora_lines_over_a_quantized_base_under_bfloat16(tiny_model, model_root,
         return [[c.token_ids for c in o.outputs] for o in outs]
 
     mixed = [None, adapter, adapter, None]
-    got = run(path, mixed, quantization="int8")
-    assert got == run(dequantized_copy(path, tmp_path / "dequantized", "int8"), mixed)
-    base = run(path, [None] * len(PROMPTS), quantization="int8")
+    got = tokens(path, mixed, quantization="int8")
+    assert got == tokens(dequantized_copy(path, tmp_path / "dequantized", "int8"), mixed)
+    base = tokens(path, [None] * len(PROMPTS), quantization="int8")
     assert (got[0], got[3]) == (base[0], base[3]) and (got[1], got[2]) != (base[1], base[2])

@@ -26,6 +26,7 @@ from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.registry import AdapterRegistry
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
+from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.lora_sites import attach_sites
 from pagedinfer.model.runner import ModelRunner
@@ -177,9 +178,9 @@ class LLMEngine:
             prefix_caching=self.pool.enable_prefix_caching,
             schedule_policy=self.scheduler.schedule_policy,
             counters=SchedulerCounters(),
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.loaded.dtype),
             dtype_reason=self.loaded.dtype_reason,
-            kv_cache_dtype=str(self.kv.dtype).removeprefix("torch."),
+            kv_cache_dtype=dtype_name(self.kv.dtype),
             weight_bytes=self.loaded.weights.bytes,
             linear_bits_per_weight=self.loaded.weights.linear_bits_per_weight,
             cuda_graphs=self.graph_mode,

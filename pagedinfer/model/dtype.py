@@ -34,7 +34,12 @@ class DTypeChoice:
 
     @property
     def name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how reports and messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def stored_dtype(config) -> torch.dtype | None:
@@ -86,7 +91,7 @@ def choose_dtype(
                 "auto, float32 or bfloat16"
             )
         act = torch.bfloat16 if wanted in ("bfloat16", torch.bfloat16) else torch.float32
-        return DTypeChoice(act, f"{str(act)[6:]} activations; linear weights {quantization.description}")
+        return DTypeChoice(act, f"{dtype_name(act)} activations; linear weights {quantization.description}")
     if isinstance(dtype, torch.dtype):
         return DTypeChoice(dtype, "given")
     if dtype != "auto":
@@ -94,7 +99,7 @@ def choose_dtype(
     stored = stored_dtype(config)
     if device.type != "cpu":
         if stored in (torch.float16, torch.bfloat16):
-            return DTypeChoice(stored, f"auto: the model is stored in {str(stored)[6:]}")
+            return DTypeChoice(stored, f"auto: the model is stored in {dtype_name(stored)}")
         return DTypeChoice(torch.float16, "auto: half precision on the GPU (the model is stored in float32)")
     if stored not in (torch.float16, torch.bfloat16):
         return DTypeChoice(torch.float32, "auto: float32 on the CPU (the model is not stored in 16 bits)")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
+from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 
 EXTRA = "gguf"
@@ -226,6 +227,7 @@ def state_dict(
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     sd: dict[str, torch.Tensor | GGUFWeight] = {}
     dequantized: Counter = Counter()
+    bf16_io = dtype == torch.bfloat16  # kept blocks multiplied under bfloat16 activations
     for info in ckpt.tensors.values():
         hf = names.get(info.name)
         if hf is None:  # e.g. rope_freqs: transformers ignores it too
@@ -236,7 +238,6 @@ def state_dict(
             permute = heads if ".attn_q." in info.name else kv_heads
         if keep_blocks and info.kind in BLOCKS and len(info.shape) == 2:
             data = raw if permute is None else _reverse_permute(raw, permute)
-            bf16_io = dtype == torch.bfloat16
             sd[hf] = GGUFWeight(info.kind, data, info.shape[1], lambda i=info: ckpt.release(i), bf16_io)
             continue
         if len(info.shape) > 1 and info.kind != "F32":
@@ -258,7 +259,7 @@ def dequantized_note(path: Path, kinds: Counter, dtype: torch.dtype = torch.floa
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         sys.stderr.write(
             f"pagedinfer: {path.name}: tensors of types the panels do not keep ({listed}) are dequantized to "
-            f"{str(dtype)[6:]}; kept as stored: {', '.join(BLOCKS)}\n"
+            f"{dtype_name(dtype)}; kept as stored: {', '.join(BLOCKS)}\n"
         )
 
 

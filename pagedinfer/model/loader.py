@@ -17,7 +17,7 @@ from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
-from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype
+from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype, dtype_name
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
 
@@ -289,7 +289,7 @@ def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> 
     if not kept:
         return None
     types = ", ".join(f"{k} x{n}" for k, n in sorted(kept.items(), key=lambda kv: -kv[1]))
-    return f"{str(dtype)[6:]} activations; weights as stored in the GGUF ({types})"
+    return f"{dtype_name(dtype)} activations; weights as stored in the GGUF ({types})"
 
 
 def _check_quantized(model: torch.nn.Module, family: str, quantization: str) -> None:

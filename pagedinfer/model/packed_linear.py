@@ -41,7 +41,7 @@ from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, 
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.config import Quantization
 from pagedinfer.model import gguf_blocks, panel_formats
-from pagedinfer.model.dtype import cpu_bf16_flags
+from pagedinfer.model.dtype import cpu_bf16_flags, dtype_name
 from pagedinfer.model.fused_ops import GatedLinear, gated
 from pagedinfer.model.gguf_blocks import GGUFWeight
 from pagedinfer.model.panel_formats import KINDS, Segment
@@ -112,7 +112,7 @@ class PackedLinear(nn.Module):
                 else f"AVX512-BF16 and an even input width (this linear takes {self.in_features})"
             )
             raise ValueError(
-                f"{quantization.name} weights under {str(activations)[6:]} activations need {need}"
+                f"{quantization.name} weights under {dtype_name(activations)} activations need {need}"
             )
         if quantization is None and not (panels and panel_dtype(weight.dtype, self.in_features)):
             self.segments = None
