@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -126,6 +127,11 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # per-run bounds on every request (pagedinfer's own): at most max_line_tokens tokens per completion,
+    # on top of its own max_tokens, and at most line_timeout seconds from its admission; either ends a
+    # completion with finish_reason "length", marked (CompletionOutput.capped_by)
+    max_line_tokens: int | None = None
+    line_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -163,6 +169,14 @@ class EngineConfig:
             value = getattr(self, name)  # each checked alone, so an error names the one setting that is wrong
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        cap = self.max_line_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_line_tokens must be an integer >= 1, not {cap!r} (unset: no cap)")
+        timeout = self.line_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
+        ):
+            raise ValueError(f"line_timeout must be a number of seconds > 0, not {timeout!r} (unset: none)")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

@@ -55,6 +55,11 @@ class LLM:
     ``enable_lora`` (vLLM's names): prompts may run with PEFT LoRA adapters (``lora_request`` of
     `generate`), different adapters in one batch; at most ``max_loras`` adapters are loaded over the
     LLM's life, each of rank at most ``max_lora_rank``.
+    ``max_line_tokens`` and ``line_timeout`` bound every request of every call, whatever its own
+    ``max_tokens``: a completion ends with finish_reason ``"length"`` at ``max_line_tokens`` tokens,
+    or at its next token once ``line_timeout`` seconds have passed since its request was admitted;
+    its `CompletionOutput.capped_by` then names the bound. Outputs a timeout ends depend on the
+    machine's speed.
     """
 
     def __init__(
@@ -83,6 +88,8 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = EngineConfig.max_loras,
         max_lora_rank: int = EngineConfig.max_lora_rank,
+        max_line_tokens: int | None = None,
+        line_timeout: float | None = None,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -100,6 +107,8 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            max_line_tokens=max_line_tokens,
+            line_timeout=line_timeout,
         )
         loaded = load_model(
             model,

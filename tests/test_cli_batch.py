@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -105,6 +106,33 @@ def test_sigterm_counts_the_lines_not_read_yet_as_not_run(model, tmp_path):
     kept, summary, _ = sigterm(proc, out)
     assert f"{len(lines)} lines → {out}" in summary
     assert f"{len(lines) - len(kept)} lines not run" in summary, summary
+
+
+def test_sigterm_counts_the_line_it_interrupts_with_the_tokens_the_progress_log_last_showed(model, tmp_path):
+    """--max-num-seqs 1 (a window of 2 lines): three short lines, then a long one that the signal
+    interrupts, one waiting in the engine and one not read. The log's last record, printed after the
+    step the signal ended, names the long line and its tokens; the summary counts exactly those."""
+    lines = [
+        {"id": f"f{i}", "prompt_token_ids": [5, 6 + i], "max_tokens": 2, "ignore_eos": True} for i in range(3)
+    ]
+    lines += [{"id": "slow", "prompt_token_ids": [3, 4], "max_tokens": 120, "ignore_eos": True}]
+    lines += [{"id": f"w{i}", "prompt_token_ids": [7, 8 + i], "max_tokens": 2} for i in range(2)]
+    path = write_jsonl(tmp_path / "v.jsonl", lines)
+    out = tmp_path / "v.out.jsonl"
+    proc = _start(path, out, model, "--max-num-seqs", "1", "--progress", "log", "--progress-interval", "1e-6")
+    _wait_for_lines(out, 3, proc)
+    kept, summary, stderr = sigterm(proc, out)
+    assert sorted(r["id"] for r in kept) == ["f0", "f1", "f2"]
+    last = [ln for ln in stderr.splitlines() if ln.startswith("pagedinfer: progress")][-1]
+    tokens = int(
+        re.fullmatch(r".* done=3/5\+ read=\d+% .* running=1 longest=slow longest_tokens=(\d+)", last).group(1)
+    )
+    assert 0 < tokens < 120
+    s = "s" if tokens != 1 else ""
+    assert (
+        f"3 lines not run: 1 interrupted mid-generation ({tokens:,} token{s} generated, not kept), 2 not started; "
+        "run again with --resume" in summary
+    ), summary
 
 
 def test_values_that_would_crash_the_sampler_fail_their_line_alone(model, tmp_path):

@@ -211,7 +211,9 @@ def test_device_and_fifo_outputs(model, tmp_path):
         full.exit_code == 74 and "No space left on device" in full.stderr and "Traceback" not in full.output
     )
     said = " ".join(full.output.split())
-    assert ": 0 ok" in said and "0 lines written to /dev/full, 3 not run" in said  # no write: no line is ok
+    assert (
+        ": 0 ok" in said and "0 lines written to /dev/full, 3 lines not run" in said
+    )  # no write: no line is ok
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     one_line_error(run(model, path, "-o", fifo), f"cannot write output {fifo}: no process is reading it")

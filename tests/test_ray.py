@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -257,5 +258,14 @@ def test_sigterm_to_a_data_parallel_driver_finishes_like_a_single_run(model, ray
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() - start < 600
         time.sleep(0.05)
-    kept, _, _ = sigterm(proc, out)
+    kept, summary, _ = sigterm(proc, out)
     assert len(kept) < len(lines)
+    # the lines the replicas reported running in their last replies (8 each at most), with their tokens
+    found = re.search(
+        r"(\d+) lines not run: (\d+) interrupted mid-generation \(([\d,]+) tokens? generated, not kept\), "
+        r"(\d+) not started",
+        summary,
+    )
+    left, cut, tokens, waiting = (int(g.replace(",", "")) for g in found.groups())
+    assert left == len(lines) - len(kept) and 0 < cut <= 16 and left == cut + waiting
+    assert 0 < tokens <= 200 * cut

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from pagedinfer.cli.help import HelpCommand, HelpGroup
+from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
 from pagedinfer.config import GPU_MEMORY_FRACTION, QUANTIZATIONS, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
 
@@ -62,6 +63,13 @@ class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+class ProgressMode(str, Enum):
+    auto = "auto"
+    bar = "bar"
+    log = "log"
+    none = "none"
 
 
 # --quantization's choices: config.QUANTIZATIONS' names (int8, int4, int4-zp, int4-g128, int4-g128-zp)
@@ -128,6 +136,29 @@ def run(
             "--max-tokens",
             help="Most tokens generated per completion. Default: 16 for prompt and token-id lines; chat and "
             "OpenAI lines generate to the end of the context, as OpenAI and vLLM's server do.",
+            show_default=False,
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
+    max_line_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-line-tokens",
+            metavar="N",
+            help="Cap every completion of every line at N tokens, whatever its own max_tokens (the lower "
+            'wins); a capped completion ends with finish_reason length and "capped_by": "max_line_tokens".',
+            show_default=False,
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
+    line_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--line-timeout",
+            metavar="SECONDS",
+            help="End a line still generating this long after it started: its completions end at their next "
+            'token with finish_reason length and "capped_by": "line_timeout" (output depends on the '
+            "machine's speed).",
             show_default=False,
             rich_help_panel=SAMPLING,
         ),
@@ -412,6 +443,24 @@ def run(
             "--quiet", "-q", help="No progress bar or report; only the final summary.", rich_help_panel=OUTPUT
         ),
     ] = False,
+    progress: Annotated[
+        ProgressMode,
+        typer.Option(
+            "--progress",
+            help="auto: a live bar on a terminal, else a progress record on stderr every --progress-interval "
+            "(none with --quiet); bar, log or none.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = ProgressMode.auto,
+    progress_interval: Annotated[
+        float,
+        typer.Option(
+            "--progress-interval",
+            metavar="SECONDS",
+            help="Seconds between two progress records of the log.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = PROGRESS_INTERVAL_S,
     data_parallel: Annotated[
         int,
         typer.Option(
@@ -445,6 +494,8 @@ def run(
     except KeyboardInterrupt:
         _interrupted_at_start()
 
+    if not progress_interval > 0:
+        _usage_error(f"--progress-interval takes a number of seconds > 0, not {progress_interval}")
     if data_parallel < 0:
         _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
     if ray_address is not None and not data_parallel:
@@ -512,6 +563,8 @@ def run(
             "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
             "chat_template": template,
+            "max_line_tokens": max_line_tokens,
+            "line_timeout": line_timeout,
             **(
                 {"enable_lora": True, "max_loras": max_loras or len(adapters), "max_lora_rank": max_lora_rank}
                 if adapters
@@ -526,6 +579,8 @@ def run(
         resume=resume,
         strict=strict,
         quiet=quiet,
+        progress=progress.value,
+        progress_interval=progress_interval,
         data_parallel=data_parallel,
         ray_address=ray_address,
     )

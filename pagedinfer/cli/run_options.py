@@ -28,6 +28,8 @@ ENGINE_OPTIONS = {
     "kv_cache_dtype": "--kv-cache-dtype",
     "max_model_len": "--max-model-len",
     "model_impl": "--model-impl",
+    "max_line_tokens": "--max-line-tokens",
+    "line_timeout": "--line-timeout",
 }
 SAMPLING_OPTIONS = {"n": "-n", "max_tokens": "--max-tokens", "top_p": "--top-p", "top_k": "--top-k"}
 

@@ -564,7 +564,7 @@ class Scheduler:
         elif seq.logits_state is not None and seq.logits_state.finished:  # a complete grammar
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.request.max_tokens:
-            seq.finish_reason = "length"
+            seq.finish_reason, seq.capped_by = "length", seq.request.cap
 
     def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED

@@ -42,10 +42,11 @@ class EngineRequest:
     prompt: str | None  # the text (a chat prompt: the rendered template), None for token ids alone
     prompt_token_ids: list[int]
     params: SamplingParams  # beam search: n = beam_width, greedy
-    max_tokens: int  # params.max_tokens capped by the context
+    max_tokens: int  # params.max_tokens capped by the context (and by the engine's max_line_tokens)
     seed: int  # the base seed of its completions (drawn once here when params give none)
     beam: BeamSearchParams | None = None
     lora_slot: int = 0  # its adapter's slot (0: the base model)
+    cap: str | None = None  # "max_line_tokens" when that cap is below its own limit
 
 
 @dataclass
@@ -118,6 +119,9 @@ def prepare(
         beam = params if isinstance(params, BeamSearchParams) else None
         sampling = params if beam is None else beam.sampling_params()
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
+        line_cap = engine.config.max_line_tokens  # before the pool check: a capped request needs fewer blocks
+        cap = "max_line_tokens" if line_cap is not None and line_cap < max_tokens else None
+        max_tokens = line_cap if cap else max_tokens
         # what the params cannot check alone: against the model's vocabulary and EOS, its processors
         # (a grammar is compiled here, cached for the completions), the context and the pool
         if (
@@ -146,7 +150,7 @@ def prepare(
         return Rejected(request_id, text, ids, params, reason)
     params = sampling
     seed = params.seed if params.seed is not None else engine.draw_seed()
-    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot)
+    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot, cap)
 
 
 def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import random
 import warnings
+from dataclasses import dataclass
+from time import monotonic
 
 import torch
 
@@ -36,6 +38,15 @@ from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import completion_seed
 
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
+
+
+@dataclass
+class StartedRequest:
+    """An unfinished request that has started: its id, the tokens its completions hold, for how long."""
+
+    request_id: str
+    tokens: int
+    running_s: float
 
 
 class MaxModelLenCapped(UserWarning):
@@ -247,6 +258,7 @@ class LLMEngine:
             params=params,
             max_tokens=prepared.max_tokens,
             lora_slot=prepared.lora_slot,
+            cap=prepared.cap,
         )
         req.completion_state = functools.partial(self._new_completion, req, prepared.seed)
         if (beam := prepared.beam) is not None:
@@ -292,7 +304,11 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it (failed ones included)."""
+        start = monotonic()
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
+        for req in self.scheduler.running:
+            if req.started_s is None:  # admitted in this step
+                req.started_s = start
         self._record(plan)
         sampled, beams, prompt = None, None, None
         if plan.batch:
@@ -318,6 +334,8 @@ class LLMEngine:
             if not r.error:
                 self.stats.completion_tokens += r.completion_tokens()
                 self.stats.lora_use(r.lora_slot).completion_tokens += r.completion_tokens()
+        if self.config.line_timeout is not None:
+            self._cap_overdue(monotonic() - self.config.line_timeout)
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()
@@ -390,11 +408,27 @@ class LLMEngine:
                     cumulative_logprob=h.cumulative_logprob,
                     score=h.score,
                     finish_reason=h.finish_reason,
+                    capped_by=req.cap if h.finish_reason == "length" else None,  # a search ends all at once
                 )
                 for h in req.beam.finished
             ],
             error=req.error,
         )
+
+    def _cap_overdue(self, started_before: float) -> None:
+        """``line_timeout``: requests admitted before ``started_before`` (preempted ones included) end
+        at their next token, marked."""
+        for req in (*self.scheduler.running, *self.scheduler.waiting):
+            if req.started_s is not None and req.started_s < started_before and req.cap != "line_timeout":
+                req.cap_at_next_token("line_timeout")
+
+    def started_requests(self) -> list[StartedRequest]:
+        """The unfinished requests that have been admitted (their prompt computed or being computed),
+        longest running first: what a progress record names and what a stop interrupts."""
+        now = monotonic()
+        started = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.started_s is not None]
+        started.sort(key=lambda r: r.started_s)
+        return [StartedRequest(r.request_id, r.tokens_so_far(), now - r.started_s) for r in started]
 
     # -- statistics -------------------------------------------------------------------------
     def _record(self, plan: SchedulerOutput) -> None:

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagedinfer.engine.intake import Rejected, prepare
+from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.records import TokenText, success_record
@@ -35,6 +36,7 @@ class Live:
     generated_tokens: int
     blocks_used: int
     num_blocks: int
+    started: list[StartedRequest]  # its started unfinished requests (`LLMEngine.started_requests`)
 
 
 @dataclass
@@ -112,7 +114,9 @@ class EngineReplica:
         self.busy_s += time.perf_counter() - start
         self.engine.stats.wall_time_s = self.busy_s
         pool = self.engine.pool
-        live = Live(self.engine.stats.generated_tokens, pool.num_used, pool.num_blocks)
+        live = Live(
+            self.engine.stats.generated_tokens, pool.num_used, pool.num_blocks, self.engine.started_requests()
+        )
         running = [pos for pos, _ in self.loop.tags()]
         return Reply([self._answer(*f) for f in finished], running, self.instance, live)
 

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.ray.actor import EngineReplica, Live, Row
 
@@ -97,6 +98,10 @@ class _Progress:
     @property
     def num_blocks(self) -> int:
         return sum(v.num_blocks for v in self.live.values())
+
+    def started_requests(self) -> list[StartedRequest]:
+        """Every replica's started unfinished requests, as of its latest reply, longest running first."""
+        return sorted((x for v in self.live.values() for x in v.started), key=lambda x: -x.running_s)
 
 
 class DataParallelEngines:
