@@ -65,8 +65,9 @@ class UsageError(Exception):
     """The invocation cannot run; the message is one line (exit code 2)."""
 
 
-class Interrupted(Exception):
-    """A stop signal arrived during generation; raised between engine steps."""
+class Interrupted(BaseException):
+    """A stop signal arrived during generation; raised between engine steps (and during a line's chat
+    template: a BaseException, so no ``except Exception`` on its way takes it for the line's failure)."""
 
 
 class Stopped(BaseException):
@@ -456,13 +457,19 @@ class _Run:
         if self.opts.trace is not None:
             llm.engine.enable_trace()
 
-        def on_step(engine) -> None:
-            progress.on_step(engine)
+        def interrupt() -> None:
             if self.signals.requested is not None:
                 raise Interrupted
 
+        def on_step(engine) -> None:
+            progress.on_step(engine)
+            interrupt()
+
         feed = (  # each request tagged with its line and the line's output position
-            ((item, position), prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora))
+            (
+                (item, position),
+                prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora, interrupt),
+            )
             for position, item in rows
         )
         loop = GenerationLoop(llm.engine, lambda: output.sync(self.source.fingerprint()), on_step)

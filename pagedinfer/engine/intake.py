@@ -2,8 +2,9 @@
 
 The one place a request is tokenized and checked, for every caller (`LLM.generate`, ``pagedinfer
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
-prompt added, within a time budget) and tokenized without adding special tokens again; a text too
-long for the context is refused before tokenizing; token ids must be in the vocabulary; the
+prompt added, in a child process within a time budget and a memory limit: `chat_render`) and
+tokenized without adding special tokens again; a text too long for the context is refused before
+tokenizing; token ids must be in the vocabulary; the
 parameters must suit the model (its vocabulary, EOS and logits processors); and the request must fit the model's
 context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
@@ -16,22 +17,17 @@ Prompt forms: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` (op
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import sys
-import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedinfer import chat_render
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 
 if TYPE_CHECKING:
     from pagedinfer.engine.llm_engine import LLMEngine
-
-TEMPLATE_BUDGET_S = 5.0  # a chat template that renders longer than this fails its request
 
 
 @dataclass
@@ -60,19 +56,18 @@ class Rejected:
     reason: str
 
 
-class TemplateTimeout(Exception):
-    """A chat template ran past its budget."""
-
-
 def prepare(
     engine: LLMEngine,
     prompt: str | dict,
     params: SamplingParams | BeamSearchParams,
     request_id: str,
     lora: LoRARequest | str | None = None,
+    interrupt: Callable[[], None] | None = None,
 ) -> EngineRequest | Rejected:
     """Tokenize ``prompt`` and check it, ``params`` and ``lora`` (an adapter, or a loaded adapter's
-    name) against ``engine``'s model and pool, once."""
+    name) against ``engine``'s model and pool, once. ``interrupt`` is called often while a chat
+    template renders: what it raises abandons the render and propagates (make it a BaseException,
+    which no ``except Exception`` here takes for the request's failure)."""
     text, ids, slot = None, [], 0
     try:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):  # else "tokenizing failed: ..."
@@ -86,7 +81,7 @@ def prepare(
         chat = isinstance(prompt, dict) and "messages" in prompt
         given_ids = isinstance(prompt, dict) and not chat and "prompt_token_ids" in prompt
         if chat:
-            rendered = _render_chat(engine, prompt["messages"])
+            rendered = _render_chat(engine, prompt["messages"], interrupt)
         elif isinstance(prompt, dict):
             if not given_ids and "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
@@ -167,56 +162,20 @@ def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
         raise ValueError(f"lora: {e}") from None
 
 
-def _render_chat(engine: LLMEngine, messages: list[dict]) -> str:
+def _render_chat(engine: LLMEngine, messages: list[dict], interrupt: Callable[[], None] | None) -> str:
     tok = engine.loaded.tokenizer
     if tok is None:
         raise ValueError(f"model {engine.loaded.name} has no tokenizer, so chat messages cannot be rendered")
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"the tokenizer of model {engine.loaded.name} has no chat template")
+    limit = engine.max_prompt_chars
     try:
-        with time_budget(TEMPLATE_BUDGET_S):
-            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateTimeout:
+        return chat_render.render(tok.get_chat_template(), messages, tok.special_tokens_map, limit, interrupt)
+    except chat_render.RenderedTooLong:
         raise ValueError(
-            f"the chat template ran longer than {TEMPLATE_BUDGET_S:g} s for these messages"
+            f"the rendered chat prompt has more than {limit:,} characters: more than "
+            f"{engine.scheduler.context_words('of')} can hold (checked before tokenizing)"
         ) from None
-    except Exception as e:  # noqa: BLE001 - template errors (e.g. an unsupported role) are the line's fault
-        raise ValueError(f"the chat template rejected the messages: {_first_line(e) or repr(e)}") from None
-
-
-@contextlib.contextmanager
-def time_budget(seconds: float):
-    """Raise `TemplateTimeout` inside the block once it has run ``seconds``.
-
-    On the main thread a real-time timer interrupts even a tight loop; elsewhere (a Ray actor's
-    thread) a trace function checks the clock on every line the block runs.
-    """
-    if threading.current_thread() is threading.main_thread():
-
-        def expire(signum, frame):
-            raise TemplateTimeout
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-        return
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TemplateTimeout
-        return trace
-
-    previous_trace = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        yield
-    finally:
-        sys.settrace(previous_trace)
 
 
 def _first_line(e: BaseException) -> str:
