@@ -53,8 +53,10 @@ class LLM:
     a float32 pool's. (``float32`` names the float32 pool of a float32 model.)
     ``chat_template``: a Jinja chat template (its text) that replaces the tokenizer's for chat prompts.
     ``enable_lora`` (vLLM's names): prompts may run with PEFT LoRA adapters (``lora_request`` of
-    `generate`), different adapters in one batch; at most ``max_loras`` adapters are loaded over the
-    LLM's life, each of rank at most ``max_lora_rank``.
+    `generate`), different adapters in one batch, each of rank at most ``max_lora_rank``: requests of at
+    most ``max_loras`` distinct adapters run at once (the others wait; adapters are swapped in and
+    out), and at most ``max_cpu_loras`` adapters' weights stay in memory (default ``max_loras``; the
+    others are read again when needed).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = EngineConfig.max_loras,
         max_lora_rank: int = EngineConfig.max_lora_rank,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -100,6 +103,7 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         loaded = load_model(
             model,
