@@ -165,8 +165,11 @@ def test_hostile_lines_and_adapters_under_two_replicas(model, model_root, ray_en
     alone = write_jsonl(tmp_path / "alone.jsonl", [x if x in good else "" for x in lines])  # same numbers
     lora = ("--lora", f"a={adapter}")
     assert cli(model, alone, "-o", tmp_path / "alone.out.jsonl", *lora).exit_code == 0
-    result = cli(model, path, "-o", out, "--data-parallel", 2, *lora)
+    report = tmp_path / "report.json"
+    result = cli(model, path, "-o", out, "--data-parallel", 2, *lora, "--report-json", report)
     assert result.exit_code == 1, result.output
+    doc = json.loads(report.read_text())["lora"]  # the replicas' figures merged
+    assert [(a["name"], a["requests"]) for a in doc["adapters"]] == [("a", 3)] and doc["base_requests"] == 1
     records = out.read_text(encoding="utf-8").splitlines()
     assert [r for r in records if '"error": null' in r] == (
         tmp_path / "alone.out.jsonl"
