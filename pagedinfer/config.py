@@ -123,10 +123,13 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
     # the pool's dtype (vLLM's name): "auto" (the model's), or one of DTYPE_NAMES
     kv_cache_dtype: str = "auto"
-    # LoRA adapters per request (vLLM's names): at most max_loras loaded, each of rank <= max_lora_rank
+    # LoRA adapters per request (vLLM's names): requests of at most max_loras distinct adapters run at
+    # once (the adapters' slots), at most max_cpu_loras adapters stay in memory (None: max_loras), each
+    # of rank <= max_lora_rank
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # per-run bounds on every request (pagedinfer's own): at most max_line_tokens tokens per completion,
     # on top of its own max_tokens, and at most line_timeout seconds from its admission; either ends a
     # completion with finish_reason "length", marked (CompletionOutput.capped_by)
@@ -177,6 +180,12 @@ class EngineConfig:
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
         ):
             raise ValueError(f"line_timeout must be a number of seconds > 0, not {timeout!r} (unset: none)")
+        if self.max_cpu_loras is not None:
+            value = self.max_cpu_loras
+            if isinstance(value, bool) or not isinstance(value, int) or value < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), not {value!r}"
+                )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

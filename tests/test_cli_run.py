@@ -459,6 +459,8 @@ REPORT_KEYS = {
     "lora.base_requests",
     "lora.base_prompt_tokens",
     "lora.base_completion_tokens",
+    "lora.adapter_reads",
+    "lora.slot_loads",
     "structured_outputs",
     "structured_outputs.grammars_compiled",
     "structured_outputs.grammar_cache_hits",

@@ -360,7 +360,18 @@ def run(
         int | None,
         typer.Option(
             "--max-loras",
-            help="Most adapters loaded. Default: the number of --lora.",
+            help="Most adapters in one step (their deltas held at once): lines of other adapters wait, "
+            "and adapters are swapped in and out. Default: the number of --lora.",
+            show_default=False,
+            rich_help_panel=LORA,
+        ),
+    ] = None,
+    max_cpu_loras: Annotated[
+        int | None,
+        typer.Option(
+            "--max-cpu-loras",
+            help="Most adapters kept in memory (at least --max-loras); the others are read again when "
+            "their lines run. Default: the number of --lora.",
             show_default=False,
             rich_help_panel=LORA,
         ),
@@ -522,7 +533,7 @@ def run(
             local_only(model)
         except HubUnavailable as e:
             _usage_error(str(e))
-    adapters = _lora_options(lora or [], max_loras, max_lora_rank, data_parallel)
+    adapters, lora_engine = _lora_options(lora or [], max_loras, max_cpu_loras, max_lora_rank)
     template = None
     if chat_template is not None:
         from pagedinfer.chat_template import ChatTemplateError, read_chat_template
@@ -565,11 +576,7 @@ def run(
             "chat_template": template,
             "max_line_tokens": max_line_tokens,
             "line_timeout": line_timeout,
-            **(
-                {"enable_lora": True, "max_loras": max_loras or len(adapters), "max_lora_rank": max_lora_rank}
-                if adapters
-                else {}
-            ),
+            **lora_engine,
         },
         loras=adapters,
         chat_template=chat_template,
@@ -849,16 +856,19 @@ def _renamed(ctx: typer.Context, name: str, old_value, old: str):
 
 
 def _lora_options(
-    given: list[str], max_loras: int | None, max_lora_rank: int, data_parallel: int
-) -> list[tuple[str, str]]:
+    given: list[str], max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int
+) -> tuple[list[tuple[str, str]], dict]:
     """``--lora NAME=PATH`` pairs, checked as far as they can be without the model (the adapters
-    themselves are checked against it when it loads)."""
-    if not given and max_loras is not None:
-        _usage_error("--max-loras needs --lora NAME=PATH")
-    if given and data_parallel:
-        _usage_error("--lora serves adapters from one engine; it cannot be used with --data-parallel yet")
-    if max_loras is not None and max_loras < len(given):
-        _usage_error(f"--max-loras {max_loras} is fewer than the {len(given)} --lora adapters given")
+    themselves are checked against it when it loads), and the engine's LoRA settings. By default
+    every adapter has a slot and stays in memory (each is read at startup anyway)."""
+    for option, value in (("--max-loras", max_loras), ("--max-cpu-loras", max_cpu_loras)):
+        if value is not None and not given:
+            _usage_error(f"{option} needs --lora NAME=PATH")
+        if value is not None and value < 1:
+            _usage_error(f"{option} takes a number of adapters (1 or more), not {value}")
+    slots = max_loras or len(given)
+    if max_cpu_loras is not None and max_cpu_loras < slots:
+        _usage_error(f"--max-cpu-loras {max_cpu_loras} is below --max-loras {slots}")
     if max_lora_rank < 1:
         _usage_error(f"--max-lora-rank takes a rank (1 or more), not {max_lora_rank}")
     pairs: list[tuple[str, str]] = []
@@ -873,7 +883,11 @@ def _lora_options(
                 f"--lora {name}={path}: no adapter_config.json there (a PEFT LoRA adapter directory)"
             )
         pairs.append((name, path))
-    return pairs
+    if not pairs:
+        return pairs, {}
+    in_memory = max(slots, len(pairs)) if max_cpu_loras is None else max_cpu_loras
+    engine = {"max_loras": slots, "max_cpu_loras": in_memory, "max_lora_rank": max_lora_rank}
+    return pairs, {"enable_lora": True, **engine}
 
 
 def _interrupted_at_start() -> None:

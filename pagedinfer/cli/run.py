@@ -651,9 +651,17 @@ def _load(opts: RunOptions, err: Console):
 
 
 def _start_replicas(opts: RunOptions, err: Console):
-    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``)."""
+    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``).
+    The ``--lora`` adapters' files are read here first, so an unreadable one is refused as a
+    single-process run refuses it, before Ray starts; each replica checks them against its model."""
+    from pagedinfer.lora.adapter import AdapterError, read_adapter
     from pagedinfer.ray.driver import DataParallelEngines, RayUnavailable, ReplicaSpec
 
+    for name, path in opts.loras:
+        try:
+            read_adapter(name, path)
+        except AdapterError as e:
+            raise UsageError(f"--lora {name}={path}: {e}") from None
     spec = ReplicaSpec(
         opts.model,
         opts.engine,
@@ -661,6 +669,7 @@ def _start_replicas(opts: RunOptions, err: Console):
         opts.data_parallel,
         opts.ray_address,
         opts.model or "pagedinfer-demo",
+        loras=tuple(opts.loras),
     )
     with _status(
         opts, err, f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray"

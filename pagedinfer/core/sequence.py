@@ -11,11 +11,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedinfer.core.beam import BeamSearch
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedinfer.lora.registry import LoadedAdapter
 
 
 class RequestState(enum.Enum):
@@ -131,7 +134,8 @@ class Request:
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_upto: int = 1  # positions below this have their entry
-    lora_slot: int = 0  # the adapter its rows run with (0: the base model); seeds its block hashes
+    lora: LoadedAdapter | None = None  # the adapter its rows run with (None: the base model)
+    lora_slot: int = 0  # the slot its adapter holds while it runs (set at each admission; 0: the base model)
     # the per-run cap that set ``max_tokens``, if one did: "max_line_tokens" (below the request's own
     # limit) or "line_timeout" (`cap_at_next_token`); a completion it ends says so
     cap: str | None = None
@@ -149,6 +153,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def adapter_digest(self) -> bytes:
+        """What its K/V is computed with beside the base weights (``b""``: the base model alone)."""
+        return b"" if self.lora is None else self.lora.digest
 
     def live_seqs(self) -> list[Sequence]:
         """The sequences that still run: the prompt sequence until the fork, then unfinished completions."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from pagedinfer import chat_render
 from pagedinfer.lora.adapter import AdapterError
+from pagedinfer.lora.registry import LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 
@@ -41,7 +42,7 @@ class EngineRequest:
     max_tokens: int  # params.max_tokens capped by the context (and by the engine's max_line_tokens)
     seed: int  # the base seed of its completions (drawn once here when params give none)
     beam: BeamSearchParams | None = None
-    lora_slot: int = 0  # its adapter's slot (0: the base model)
+    lora: LoadedAdapter | None = None  # its adapter (None: the base model)
     cap: str | None = None  # "max_line_tokens" when that cap is below its own limit
 
 
@@ -68,13 +69,13 @@ def prepare(
     name) against ``engine``'s model and pool, once. ``interrupt`` is called often while a chat
     template renders: what it raises abandons the render and propagates (make it a BaseException,
     which no ``except Exception`` here takes for the request's failure)."""
-    text, ids, slot = None, [], 0
+    text, ids, adapter = None, [], None
     try:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):  # else "tokenizing failed: ..."
             raise ValueError(
                 f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
-        slot = 0 if lora is None else _lora_slot(engine, lora)
+        adapter = None if lora is None else _adapter(engine, lora)
         vocab = engine.vocab_size
         # the prompt's text and token ids, whatever its form (kept only once they pass); a chat
         # prompt's rendered template carries its special tokens: none are added again
@@ -145,11 +146,11 @@ def prepare(
         return Rejected(request_id, text, ids, params, reason)
     params = sampling
     seed = params.seed if params.seed is not None else engine.draw_seed()
-    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot, cap)
+    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, adapter, cap)
 
 
-def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
-    """The adapter's slot; raises ValueError starting with ``lora:``."""
+def _adapter(engine: LLMEngine, lora: LoRARequest | str) -> LoadedAdapter:
+    """The adapter, read and checked once; raises ValueError starting with ``lora:``."""
     if engine.lora is None:
         raise ValueError(
             "lora: this engine has no LoRA enabled (LLM(enable_lora=True), or pagedinfer run --lora)"
@@ -157,7 +158,7 @@ def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
     try:
         if isinstance(lora, LoRARequest):
             return engine.lora.add(lora)
-        return engine.lora.slot_of(lora)
+        return engine.lora.get(lora)
     except AdapterError as e:
         raise ValueError(f"lora: {e}") from None
 

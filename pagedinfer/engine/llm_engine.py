@@ -25,7 +25,7 @@ from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTo
 from pagedinfer.logits.processor import LogitsPipeline, LogitsState
 from pagedinfer.logits.structured import GrammarCompiler, GrammarProcessor
 from pagedinfer.lora.adapter import AdapterError
-from pagedinfer.lora.registry import AdapterRegistry
+from pagedinfer.lora.registry import AdapterRegistry, LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.dtype import dtype_name
@@ -117,6 +117,10 @@ class LLMEngine:
         self.kv = KVCache(
             loaded.layer_shapes, num_blocks + int(graphs), config.block_size, kv_dtype, loaded.device
         )
+        self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
+        if config.enable_lora:
+            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -125,12 +129,9 @@ class LLMEngine:
             loaded.eos_token_ids,
             config.schedule_policy,
             context_set_by_option=self.max_model_len < loaded.max_model_len,
+            adapters=self.lora,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
-        self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
-        if config.enable_lora:
-            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
-            self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
         self.logits = LogitsPipeline(  # vLLM's order
@@ -198,9 +199,11 @@ class LLMEngine:
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,
             lora_enabled=self.lora is not None,
-            lora_adapters={} if self.lora is None else self.lora.loaded,  # the registry's own: kept current
+            lora_adapters={} if self.lora is None else self.lora.named,  # the registry's own: kept current
         )
         self.scheduler.counters = self.stats.counters
+        if self.lora is not None:
+            self.lora.counters = self.stats.adapter_counters
         self.grammars.counters = self.stats.structured
         self._pool_base = self._pool_counts()
 
@@ -222,8 +225,8 @@ class LLMEngine:
         longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
         return self.max_model_len * max(longest, 1)
 
-    def add_lora(self, request: LoRARequest) -> int:
-        """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
+    def add_lora(self, request: LoRARequest) -> LoadedAdapter:
+        """Read and check an adapter now (``pagedinfer run --lora``). Raises `AdapterError`."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled (enable_lora=True)")
         return self.lora.add(request)
@@ -257,7 +260,7 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             params=params,
             max_tokens=prepared.max_tokens,
-            lora_slot=prepared.lora_slot,
+            lora=prepared.lora,
             cap=prepared.cap,
         )
         req.completion_state = functools.partial(self._new_completion, req, prepared.seed)
@@ -269,7 +272,7 @@ class LLMEngine:
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
         self.stats.completions += params.n
-        self.stats.lora_use(req.lora_slot).add_request(req.num_prompt_tokens)
+        self.stats.lora_use(req.lora).add_request(req.num_prompt_tokens)
         self.scheduler.add(req)
         return req
 
@@ -333,7 +336,7 @@ class LLMEngine:
         for r in finished:
             if not r.error:
                 self.stats.completion_tokens += r.completion_tokens()
-                self.stats.lora_use(r.lora_slot).completion_tokens += r.completion_tokens()
+                self.stats.lora_use(r.lora).completion_tokens += r.completion_tokens()
         if self.config.line_timeout is not None:
             self._cap_overdue(monotonic() - self.config.line_timeout)
         if self.trace is not None:

@@ -53,12 +53,22 @@ class EngineReplica:
     """Holds one `LLM`; `pump` feeds it rows and steps it for a while, returning what finished."""
 
     def __init__(
-        self, model: str | None, engine_kwargs: dict, seed: int, threads: int | None, model_name: str
+        self,
+        model: str | None,
+        engine_kwargs: dict,
+        seed: int,
+        threads: int | None,
+        model_name: str,
+        loras: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """``loras``: the ``--lora`` adapters (name, directory), read and checked now as the
+        single-process run does; one that does not fit the model ends the replica's start with its error."""
         import torch
         from transformers.utils import logging as hf_logging
 
         from pagedinfer.llm import LLM
+        from pagedinfer.lora.adapter import AdapterError
+        from pagedinfer.lora.request import LoRARequest
 
         if threads:
             torch.set_num_threads(threads)
@@ -66,6 +76,11 @@ class EngineReplica:
         hf_logging.disable_progress_bar()
         self.llm = LLM(model, seed=seed, **engine_kwargs)
         self.engine = self.llm.engine
+        for i, (name, path) in enumerate(loras, start=1):
+            try:
+                self.engine.add_lora(LoRARequest(name, i, path))
+            except AdapterError as e:
+                raise AdapterError(f"--lora {name}={path}: {e}") from None
         self.loop = GenerationLoop(self.engine)
         self.model_name = model_name
         self.token_text = TokenText(self.llm.tokenizer)

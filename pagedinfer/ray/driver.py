@@ -44,6 +44,7 @@ class ReplicaSpec:
     address: str | None = None  # None: start a local Ray for this run and stop it after
     model_name: str = "pagedinfer-demo"
     window: int | None = None  # rows held per replica (default: 2 × max_num_seqs)
+    loras: tuple[tuple[str, str], ...] = ()  # --lora adapters (name, directory) every replica loads
 
 
 def import_ray(command: str):
@@ -141,7 +142,7 @@ class DataParallelEngines:
             actor = ray.remote(EngineReplica).options(
                 max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
             )
-            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name)
+            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name, spec.loras)
             self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
             self.infos = ray.get([a.info.remote() for a in self.actors])
         except ray.exceptions.RayActorError as e:
@@ -149,7 +150,7 @@ class DataParallelEngines:
                 ray.kill(a)
             self.actors = []
             self.close()
-            raise RayUnavailable(f"a replica failed to load the model: {_first_line(e)}") from None
+            raise RayUnavailable(f"a replica failed to start: {_first_line(e)}") from None
         except RayUnavailable:
             self.close()
             raise
