@@ -126,6 +126,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # most logprobs a request may ask per token (logprobs, prompt_logprobs; vLLM's name and default):
+    # a record's size grows with them; -1: no limit
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -163,6 +166,9 @@ class EngineConfig:
             value = getattr(self, name)  # each checked alone, so an error names the one setting that is wrong
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        limit = self.max_logprobs
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, not {limit!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

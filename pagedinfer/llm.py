@@ -55,6 +55,8 @@ class LLM:
     ``enable_lora`` (vLLM's names): prompts may run with PEFT LoRA adapters (``lora_request`` of
     `generate`), different adapters in one batch; at most ``max_loras`` adapters are loaded over the
     LLM's life, each of rank at most ``max_lora_rank``.
+    ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
+    request may ask (a request above it fails with its error); -1: no limit.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = EngineConfig.max_loras,
         max_lora_rank: int = EngineConfig.max_lora_rank,
+        max_logprobs: int = EngineConfig.max_logprobs,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -100,6 +103,7 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            max_logprobs=max_logprobs,
         )
         loaded = load_model(
             model,

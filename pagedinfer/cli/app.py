@@ -359,6 +359,15 @@ def run(
             rich_help_panel=OUTPUT,
         ),
     ] = None,
+    max_logprobs: Annotated[
+        int,
+        typer.Option(
+            "--max-logprobs",
+            help="Most logprobs a line may ask per token (logprobs, an OpenAI chat body's top_logprobs, "
+            "prompt_logprobs); a line above it fails with its error. -1: no limit.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = _default(EngineConfig, "max_logprobs"),
     report: Annotated[
         bool | None,
         typer.Option(
@@ -512,6 +521,7 @@ def run(
             "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
             "chat_template": template,
+            "max_logprobs": max_logprobs,
             **(
                 {"enable_lora": True, "max_loras": max_loras or len(adapters), "max_lora_rank": max_lora_rank}
                 if adapters
