@@ -135,6 +135,9 @@ class EngineConfig:
     # completion with finish_reason "length", marked (CompletionOutput.capped_by)
     max_line_tokens: int | None = None
     line_timeout: float | None = None
+    # most logprobs a request may ask per token (logprobs, prompt_logprobs; vLLM's name and default):
+    # a record's size grows with them; -1: no limit
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -186,6 +189,9 @@ class EngineConfig:
                 raise ValueError(
                     f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), not {value!r}"
                 )
+        limit = self.max_logprobs
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, not {limit!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

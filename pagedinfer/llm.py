@@ -62,6 +62,8 @@ class LLM:
     or at its next token once ``line_timeout`` seconds have passed since its request was admitted;
     its `CompletionOutput.capped_by` then names the bound. Outputs a timeout ends depend on the
     machine's speed.
+    ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
+    request may ask (a request above it fails with its error); -1: no limit.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         max_line_tokens: int | None = None,
         line_timeout: float | None = None,
+        max_logprobs: int = EngineConfig.max_logprobs,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -113,6 +116,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
             max_line_tokens=max_line_tokens,
             line_timeout=line_timeout,
+            max_logprobs=max_logprobs,
         )
         loaded = load_model(
             model,

@@ -401,6 +401,15 @@ def run(
             rich_help_panel=OUTPUT,
         ),
     ] = None,
+    max_logprobs: Annotated[
+        int,
+        typer.Option(
+            "--max-logprobs",
+            help="Most logprobs a line may ask per token (logprobs, an OpenAI chat body's top_logprobs, "
+            "prompt_logprobs); a line above it fails with its error. -1: no limit.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = _default(EngineConfig, "max_logprobs"),
     report: Annotated[
         bool | None,
         typer.Option(
@@ -577,6 +586,7 @@ def run(
             "max_line_tokens": max_line_tokens,
             "line_timeout": line_timeout,
             **lora_engine,
+            "max_logprobs": max_logprobs,
         },
         loras=adapters,
         chat_template=chat_template,

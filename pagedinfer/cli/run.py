@@ -286,7 +286,7 @@ class _Run:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
-        keys += ("max_num_batched_tokens", "max_model_len", "max_line_tokens", "line_timeout")
+        keys += ("max_num_batched_tokens", "max_model_len", "max_line_tokens", "line_timeout", "max_logprobs")
         try:
             EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
@@ -596,6 +596,7 @@ def _option_words(message: str) -> str:
         ("max_model_len", "--max-model-len"),
         ("max_line_tokens", "--max-line-tokens"),
         ("line_timeout", "--line-timeout"),
+        ("max_logprobs", "--max-logprobs"),
         ("seed", "--seed"),
     ):
         message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)

@@ -4,9 +4,9 @@ The one place a request is tokenized and checked, for every caller (`LLM.generat
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
 prompt added, in a child process within a time budget and a memory limit: `chat_render`) and
 tokenized without adding special tokens again; a text too long for the context is refused before
-tokenizing; token ids must be in the vocabulary; the
-parameters must suit the model (its vocabulary, EOS and logits processors); and the request must fit the model's
-context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
+tokenizing; token ids must be in the vocabulary; the parameters must suit the engine
+(``max_logprobs``) and the model (its vocabulary, EOS and logits processors); and the request must
+fit the model's context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
 else the reason starts with ``lora:``. Whatever raises while preparing one request
 rejects that request alone. `LLMEngine.add_request` checks nothing again.
@@ -128,7 +128,13 @@ def prepare(
             raise ValueError(
                 "structured_outputs in beam search needs the model's EOS (and no ignore_eos): beams end there"
             )
+        limit = engine.config.max_logprobs
         for name, k in (("logprobs", sampling.logprobs), ("prompt_logprobs", sampling.prompt_logprobs)):
+            if k is not None and 0 <= limit < k:
+                raise ValueError(
+                    f"{name}={k} exceeds max_logprobs={limit} (raise it with --max-logprobs or "
+                    "LLM(max_logprobs=...); -1: no limit)"
+                )
             if k is not None and k > vocab:
                 raise ValueError(f"{name}={k} exceeds the model's vocabulary of {vocab} tokens")
         if any(t >= vocab for t in sampling.stop_token_ids):

@@ -32,7 +32,15 @@ from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.lora_sites import attach_sites
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, logprob_entries, sample
+from pagedinfer.model.sampler import (
+    NonFinite,
+    SampleResult,
+    SampleRow,
+    beam_candidates,
+    found_words,
+    logprob_entries,
+    sample,
+)
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import completion_seed
@@ -69,6 +77,21 @@ def _no_token_reason(params: SamplingParams) -> str:
         if getattr(params, name)
     ]
     return f"no token can be generated here: {', '.join(given)} exclude every token of the vocabulary"
+
+
+def _nonfinite_reason(found: str, where: str, controls: str | None, adapter: str | None) -> str:
+    """A request's error for a logits row with NaN or infinite values (``where``: "generated token 3"),
+    naming what made them: the weights (or the adapter the request runs with), or its logit controls."""
+    if controls is not None:
+        return (
+            f"the logits became non-finite ({found}) at {where} under {controls}; the model's own logits "
+            "were finite"
+        )
+    holder = "the model's weights" if adapter is None else f"the model's weights or the adapter {adapter!r}"
+    return (
+        f"the model produced non-finite logits ({found}) at {where}: {holder} hold NaN or Inf values, "
+        "or overflow float32"
+    )
 
 
 def graph_plan(
@@ -355,23 +378,48 @@ class LLMEngine:
         result = sample(logits, rows, self.logits)
         for i in result.no_token:
             self.scheduler.fail(targets[i].seq.request, _no_token_reason(rows[i].params))
+        for bad in result.nonfinite:
+            seq = targets[bad.row].seq
+            req = seq.request
+            where = f"generated token {seq.num_output_tokens + 1}"
+            if req.params.n > 1:
+                where += f" of completion {seq.index}"
+            self._fail_nonfinite(req, bad.found, where, bad.controls)
         return result
 
-    @staticmethod
+    def _fail_nonfinite(self, req: Request, found: str, where: str, controls: str | None = None) -> None:
+        """Fail ``req`` for a logits row with NaN or infinite values (once: its other rows say the same)."""
+        if req.state is RequestState.FINISHED:
+            return
+        adapter = None
+        if req.lora_slot and self.lora is not None:
+            adapter = next((a.name for a in self.lora.loaded.values() if a.slot == req.lora_slot), None)
+        self.scheduler.fail(req, _nonfinite_reason(found, where, controls, adapter))
+
     @torch.inference_mode()
-    def _prompt_logprobs(logits: torch.Tensor, chunks: list[PromptRows]) -> list[list[dict[int, Logprob]]]:
-        """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``."""
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, chunks: list[PromptRows]
+    ) -> list[list[dict[int, Logprob]]]:
+        """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``. A
+        row with NaN or infinite logits fails its request (its chunk gives no entries)."""
         out = []
         for c in chunks:
             req = c.request
             m = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)  # the prompt's last row gives none
             entries: list[dict[int, Logprob]] = []
             for lo in range(0, max(m, 0), PROMPT_LOGPROB_SLICE):  # log-softmax temporaries of a few rows
+                if req.state is RequestState.FINISHED:
+                    break
                 hi = min(m, lo + PROMPT_LOGPROB_SLICE)
                 tokens = req.prompt_token_ids[c.start + 1 + lo : c.start + 1 + hi]
                 rows = logits[c.first_row + lo : c.first_row + hi]  # [hi - lo, V]
                 ids = torch.tensor(tokens, device=logits.device)  # [hi - lo]
-                entries += logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
+                found = logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
+                if (j := next((j for j, e in enumerate(found) if e is None), None)) is not None:
+                    where = f"prompt token {c.start + lo + j + 2} of {req.num_prompt_tokens}"
+                    self._fail_nonfinite(req, found_words(float(rows[j].amax())), where)
+                    break
+                entries += found
             out.append(entries)
         return out
 
@@ -392,6 +440,10 @@ class LLMEngine:
                 req.beam.num_candidates,
                 (lambda scores, r=beam_rows: self.logits.apply(scores, r)) if shaped else None,
             )
+            if isinstance(found, NonFinite):
+                seq = targets[members[found.row]].seq
+                self._fail_nonfinite(req, found.found, f"generated token {seq.num_output_tokens + 1}")
+                continue
             out[req] = [Candidate(*c) for c in found]
         return out
 
