@@ -391,9 +391,7 @@ class LLMEngine:
         """Fail ``req`` for a logits row with NaN or infinite values (once: its other rows say the same)."""
         if req.state is RequestState.FINISHED:
             return
-        adapter = None
-        if req.lora_slot and self.lora is not None:
-            adapter = next((a.name for a in self.lora.loaded.values() if a.slot == req.lora_slot), None)
+        adapter = None if req.lora is None else req.lora.name
         self.scheduler.fail(req, _nonfinite_reason(found, where, controls, adapter))
 
     @torch.inference_mode()
