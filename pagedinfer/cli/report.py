@@ -180,7 +180,7 @@ def render(stats: EngineStats, console: Console) -> None:
             f"[dim]max_model_len[/] {stats.max_model_len:,}",
         ],
     )
-    # dtype line (issue 14): the run's dtype and why --dtype auto chose it
+    # dtype line: the run's dtype and why --dtype auto chose it
     rows.add("dtype", [f"[bold]{stats.dtype}[/]", f"[dim]{escape(stats.dtype_reason)}[/]"])
     if stats.kv_cache_dtype != stats.dtype:
         rows.add("K/V dtype", [f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]"])

@@ -5,7 +5,8 @@ bfloat16 matrix instructions (AMX, AVX512-BF16) multiply it faster than float32;
 oneDNN converts every operand and bfloat16 GEMMs run slower. So ``auto`` keeps float32 unless the
 CPU has those instructions, the model is stored in 16 bits (a float32 checkpoint in bfloat16 would
 change its outputs for no saving the user asked for) and a GEMM of the model's own width runs at
-least `MIN_SPEEDUP` times faster in bfloat16 on this machine, measured at load time (about 0.1 s).
+least `MIN_SPEEDUP` times faster in bfloat16 on this machine, measured at load time (a fraction of a
+second).
 """
 
 from __future__ import annotations
