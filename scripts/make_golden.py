@@ -244,10 +244,11 @@ def main() -> int:
                 for key, r in found["records"].items()
             )
             path = golden_file(case)
-            existed = path.exists()
-            same = existed and path.read_text() == text and old["cases"].get(case) == manifest["cases"][case]
-            print(f"{case}: {'unchanged' if same else 'CHANGED' if existed else 'new'}")
-            if not same:
+            records = path.exists() and path.read_text() == text
+            components = old["cases"].get(case) == manifest["cases"][case]
+            state = "records CHANGED" if path.exists() and not records else "new" if not records else None
+            print(f"{case}: {state or ('unchanged' if components else 'fingerprint components changed')}")
+            if not (records and components):
                 changed.append(case)
                 if not args.check:
                     path.write_text(text)

@@ -183,11 +183,13 @@ class Setup:
             use_tqdm=False,
             lora_request=[adapter if line.lora else None for line in lines],
         )
-        return {line.key: golden.record(out) for line, out in zip(lines, outs, strict=True)}  # none failed
+        return {
+            line.key: golden.record(out) for line, out in zip(lines, outs, strict=True)
+        }  # raises on errors
 
     @property
     def covered(self) -> list[str]:
-        """The lines the contract covers: all, but a line with an adapter (see `test_lora_lines`)."""
+        """The lines the contract covers: all but one with an adapter (`test_lora_lines_are_not_covered`)."""
         return [line.key for line in LINES if not (line.lora and self.adapters)]
 
     def check(self, got: dict[str, str], keys: list[str] | None = None) -> None:
@@ -467,11 +469,12 @@ AVX2 = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
-# what a difference in these fingerprint components explains (docs/reproducibility.md, "Instruction sets")
-KNOWN_GAPS = {
+# what a difference in these fingerprint components explains (docs/reproducibility.md, "Known gaps")
+EXPLAINED = {
     "kernel_probe": "the C RMSNorm's sum of squares is vectorized at the build's width (16 lanes in an "
     "AVX-512 build that prefers 512-bit vectors, 8 in the AVX2 one), so its last bits differ",
     "linears": "bfloat16 linears leave the C panels where the kernel has no AVX512-BF16",
+    "libraries": "other versions of torch, transformers or tokenizers (the contract holds within one set)",
 }
 
 
@@ -484,6 +487,7 @@ def records_elsewhere(args: str) -> None:
     for name in CONFIGS:
         setup = make_setup(name, text_model, root)
         found[name] = {"records": setup.reference, "components": components(setup.base.engine)}
+    found["golden"] = {case: golden.run_case(case, out.parent) for case in golden.CASES}
     out.write_text(json.dumps(found))
 
 
@@ -509,9 +513,9 @@ def explain(differing: list[str], here: dict, there: dict, ignore: tuple[str, ..
     else a failure (also when the fingerprints agree: they promise the same bytes)."""
     changed = sorted(k for k in here if k not in ignore and here[k] != there.get(k))
     assert changed, f"lines {differing} differ, yet the fingerprints agree"
-    unexplained = {k: (here[k], there.get(k)) for k in changed if k not in KNOWN_GAPS}
+    unexplained = {k: (here[k], there.get(k)) for k in changed if k not in EXPLAINED}
     assert not unexplained, f"lines {differing} differ with fingerprint components {unexplained}"
-    pytest.xfail(f"lines {differing} differ: {'; '.join(KNOWN_GAPS[k] for k in changed)}")
+    pytest.xfail(f"lines {differing} differ: {'; '.join(EXPLAINED[k] for k in changed)}")
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -528,12 +532,10 @@ def test_instruction_set(setups, avx2_process, name):
 
 
 # -- golden records: the same bits on every machine ----------------------------------------------------
-@pytest.mark.parametrize("case", list(golden.CASES))
-def test_golden_records(case, tmp_path):
-    """Each case's records on this machine equal tests/golden/'s bit for bit (scripts/make_golden.py made
-    them), or differ only where the fingerprint shows a gap docs/reproducibility.md names."""
+def check_golden(case: str, found: dict) -> None:
+    """``found`` (`make_golden.run_case`'s) against tests/golden/: bit for bit, or a difference the
+    fingerprint explains."""
     kept = json.loads(golden.MANIFEST.read_text())["cases"][case]
-    found = golden.run_case(case, tmp_path)
     if kept["weights"] is not None:  # generated here: the same weights first, then the same numerics
         assert found["weights"] == kept["weights"], "the portable weights came out other bits here"
     want = golden.read_golden(case)
@@ -542,6 +544,19 @@ def test_golden_records(case, tmp_path):
         explain(
             differing, found["components"], kept["components"], ignore=("model",) if kept["weights"] else ()
         )
+
+
+@pytest.mark.parametrize("case", list(golden.CASES))
+def test_golden_records(case, tmp_path):
+    """Each case's records on this machine equal tests/golden/'s bit for bit (scripts/make_golden.py made
+    them), or differ only where the fingerprint shows a gap docs/reproducibility.md names."""
+    check_golden(case, golden.run_case(case, tmp_path))
+
+
+@pytest.mark.parametrize("case", list(golden.CASES))
+def test_golden_records_in_the_avx2_process(case, avx2_process):
+    """The same in the AVX2 process: what an AVX2 machine computes, on this one."""
+    check_golden(case, avx2_process["golden"][case])
 
 
 # -- the fingerprint and the report ---------------------------------------------------------------------
@@ -573,11 +588,13 @@ def test_system_fingerprint_names_what_decides_the_bytes(setups, tmp_path, monke
 def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monkeypatch):
     from pagedinfer.attention import cpu_kernel
 
-    covered = setups("qwen3-float32").base.engine.stats.to_dict()["reproducibility"]
-    assert covered == {
+    engine = setups("qwen3-float32").llm().engine
+    assert engine.stats.to_dict()["reproducibility"]["system_fingerprint"] == ""  # not asked for yet
+    fingerprint = engine.system_fingerprint()
+    assert engine.stats.to_dict()["reproducibility"] == {
         "covered": True,
         "why": "own layers and C kernels on the CPU",
-        "system_fingerprint": setups("qwen3-float32").base.engine.system_fingerprint(),
+        "system_fingerprint": fingerprint,
     }
     lora = setups("llama-float32").base.engine.stats.reproducibility
     assert lora.words() == "yes: own layers and C kernels on the CPU; lines with a LoRA adapter excepted"
@@ -626,3 +643,32 @@ def test_fingerprint_in_records_report_and_resume_file(job, text_model, tmp_path
     assert result.exit_code == 0, result.output
     assert f"were made under system_fingerprint {want}, this run's is fp_" in " ".join(result.stderr.split())
     assert json.loads(resume_file.read_bytes()[:512])["system_fingerprint"] != want
+
+
+@pytest.mark.parametrize("name", ["qwen3-float32", "llama-bfloat16"])
+def test_beam_search_lines(setups, name):
+    """A beam-search line: its beams (tokens, cumulative logprobs, scores) alone, among sampled lines, in
+    prompt chunks of 5 and in a preempting pool."""
+    from pagedinfer import BeamSearchParams
+
+    setup = setups(name)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+
+    def beam_record(llm: LLM, others: list[Line]) -> str:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in [FIRST] + [line.prompt for line in others]],
+            [beams] + [line.params for line in others],
+            use_tqdm=False,
+        )
+        assert outs[0].error is None, outs[0].error
+        return json.dumps(
+            [[s.token_ids, s.cumulative_logprob, s.score, s.finish_reason] for s in outs[0].sequences]
+        )
+
+    alone = beam_record(setup.llm(), [])
+    base = [line for line in LINES if not line.lora]
+    assert beam_record(setup.llm(), base) == alone
+    assert beam_record(setup.llm(max_num_batched_tokens=5), base) == alone
+    small = setup.llm(num_blocks=6)
+    assert beam_record(small, base) == alone
+    assert small.stats.preemptions > 0

@@ -3,7 +3,8 @@ reproducibility contract covers (docs/reproducibility.md).
 
 ``system_fingerprint`` (OpenAI's name) hashes the model's files, the dtype, the KV cache dtype, the
 code path that computes (device, whose layers, where each linear and the attention run, the panels'
-weight formats: the quantization), `NUMERICS_VERSION`, and a probe of the C kernels' own rounding.
+weight formats: the quantization), `NUMERICS_VERSION`, a probe of the C kernels' own rounding and
+the versions of torch, transformers and tokenizers.
 Two runs with the same fingerprint and the same seeds write the same records, whatever their batch
 settings, threads, replicas or interruptions (on a covered path); two runs whose fingerprints differ
 need not agree. Batch settings, threads and the CPU's model are left out on purpose: the contract
@@ -76,6 +77,7 @@ def components(engine: LLMEngine, adapter: str | None = None) -> dict:
         "linears": linear_paths(loaded.model),
         "attention": "C kernel" if _c_attention(engine) else "torch",
         "kernel_probe": kernel_probe() if loaded.device.type == "cpu" else None,
+        "libraries": libraries(),
     }
     if adapter is not None:
         parts["adapter"] = folder_digest(Path(engine.lora.loaded[adapter].path))
@@ -126,7 +128,8 @@ def model_digest(loaded: LoadedModel) -> str:
     """The loader's digest (a GGUF file, dummy weights), else the digest of the checkpoint folder's files."""
     if loaded.content_digest:
         return loaded.content_digest
-    return folder_digest(_folder(loaded.name))
+    folder = _folder(loaded.name)
+    return f"unread:{loaded.name}" if folder is None else folder_digest(folder)  # named, as a last resort
 
 
 def folder_digest(folder: Path) -> str:
@@ -162,6 +165,21 @@ def kernel_probe() -> str | None:
     return _digest(b"".join(r.numpy().tobytes() for r in rows))[:16]
 
 
+@functools.cache
+def libraries() -> dict[str, str]:
+    """The versions of the libraries whose code computes part of a record: torch (RoPE's angles, the
+    log-normaliser of logprobs, the filtered sampler), transformers (its layers, the rotary classes),
+    tokenizers (prompt tokens, text)."""
+    import tokenizers
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
 def _c_attention(engine: LLMEngine) -> bool:
     loaded, kv = engine.loaded, engine.kv
     config = loaded.model.config
@@ -174,15 +192,16 @@ def _c_attention(engine: LLMEngine) -> bool:
     )
 
 
-def _folder(name: str) -> Path:
-    """The folder a model was loaded from: a local path, or a hub id's snapshot in the local cache."""
+def _folder(name: str) -> Path | None:
+    """The folder a model was loaded from: a local path, or a hub id's snapshot in the local cache
+    (None when neither is found)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(name, "config.json")
-    return Path(found).parent if isinstance(found, str) else path
+    return Path(found).parent if isinstance(found, str) else None
 
 
 @functools.cache  # per file state: a file is read once per process

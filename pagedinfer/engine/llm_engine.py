@@ -191,17 +191,20 @@ class LLMEngine:
             lora_enabled=self.lora is not None,
             lora_adapters={} if self.lora is None else self.lora.loaded,  # the registry's own: kept current
             reproducibility=fingerprint.reproducibility(self),
-            system_fingerprint=self.system_fingerprint(),
+            system_fingerprint=self._fingerprints.get(None, ""),  # once asked for: hashing reads the files
         )
         self.scheduler.counters = self.stats.counters
         self.grammars.counters = self.stats.structured
         self._pool_base = self._pool_counts()
 
     def system_fingerprint(self, adapter: str | None = None) -> str:
-        """The hash of what decides this engine's records (docs/reproducibility.md): the base model's,
-        or with a loaded adapter's files; computed once each."""
+        """The hash of what decides this engine's records (docs/reproducibility.md): the base model's
+        (then also in `stats`), or with a loaded adapter's files; computed once each, on first use (it
+        reads a checkpoint folder's files)."""
         if adapter not in self._fingerprints:
             self._fingerprints[adapter] = fingerprint.system_fingerprint(self, adapter)
+        if adapter is None:
+            self.stats.system_fingerprint = self._fingerprints[None]
         return self._fingerprints[adapter]
 
     def _pool_counts(self) -> tuple[int, ...]:

@@ -64,6 +64,7 @@ class EngineReplica:
         hf_logging.disable_progress_bar()
         self.llm = LLM(model, seed=seed, **engine_kwargs)
         self.engine = self.llm.engine
+        self.engine.system_fingerprint()  # in its records, its figures and its info
         self.loop = GenerationLoop(self.engine)
         self.model_name = model_name
         self.token_text = TokenText(self.llm.tokenizer)
