@@ -159,6 +159,7 @@ class Done:
     dropped: int  # unreadable lines removed (their input lines run again)
     fingerprint: Fingerprint | None  # of the input part the earlier run had read (None: not kept)
     options: dict | None = None  # the options its records were made with (None: not kept)
+    system_fingerprint: str | None = None  # what decided its records' bytes (None: not kept)
 
 
 def _key_of(line: bytes) -> tuple[str | None, bool]:
@@ -184,6 +185,7 @@ class OutputFile:
         self._unsynced = False
         self._resume_fd: int | None = None
         self._fingerprint: Fingerprint | None = None  # the one on disk
+        self.system_fingerprint: str | None = None  # the run's, kept beside the input's fingerprint
         # where each line of the file starts, and the key of the input line it answers (known from
         # `load_done` or `start(truncate=True)` on): `reorder` reads no record back
         self._offsets = array.array("q")
@@ -240,8 +242,8 @@ class OutputFile:
         if rewrite:
             self._rewrite(kept)
         self._keys, self._offsets = keys, offsets
-        self._fingerprint, options = self._read_resume_file()
-        return Done(set(keys), errors, dropped, self._fingerprint, options)
+        self._fingerprint, options, system = self._read_resume_file()
+        return Done(set(keys), errors, dropped, self._fingerprint, options, system)
 
     def start(self, truncate: bool, options: dict | None = None) -> None:
         """Begin writing: truncated for a fresh run, appended to for --resume. ``options`` (those the
@@ -294,8 +296,22 @@ class OutputFile:
                 raise OutputWriteError(f"cannot write output file {self.path}: {e.strerror or e}") from None
             self._unsynced = False
 
-    def _write_fingerprint(self, fingerprint: Fingerprint) -> None:
-        data = json.dumps(fingerprint.to_dict()).encode().ljust(_RESUME_BYTES - 1) + b"\n"
+    def keep_system_fingerprint(self, value: str) -> None:
+        """Keep the run's system_fingerprint (docs/reproducibility.md) in the resume file, now and with
+        every later update of the input's fingerprint."""
+        self.system_fingerprint = value
+        if self.resume_path is not None:
+            self._write_fingerprint(self._fingerprint)
+
+    def _head(self, fingerprint: Fingerprint | None) -> bytes:
+        """The resume file's first record: the input's fingerprint and the run's system_fingerprint."""
+        doc = None if fingerprint is None else fingerprint.to_dict()
+        if self.system_fingerprint is not None:
+            doc = {**(doc or {}), "system_fingerprint": self.system_fingerprint}
+        return json.dumps(doc).encode().ljust(_RESUME_BYTES - 1) + b"\n"
+
+    def _write_fingerprint(self, fingerprint: Fingerprint | None) -> None:
+        data = self._head(fingerprint)
         try:
             if self._resume_fd is None:
                 self._resume_fd = os.open(
@@ -310,8 +326,7 @@ class OutputFile:
     def _replace_resume_file(self, options: dict | None) -> None:
         """A new resume file (renamed over the old one: never a mix of both): the fingerprint kept so
         far, then ``options`` (none: nothing can be checked against them)."""
-        head = json.dumps(None if self._fingerprint is None else self._fingerprint.to_dict()).encode()
-        data = head.ljust(_RESUME_BYTES - 1) + b"\n"
+        data = self._head(self._fingerprint)
         if options is not None:
             data += json.dumps({"options": options}, ensure_ascii=False).encode("utf-8") + b"\n"
         try:
@@ -323,23 +338,24 @@ class OutputFile:
         self._resume_fd = fd  # the fingerprint is rewritten in place in this one
         _sync_directory(self.resume_path.parent)
 
-    def _read_resume_file(self) -> tuple[Fingerprint | None, dict | None]:
-        """(fingerprint, options) kept beside the output; None for each one missing or unreadable
-        (an older version kept the fingerprint alone)."""
+    def _read_resume_file(self) -> tuple[Fingerprint | None, dict | None, str | None]:
+        """(fingerprint, options, system_fingerprint) kept beside the output; None for each one missing
+        or unreadable (an older version kept the fingerprint alone)."""
         if self.resume_path is None:
-            return None, None
+            return None, None, None
         try:
             fd = os.open(self.resume_path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
-            return None, None
+            return None, None, None
         try:
             with open(fd, "rb", closefd=False) as f:
                 data = f.read(_RESUME_MAX)
         except OSError:
-            return None, None
+            return None, None, None
         finally:
             os.close(fd)
-        return _fingerprint_of(data[:_RESUME_BYTES]), _options_of(data[_RESUME_BYTES:])
+        head = data[:_RESUME_BYTES]
+        return _fingerprint_of(head), _options_of(data[_RESUME_BYTES:]), _system_fingerprint_of(head)
 
     def reorder(self, rank: Callable[[str], int | None]) -> bool:
         """Rewrite the file in input order (``rank`` of each record's key), if it is not already.
@@ -444,6 +460,14 @@ def _fingerprint_of(head: bytes) -> Fingerprint | None:
         return Fingerprint(int(doc["size"]), int(doc["lines"]), str(doc["sha256"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _system_fingerprint_of(head: bytes) -> str | None:
+    try:
+        value = json.loads(head)["system_fingerprint"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _options_of(tail: bytes) -> dict | None:

@@ -193,6 +193,8 @@ def render(stats: EngineStats, console: Console) -> None:
                 f"[dim](beside {human_bytes(stats.kv_bytes_total)} of KV cache)[/]",
             ],
         )
+    # docs/reproducibility.md: whether the records can be expected to come out the same elsewhere
+    rows.add("Reproducible", escape(stats.reproducibility.words()).split(), sep=" ")
     if stats.cuda_graphs and stats.cuda_graphs != "not applicable on the CPU":
         rows.add(
             "CUDA graphs",

@@ -214,6 +214,7 @@ class _Run:
         self.source: InputLines | None = None
         self.llm = None
         self.parser: LineParser | None = None
+        self.kept_fingerprint: str | None = None  # --resume: the system_fingerprint of the records kept
 
     def close(self) -> None:
         if self.output is not None:
@@ -312,6 +313,7 @@ class _Run:
             self._refuse_other_options(found.options)
         outcome = self.outcome
         outcome.kept, outcome.kept_errors, outcome.dropped = len(found.keys), found.errors, found.dropped
+        self.kept_fingerprint = found.system_fingerprint if found.keys else None
         unchecked = self._unchecked_words(found)
         if not self.opts.quiet or found.dropped or unchecked:
             words = [f"resume: {len(found.keys)} records already in {escape(str(self.paths.output))}"]
@@ -418,6 +420,7 @@ class _Run:
                 if first is not None:
                     if self.llm is None:
                         self._load()
+                    self._keep_system_fingerprint()
                     progress.start()
                     self.signals.generating = True
                     rows = itertools.chain([first], items)
@@ -480,7 +483,8 @@ class _Run:
                     self._fail(item.failed(result.error), position, progress)
                     continue
                 try:
-                    record = success_record(item, result, token_text, model_name)
+                    fingerprint = llm.engine.system_fingerprint(item.lora)
+                    record = success_record(item, result, token_text, model_name, fingerprint)
                 except Exception as e:  # noqa: BLE001 - one line's bad output must not end the run
                     self._fail(
                         item.failed(f"could not build the output: {type(e).__name__}: {e}"),
@@ -525,6 +529,27 @@ class _Run:
         )
         self.signals.install()  # Ray's driver takes SIGTERM for itself: the run keeps its own handling
         self._note_capped_context()
+
+    def _keep_system_fingerprint(self) -> None:
+        """The run's system_fingerprint beside the output (docs/reproducibility.md); --resume says when
+        the records kept were made under another one (their bytes need not match this run's)."""
+        llm = self.llm
+        infos = (
+            llm.infos
+            if self.opts.data_parallel
+            else [{"system_fingerprint": llm.engine.system_fingerprint()}]
+        )
+        value = ",".join(sorted({i["system_fingerprint"] for i in infos}))
+        if isinstance(self.output, OutputFile):
+            self.output.keep_system_fingerprint(value)
+        if self.kept_fingerprint is not None and self.kept_fingerprint != value:
+            self.err.print(
+                f"note: --resume: the records kept in {escape(str(self.paths.output))} were made under "
+                f"system_fingerprint {self.kept_fingerprint}, this run's is {value} (other model files, dtype, "
+                "kernels or numerics): the two parts of the output need not match one run's",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def _note_capped_context(self) -> None:
         """--max-model-len above the model's context runs capped: said once, here, on stderr (even

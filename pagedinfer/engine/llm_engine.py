@@ -18,6 +18,7 @@ from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import PromptRows, SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
 from pagedinfer.core.trace import snapshot
+from pagedinfer.engine import fingerprint
 from pagedinfer.engine.detokenizer import IncrementalDetokenizer
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.stats import EngineStats
@@ -172,6 +173,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._next_id = 0
         self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
+        self._fingerprints: dict[str | None, str] = {}  # by adapter name (None: the base model)
         self.reset_stats()
 
     def _start_graphs(self, scratch_block: int) -> None:
@@ -223,12 +225,24 @@ class LLMEngine:
             kernel_compile_s=self.loaded.kernel_compile_s,
             lora_enabled=self.lora is not None,
             lora_adapters={} if self.lora is None else self.lora.named,  # the registry's own: kept current
+            reproducibility=fingerprint.reproducibility(self),
+            system_fingerprint=self._fingerprints.get(None, ""),  # once asked for: hashing reads the files
         )
         self.scheduler.counters = self.stats.counters
         if self.lora is not None:
             self.lora.counters = self.stats.adapter_counters
         self.grammars.counters = self.stats.structured
         self._pool_base = self._pool_counts()
+
+    def system_fingerprint(self, adapter: str | None = None) -> str:
+        """The hash of what decides this engine's records (docs/reproducibility.md): the base model's
+        (then also in `stats`), or with a loaded adapter's files; computed once each, on first use (it
+        reads a checkpoint folder's files)."""
+        if adapter not in self._fingerprints:
+            self._fingerprints[adapter] = fingerprint.system_fingerprint(self, adapter)
+        if adapter is None:
+            self.stats.system_fingerprint = self._fingerprints[None]
+        return self._fingerprints[adapter]
 
     def _pool_counts(self) -> tuple[int, ...]:
         p = self.pool

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.scheduler import SchedulerCounters
+from pagedinfer.engine.fingerprint import Reproducibility
 from pagedinfer.logits.structured import StructuredCounters
 from pagedinfer.lora.registry import AdapterCounters, LoadedAdapter
 
@@ -85,6 +86,10 @@ class EngineStats:
     lora_adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
     lora_usage: dict[str | None, AdapterUse] = field(default_factory=dict)
     adapter_counters: AdapterCounters = field(default_factory=AdapterCounters)
+    # the reproducibility contract (engine/fingerprint.py): is the run's path covered, and the hash of
+    # what decides its records' bytes
+    reproducibility: Reproducibility = Reproducibility(False, "unknown")
+    system_fingerprint: str = ""
 
     def lora_use(self, adapter: LoadedAdapter | None) -> AdapterUse:
         return self.lora_usage.setdefault(None if adapter is None else adapter.name, AdapterUse())
@@ -293,6 +298,11 @@ class EngineStats:
                 "mask_share_of_wall": round(self.mask_share, 6),
             },
             "lora": self._lora_dict(),
+            "reproducibility": {
+                "covered": self.reproducibility.covered,
+                "why": self.reproducibility.why,
+                "system_fingerprint": self.system_fingerprint,
+            },
             "throughput": {
                 "wall_time_s": round(self.wall_time_s, 4),
                 "kernel_compile_s": round(self.kernel_compile_s, 3),

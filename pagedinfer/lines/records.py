@@ -61,9 +61,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def success_record(
-    line: LineRequest, out: RequestOutput | BeamSearchOutput, token_text: TokenText, model: str
+    line: LineRequest,
+    out: RequestOutput | BeamSearchOutput,
+    token_text: TokenText,
+    model: str,
+    system_fingerprint: str | None = None,
 ) -> dict:
-    """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed)."""
+    """``model``: the run's model name, for OpenAI lines whose body names none (a body's is echoed).
+    ``system_fingerprint``: what decided the line's bytes (docs/reproducibility.md), in OpenAI bodies."""
     beams = isinstance(out, BeamSearchOutput)
     prompt = len(out.prompt_token_ids)
     completion = sum(len(c.token_ids) for c in (out.sequences if beams else out.outputs))
@@ -71,7 +76,14 @@ def success_record(
     k = 0 if beams else line.params.logprobs or 0
     if line.openai is not None:
         return _openai_success(
-            line.openai, out, usage, k, line.params.prompt_logprobs or 0, token_text, model
+            line.openai,
+            out,
+            usage,
+            k,
+            line.params.prompt_logprobs or 0,
+            token_text,
+            model,
+            system_fingerprint,
         )
     # a plain line's id, line number and prompt, as its input gave it (a chat line: and the rendered text)
     record = {"id": line.id, "line": line.line, **line.prompt}
@@ -218,6 +230,7 @@ def _openai_success(
     k_prompt: int,
     token_text: TokenText,
     model: str,
+    system_fingerprint: str | None,
 ) -> dict:
     """``k``, ``k_prompt``: how many top logprobs to give per generated token and per prompt token."""
     rid = _rid(info.custom_id)
@@ -241,6 +254,7 @@ def _openai_success(
         "object": "chat.completion" if info.chat else "text_completion",
         "created": int(time.time()),
         "model": info.model or model,
+        "system_fingerprint": system_fingerprint,
         "choices": choices,
         "usage": usage,
     }

@@ -96,6 +96,9 @@ class GGUFCheckpoint:
     arch: str  # general.architecture: llama (mistral too), qwen2, qwen3, ...
     tensors: dict[str, TensorInfo]
     folder: Path
+    digest: str = (
+        ""  # the file's SHA-256 (hex), hashed once per load: its cache folder's name, its fingerprint
+    )
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def kinds(self, matrices_only: bool = True) -> Counter:
@@ -133,13 +136,14 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
         raise GGUFError(
             f"{path} is not a GGUF file: it does not start with the GGUF magic bytes (got {head!r})"
         )
-    folder = envs.gguf_cache() / f"{file_digest(path)[:32]}-v{CACHE_VERSION}"
+    digest = file_digest(path)
+    folder = envs.gguf_cache() / f"{digest[:32]}-v{CACHE_VERSION}"
     index = folder / "tensors.json"
     if not index.exists():
         _fill_cache(path, folder)
     doc = json.loads(index.read_text())
     tensors = {t["name"]: TensorInfo(**t) for t in doc["tensors"]}
-    return GGUFCheckpoint(path, doc["arch"], tensors, folder)
+    return GGUFCheckpoint(path, doc["arch"], tensors, folder, digest)
 
 
 def _first_line(e: BaseException) -> str:

@@ -61,6 +61,9 @@ class LoadedModel:
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
     kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
     weights: WeightMemory = WeightMemory(0, 0.0)  # the weights' bytes and the linears' bits per weight
+    # what the weights are, where the load already knows it: "sha256:<hex>" of a GGUF file, or
+    # "dummy" (random weights); "" for checkpoint folders (engine/fingerprint.py reads their files)
+    content_digest: str = ""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -235,6 +238,7 @@ def load_model(
         impl="pagedinfer" if own else "transformers",
         kernel_compile_s=compile_s,
         weights=weight_memory(model),
+        content_digest="dummy" if dummy else f"sha256:{ckpt.digest}" if ckpt else "",
     )
 
 

@@ -81,6 +81,7 @@ class EngineReplica:
                 self.engine.add_lora(LoRARequest(name, i, path))
             except AdapterError as e:
                 raise AdapterError(f"--lora {name}={path}: {e}") from None
+        self.engine.system_fingerprint()  # in its records, its figures and its info
         self.loop = GenerationLoop(self.engine)
         self.model_name = model_name
         self.token_text = TokenText(self.llm.tokenizer)
@@ -106,6 +107,7 @@ class EngineReplica:
             "threads": torch.get_num_threads(),
             "num_blocks": self.engine.pool.num_blocks,
             "context": self.engine.loaded.max_model_len,  # the model's own (the driver's --max-model-len note)
+            "system_fingerprint": self.engine.system_fingerprint(),
         }
 
     def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
@@ -147,4 +149,5 @@ class EngineReplica:
         pos, item = tag
         if out.error:
             return pos, item.failed(out.error), item.params.n
-        return pos, success_record(item, out, self.token_text, self.model_name), item.params.n
+        fingerprint = self.engine.system_fingerprint(item.lora)
+        return pos, success_record(item, out, self.token_text, self.model_name, fingerprint), item.params.n

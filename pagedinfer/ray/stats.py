@@ -50,6 +50,9 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         graph_capture_s=max(s.graph_capture_s for s in replicas),
         kernel_compile_s=max(s.kernel_compile_s for s in replicas),
         wall_time_s=wall_time_s,
+        reproducibility=first.reproducibility,
+        # replicas on unlike machines may differ (a bfloat16 path, say): each one is named
+        system_fingerprint=",".join(sorted({s.system_fingerprint for s in replicas})),
         counters=SchedulerCounters(
             **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}
         ),
