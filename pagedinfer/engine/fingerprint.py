@@ -80,7 +80,7 @@ def components(engine: LLMEngine, adapter: str | None = None) -> dict:
         "libraries": libraries(),
     }
     if adapter is not None:
-        parts["adapter"] = folder_digest(Path(engine.lora.loaded[adapter].path))
+        parts["adapter"] = engine.lora.named[adapter].digest.hex()  # its scaling and weights
     return parts
 
 
