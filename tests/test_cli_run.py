@@ -373,6 +373,7 @@ REPORT_KEYS = {
     "model",
     "model.dtype",
     "model.dtype_reason",
+    "model.dtype_emulated",
     "model.weight_bytes",
     "model.linear_bits_per_weight",
     "cuda_graphs",

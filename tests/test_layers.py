@@ -37,6 +37,7 @@ LEAVES = {
     "seeding",
     "envs",
     "chat_template",
+    "terminal",
 }  # plain records any layer may import
 
 

@@ -44,6 +44,7 @@ from pagedinfer.cli.run_options import describe, differing, run_options
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.parse import LineParser, parse_lines
 from pagedinfer.lines.source import InputFileError, InputLines
+from pagedinfer.terminal import keep, say
 
 EXIT_OK, EXIT_LINES_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 74
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE
@@ -152,14 +153,13 @@ def execute(opts: RunOptions, out: Console, err: Console) -> int:
         try:
             return run.execute()
         except (UsageError, InputFileError, OutputError) as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            say(err, f"[bold red]error:[/] {escape(str(e))}")
             return EXIT_USAGE
         except (Stopped, KeyboardInterrupt) as e:
             signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-            err.print(
+            say(
+                err,
                 f"[bold yellow]stopped by {signal.Signals(signum).name}[/] at once: {run.on_disk_words()}",
-                highlight=False,
-                soft_wrap=True,
             )
             return 128 + signum
         finally:
@@ -188,9 +188,9 @@ class _Run:
     def on_disk_words(self) -> str:
         if isinstance(self.output, OutputFile):
             n = self.outcome.kept + self.output.written
-            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(str(self.output.path))}"
+            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(keep(str(self.output.path)))}"
         if isinstance(self.output, StreamOutput):
-            return f"{self.output.written} lines written to {escape(str(self.output.path or 'stdout'))}"
+            return f"{self.output.written} lines written to {escape(keep(str(self.output.path or 'stdout')))}"
         return "nothing was written"
 
     def execute(self) -> int:
@@ -284,7 +284,7 @@ class _Run:
                 words.append(f"dropped {found.dropped} unreadable line{s} (their input lines run again)")
             if unchecked:
                 words.append(unchecked)
-            self.err.print("; ".join(words), soft_wrap=True)
+            say(self.err, "; ".join(words))
         return found.keys
 
     def _refuse_other_options(self, kept: dict) -> None:
@@ -491,7 +491,7 @@ class _Run:
         context = llm.infos[0]["context"] if self.opts.data_parallel else llm.engine.loaded.max_model_len
         words = capped_context_words("--max-model-len", self.opts.engine.get("max_model_len"), context)
         if words is not None:
-            self.err.print(f"note: {escape(words)}", highlight=False, soft_wrap=True)
+            say(self.err, f"note: {escape(words)}")
 
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -519,21 +519,20 @@ class _Run:
         if outcome.write_error is not None:
             left = outcome.not_run()
             tail = "; make room and run again with --resume" if isinstance(self.output, OutputFile) else ""
-            self.err.print(
+            say(
+                self.err,
                 f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
                 f"{self.on_disk_words()}" + (f", {left} not run" if left else "") + tail,
-                highlight=False,
-                soft_wrap=True,
             )
 
 
 def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
-    err.print(
+    say(
+        err,
         f"[bold red]--strict:[/] {len(bad)} bad line{'s' if len(bad) > 1 else ''}; stopping before {before}:",
-        soft_wrap=True,
     )
     for item in bad:
-        err.print(f"  {escape(item.message)}", highlight=False, soft_wrap=True)
+        say(err, f"  {escape(item.message)}")
     return EXIT_LINES_FAILED
 
 
@@ -644,26 +643,25 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
     tail = ""
     if stats is not None and stats.steps:
         n = stats.completion_tokens  # what the records hold (beam search samples more than it returns)
-        tail = f" · {n:,} token{'s' if n != 1 else ''} generated in {stats.wall_time_s:.2f} s"
-    console.print(
-        f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(where)}: "
+        tokens, seconds = f"{n:,} token{'s' if n != 1 else ''}", f"{stats.wall_time_s:.2f} s"
+        tail = f" · {keep(tokens)} generated in {keep(seconds)}"
+    say(
+        console,
+        f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(keep(where))}: "
         + ", ".join(parts)
         + tail,
-        highlight=False,
-        soft_wrap=True,
     )
     for e in failed:
-        console.print(f"  [red]✗[/] {escape(e.message)}", highlight=False, soft_wrap=True)
+        say(console, f"  [red]✗[/] {escape(e.message)}")
     if outcome.failed > SHOW_REASONS:
-        console.print(
+        say(
+            console,
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
-            soft_wrap=True,
         )
     left = outcome.not_run()
     if outcome.signal is not None:
-        console.print(
+        say(
+            console,
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "
             f"{left} line{'s' if left != 1 else ''} not run; run again with --resume to complete them",
-            highlight=False,
-            soft_wrap=True,
         )
