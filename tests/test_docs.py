@@ -138,7 +138,10 @@ def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:
 
 
 def timeless(report: str) -> str:
-    """A report without what depends on the machine: the Throughput row, the summary's seconds, the folder."""
+    """A report without what depends on the machine: the Throughput row, the summary's seconds, the folder
+    (and so where the summary wraps: it is joined into one line)."""
+    box, end, summary = report.rpartition("╯\n")
+    report = box + end + " ".join(summary.split()) + "\n"
     text = re.sub(r"│ Throughput .*?(?=│ \S)", "│ Throughput …\n", report, flags=re.S)
     text = re.sub(r"generated in [\d.]+ s", "generated in … s", text)
     return re.sub(r"→ /\S*/prompts/", "→ …/prompts/", text)  # the summary names the output's full path

@@ -127,7 +127,7 @@ def render(doc: dict, console: Console, max_steps: int | None = None) -> None:
             (f"▒{KEEP}⟲", "blue"),
             f"{KEEP}cached, unreferenced (prefix cache)  ",
             ("L0→P3", "cyan"),
-            f"{KEEP}logical block 0 of a sequence lives in physical block 3",
+            f"{KEEP}{keep('logical block 0')} of a sequence lives in {keep('physical block 3')}",
         ),
     )
     shown = steps if max_steps is None else steps[:max_steps]

@@ -632,14 +632,16 @@ def _run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
 
 def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str) -> None:
     failed = sorted(outcome.shown, key=lambda e: e.line)[:SHOW_REASONS]
-    parts = [f"[green]{outcome.ok} ok[/]"]
+    parts = [f"[green]{keep(f'{outcome.ok} ok')}[/]"]  # a count stays with its word (terminal.keep)
     if outcome.failed:
         lines = sorted(outcome.failed_lines)
         shown = ", ".join(str(n) for n in lines[:SHOW_REASONS]) + (", …" if len(lines) > SHOW_REASONS else "")
-        parts.append(f"[red]{outcome.failed} failed[/] (line{'s' if outcome.failed > 1 else ''} {shown})")
+        parts.append(
+            f"[red]{keep(f'{outcome.failed} failed')}[/] (line{'s' if outcome.failed > 1 else ''} {shown})"
+        )
     if outcome.skipped:
         earlier = f", {outcome.kept_errors} of them error records" if outcome.kept_errors else ""
-        parts.append(f"{outcome.skipped} already done (--resume{earlier})")
+        parts.append(f"{keep(f'{outcome.skipped} already done')} (--resume{earlier})")
     tail = ""
     if stats is not None and stats.steps:
         n = stats.completion_tokens  # what the records hold (beam search samples more than it returns)
@@ -647,9 +649,8 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
         tail = f" · {keep(tokens)} generated in {keep(seconds)}"
     say(
         console,
-        f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(keep(where))}: "
-        + ", ".join(parts)
-        + tail,
+        f"[bold]pagedinfer:[/] {keep(f'{outcome.lines} line' + ('s' if outcome.lines != 1 else ''))} → "
+        f"{escape(keep(where))}: " + ", ".join(parts) + tail,
     )
     for e in failed:
         say(console, f"  [red]✗[/] {escape(e.message)}")
