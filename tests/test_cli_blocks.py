@@ -92,7 +92,7 @@ def test_prefix_cache_hits_and_cached_blocks_are_drawn(tmp_path):
     assert "prefix cache hit  reused, not computed: P0, P1" in second
 
 
-def test_blocks_fit_60_and_80_columns_breaking_rows_between_cells(monkeypatch):
+def test_blocks_fit_60_and_80_columns_breaking_rows_between_cells():
     import io
     import re
 
@@ -104,9 +104,9 @@ def test_blocks_fit_60_and_80_columns_breaking_rows_between_cells(monkeypatch):
     doc = blocks_view.builtin_trace()
 
     def drawn(width: int) -> str:
-        monkeypatch.setenv("COLUMNS", str(width))
         out = io.StringIO()
-        blocks_view.render(doc, Console(file=out, width=width, highlight=False, soft_wrap=True))
+        terminal = Console(file=out, width=width, force_terminal=True, color_system=None, soft_wrap=True)
+        blocks_view.render(doc, terminal)
         return out.getvalue()
 
     def words(text: str) -> list[str]:

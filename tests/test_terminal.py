@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 
-from pagedinfer.terminal import columns, fit, keep, note
+from rich.console import Console
+from rich.text import Text
+
+from pagedinfer.terminal import keep, note, say
 
 LINE = (
     "pagedinfer: note: "
@@ -13,27 +16,27 @@ LINE = (
 )
 
 
-def test_fit_breaks_between_words_keeps_values_and_indents_continuations():
-    assert fit(LINE, 40).splitlines() == [
+def said(message, width: int, terminal: bool = True, indent: int | None = None) -> list[str]:
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=terminal, color_system=None, highlight=False)
+    say(console, message, indent)
+    return out.getvalue().splitlines()
+
+
+def test_say_breaks_between_words_keeps_values_and_indents_continuations():
+    assert said(Text(LINE), 40) == [
         "pagedinfer: note: 1,245 tokens in",
         "  /a/rather/long/path/to/the/kernel/cache/folder/pagedinfer",  # longer than 40: whole, alone
         "  (once)",
     ]
-    assert fit(LINE, 28).splitlines()[:2] == ["pagedinfer: note:", "  1,245 tokens in"]  # never "1,245" alone
+    assert said(Text(LINE), 28)[:2] == ["pagedinfer: note:", "  1,245 tokens in"]  # never "1,245" alone
     assert (
-        fit("  ✗ " + "word " * 12, 30, indent=None).splitlines()[1].startswith("    word")
-    )  # under its own start
-    assert fit(LINE, None) == LINE.replace("\u00a0", " ")  # no terminal: one line, plain spaces
+        said("  [red]✗[/] " + "word " * 12, 30)[1] == "    word word word word word"
+    )  # under its start
+    assert said("[bold]a[/] b c d", 4, indent=1) == ["a b", " c d"]
+    assert said(Text(LINE), 40, terminal=False) == [LINE.replace("\u00a0", " ")]  # a log, a pipe: whole
 
 
-def test_columns_follow_COLUMNS_else_a_terminal_else_none(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "60")
-    assert columns(io.StringIO()) == 60
-    monkeypatch.delenv("COLUMNS")
-    assert columns(io.StringIO()) is None  # a capture, a log, a pipe: lines are left whole
-
-
-def test_note_writes_one_fitted_line_on_stderr(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "40")
-    note(LINE)
-    assert capsys.readouterr().err == fit(LINE, 40) + "\n"
+def test_note_writes_one_line_on_stderr_whole_off_a_terminal(capsys):
+    note(LINE + " [not markup]")
+    assert capsys.readouterr().err == LINE.replace("\u00a0", " ") + " [not markup]\n"

@@ -71,7 +71,7 @@ class JsonKeys:
                 self.stack.append(_Object())
             elif byte == ord("["):
                 self.stack.append(None)
-            elif byte in b"}]":
+            elif byte in b"}]" and self.stack:  # the grammar closes only what is open
                 self.stack.pop()
             elif byte == ord(",") and self.stack and self.stack[-1] is not None:
                 self.stack[-1] = replace(self.stack[-1], expect_key=True)
