@@ -94,21 +94,24 @@ static void first_max(const float *x, int n, int64_t *arg, int *nan) {
     *arg = i_m;
 }
 
-/* out[r] = the index of the first maximum of row r of x [rows, cols] (row stride `stride`); returns
- * how many rows hold a NaN (their out[r] is -1: torch's argmax then names the NaN; the caller asks
- * torch). Vectorized: torch's CPU argmax runs lane by lane, 1 ms for 16 rows of a 49152-token
- * vocabulary (AMD EPYC, 2 threads) against 0.12 ms here. */
-int argmax_rows_f32(const float *x, int rows, int cols, int64_t stride, int64_t *out) {
-    int nan_rows = 0;
-#pragma omp parallel for if ((int64_t)rows * cols >= MIN_PARALLEL) reduction(+ : nan_rows)
+/* out[r] = the index of the first maximum of row index[r] of x [*, cols] (row stride `stride`; with
+ * index NULL, row r); returns how many rows have no finite maximum: a NaN, +inf, or every logit -inf
+ * (their out[r] is -1; the caller fails them, never draws from them). Vectorized: torch's CPU argmax
+ * runs lane by lane, 1 ms for 16 rows of a 49152-token vocabulary (AMD EPYC, 2 threads) against
+ * 0.12 ms here. */
+int argmax_rows_f32(const float *x, int rows, const int64_t *index, int cols, int64_t stride, int64_t *out) {
+    int bad_rows = 0;
+#pragma omp parallel for if ((int64_t)rows * cols >= MIN_PARALLEL) reduction(+ : bad_rows)
     for (int r = 0; r < rows; r++) {
+        const float *row = x + (index ? index[r] : r) * stride;
         int nan = 0;
         int64_t arg;
-        first_max(x + r * stride, cols, &arg, &nan);
-        out[r] = nan ? -1 : arg;
-        nan_rows += nan;
+        first_max(row, cols, &arg, &nan);
+        const int bad = nan || !isfinite(row[arg]);
+        out[r] = bad ? -1 : arg;
+        bad_rows += bad;
     }
-    return nan_rows;
+    return bad_rows;
 }
 
 /* The sampler's weights of x[0, n) (n <= SAMPLE_BLOCK) into w: exp(x / temp - top), 0 where that is
@@ -149,7 +152,8 @@ static float block_weights(const float *x, int n, float temp, float top, float *
  * nothing. The total: float32 sums of blocks of SAMPLE_BLOCK tokens, added in double; the crossing
  * block is found on those, then its tokens' weights are added in order (a rounding shortfall there
  * takes the block's last token of nonzero weight). Returns how many rows have no finite maximum
- * (NaN, infinity or every token masked: out[i] = -1, the caller asks torch). */
+ * (a NaN, +inf, every token masked, or a maximum that overflows at its temperature: out[i] = -1, the
+ * caller fails them). */
 int sample_rows_f32(const float *x, int n, const int64_t *rows, int cols, int64_t stride, const float *temps,
                     const float *u, int64_t *out) {
     int bad_rows = 0;

@@ -1,43 +1,19 @@
 """A chat template given by the user (``--chat-template FILE``, ``LLM(chat_template=...)``), checked once.
 
-The template replaces the tokenizer's own; it is compiled here only to find syntax errors before
-the model loads (one line naming the file and the line), not to render: rendering stays with the
-tokenizer (``apply_chat_template``), which compiles it with the same extensions.
+The template replaces the tokenizer's own; it is compiled here (in the process that will render it:
+`chat_render`) before the model loads, so that a template that cannot compile is one line naming the
+file and the line, not an error on every chat line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension
+from pagedinfer.chat_render import ChatRenderError, compile_error
 
 
 class ChatTemplateError(ValueError):
     """The template cannot be used; the message is one line naming the file (or the text) and why."""
-
-
-class _Generation(Extension):
-    """transformers' ``{% generation %}...{% endgeneration %}`` block (it marks assistant tokens), parsed
-    as a plain block so that a template using it compiles here as it does in the tokenizer."""
-
-    tags = {"generation"}
-
-    def parse(self, parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-def template_error(text: str) -> str | None:
-    """Why ``text`` does not compile as a chat template ("line 3: unexpected '}'"), or None."""
-    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _Generation])
-    try:
-        env.parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        return f"line {e.lineno}: {e.message}"
-    return None
 
 
 def read_chat_template(path: Path) -> str:
@@ -55,7 +31,10 @@ def read_chat_template(path: Path) -> str:
         raise ChatTemplateError(f"cannot read chat template {path}: {e.strerror}") from None
     if not text.strip():
         raise ChatTemplateError(f"chat template {path} is empty")
-    error = template_error(text)
+    try:
+        error = compile_error(text)
+    except ChatRenderError as e:
+        raise ChatTemplateError(f"chat template {path}: {e}") from None
     if error is not None:
         raise ChatTemplateError(f"chat template {path} {error}")
     return text

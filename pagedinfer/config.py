@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -122,10 +123,21 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name); graphs exist on CUDA only
     # the pool's dtype (vLLM's name): "auto" (the model's), or one of DTYPE_NAMES
     kv_cache_dtype: str = "auto"
-    # LoRA adapters per request (vLLM's names): at most max_loras loaded, each of rank <= max_lora_rank
+    # LoRA adapters per request (vLLM's names): requests of at most max_loras distinct adapters run at
+    # once (the adapters' slots), at most max_cpu_loras adapters stay in memory (None: max_loras), each
+    # of rank <= max_lora_rank
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # per-run bounds on every request (pagedinfer's own): at most max_line_tokens tokens per completion,
+    # on top of its own max_tokens, and at most line_timeout seconds from its admission; either ends a
+    # completion with finish_reason "length", marked (CompletionOutput.capped_by)
+    max_line_tokens: int | None = None
+    line_timeout: float | None = None
+    # most logprobs a request may ask per token (logprobs, prompt_logprobs; vLLM's name and default):
+    # a record's size grows with them; -1: no limit
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -163,6 +175,23 @@ class EngineConfig:
             value = getattr(self, name)  # each checked alone, so an error names the one setting that is wrong
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        cap = self.max_line_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_line_tokens must be an integer >= 1, not {cap!r} (unset: no cap)")
+        timeout = self.line_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
+        ):
+            raise ValueError(f"line_timeout must be a number of seconds > 0, not {timeout!r} (unset: none)")
+        if self.max_cpu_loras is not None:
+            value = self.max_cpu_loras
+            if isinstance(value, bool) or not isinstance(value, int) or value < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), not {value!r}"
+                )
+        limit = self.max_logprobs
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, not {limit!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, not {self.schedule_policy!r}"

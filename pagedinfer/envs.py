@@ -7,7 +7,6 @@ docs/development.md lists them with the test suite's own switches.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 
@@ -17,8 +16,14 @@ def _off(name: str) -> bool:
 
 def kernel_cache() -> Path:
     """``PAGEDINFER_CACHE``: where compiled kernels are kept (C kernels, and the CUDA kernels built for
-    the CPU under ``cuda_on_cpu/``). Default: ``<tmp>/pagedinfer-kernels``."""
-    return Path(os.environ.get("PAGEDINFER_CACHE", Path(tempfile.gettempdir()) / "pagedinfer-kernels"))
+    the CPU under ``cuda_on_cpu/``). Default: per user, ``$XDG_CACHE_HOME/pagedinfer/kernels``
+    (``~/.cache/pagedinfer/kernels`` where XDG_CACHE_HOME is unset or not absolute, as the XDG
+    specification says). `attention.kernel_cache` checks that no one else can write it."""
+    given = os.environ.get("PAGEDINFER_CACHE")
+    if given:
+        return Path(given)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pagedinfer" / "kernels"
 
 
 def c_compiler() -> str:

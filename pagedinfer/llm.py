@@ -53,8 +53,17 @@ class LLM:
     a float32 pool's. (``float32`` names the float32 pool of a float32 model.)
     ``chat_template``: a Jinja chat template (its text) that replaces the tokenizer's for chat prompts.
     ``enable_lora`` (vLLM's names): prompts may run with PEFT LoRA adapters (``lora_request`` of
-    `generate`), different adapters in one batch; at most ``max_loras`` adapters are loaded over the
-    LLM's life, each of rank at most ``max_lora_rank``.
+    `generate`), different adapters in one batch, each of rank at most ``max_lora_rank``: requests of at
+    most ``max_loras`` distinct adapters run at once (the others wait; adapters are swapped in and
+    out), and at most ``max_cpu_loras`` adapters' weights stay in memory (default ``max_loras``; the
+    others are read again when needed).
+    ``max_line_tokens`` and ``line_timeout`` bound every request of every call, whatever its own
+    ``max_tokens``: a completion ends with finish_reason ``"length"`` at ``max_line_tokens`` tokens,
+    or at its next token once ``line_timeout`` seconds have passed since its request was admitted;
+    its `CompletionOutput.capped_by` then names the bound. Outputs a timeout ends depend on the
+    machine's speed.
+    ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
+    request may ask (a request above it fails with its error); -1: no limit.
     """
 
     def __init__(
@@ -83,6 +92,10 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = EngineConfig.max_loras,
         max_lora_rank: int = EngineConfig.max_lora_rank,
+        max_cpu_loras: int | None = None,
+        max_line_tokens: int | None = None,
+        line_timeout: float | None = None,
+        max_logprobs: int = EngineConfig.max_logprobs,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -100,6 +113,10 @@ class LLM:
             enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            max_line_tokens=max_line_tokens,
+            line_timeout=line_timeout,
+            max_logprobs=max_logprobs,
         )
         loaded = load_model(
             model,

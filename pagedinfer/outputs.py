@@ -21,6 +21,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled + top-k
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # the per-run cap that ended it with finish_reason "length": "max_line_tokens" or "line_timeout"
+    capped_by: str | None = None
 
 
 @dataclass
@@ -42,6 +44,7 @@ class BeamSearchSequence:
     cumulative_logprob: float  # sum of the generated tokens' log-probabilities
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty: the beams' order
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    capped_by: str | None = None  # as `CompletionOutput.capped_by`
 
 
 @dataclass

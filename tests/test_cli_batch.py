@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -95,6 +96,52 @@ def test_sigterm_finishes_the_step_and_resume_equals_an_uninterrupted_run(model,
     assert [r["id"] for r in read_jsonl(out)] == [line["id"] for line in lines]
 
 
+def test_sigkill_then_resume_with_adapters_and_structured_outputs_equals_an_uninterrupted_run(
+    model, model_root, tmp_path
+):
+    """Lines with LoRA adapters (two, one slot: swapped) and structured outputs (regex, JSON schema,
+    an OpenAI body's response_format), sampled and greedy: kill -9 mid-run, --resume, and the file is
+    byte-identical to an uninterrupted run's (but for the OpenAI bodies' wall-clock ``created``)."""
+    from models import save_lora
+
+    root = model_root / "kill-loras"
+    adapters = ("--lora", f"a={save_lora(Path(model), root, 'a', 8, seed=21)}")
+    adapters += ("--lora", f"b={save_lora(Path(model), root, 'b', 4, seed=22)}", "--max-loras", "1")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    lines = _job(slow_tokens=120, fast=0)
+    for i in range(12):
+        line = {"id": f"s{i}", "prompt": f"To be {i}", "lora": "ab"[i % 2], "max_tokens": 12, "seed": i}
+        shape = {"regex": "[a-z]{2,6}!"} if i % 3 else {"json": schema}
+        lines.append(
+            {**line, "structured_outputs": shape, **({"n": 2} if i % 4 == 1 else {"temperature": 0})}
+        )
+    for i in range(4):
+        body = {
+            "model": "ab"[i % 2],
+            "messages": [{"role": "user", "content": f"Give n {i}"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            "max_tokens": 16,
+            "seed": 10 + i,
+        }
+        lines.append({"custom_id": f"o{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    path = write_jsonl(tmp_path / "k.jsonl", lines)
+    out = tmp_path / "k.out.jsonl"
+    proc = _start(path, out, model, *adapters)
+    _wait_for_lines(out, 4, proc)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait()
+    assert 4 <= len(read_jsonl(out)) < len(lines)  # the slow line is still running
+
+    assert run(model, path, "-o", out, "--resume", *adapters).exit_code == 0
+    reference = tmp_path / "reference.jsonl"
+    assert run(model, path, "-o", reference, *adapters).exit_code == 0
+    created = re.compile(rb'"created": \d+')  # an OpenAI body's creation time (OpenAI's field): the clock's
+    assert created.sub(b"", out.read_bytes()) == created.sub(b"", reference.read_bytes())
+    records = read_jsonl(out)
+    assert [r.get("custom_id", r["id"]) for r in records] == [x.get("id") or x["custom_id"] for x in lines]
+    assert all(r.get("error") is None for r in records)
+
+
 def test_sigterm_counts_the_lines_not_read_yet_as_not_run(model, tmp_path):
     lines = _job(slow_tokens=120, fast=6)
     lines += [{"id": f"u{i}", "prompt_token_ids": [7, i + 9], "max_tokens": 2} for i in range(40)]
@@ -105,6 +152,33 @@ def test_sigterm_counts_the_lines_not_read_yet_as_not_run(model, tmp_path):
     kept, summary, _ = sigterm(proc, out)
     assert f"{len(lines)} lines → {out}" in summary
     assert f"{len(lines) - len(kept)} lines not run" in summary, summary
+
+
+def test_sigterm_counts_the_line_it_interrupts_with_the_tokens_the_progress_log_last_showed(model, tmp_path):
+    """--max-num-seqs 1 (a window of 2 lines): three short lines, then a long one that the signal
+    interrupts, one waiting in the engine and one not read. The log's last record, printed after the
+    step the signal ended, names the long line and its tokens; the summary counts exactly those."""
+    lines = [
+        {"id": f"f{i}", "prompt_token_ids": [5, 6 + i], "max_tokens": 2, "ignore_eos": True} for i in range(3)
+    ]
+    lines += [{"id": "slow", "prompt_token_ids": [3, 4], "max_tokens": 120, "ignore_eos": True}]
+    lines += [{"id": f"w{i}", "prompt_token_ids": [7, 8 + i], "max_tokens": 2} for i in range(2)]
+    path = write_jsonl(tmp_path / "v.jsonl", lines)
+    out = tmp_path / "v.out.jsonl"
+    proc = _start(path, out, model, "--max-num-seqs", "1", "--progress", "log", "--progress-interval", "1e-6")
+    _wait_for_lines(out, 3, proc)
+    kept, summary, stderr = sigterm(proc, out)
+    assert sorted(r["id"] for r in kept) == ["f0", "f1", "f2"]
+    last = [ln for ln in stderr.splitlines() if ln.startswith("pagedinfer: progress")][-1]
+    tokens = int(
+        re.fullmatch(r".* done=3/5\+ read=\d+% .* running=1 longest=slow longest_tokens=(\d+)", last).group(1)
+    )
+    assert 0 < tokens < 120
+    s = "s" if tokens != 1 else ""
+    assert (
+        f"3 lines not run: 1 interrupted mid-generation ({tokens:,} token{s} generated, not kept), 2 not started; "
+        "run again with --resume" in summary
+    ), summary
 
 
 def test_values_that_would_crash_the_sampler_fail_their_line_alone(model, tmp_path):

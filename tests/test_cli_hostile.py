@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import CHAT_TEMPLATE, invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
 
+from pagedinfer import chat_render
 from pagedinfer.engine import intake
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +212,9 @@ def test_device_and_fifo_outputs(model, tmp_path):
         full.exit_code == 74 and "No space left on device" in full.stderr and "Traceback" not in full.output
     )
     said = " ".join(full.output.split())
-    assert ": 0 ok" in said and "0 lines written to /dev/full, 3 not run" in said  # no write: no line is ok
+    assert (
+        ": 0 ok" in said and "0 lines written to /dev/full, 3 lines not run" in said
+    )  # no write: no line is ok
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     one_line_error(run(model, path, "-o", fifo), f"cannot write output {fifo}: no process is reading it")
@@ -321,7 +324,7 @@ HUGE_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %
 
 
 def test_a_template_that_never_ends_fails_its_line_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(intake, "TEMPLATE_BUDGET_S", 0.5)
+    monkeypatch.setattr(chat_render, "TEMPLATE_BUDGET_S", 0.5)
     templated = _model_with_template(
         tmp_path,
         "{% if messages[0].content == 'loop' %}" + HUGE_LOOP + "{% else %}" + CHAT_TEMPLATE + "{% endif %}",
@@ -336,24 +339,67 @@ def test_a_template_that_never_ends_fails_its_line_alone(tmp_path, monkeypatch):
     assert a["error"] is None and b["error"] is None
 
 
-def test_the_template_budget_holds_off_the_main_thread_too():
-    def spin():
-        while True:
-            pass
+def test_a_template_that_allocates_without_bound_fails_each_chat_line_alone(tmp_path):
+    """A constant expression of 10 GB (folded by Jinja as it compiles, so on every line) fails each
+    chat line at the memory limit, at once; the other lines are byte-identical to a run without it."""
+    hostile = "{% if messages[0].content == 'big' %}{{ 'a' * 10000000000 }}{% endif %}" + CHAT_TEMPLATE
+    templated = _model_with_template(tmp_path, hostile)
+    chat = [
+        {"id": c, "messages": [{"role": "user", "content": c}], "max_tokens": 3} for c in ("hi", "big", "bye")
+    ]
+    path = write_jsonl(tmp_path / "c.jsonl", chat + [line(3)])
+    start = time.monotonic()
+    assert run(str(templated), path).exit_code == 1
+    assert time.monotonic() - start < 60
+    records = read_jsonl(tmp_path / "c.out.jsonl")
+    assert (
+        records[1]["error"]
+        == "line 2: the chat template needs more than 1,024 MiB of memory for these messages"
+    )
+    alone = write_jsonl(tmp_path / "alone.jsonl", [chat[0], chat[2], line(3)])
+    assert run(str(tiny_model()), alone).exit_code == 0
+    expected = read_jsonl(tmp_path / "alone.out.jsonl")
+    assert [json.dumps(r) for r in (records[0], records[2], records[3])] == [
+        json.dumps({**r, "line": n}) for r, n in zip(expected, (1, 3, 4), strict=True)
+    ]
 
-    caught: list[BaseException] = []
 
-    def worker():
+def test_a_chat_template_that_cannot_compile_is_one_line_before_the_run(model, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages | nosuchfilter }}", encoding="utf-8")
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    result = run(model, path, "--chat-template", template)
+    one_line_error(result, f"chat template {template} line 1: No filter named 'nosuchfilter'.")
+
+
+def test_sigterm_during_a_render_ends_the_run_at_once(model, tmp_path, monkeypatch):
+    """The first SIGTERM during generation lets the current step finish; a render in progress is
+    abandoned at once (its line is not run: --resume runs it), not waited for to its budget."""
+    monkeypatch.setattr(chat_render, "TEMPLATE_BUDGET_S", 120)
+    templated = _model_with_template(
+        tmp_path,
+        "{% if messages[0].content == 'loop' %}" + HUGE_LOOP + "{% else %}" + CHAT_TEMPLATE + "{% endif %}",
+    )
+    real, renders = chat_render.render, []
+
+    def render(*args, **kwargs):
+        if args[1][0]["content"] == "loop":
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
         try:
-            with intake.time_budget(0.2):
-                spin()
-        except intake.TemplateTimeout as e:
-            caught.append(e)
+            return real(*args, **kwargs)
+        finally:
+            renders.append(time.monotonic() - start)
 
-    t = threading.Thread(target=worker, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive() and len(caught) == 1
+    monkeypatch.setattr(chat_render, "render", render)
+    lines = [{"messages": [{"role": "user", "content": c}], "max_tokens": 2} for c in ("hi", "loop", "bye")]
+    path = write_jsonl(tmp_path / "c.jsonl", lines)
+    result = run(str(templated), path)
+    assert result.exit_code == 143, result.output
+    assert len(renders) == 2 and renders[1] < 10  # the loop alone would run for the 120 s budget
+    words = " ".join(result.output.split())
+    assert "interrupted by SIGTERM: 0 lines on disk" in words and "3 lines not run" in words
+    assert read_jsonl(tmp_path / "c.out.jsonl") == []  # the stopped line has no (error) record
 
 
 def test_sigterm_during_a_long_template_is_honoured_at_once(tmp_path):
@@ -372,7 +418,7 @@ def test_sigterm_during_a_long_template_is_honoured_at_once(tmp_path):
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert time.monotonic() - start < intake.TEMPLATE_BUDGET_S + 10
+    assert time.monotonic() - start < chat_render.TEMPLATE_BUDGET_S + 10
     assert proc.returncode == 143, err
     words = " ".join((out + err).split())
     assert (

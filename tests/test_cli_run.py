@@ -247,9 +247,10 @@ def test_output_order_is_input_order_when_later_lines_finish_first(model, tmp_pa
 
 
 class _InterruptAfter:
-    """Patch LLMEngine.step to send a real SIGINT (Ctrl-C) to this process after some steps."""
+    """Patch LLMEngine.step to send a real SIGINT (Ctrl-C, or ``signum``) to this process at the start of
+    the step ``steps``."""
 
-    def __init__(self, monkeypatch, steps: int) -> None:
+    def __init__(self, monkeypatch, steps: int, signum: int = signal.SIGINT) -> None:
         from pagedinfer.engine.llm_engine import LLMEngine
 
         original = LLMEngine.step
@@ -258,7 +259,7 @@ class _InterruptAfter:
         def step(engine):
             self.calls += 1
             if self.calls == steps:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
             return original(engine)
 
         monkeypatch.setattr(LLMEngine, "step", step)
@@ -279,7 +280,11 @@ def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path,
     assert result.exit_code == 130
     text = " ".join(result.stdout.split())
     assert "interrupted by SIGINT: 5 lines on disk in" in text
-    assert "1 line not run; run again with --resume" in text
+    # the signal came during step 5: the long line had its 5th token when the step finished
+    assert (
+        "1 line not run: 1 interrupted mid-generation (5 tokens generated, not kept); run again with --resume"
+        in text
+    )
     first = read_jsonl(out)
     assert sorted(r["id"] for r in first) == ["bad", "s0", "s1", "s2", "s3"]
 
@@ -294,6 +299,31 @@ def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path,
     assert [r["id"] for r in final] == ["long", "s0", "s1", "s2", "s3", "bad"]  # input order restored
     assert len(final[0]["outputs"][0]["token_ids"]) == 30
     assert {r["id"]: r for r in final if r["id"] != "long"} == {r["id"]: r for r in first}  # kept as written
+
+
+def test_a_stop_counts_the_lines_interrupted_mid_generation_apart_from_those_not_started(
+    model, tmp_path, monkeypatch
+):
+    """--max-num-seqs 1 (a window of 2 lines): at the stop, line 2 runs with 4 tokens, line 3 waits in
+    the engine and lines 4 and 5 are not read yet."""
+    lines = [{"id": "first", "prompt_token_ids": [3, 4], "max_tokens": 2, "ignore_eos": True}]
+    lines += [
+        {"id": f"n{i}", "prompt_token_ids": [5, 6 + i], "max_tokens": 30, "ignore_eos": True}
+        for i in range(4)
+    ]
+    path = write_jsonl(tmp_path / "i.jsonl", lines)
+    report = tmp_path / "i.json"
+    with monkeypatch.context() as m:
+        _InterruptAfter(m, steps=6, signum=signal.SIGTERM)  # steps 1-2: line 1; 3-6: line 2
+        result = run(model, path, "--max-num-seqs", "1", "--report-json", report)
+    assert result.exit_code == 143
+    assert (
+        "interrupted by SIGTERM: 1 line on disk in "
+        f"{tmp_path / 'i.out.jsonl'}; 4 lines not run: 1 interrupted mid-generation (4 tokens generated, not "
+        "kept), 3 not started; run again with --resume to complete them"
+    ) in " ".join(result.stdout.split())
+    doc = json.loads(report.read_text())["run"]
+    assert (doc["interrupted"], doc["interrupted_lines"], doc["interrupted_tokens"]) == (True, 1, 4)
 
 
 def test_resume_after_a_crash_mid_write(model, tmp_path):
@@ -430,6 +460,8 @@ REPORT_KEYS = {
     "lora.base_requests",
     "lora.base_prompt_tokens",
     "lora.base_completion_tokens",
+    "lora.adapter_reads",
+    "lora.slot_loads",
     "structured_outputs",
     "structured_outputs.grammars_compiled",
     "structured_outputs.grammar_cache_hits",
@@ -464,7 +496,11 @@ REPORT_KEYS = {
     "run.succeeded",
     "run.failed",
     "run.failed_lines",
+    "run.capped_by_max_line_tokens",
+    "run.capped_by_line_timeout",
     "run.interrupted",
+    "run.interrupted_lines",
+    "run.interrupted_tokens",
 }
 
 

@@ -83,19 +83,29 @@ def test_c_chains_equal_their_torch_form(qk_norm):
 @pytest.mark.parametrize("cols", [5, 8, 49152, 1003])
 def test_c_argmax_equals_torchs(cols):
     """The sampler's C argmax gives torch's index: first of tied maxima (within and across lanes and
-    in the tail), all -inf, a NaN row (torch's answer), rows with a stride of their own."""
+    in the tail), rows with a stride of their own; a row without a finite maximum (all -inf, a NaN,
+    +inf) gives -1, in C and in the torch fallback alike, of all rows or of rows given by index."""
     if not fused_ops.use_c(torch.empty(1)):
         pytest.fail("the C chains did not build (is a C compiler installed?)")
     gen = torch.Generator().manual_seed(cols)
-    wide = torch.randn(6, cols + 3, generator=gen)
+    wide = torch.randn(8, cols + 3, generator=gen)
     wide[1, 3 : cols : max(1, cols // 4)] = 50.0  # ties in several lanes: the first wins
-    wide[2] = float("-inf")
     wide[3, cols - 1] = 60.0  # the maximum in the tail (or last lane)
     wide[4, : min(8, cols)] = 70.0  # a tie inside the first vector
-    rows = wide[:, :cols]  # [6, cols], row stride cols + 3
+    rows = wide[:, :cols]  # [8, cols], row stride cols + 3
     assert torch.equal(fused_ops.argmax(rows), rows.argmax(dim=-1))
+    rows[2] = float("-inf")
     rows[5, cols // 2] = float("nan")
-    assert torch.equal(fused_ops.argmax(rows), rows.argmax(dim=-1))
+    rows[6, cols - 1] = float("inf")  # in the tail (or last lane)
+    rows[7, 0] = float("inf")
+    rows[7, cols // 3] = float("nan")
+    expected = rows.argmax(dim=-1)
+    expected[[2, 5, 6, 7]] = -1
+    assert torch.equal(fused_ops.argmax(rows), expected)
+    assert torch.equal(fused_ops.argmax(rows.double()), expected)  # the torch fallback
+    some = torch.tensor([7, 0, 3, 2])  # rows picked by index, none copied
+    assert torch.equal(fused_ops.argmax(rows, some), expected[some])
+    assert torch.equal(fused_ops.argmax(rows.double(), some), expected[some])
 
 
 @pytest.mark.parametrize("cols", [5, 300, 49152])
@@ -103,8 +113,9 @@ def test_c_temperature_draw_inverts_each_rows_cdf(cols):
     """The sampler's C draw: each row's token is where its tempered CDF passes the row's uniform number
     (the torch ops' token on random rows: the sums differ only in rounding), whatever other rows are
     drawn beside it; masked (-inf) tokens are never drawn, even at u just below 1 (the rounding
-    fallback); draws follow softmax(x / T) (200,000 draws of a 5-token row); a row with a NaN or all
-    tokens masked, or a tensor off the C loop, gives None (the torch ops then run)."""
+    fallback); draws follow softmax(x / T) (200,000 draws of a 5-token row); a row with a NaN, +inf,
+    all tokens masked or a maximum that overflows at its temperature gives -1 (its neighbours draw
+    as ever); a tensor off the C loop gives None (the torch ops then run)."""
     if not fused_ops.use_c(torch.empty(1)):
         pytest.fail("the C chains did not build (is a C compiler installed?)")
     gen = torch.Generator().manual_seed(cols)
@@ -127,9 +138,11 @@ def test_c_temperature_draw_inverts_each_rows_cdf(cols):
     freq = torch.bincount(draws, minlength=5) / 200_000
     torch.testing.assert_close(freq, torch.softmax(five[0], dim=0), atol=0.004, rtol=0)
     logits[5, 1] = float("nan")
-    assert fused_ops.sample(logits, torch.tensor([0, 5]), [1.0, 1.0], u[:2]) is None
     logits[6] = float("-inf")
-    assert fused_ops.sample(logits, torch.tensor([6]), [1.0], u[:1]) is None
+    logits[7, 2] = float("inf")
+    logits[1, 0] = 1e37  # finite, but not at temperature 0.01
+    picked = fused_ops.sample(logits, torch.tensor([0, 5, 6, 7, 1]), [0.8, 1.0, 1.0, 1.0, 0.01], u[:5])
+    assert picked.tolist() == [int(out[0]), -1, -1, -1, -1]
     assert fused_ops.sample(logits.double(), torch.tensor([0]), [1.0], u[:1]) is None
 
 

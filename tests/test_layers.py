@@ -37,6 +37,8 @@ LEAVES = {
     "seeding",
     "envs",
     "chat_template",
+    "chat_render",
+    "chat_worker",
     "terminal",
 }  # plain records any layer may import
 

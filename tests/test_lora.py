@@ -1,10 +1,12 @@
 """LoRA adapters per request: greedy tokens equal PEFT's (unmerged) on transformers, adapters mixed in
-one batch equal each alone, prefix caching keyed by adapter, and the errors of adapters that cannot run."""
+one batch equal each alone, more adapters than slots swapped in and out, prefix caching keyed by
+adapter, and the errors of adapters that cannot run."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -161,17 +163,100 @@ def test_four_adapters_mixed_equal_each_alone(tiny_model, model_root, prompts, i
         assert alone == {i: mixed[i] for i in alone}, name
 
 
-def test_prefix_cache_is_keyed_by_adapter(tiny_model, loras):
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_prefix_cache_is_keyed_by_adapter(tiny_model, loras, max_loras):
+    """With one slot, r16 takes the slot r8 held: the cache is keyed by what an adapter computes with,
+    not by its slot, so r16 finds none of r8's blocks (and the same weights under another name do)."""
     base, adapters = tiny_model("llama"), loras("llama")
-    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=2, **ENGINE)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=max_loras, **ENGINE)
     prompt = {"prompt_token_ids": list(range(2, 22))}  # 5 full blocks
     r8, r16 = _request("r8", adapters["r8"]), _request("r16", adapters["r16"])
     llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=r8)
     for other in (None, r16):  # another adapter, or the base model: nothing cached for it
         llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=other)
         assert llm.stats.prefix_cache_hits == 0
-    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=r8)  # the same adapter: its blocks
-    assert llm.stats.prefix_cache_hits == 19
+    for same in (r8, LoRARequest("r8-again", 5, str(adapters["r8"]))):  # r8's weights: its blocks
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=same)
+        assert llm.stats.prefix_cache_hits == 19
+    assert llm.stats.to_dict()["lora"]["slot_loads"] == 1  # r8-again, another name, holds its own slot
+
+
+@pytest.mark.parametrize(
+    ("impl", "num_blocks", "max_loras"),
+    [("pagedinfer", 256, 1), ("pagedinfer", 14, 2), ("transformers", 14, 1)],
+    ids=["one-slot", "two-slots-preempting", "transformers-one-slot-preempting"],
+)
+def test_more_adapters_than_slots_match_peft(
+    tiny_model, loras, model_root, prompts, impl, num_blocks, max_loras
+):
+    """Four adapters and base lines interleaved, one or two slots (and a pool that preempts): lines of
+    other adapters wait and adapters are swapped in and out, each line equal to PEFT's with its adapter."""
+    base, root = tiny_model("llama"), model_root / "loras"
+    adapters = {
+        **loras("llama"),
+        "qv": save_lora(base, root, "llama-qv", 8, seed=31, targets=["q_proj", "v_proj"]),
+        "mlp": save_lora(base, root, "llama-mlp", 4, seed=32, targets=["gate_proj", "up_proj", "down_proj"]),
+    }
+    llm = LLM(
+        str(base),
+        block_size=4,
+        num_blocks=num_blocks,
+        model_impl=impl,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_num_seqs=2,  # a window of 4 lines: adapters are needed again after they were swapped out
+        **ENGINE,
+    )
+    order = [*adapters, None]
+    lines = [(p, order[(i + j) % len(order)]) for i, p in enumerate(prompts) for j in range(2)]
+    requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in lines],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[None if n is None else requests[n] for _, n in lines],
+    )
+    for (prompt, name), out in zip(lines, outs, strict=True):
+        want = _reference(base, adapters, name, prompt)
+        assert out.error is None and out.outputs[0].token_ids == want, f"{name}, prompt of {len(prompt)}"
+    lora = llm.stats.to_dict()["lora"]
+    assert lora["slot_loads"] > len(adapters)  # swapped out and back in
+    assert lora["adapter_reads"] > len(adapters)  # max_cpu_loras = max_loras: read again from disk
+    assert (llm.stats.preemptions > 0) == (num_blocks == 14)
+    assert llm.engine.pool.num_used == 0
+
+
+def test_an_adapter_read_again_must_be_unchanged(tiny_model, loras, model_root, tmp_path):
+    """One slot and one adapter in memory: an adapter that left memory is read again when its lines
+    run; if its files changed (or are gone) since it was checked, those lines fail, the others run."""
+    base, adapters = tiny_model("llama"), loras("llama")
+    names = ("one", "two", "three")
+    for name in names:
+        shutil.copytree(adapters["r8"], tmp_path / name)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}] * 4
+    first = [*(LoRARequest(n, i, str(tmp_path / n)) for i, n in enumerate(names)), None]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=first)
+    assert [o.error for o in outs] == [None] * 4
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    other = save_lora(base, model_root / "loras", "llama-r8-other", 8, seed=41)
+    shutil.copy(other / "adapter_model.safetensors", tmp_path / "one")  # other weights under one's name
+    shutil.rmtree(tmp_path / "two")  # "three", last used, is still in memory and in the slot
+    again = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[*names, None])
+    assert again[0].error.startswith(
+        f"lora: adapter 'one': the files in {tmp_path / 'one'} changed since they were first read"
+    ), again[0].error
+    assert again[1].error.startswith("lora: adapter 'two': no adapter_config.json in"), again[1].error
+    assert [o.outputs[0].token_ids for o in again[2:]] == [o.outputs[0].token_ids for o in outs[2:]]
+
+
+def test_max_cpu_loras_holds_at_least_max_loras():
+    from pagedinfer.config import EngineConfig
+
+    assert EngineConfig(max_loras=3).max_cpu_loras is None  # the engine keeps max_loras (vLLM's default)
+    for value in (1, True, 2.5):
+        with pytest.raises(ValueError, match=r"max_cpu_loras must be an integer >= max_loras \(2\)"):
+            EngineConfig(max_loras=2, max_cpu_loras=value)
 
 
 def test_n_completions_of_an_adapter_line_share_their_prompt(tiny_model, loras):
@@ -228,18 +313,9 @@ def test_adapters_that_cannot_run_fail_their_request_alone(tiny_model, loras, mo
     assert outs[0].error is None
     for name, out in zip(names[1:], outs[1:], strict=True):
         assert out.error is not None and out.error.startswith(cases[name][1]), (name, out.error)
-    third = LoRARequest("third", 7, str(adapters["r8"]))  # max_loras=2: only r8 is loaded yet
-    (ok,) = llm.generate({"prompt_token_ids": [5]}, GREEDY, use_tqdm=False, lora_request=third)
-    assert ok.error is None
-    (full,) = llm.generate(
-        {"prompt_token_ids": [5]},
-        GREEDY,
-        use_tqdm=False,
-        lora_request=LoRARequest("fourth", 8, str(adapters["r8"])),
-    )
-    assert full.error.startswith(
-        "lora: adapter 'fourth': max_loras=2 adapters are loaded already (r8, third)"
-    )
+    more = [LoRARequest(n, 7 + i, str(adapters["r8"])) for i, n in enumerate(("third", "fourth"))]
+    swapped = llm.generate([{"prompt_token_ids": [5]}] * 2, GREEDY, use_tqdm=False, lora_request=more)
+    assert [o.error for o in swapped] == [None, None]  # more adapters than max_loras=2: swapped in
     plain = LLM(str(base), block_size=4, num_blocks=64, **ENGINE)
     (off,) = plain.generate({"prompt_token_ids": [5]}, GREEDY, use_tqdm=False, lora_request=requests[0])
     assert off.error.startswith("lora: this engine has no LoRA enabled")
@@ -289,6 +365,43 @@ def test_cli_lines_pick_their_adapter(cli_adapters, tmp_path):
     assert "Adapters" in result.stdout and "b (rank 16): 2 lines" in " ".join(result.stdout.split())
 
 
+def test_cli_ten_adapters_in_two_slots_equal_peft_and_ten_slots(cli_adapters, model_root, tmp_path):
+    """10 adapters, 2 slots, 3 kept in memory, 2 lines at a time: every line runs, each equal to PEFT's
+    greedy tokens with its adapter, and the file is byte-identical to a run with 10 slots."""
+    base = cli_adapters[0]
+    paths = [save_lora(base, model_root / "cli-loras", f"ten-{i}", 4, seed=100 + i) for i in range(10)]
+    rng = random.Random(5)
+    lines = []
+    for i in range(24):
+        name = None if i % 6 == 5 else f"a{i % 10}"
+        prompt = [rng.randrange(3, 100) for _ in range(3 + i % 7)]
+        line = {
+            "id": f"l{i}",
+            "prompt_token_ids": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        lines.append(line if name is None else {**line, "lora": name})
+    path = write_jsonl(tmp_path / "ten.jsonl", lines)
+    loras = [a for i, p in enumerate(paths) for a in ("--lora", f"a{i}={p}")]
+    common = ("run", path, "--model", base, "--device", "cpu", "--quiet", *loras)
+    swapped, report = tmp_path / "two.jsonl", tmp_path / "two.json"
+    two = ("--max-loras", 2, "--max-cpu-loras", 3, "--max-num-seqs", 2, "--report-json", report)
+    assert invoke(*common, "-o", swapped, *two).exit_code == 0
+    assert invoke(*common, "-o", tmp_path / "all.jsonl", "--max-loras", 10).exit_code == 0
+    assert swapped.read_bytes() == (tmp_path / "all.jsonl").read_bytes()
+    for line, record in zip(lines, read_jsonl(swapped), strict=True):
+        prompt, name = line["prompt_token_ids"], line.get("lora")
+        want = (
+            hf_greedy(base, prompt, 6) if name is None else peft_greedy(base, paths[int(name[1:])], prompt, 6)
+        )
+        assert record["id"] == line["id"] and record["outputs"][0]["token_ids"] == want, line
+    lora = json.loads(report.read_text())["lora"]
+    assert lora["slot_loads"] > 10 and lora["adapter_reads"] > 10  # swapped, and read again from disk
+    assert sum(a["requests"] for a in lora["adapters"]) == 20 and lora["base_requests"] == 4
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -297,7 +410,15 @@ def test_cli_lines_pick_their_adapter(cli_adapters, tmp_path):
         (["--lora", "a={a}", "--lora", "a={b}"], "--lora a is given twice"),
         (["--lora", "b={b}", "--max-lora-rank", "8"], "rank 16 is above max_lora_rank=8"),
         (["--max-loras", "2"], "--max-loras needs --lora"),
-        (["--lora", "a={a}", "--data-parallel", "2"], "--lora serves adapters from one engine"),
+        (["--max-cpu-loras", "2"], "--max-cpu-loras needs --lora"),
+        (
+            ["--lora", "a={a}", "--max-loras", "0"],
+            "--max-loras takes a number of adapters (1 or more), not 0",
+        ),
+        (
+            ["--lora", "a={a}", "--max-loras", "2", "--max-cpu-loras", "1"],
+            "--max-cpu-loras 1 is below --max-loras 2",
+        ),
     ],
 )
 def test_cli_lora_option_errors_are_one_line(cli_adapters, tmp_path, options, message):

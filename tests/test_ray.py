@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -130,6 +131,99 @@ def test_two_node_cluster_writes_the_same_bytes(model, job, ray_env, tmp_path):
     assert out.read_bytes() == reference
     replicas = json.loads(report.read_text())["data_parallel"]["replicas"]
     assert len({r["node"] for r in replicas}) == 2  # one replica per node (SPREAD)
+
+
+def test_hostile_lines_and_adapters_under_two_replicas(model, model_root, ray_env, tmp_path):
+    """A --lora adapter under --data-parallel 2 and a file mixing good lines (base and adapter ones,
+    n=2, a regex) with hostile ones (not JSON, an unknown field, an id past the vocabulary, an adapter
+    that is not loaded): the good lines' records are byte for byte those they get alone in one process,
+    the others exact error records, exit 1. An adapter whose config cannot be served is one error
+    line, exit 2, before Ray starts."""
+    from models import save_lora
+
+    root = model_root / "ray-loras"
+    adapter = save_lora(Path(model), root, "a", 8, seed=21)
+    good = [
+        {"id": "base", "prompt": "To be", "max_tokens": 5, "seed": 3, "temperature": 0.8},
+        {"id": "a", "prompt": "To be", "max_tokens": 5, "temperature": 0, "lora": "a"},
+        {"id": "a-n2", "prompt_token_ids": [5, 6, 7], "n": 2, "max_tokens": 4, "seed": 7, "lora": "a"},
+        {
+            "id": "a-re",
+            "prompt": "Say",
+            "lora": "a",
+            "seed": 4,
+            "structured_outputs": {"regex": "[a-z]{2,5}!"},
+        },
+    ]
+    hostile = [
+        "not json {",
+        {"id": "field", "prompt": "x", "temprature": 0.5},
+        {"id": "vocab", "prompt_token_ids": [5, 10**6]},
+        {"id": "missing", "prompt": "x", "lora": "nope"},
+    ]
+    lines = [good[0], hostile[0], good[1], hostile[1], hostile[2], good[2], hostile[3], good[3]]
+    path, out = write_jsonl(tmp_path / "mix.jsonl", lines), tmp_path / "mix.out.jsonl"
+    alone = write_jsonl(tmp_path / "alone.jsonl", [x if x in good else "" for x in lines])  # same numbers
+    lora = ("--lora", f"a={adapter}")
+    assert cli(model, alone, "-o", tmp_path / "alone.out.jsonl", *lora).exit_code == 0
+    report = tmp_path / "report.json"
+    result = cli(model, path, "-o", out, "--data-parallel", 2, *lora, "--report-json", report)
+    assert result.exit_code == 1, result.output
+    doc = json.loads(report.read_text())["lora"]  # the replicas' figures merged
+    assert [(a["name"], a["requests"]) for a in doc["adapters"]] == [("a", 3)] and doc["base_requests"] == 1
+    records = out.read_text(encoding="utf-8").splitlines()
+    assert [r for r in records if '"error": null' in r] == (
+        tmp_path / "alone.out.jsonl"
+    ).read_text().splitlines()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    assert [json.loads(r) for r in records if '"error": null' not in r] == [
+        {"id": 2, "line": 2, "error": "line 2: not valid JSON (Expecting value at character 1 of 10)"},
+        {"id": "field", "line": 4, "prompt": "x", "error": "line 4: unknown field 'temprature'"},
+        {
+            "id": "vocab",
+            "line": 5,
+            "error": f"line 5: prompt_token_ids must be a list of integers in [0, {vocab})",
+        },
+        {
+            "id": "missing",
+            "line": 7,
+            "prompt": "x",
+            "error": "line 7: lora: unknown adapter 'nope' (loaded: 'a')",
+        },
+    ]
+
+    dora = root / "dora"
+    shutil.copytree(adapter, dora, dirs_exist_ok=True)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    result = cli(model, path, "-o", out, "--data-parallel", 2, *lora, "--lora", f"dora={dora}")
+    assert result.exit_code == 2 and not ray.is_initialized()
+    assert (
+        result.output.strip()
+        == f"error: --lora dora={dora}: adapter 'dora': DoRA (use_dora) is not supported"
+    )
+
+
+def test_a_replica_checks_its_adapters_against_its_model(model, model_root):
+    """An adapter whose files read fine but that was trained for another base ends the replica's start
+    with the single-process run's words (the driver shows its last line: `_first_line`)."""
+    import transformers as tf
+    from models import save_lora
+
+    from pagedinfer.lora.adapter import AdapterError
+    from pagedinfer.model.random_models import save_random_model
+    from pagedinfer.ray.actor import EngineReplica
+
+    wider, root = model_root / "wider-llama", model_root / "ray-loras"
+    config = tf.AutoConfig.from_pretrained(model).to_dict()
+    save_random_model(tf.LlamaConfig(**{**config, "hidden_size": 128, "head_dim": None}), wider, 0)
+    other = save_lora(wider, root, "wide", 8, seed=3)
+    engine = {**ENGINE, "enable_lora": True}  # as the command line sets it with --lora
+    with pytest.raises(AdapterError, match=rf"^--lora wide={other}: adapter 'wide' does not fit this model"):
+        EngineReplica(model, engine, 0, None, "m", loras=(("wide", str(other)),))
+    adapter = save_lora(Path(model), root, "a", 8, seed=21)
+    replica = EngineReplica(model, engine, 0, None, "m", loras=(("a", str(adapter)),))
+    assert list(replica.engine.lora.named) == ["a"]
 
 
 def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
@@ -257,5 +351,14 @@ def test_sigterm_to_a_data_parallel_driver_finishes_like_a_single_run(model, ray
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() - start < 600
         time.sleep(0.05)
-    kept, _, _ = sigterm(proc, out)
+    kept, summary, _ = sigterm(proc, out)
     assert len(kept) < len(lines)
+    # the lines the replicas reported running in their last replies (8 each at most), with their tokens
+    found = re.search(
+        r"(\d+) lines not run: (\d+) interrupted mid-generation \(([\d,]+) tokens? generated, not kept\), "
+        r"(\d+) not started",
+        summary,
+    )
+    left, cut, tokens, waiting = (int(g.replace(",", "")) for g in found.groups())
+    assert left == len(lines) - len(kept) and 0 < cut <= 16 and left == cut + waiting
+    assert 0 < tokens <= 200 * cut

@@ -13,6 +13,8 @@ from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
+from pagedinfer.lora.adapter import AdapterError
+from pagedinfer.lora.slots import SlotTable
 from pagedinfer.sampling_params import SamplingParams
 
 STOP = 3  # tokens are drawn from range(VOCAB); requests that list STOP end when they draw it
@@ -63,13 +65,63 @@ def fake_sample(plan: SchedulerOutput) -> FakeSampled:
     return out
 
 
+@dataclass(frozen=True)
+class FakeAdapter:
+    """What the scheduler reads of an adapter (`lora.registry.LoadedAdapter`)."""
+
+    name: str
+
+    @property
+    def digest(self) -> bytes:
+        return self.name.encode()
+
+
+class FakeSlots:
+    """The registry's slots without weights: `SlotTable` choices, installs recorded, ``broken``
+    adapters failing to install."""
+
+    def __init__(self, max_loras: int, broken: frozenset[str] = frozenset()) -> None:
+        self.max_loras = max_loras
+        self.table = SlotTable(max_loras)
+        self.broken = broken
+        self.installs: list[tuple[str, int]] = []
+
+    def activate(self, adapter: FakeAdapter, busy) -> int:
+        if adapter.name in self.broken:
+            raise AdapterError(f"adapter {adapter.name!r}: cannot be read")
+        slot = self.table.find(adapter.name)
+        if slot is None:
+            slot = self.table.free({a.name for a in busy})
+            self.table.hold(slot, adapter.name)
+            self.installs.append((adapter.name, slot))
+        return slot
+
+
 def request(
-    rid: str, prompt_len: int, n: int = 1, max_tokens: int = 4, stop: bool = False, first: int = 10
+    rid: str,
+    prompt_len: int,
+    n: int = 1,
+    max_tokens: int = 4,
+    stop: bool = False,
+    first: int = 10,
+    lora: str | None = None,
 ) -> Request:
     """Prompts ``first, first + 1, ...``: requests with the same ``first`` share a prefix (prefix cache)."""
     params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=[STOP] if stop else None)
     prompt = list(range(first, first + prompt_len))
-    return Request(rid, int(rid.strip("r") or 0), None, prompt, params, max_tokens)
+    adapter = None if lora is None else FakeAdapter(lora)
+    return Request(rid, int(rid.strip("r") or 0), None, prompt, params, max_tokens, lora=adapter)
+
+
+def check_adapters(sched: Scheduler) -> None:
+    """At most max_loras distinct adapters run, each in the slot the table gives it, one slot each."""
+    slots = {r.lora.name: r.lora_slot for r in sched.running if r.lora is not None}
+    assert len(slots) <= sched.adapters.max_loras
+    assert all(sched.adapters.table.holders[slot] == name for name, slot in slots.items())
+    assert len(set(slots.values())) == len(slots)
+    assert all(
+        r.lora_slot == slots[r.lora.name] for r in sched.running if r.lora is not None
+    )  # lines of one adapter share its slot
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
@@ -226,6 +278,64 @@ def test_lpm_lets_no_request_be_overtaken_more_than_max_num_seqs_times():
     assert sorted(order, key=lambda rid: int(rid[1:])) == [f"r{i}" for i in range(12)]  # all ran
 
 
+def admissions(sched: Scheduler, limit: int = 1000) -> list[str]:
+    """Run to the end, checking the adapters after every step; the request ids in admission order."""
+    order: list[str] = []
+    for _ in range(limit):
+        if not sched.has_work:
+            return order
+        running = set(sched.running)
+        step(sched)
+        order += [r.request_id for r in sched.running if r not in running and r.request_id not in order]
+        check_adapters(sched)
+    raise AssertionError("the scheduler made no progress")
+
+
+def test_requests_of_at_most_max_loras_adapters_run_at_once_and_slots_are_reused():
+    sched = Scheduler(BlockPool(64, 4), 8, 100, max_model_len=64, adapters=FakeSlots(2))
+    names = ["a", "b", "c", None, "a", "d", "b", "c"]
+    reqs = [request(f"r{i}", 5, max_tokens=3 + i % 3, lora=n, first=10 + i) for i, n in enumerate(names)]
+    for r in reqs:
+        sched.add(r)
+    order = admissions(sched)
+    assert sorted(order) == sorted(r.request_id for r in reqs) and all(
+        r.finished and not r.error for r in reqs
+    )
+    assert order[:4] == ["r0", "r1", "r3", "r4"]  # c waits for a slot; the base line and a's next pass it
+    installs = sched.adapters.installs
+    assert {name for name, _ in installs} == {"a", "b", "c", "d"} and {s for _, s in installs} == {1, 2}
+
+
+def test_a_request_waiting_for_a_slot_is_overtaken_at_most_max_num_seqs_times():
+    """One slot, adapter a's lines keep arriving and running: b's line waits, base lines pass it,
+    and once max_num_seqs later lines went first, no other adapter's line goes before it."""
+    max_seqs = 3
+    sched = Scheduler(BlockPool(256, 4), max_seqs, 100, max_model_len=64, adapters=FakeSlots(1))
+    sched.add(request("r0", 4, max_tokens=6, lora="a"))
+    sched.add(request("r1", 4, max_tokens=2, lora="b", first=30))
+    for i in range(2, 14):  # a's lines (staggered lengths keep one running at every step) and base lines
+        sched.add(request(f"r{i}", 4, max_tokens=2 + i % 4, lora=None if i % 3 == 0 else "a", first=40 + i))
+    order = admissions(sched)
+    # r2, r3 (base) and r4 overtake it: max_num_seqs; then only the base line r6 passes it
+    assert order[: order.index("r1") + 1] == ["r0", "r2", "r3", "r4", "r6", "r1"], order
+    assert len(order) == 14
+
+
+def test_an_adapter_that_cannot_be_installed_fails_its_requests_alone():
+    sched = Scheduler(BlockPool(64, 4), 8, 100, max_model_len=64, adapters=FakeSlots(1, frozenset({"x"})))
+    ok, bad, base = (
+        request("r1", 5, lora="a"),
+        request("r2", 5, lora="x", first=30),
+        request("r3", 5, first=50),
+    )
+    for r in (ok, bad, base):
+        sched.add(r)
+    finished = [r for _ in range(20) if sched.has_work for r in step(sched)[1]]
+    assert bad in finished and bad.error == "lora: adapter 'x': cannot be read" and not bad.completions
+    assert ok.finished and base.finished and not ok.error and not base.error
+    assert sched.pool.num_free == 64
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random requests, beam searches and failures on tiny pools; the rules every step must keep,
     checked after each one."""
@@ -236,10 +346,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_seqs=st.integers(1, 6),
         budget=st.integers(1, 12),
         policy=st.sampled_from(["fcfs", "lpm"]),
+        max_loras=st.integers(1, 3),
     )
-    def setup(self, num_blocks, block_size, max_seqs, budget, policy):
+    def setup(self, num_blocks, block_size, max_seqs, budget, policy, max_loras):
         pool = BlockPool(num_blocks, block_size)
-        self.sched = Scheduler(pool, max_seqs, budget, max_model_len=40, schedule_policy=policy)
+        slots = FakeSlots(max_loras)
+        self.sched = Scheduler(
+            pool, max_seqs, budget, max_model_len=40, schedule_policy=policy, adapters=slots
+        )
         self.requests: list[Request] = []
         self.expected: dict[tuple[str, int], list[int]] = {}  # (request, completion) -> tokens handed out
         self.steps = 0
@@ -259,9 +373,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 5),
         stop=st.booleans(),
         first=st.sampled_from([10, 30]),
+        lora=st.sampled_from([None, "a", "b", "c", "d"]),
     )
-    def add(self, prompt_len, n, max_tokens, stop, first):
-        self._add(request(f"r{len(self.requests)}", prompt_len, n, max_tokens, stop, first), beam=False)
+    def add(self, prompt_len, n, max_tokens, stop, first, lora):
+        rid = f"r{len(self.requests)}"
+        self._add(request(rid, prompt_len, n, max_tokens, stop, first, lora), beam=False)
 
     @rule(
         prompt_len=st.integers(1, 9),
@@ -312,6 +428,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         beams = fake_beams(plan) if plan.beam_targets else None
         for req in sched.update(plan, sampled, beams):
             self.finished_at[req.request_id] = self.steps
+
+    @invariant()
+    def adapters_fit_their_slots(self):
+        if hasattr(self, "sched"):
+            check_adapters(self.sched)
 
     @invariant()
     def reference_counts_match_tables(self):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pagedinfer import envs
+from pagedinfer.attention import kernel_cache
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.terminal import keep, note
 
@@ -114,21 +115,22 @@ def _fused_flags(compiler: str) -> list[str]:
 
 def _targets(source: Path, compiler: str) -> list[tuple[list[str], Path]]:
     """(flags, cached library) of each way to build ``source``, best first: the cache key is its text
-    (with every local file it includes), the flags and the CPU."""
+    (with every local file it includes), the flags and the CPU. Raises
+    `kernel_cache.KernelCacheError` for a cache folder others could write."""
     code = b"".join(path.read_bytes() for path in local_includes(source))
     flags_line = _cpuinfo_field("flags").encode()
+    cache = kernel_cache.folder()
     targets = []
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
         flags = FLAGS + _fused_flags(compiler) + envs.c_flags() + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
-        targets.append((flags, envs.kernel_cache() / f"{source.stem}-{key}.so"))
+        targets.append((flags, cache / f"{source.stem}-{key}.so"))
     return targets
 
 
 def _start(compiler: str, source: Path, flags: list[str], lib: Path) -> tuple[subprocess.Popen, Path]:
     """Start compiling ``source`` into a temporary file beside ``lib`` (renamed over it once it built)."""
     _say_compiling()
-    lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     cmd = [compiler, *flags, str(source), "-o", str(tmp), "-lm"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), tmp
@@ -145,8 +147,10 @@ def compile_library(source: Path) -> Path | None:
     includes), flags and CPU.
 
     None when ``PAGEDINFER_CPU_KERNEL=0`` asks for the torch path; raises `KernelUnavailable` when
-    it cannot be built. ``PAGEDINFER_CC_FLAGS`` adds compiler flags after ``-march=native`` (e.g.
-    ``-mno-avx512f`` builds the AVX2 kernels on an AVX-512 CPU, as the tests do).
+    it cannot be built, `kernel_cache.KernelCacheError` when the cache or the library could have
+    been written by another user (it is not loaded then). ``PAGEDINFER_CC_FLAGS`` adds compiler
+    flags after ``-march=native`` (e.g. ``-mno-avx512f`` builds the AVX2 kernels on an AVX-512 CPU,
+    as the tests do).
     """
     compiler = _compiler()
     if compiler is None:
@@ -154,13 +158,12 @@ def compile_library(source: Path) -> Path | None:
     targets = _targets(source, compiler)
     cached = [lib for _, lib in targets if lib.exists()]
     if cached:
-        return cached[0]
+        return kernel_cache.library(cached[0])
     for flags, lib in targets:
         proc, tmp = _start(compiler, source, flags, lib)
         _, stderr = proc.communicate()
         if proc.returncode == 0:
-            os.replace(tmp, lib)
-            return lib
+            return kernel_cache.seal(tmp, lib)
     raise KernelUnavailable(f"{compiler} could not build {source.name}: {stderr.decode()[-300:].strip()}")
 
 
@@ -169,13 +172,18 @@ def prebuild(sources: list[Path]) -> float:
     no compile lands inside a timed generation; the seconds it took (0.0 when every one was cached).
 
     A source that fails here is left to `compile_library`, which tries the serial build and says why.
+    Raises `kernel_cache.KernelCacheError` for a cache folder, or a library cached there, that
+    another user could have written (so a model load refuses it before any kernel runs).
     """
     try:
         compiler = _compiler()
     except KernelUnavailable:
         return 0.0  # said once, by the first kernel that is asked for
-    missing = [(s, _targets(s, compiler)) for s in sources] if compiler is not None else []
-    missing = [(s, targets[0]) for s, targets in missing if not any(lib.exists() for _, lib in targets)]
+    each = [(s, _targets(s, compiler)) for s in sources] if compiler is not None else []
+    cached = [lib for _, targets in each for _, lib in targets if lib.exists()]
+    for lib in cached:  # one another user could have written refuses the load, before any runs
+        kernel_cache.library(lib)
+    missing = [(s, targets[0]) for s, targets in each if not any(lib in cached for _, lib in targets)]
     if not missing:
         return 0.0
     start = time.perf_counter()
@@ -183,7 +191,7 @@ def prebuild(sources: list[Path]) -> float:
     for lib, proc, tmp in builds:
         proc.communicate()
         if proc.returncode == 0:
-            os.replace(tmp, lib)
+            kernel_cache.seal(tmp, lib)
         else:
             tmp.unlink(missing_ok=True)
     return time.perf_counter() - start

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
+from pagedinfer.attention import kernel_cache
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SHIM_DIR = KERNELS_DIR / "cpu"
@@ -39,22 +40,23 @@ _LAUNCH_LOCK = threading.Lock()  # kernels keep __shared__ in statics: one launc
 
 
 def _compile(source: str, flags: list[str]) -> Path:
-    """Builds the shared library once per (source, flags, shim) and returns its path."""
+    """Builds the shared library once per (source, flags, shim) and returns its path (checked: see
+    `kernel_cache`)."""
     shim = "".join(p.read_text() for p in sorted(SHIM_DIR.rglob("*.h")))
     key = hashlib.sha256("\0".join([source, *flags, shim]).encode()).hexdigest()[:24]
-    cache = envs.kernel_cache() / "cuda_on_cpu"
+    cache = kernel_cache.folder("cuda_on_cpu")
     so = cache / f"{key}.so"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        cpp = cache / f"{key}.cpp"
-        cpp.write_text(source)
-        # a private output name, renamed into place: concurrent builders don't collide
-        tmp = cache / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        result = subprocess.run(["g++", *flags, str(cpp), "-o", str(tmp)], capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(f"g++ failed on {cpp}:\n{result.stderr[-6000:]}")
-        os.replace(tmp, so)
-    return so
+    if so.exists():
+        return kernel_cache.library(so)
+    # private names, renamed into place: concurrent builders don't collide, nothing half-written is read
+    mine = f"{key}.{os.getpid()}.{threading.get_ident()}"
+    cpp, tmp = cache / f"{mine}.cpp", cache / f"{mine}.tmp"
+    cpp.write_text(source)
+    result = subprocess.run(["g++", *flags, str(cpp), "-o", str(tmp)], capture_output=True, text=True)
+    os.replace(cpp, cache / f"{key}.cpp")  # kept beside the library, to read or debug
+    if result.returncode:
+        raise RuntimeError(f"g++ failed on {cache / f'{key}.cpp'}:\n{result.stderr[-6000:]}")
+    return kernel_cache.seal(tmp, so)
 
 
 class RawModule:

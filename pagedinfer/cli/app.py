@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedinfer.cli.help import HelpCommand, HelpGroup
+from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
 from pagedinfer.config import GPU_MEMORY_FRACTION, QUANTIZATIONS, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
 from pagedinfer.terminal import note, say
@@ -64,6 +65,13 @@ class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+class ProgressMode(str, Enum):
+    auto = "auto"
+    bar = "bar"
+    log = "log"
+    none = "none"
 
 
 # --quantization's choices: config.QUANTIZATIONS' names (int8, int4, int4-zp, int4-g128, int4-g128-zp)
@@ -130,6 +138,29 @@ def run(
             "--max-tokens",
             help="Most tokens generated per completion. Default: 16 for prompt and token-id lines; chat and "
             "OpenAI lines generate to the end of the context, as OpenAI and vLLM's server do.",
+            show_default=False,
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
+    max_line_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-line-tokens",
+            metavar="N",
+            help="Cap every completion of every line at N tokens, whatever its own max_tokens (the lower "
+            'wins); a capped completion ends with finish_reason length and "capped_by": "max_line_tokens".',
+            show_default=False,
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
+    line_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--line-timeout",
+            metavar="SECONDS",
+            help="End a line still generating this long after it started: its completions end at their next "
+            'token with finish_reason length and "capped_by": "line_timeout" (output depends on the '
+            "machine's speed).",
             show_default=False,
             rich_help_panel=SAMPLING,
         ),
@@ -331,7 +362,18 @@ def run(
         int | None,
         typer.Option(
             "--max-loras",
-            help="Most adapters loaded. Default: the number of --lora.",
+            help="Most adapters in one step (their deltas held at once): lines of other adapters wait, "
+            "and adapters are swapped in and out. Default: the number of --lora.",
+            show_default=False,
+            rich_help_panel=LORA,
+        ),
+    ] = None,
+    max_cpu_loras: Annotated[
+        int | None,
+        typer.Option(
+            "--max-cpu-loras",
+            help="Most adapters kept in memory (at least --max-loras); the others are read again when "
+            "their lines run. Default: the number of --lora.",
             show_default=False,
             rich_help_panel=LORA,
         ),
@@ -361,6 +403,15 @@ def run(
             rich_help_panel=OUTPUT,
         ),
     ] = None,
+    max_logprobs: Annotated[
+        int,
+        typer.Option(
+            "--max-logprobs",
+            help="Most logprobs a line may ask per token (logprobs, an OpenAI chat body's top_logprobs, "
+            "prompt_logprobs); a line above it fails with its error. -1: no limit.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = _default(EngineConfig, "max_logprobs"),
     report: Annotated[
         bool | None,
         typer.Option(
@@ -414,6 +465,24 @@ def run(
             "--quiet", "-q", help="No progress bar or report; only the final summary.", rich_help_panel=OUTPUT
         ),
     ] = False,
+    progress: Annotated[
+        ProgressMode,
+        typer.Option(
+            "--progress",
+            help="auto: a live bar on a terminal, else a progress record on stderr every --progress-interval "
+            "(none with --quiet); bar, log or none.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = ProgressMode.auto,
+    progress_interval: Annotated[
+        float,
+        typer.Option(
+            "--progress-interval",
+            metavar="SECONDS",
+            help="Seconds between two progress records of the log.",
+            rich_help_panel=OUTPUT,
+        ),
+    ] = PROGRESS_INTERVAL_S,
     data_parallel: Annotated[
         int,
         typer.Option(
@@ -447,6 +516,8 @@ def run(
     except KeyboardInterrupt:
         _interrupted_at_start()
 
+    if not progress_interval > 0:
+        _usage_error(f"--progress-interval takes a number of seconds > 0, not {progress_interval}")
     if data_parallel < 0:
         _usage_error(f"--data-parallel takes a number of replicas (1 or more), not {data_parallel}")
     if ray_address is not None and not data_parallel:
@@ -473,7 +544,7 @@ def run(
             local_only(model)
         except HubUnavailable as e:
             _usage_error(str(e))
-    adapters = _lora_options(lora or [], max_loras, max_lora_rank, data_parallel)
+    adapters, lora_engine = _lora_options(lora or [], max_loras, max_cpu_loras, max_lora_rank)
     template = None
     if chat_template is not None:
         from pagedinfer.chat_template import ChatTemplateError, read_chat_template
@@ -514,11 +585,10 @@ def run(
             "kv_cache_dtype": kv_cache_dtype.value,
             "model_impl": model_impl.value,
             "chat_template": template,
-            **(
-                {"enable_lora": True, "max_loras": max_loras or len(adapters), "max_lora_rank": max_lora_rank}
-                if adapters
-                else {}
-            ),
+            "max_line_tokens": max_line_tokens,
+            "line_timeout": line_timeout,
+            **lora_engine,
+            "max_logprobs": max_logprobs,
         },
         loras=adapters,
         chat_template=chat_template,
@@ -528,6 +598,8 @@ def run(
         resume=resume,
         strict=strict,
         quiet=quiet,
+        progress=progress.value,
+        progress_interval=progress_interval,
         data_parallel=data_parallel,
         ray_address=ray_address,
     )
@@ -794,16 +866,19 @@ def _renamed(ctx: typer.Context, name: str, old_value, old: str):
 
 
 def _lora_options(
-    given: list[str], max_loras: int | None, max_lora_rank: int, data_parallel: int
-) -> list[tuple[str, str]]:
+    given: list[str], max_loras: int | None, max_cpu_loras: int | None, max_lora_rank: int
+) -> tuple[list[tuple[str, str]], dict]:
     """``--lora NAME=PATH`` pairs, checked as far as they can be without the model (the adapters
-    themselves are checked against it when it loads)."""
-    if not given and max_loras is not None:
-        _usage_error("--max-loras needs --lora NAME=PATH")
-    if given and data_parallel:
-        _usage_error("--lora serves adapters from one engine; it cannot be used with --data-parallel yet")
-    if max_loras is not None and max_loras < len(given):
-        _usage_error(f"--max-loras {max_loras} is fewer than the {len(given)} --lora adapters given")
+    themselves are checked against it when it loads), and the engine's LoRA settings. By default
+    every adapter has a slot and stays in memory (each is read at startup anyway)."""
+    for option, value in (("--max-loras", max_loras), ("--max-cpu-loras", max_cpu_loras)):
+        if value is not None and not given:
+            _usage_error(f"{option} needs --lora NAME=PATH")
+        if value is not None and value < 1:
+            _usage_error(f"{option} takes a number of adapters (1 or more), not {value}")
+    slots = max_loras or len(given)
+    if max_cpu_loras is not None and max_cpu_loras < slots:
+        _usage_error(f"--max-cpu-loras {max_cpu_loras} is below --max-loras {slots}")
     if max_lora_rank < 1:
         _usage_error(f"--max-lora-rank takes a rank (1 or more), not {max_lora_rank}")
     pairs: list[tuple[str, str]] = []
@@ -818,7 +893,11 @@ def _lora_options(
                 f"--lora {name}={path}: no adapter_config.json there (a PEFT LoRA adapter directory)"
             )
         pairs.append((name, path))
-    return pairs
+    if not pairs:
+        return pairs, {}
+    in_memory = max(slots, len(pairs)) if max_cpu_loras is None else max_cpu_loras
+    engine = {"max_loras": slots, "max_cpu_loras": in_memory, "max_lora_rank": max_lora_rank}
+    return pairs, {"enable_lora": True, **engine}
 
 
 def _interrupted_at_start() -> None:

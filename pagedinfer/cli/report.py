@@ -327,16 +327,19 @@ def render(stats: EngineStats, console: Console) -> None:
 
 
 def _adapter_parts(stats: EngineStats) -> list[str]:
-    """Each loaded adapter's lines and tokens in this run, then the base model's."""
+    """Each adapter's lines and tokens in this run, then the base model's, then the slot loads and reads
+    (more than one per adapter: adapters were swapped in and out of the ``max_loras`` slots)."""
 
-    def use(slot: int) -> str:
-        u = stats.lora_usage.get(slot, AdapterUse())
+    def use(name: str | None) -> str:
+        u = stats.lora_usage.get(name, AdapterUse())
         return f"{_plural(u.requests, 'line')}, {u.prompt_tokens:,} prompt + {u.completion_tokens:,} generated tokens"
 
     named = [
-        f"[bold]{escape(a.name)}[/] (rank {a.rank}): {use(a.slot)}" for a in stats.lora_adapters.values()
+        f"[bold]{escape(a.name)}[/] (rank {a.rank}): {use(a.name)}" for a in stats.lora_adapters.values()
     ]
-    return [*named, f"base model: {use(0)}"]
+    c = stats.adapter_counters
+    swaps = f"{_plural(c.slot_loads, 'adapter installed', 'adapters installed')} in a slot"
+    return [*named, f"base model: {use(None)}", f"{swaps}, {_plural(c.reads, 'read')} from disk"]
 
 
 def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:

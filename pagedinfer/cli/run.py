@@ -23,9 +23,11 @@ import itertools
 import re
 import signal
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -40,24 +42,33 @@ from pagedinfer.cli.jsonl_output import (
     StreamOutput,
     plan_paths,
 )
+from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
 from pagedinfer.cli.run_options import describe, differing, run_options
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.parse import LineParser, parse_lines
 from pagedinfer.lines.source import InputFileError, InputLines
 from pagedinfer.terminal import keep, say
 
+if TYPE_CHECKING:
+    from pagedinfer.engine.llm_engine import StartedRequest
+
 EXIT_OK, EXIT_LINES_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 74
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # exit code 128 + the signal's number
 SHOW_REASONS = 10  # failed lines listed in the summary
+CAP_OPTIONS = {
+    "max_line_tokens": "--max-line-tokens",
+    "line_timeout": "--line-timeout",
+}  # a record's capped_by
 
 
 class UsageError(Exception):
     """The invocation cannot run; the message is one line (exit code 2)."""
 
 
-class Interrupted(Exception):
-    """A stop signal arrived during generation; raised between engine steps."""
+class Interrupted(BaseException):
+    """A stop signal arrived during generation; raised between engine steps (and during a line's chat
+    template: a BaseException, so no ``except Exception`` on its way takes it for the line's failure)."""
 
 
 class Stopped(BaseException):
@@ -82,6 +93,8 @@ class RunOptions:
     resume: bool = False
     strict: bool = False
     quiet: bool = False
+    progress: str = "auto"  # bar, log, none; auto: a bar on a terminal, a log elsewhere, none with --quiet
+    progress_interval: float = PROGRESS_INTERVAL_S  # seconds between two records of the log
     data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
     ray_address: str | None = None  # join this Ray cluster (default: a local Ray for the run)
     loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH, loaded with the model
@@ -102,11 +115,35 @@ class Outcome:
     signal: int | None = None  # the signal that stopped the run
     write_error: str | None = None
     closed: bool = False  # the output's reader went away
+    capped: Counter = field(default_factory=Counter)  # lines a per-run cap ended (CAP_OPTIONS), per cap
+    unfinished: list[StartedRequest] = field(default_factory=list)  # lines started, not finished, at the end
 
     def not_run(self) -> int:
         """Lines with no record from this run or an earlier one: --resume's kept records stand for
         their lines whether this run reached them or not."""
         return max(0, self.lines - max(self.skipped, self.kept) - self.ok - self.failed)
+
+    def not_run_words(self) -> str:
+        """``N lines not run``, split into the lines a stop interrupted mid-generation (with the
+        tokens they had, lost) and those not started."""
+        left, cut = self.not_run(), len(self.unfinished)
+        words = f"{keep(f'{left} line' + ('s' if left != 1 else ''))} not run"  # counts kept with their words
+        if not cut:
+            return words
+        tokens = sum(x.tokens for x in self.unfinished)
+        parts = [
+            f"{keep(f'{cut} interrupted')} mid-generation ({keep(f'{tokens:,} token' + ('s' if tokens != 1 else ''))} "
+            "generated, not kept)"
+        ]
+        if left > cut:
+            parts.append(f"{keep(f'{left - cut} not')} started")
+        return f"{words}: {', '.join(parts)}"
+
+    def succeed(self, record: dict) -> None:
+        from pagedinfer.lines.records import caps_of
+
+        self.ok += 1
+        self.capped.update(caps_of(record))
 
     def fail(self, error: LineError) -> None:
         self.failed += 1
@@ -250,7 +287,7 @@ class _Run:
             raise UsageError(f"invalid sampling option: {e}") from None
         engine = self.opts.engine
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
-        keys += ("max_num_batched_tokens", "max_model_len")
+        keys += ("max_num_batched_tokens", "max_model_len", "max_line_tokens", "line_timeout", "max_logprobs")
         try:
             EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
@@ -356,7 +393,7 @@ class _Run:
             item = self.parser.parse(number, text)
             if item.key in done:
                 self.outcome.skipped += 1
-                progress.advance()
+                progress.advance(ran=False)
             elif isinstance(item, LineError):
                 self._fail(item, position, progress)
             else:
@@ -374,7 +411,7 @@ class _Run:
         from pagedinfer.cli.progress import RunProgress
 
         opts, outcome = self.opts, self.outcome
-        progress = RunProgress(self.err, self.source, self.err.is_terminal and not opts.quiet)
+        progress = RunProgress(self.err, self.source, _progress_mode(opts, self.err), opts.progress_interval)
         try:
             with progress:
                 items = self._items(done, progress)
@@ -382,6 +419,7 @@ class _Run:
                 if first is not None:
                     if self.llm is None:
                         self._load()
+                    progress.start()
                     self.signals.generating = True
                     rows = itertools.chain([first], items)
                     if opts.data_parallel:
@@ -420,13 +458,19 @@ class _Run:
         if self.opts.trace is not None:
             llm.engine.enable_trace()
 
-        def on_step(engine) -> None:
-            progress.on_step(engine)
+        def interrupt() -> None:
             if self.signals.requested is not None:
                 raise Interrupted
 
+        def on_step(engine) -> None:
+            progress.on_step(engine)
+            interrupt()
+
         feed = (  # each request tagged with its line and the line's output position
-            ((item, position), prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora))
+            (
+                (item, position),
+                prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora, interrupt),
+            )
             for position, item in rows
         )
         loop = GenerationLoop(llm.engine, lambda: output.sync(self.source.fingerprint()), on_step)
@@ -446,10 +490,11 @@ class _Run:
                     )
                     continue
                 output.write(record, position, item.key)
-                outcome.ok += 1
+                outcome.succeed(record)
                 progress.advance()
         finally:
             stream.close()  # the engine drops unfinished requests and frees their blocks
+            outcome.unfinished = loop.dropped  # none unless the run stopped early
 
     def _run_replicas(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
         """``--data-parallel``: each line's record or error as a replica returns it."""
@@ -469,9 +514,10 @@ class _Run:
                     self._fail(result, position, progress)
                 else:
                     self.output.write(result, position, record_key(result))
-                    outcome.ok += 1
+                    outcome.succeed(result)
                     progress.advance()
         finally:
+            outcome.unfinished = engines.progress.started_requests()  # as of each replica's last reply
             stream.close()
 
     def _load(self) -> None:
@@ -522,7 +568,7 @@ class _Run:
             say(
                 self.err,
                 f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
-                f"{self.on_disk_words()}" + (f", {left} not run" if left else "") + tail,
+                f"{self.on_disk_words()}" + (f", {outcome.not_run_words()}" if left else "") + tail,
             )
 
 
@@ -548,10 +594,20 @@ def _option_words(message: str) -> str:
         ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("max_num_seqs", "--max-num-seqs"),
         ("max_model_len", "--max-model-len"),
+        ("max_line_tokens", "--max-line-tokens"),
+        ("line_timeout", "--line-timeout"),
+        ("max_logprobs", "--max-logprobs"),
         ("seed", "--seed"),
     ):
         message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)
     return message
+
+
+def _progress_mode(opts: RunOptions, err: Console) -> str:
+    """--progress: auto is a bar on a terminal, the log elsewhere, nothing with --quiet."""
+    if opts.progress != "auto":
+        return opts.progress
+    return "none" if opts.quiet else "bar" if err.is_terminal else "log"
 
 
 def _status(opts: RunOptions, err: Console, what: str):
@@ -596,9 +652,17 @@ def _load(opts: RunOptions, err: Console):
 
 
 def _start_replicas(opts: RunOptions, err: Console):
-    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``)."""
+    """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``).
+    The ``--lora`` adapters' files are read here first, so an unreadable one is refused as a
+    single-process run refuses it, before Ray starts; each replica checks them against its model."""
+    from pagedinfer.lora.adapter import AdapterError, read_adapter
     from pagedinfer.ray.driver import DataParallelEngines, RayUnavailable, ReplicaSpec
 
+    for name, path in opts.loras:
+        try:
+            read_adapter(name, path)
+        except AdapterError as e:
+            raise UsageError(f"--lora {name}={path}: {e}") from None
     spec = ReplicaSpec(
         opts.model,
         opts.engine,
@@ -606,6 +670,7 @@ def _start_replicas(opts: RunOptions, err: Console):
         opts.data_parallel,
         opts.ray_address,
         opts.model or "pagedinfer-demo",
+        loras=tuple(opts.loras),
     )
     with _status(
         opts, err, f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray"
@@ -626,13 +691,22 @@ def _run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
         "succeeded": outcome.ok,
         "failed": outcome.failed,
         "failed_lines": sorted(outcome.failed_lines),
+        **{f"capped_by_{cap}": outcome.capped[cap] for cap in CAP_OPTIONS},
         "interrupted": outcome.signal is not None,
+        "interrupted_lines": len(outcome.unfinished),
+        "interrupted_tokens": sum(x.tokens for x in outcome.unfinished),
     }
 
 
 def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str) -> None:
     failed = sorted(outcome.shown, key=lambda e: e.line)[:SHOW_REASONS]
-    parts = [f"[green]{keep(f'{outcome.ok} ok')}[/]"]  # a count stays with its word (terminal.keep)
+    caps = [
+        f"{keep(f'{outcome.capped[cap]} capped')} by {option}"
+        for cap, option in CAP_OPTIONS.items()
+        if outcome.capped[cap]
+    ]
+    # a count stays with its word (terminal.keep)
+    parts = [f"[green]{keep(f'{outcome.ok} ok')}[/]" + (f" ({', '.join(caps)})" if caps else "")]
     if outcome.failed:
         lines = sorted(outcome.failed_lines)
         shown = ", ".join(str(n) for n in lines[:SHOW_REASONS]) + (", …" if len(lines) > SHOW_REASONS else "")
@@ -659,10 +733,9 @@ def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str
             console,
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
         )
-    left = outcome.not_run()
     if outcome.signal is not None:
         say(
             console,
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "
-            f"{left} line{'s' if left != 1 else ''} not run; run again with --resume to complete them",
+            f"{outcome.not_run_words()}; run again with --resume to complete them",
         )

@@ -44,10 +44,11 @@ def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> 
     return out
 
 
-def chain_seed(lora_slot: int) -> bytes:
+def chain_seed(adapter_digest: bytes) -> bytes:
     """The parent of a sequence's first block hash: K/V computed under an adapter is that adapter's own,
-    so each adapter slot starts its own chains (the base model's is the empty seed)."""
-    return b"" if not lora_slot else hashlib.blake2b(b"lora:%d" % lora_slot, digest_size=32).digest()
+    so each adapter starts its own chains from its digest (what it computes with, not the slot it
+    holds now: slots change hands); the base model's (``b""``) is the empty seed."""
+    return b"" if not adapter_digest else hashlib.blake2b(b"lora:" + adapter_digest, digest_size=32).digest()
 
 
 def _chain(parent: bytes, tokens: list[int]) -> bytes:

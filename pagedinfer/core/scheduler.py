@@ -8,6 +8,13 @@ overtaken by more than ``max_num_seqs`` later ones). An admitted prompt starts f
 cached prefix (prefix caching). When a running sequence needs a block and none is free, the most
 recently admitted request is preempted as a whole (its blocks freed, recomputed later), never failed.
 
+LoRA adapters (vLLM's ``max_loras``): the running requests use at most ``max_loras`` distinct
+adapters, each holding a slot of the model's deltas; a waiting request whose adapter is not running
+is admitted when a slot is free (its adapter is then installed there, `AdapterSlots.activate`), and
+the requests behind it may go first meanwhile. Once it has been overtaken ``max_num_seqs`` times, no
+request of another adapter is admitted before it, so the running adapters drain and it gets a slot:
+none starves, and base-model requests (which need no slot) still pass it.
+
 The plan names, for every sequence that receives a token this step, the logits row it samples
 from; the engine only runs the model and the sampler in between. ``update`` then marks tokens
 computed, forks finished prompts into their completions, appends the sampled tokens, detects stops and
@@ -25,13 +32,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import Candidate
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes, chain_seed
 from pagedinfer.core.sequence import Request, RequestState, Sequence
+from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.outputs import Logprob
 
 MAX_PROMPT_LOGPROB_ROWS = 512  # logits rows prompt-logprob chunks return in one step (bounds memory)
@@ -82,6 +91,17 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.batch)
 
 
+class AdapterSlots(Protocol):
+    """The adapters' slots admission takes (`lora.registry.AdapterRegistry`)."""
+
+    max_loras: int
+
+    def activate(self, adapter: Any, busy: Collection[Any]) -> int:
+        """The slot ``adapter`` runs in, installed now if needed (the ``busy`` adapters keep theirs);
+        raises `AdapterError` when it cannot be installed."""
+        ...
+
+
 class Sampled(Protocol):
     """The sampler's result, one entry per target of the plan."""
 
@@ -115,10 +135,13 @@ class Scheduler:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         schedule_policy: Literal["fcfs", "lpm"] = EngineConfig.schedule_policy,
         context_set_by_option: bool = False,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         """``context_set_by_option``: ``max_model_len`` was set below the model's own context, so a
-        too-long prompt's error names that setting (the one to raise), not the model."""
+        too-long prompt's error names that setting (the one to raise), not the model. ``adapters``:
+        the slots of the LoRA adapters requests name (None: no request names one)."""
         self.pool = pool
+        self.adapters = adapters
         self.context_set_by_option = context_set_by_option
         self.schedule_policy = schedule_policy
         self.max_num_seqs = max_num_seqs
@@ -285,11 +308,16 @@ class Scheduler:
         in_prefill = self._hashes_in_prefill() if caching else set()
         order = self._admission_order()
         admitted: list[int] = []  # positions in ``waiting`` of the requests admitted now
+        busy = {r.lora for r in self.running if r.lora is not None}  # adapters holding a slot
+        held = False  # a request waits for a slot past its bound: no other adapter goes before it
         for pos, req in order:
             if budget <= 0:
                 break
             if self.running and num_seqs + req.num_future_seqs() > self.max_num_seqs:
                 break
+            if req.lora is not None and (held or self._waits_for_slot(req, busy)):
+                held = held or req.num_overtaken >= self.max_num_seqs
+                continue
             hashes = self._prompt_hashes(req) if caching else []
             if req.needs_prompt_logprobs:  # only blocks whose prompt logprobs are kept beside them
                 hashes = hashes[: pool.prompt_logprobs_prefix(hashes, req.params.prompt_logprobs)]
@@ -302,6 +330,13 @@ class Scheduler:
                 break
             if req.needs_prompt_logprobs and self._logit_rows_left <= 0:
                 continue
+            if req.lora is not None:
+                try:
+                    req.lora_slot = self.adapters.activate(req.lora, busy)
+                except AdapterError as e:
+                    self.fail(req, f"lora: {e}")
+                    continue
+                busy.add(req.lora)
             self.waiting.remove(req)
             admitted.append(pos)
             req.state = RequestState.RUNNING
@@ -325,11 +360,15 @@ class Scheduler:
             self._schedule(out, seq, n)
             budget -= n
             in_prefill.update(hashes)
-        if self.schedule_policy == "lpm" and admitted:
+        if admitted:
             admitted.sort()
             for pos, req in order:
                 if req.state is RequestState.WAITING:  # passed over by every later arrival admitted now
                     req.num_overtaken += len(admitted) - bisect_right(admitted, pos)
+
+    def _waits_for_slot(self, req: Request, busy: set) -> bool:
+        """Whether ``req``'s adapter is not running and every slot is held by a running adapter."""
+        return req.lora not in busy and len(busy) >= self.adapters.max_loras
 
     def _take_prompt_logprobs(self, req: Request, hashes: list[bytes]) -> None:
         """Fill ``req``'s prompt logprobs from the entries kept beside its cached blocks."""
@@ -375,7 +414,7 @@ class Scheduler:
     def _prompt_hashes(self, req: Request) -> list[bytes]:
         if req.prompt_hashes is None:
             req.prompt_hashes = block_hashes(
-                req.prompt_token_ids, self.pool.block_size, chain_seed(req.lora_slot)
+                req.prompt_token_ids, self.pool.block_size, chain_seed(req.adapter_digest)
             )
         return req.prompt_hashes
 
@@ -440,7 +479,7 @@ class Scheduler:
                 continue  # failed after it was scheduled
             seq.num_computed += s.num_tokens
             self.pool.register_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_computed, chain_seed(seq.lora_slot)
+                seq.block_table, seq.token_ids, seq.num_computed, chain_seed(req.adapter_digest)
             )
             if seq.is_prompt and req.params.prompt_logprobs is not None and self.pool.enable_prefix_caching:
                 self._keep_prompt_logprobs(seq, s.start, seq.num_computed)
@@ -533,7 +572,7 @@ class Scheduler:
         for seq in req.completions:
             if seq.finished:
                 continue
-            seed = chain_seed(req.lora_slot)
+            seed = chain_seed(req.adapter_digest)
             hashes = block_hashes(seq.token_ids, pool.block_size, seed) if seq.num_output_tokens else []
             if len(pool.cached_prefix(hashes)) > prompt_blocks:
                 seq.block_table = pool.match_prefix(seq.token_ids, hashes, prompt=False)
@@ -564,7 +603,7 @@ class Scheduler:
         elif seq.logits_state is not None and seq.logits_state.finished:  # a complete grammar
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.request.max_tokens:
-            seq.finish_reason = "length"
+            seq.finish_reason, seq.capped_by = "length", seq.request.cap
 
     def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED

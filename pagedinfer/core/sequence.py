@@ -11,11 +11,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedinfer.core.beam import BeamSearch
 from pagedinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedinfer.lora.registry import LoadedAdapter
 
 
 class RequestState(enum.Enum):
@@ -65,6 +68,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    capped_by: str | None = None  # the request's cap when it ended it ("length")
 
     @property
     def num_pending(self) -> int:
@@ -100,6 +104,7 @@ class Sequence:
             cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
             logprobs=self.logprobs,
             stop_reason=self.stop_reason,
+            capped_by=self.capped_by,
         )
 
 
@@ -129,7 +134,12 @@ class Request:
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_upto: int = 1  # positions below this have their entry
-    lora_slot: int = 0  # the adapter its rows run with (0: the base model); seeds its block hashes
+    lora: LoadedAdapter | None = None  # the adapter its rows run with (None: the base model)
+    lora_slot: int = 0  # the slot its adapter holds while it runs (set at each admission; 0: the base model)
+    # the per-run cap that set ``max_tokens``, if one did: "max_line_tokens" (below the request's own
+    # limit) or "line_timeout" (`cap_at_next_token`); a completion it ends says so
+    cap: str | None = None
+    started_s: float | None = None  # the engine's clock when first admitted (None: never yet)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -143,6 +153,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def adapter_digest(self) -> bytes:
+        """What its K/V is computed with beside the base weights (``b""``: the base model alone)."""
+        return b"" if self.lora is None else self.lora.digest
 
     def live_seqs(self) -> list[Sequence]:
         """The sequences that still run: the prompt sequence until the fork, then unfinished completions."""
@@ -168,6 +183,20 @@ class Request:
         return self.error is not None or (
             bool(self.completions) and all(s.finished for s in self.completions)
         )
+
+    def cap_at_next_token(self, cap: str) -> None:
+        """End every unfinished completion (or the beam search) at its next sampled token with
+        finish_reason "length" marked ``cap``: a completion behind the longest unfinished one (a step's
+        token budget skipped it) catches up with it first."""
+        longest = max((s.num_output_tokens for s in self.completions if not s.finished), default=0)
+        self.max_tokens = min(self.max_tokens, longest + 1)
+        self.cap = cap
+        if self.beam is not None:
+            self.beam.max_tokens = self.max_tokens
+
+    def tokens_so_far(self) -> int:
+        """Tokens its unfinished and finished completions (or live beams) hold now."""
+        return sum(s.num_output_tokens for s in self.completions)
 
     def completion_tokens(self) -> int:
         """Tokens the caller gets back: every completion's, or the finished beams' (not those search pruned)."""

@@ -2,10 +2,11 @@
 
 The one place a request is tokenized and checked, for every caller (`LLM.generate`, ``pagedinfer
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
-prompt added, within a time budget) and tokenized without adding special tokens again; a text too
-long for the context is refused before tokenizing; token ids must be in the vocabulary; the
-parameters must suit the model (its vocabulary, EOS and logits processors); and the request must fit the model's
-context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
+prompt added, in a child process within a time budget and a memory limit: `chat_render`) and
+tokenized without adding special tokens again; a text too long for the context is refused before
+tokenizing; token ids must be in the vocabulary; the parameters must suit the engine
+(``max_logprobs``) and the model (its vocabulary, EOS and logits processors); and the request must
+fit the model's context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
 else the reason starts with ``lora:``. Whatever raises while preparing one request
 rejects that request alone. `LLMEngine.add_request` checks nothing again.
@@ -16,22 +17,18 @@ Prompt forms: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` (op
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import sys
-import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedinfer import chat_render
 from pagedinfer.lora.adapter import AdapterError
+from pagedinfer.lora.registry import LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams, is_int, unicode_error
 
 if TYPE_CHECKING:
     from pagedinfer.engine.llm_engine import LLMEngine
-
-TEMPLATE_BUDGET_S = 5.0  # a chat template that renders longer than this fails its request
 
 
 @dataclass
@@ -42,10 +39,11 @@ class EngineRequest:
     prompt: str | None  # the text (a chat prompt: the rendered template), None for token ids alone
     prompt_token_ids: list[int]
     params: SamplingParams  # beam search: n = beam_width, greedy
-    max_tokens: int  # params.max_tokens capped by the context
+    max_tokens: int  # params.max_tokens capped by the context (and by the engine's max_line_tokens)
     seed: int  # the base seed of its completions (drawn once here when params give none)
     beam: BeamSearchParams | None = None
-    lora_slot: int = 0  # its adapter's slot (0: the base model)
+    lora: LoadedAdapter | None = None  # its adapter (None: the base model)
+    cap: str | None = None  # "max_line_tokens" when that cap is below its own limit
 
 
 @dataclass
@@ -59,33 +57,32 @@ class Rejected:
     reason: str
 
 
-class TemplateTimeout(Exception):
-    """A chat template ran past its budget."""
-
-
 def prepare(
     engine: LLMEngine,
     prompt: str | dict,
     params: SamplingParams | BeamSearchParams,
     request_id: str,
     lora: LoRARequest | str | None = None,
+    interrupt: Callable[[], None] | None = None,
 ) -> EngineRequest | Rejected:
     """Tokenize ``prompt`` and check it, ``params`` and ``lora`` (an adapter, or a loaded adapter's
-    name) against ``engine``'s model and pool, once."""
-    text, ids, slot = None, [], 0
+    name) against ``engine``'s model and pool, once. ``interrupt`` is called often while a chat
+    template renders: what it raises abandons the render and propagates (make it a BaseException,
+    which no ``except Exception`` here takes for the request's failure)."""
+    text, ids, adapter = None, [], None
     try:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):  # else "tokenizing failed: ..."
             raise ValueError(
                 f"sampling_params must be a SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
-        slot = 0 if lora is None else _lora_slot(engine, lora)
+        adapter = None if lora is None else _adapter(engine, lora)
         vocab = engine.vocab_size
         # the prompt's text and token ids, whatever its form (kept only once they pass); a chat
         # prompt's rendered template carries its special tokens: none are added again
         chat = isinstance(prompt, dict) and "messages" in prompt
         given_ids = isinstance(prompt, dict) and not chat and "prompt_token_ids" in prompt
         if chat:
-            rendered = _render_chat(engine, prompt["messages"])
+            rendered = _render_chat(engine, prompt["messages"], interrupt)
         elif isinstance(prompt, dict):
             if not given_ids and "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
@@ -118,6 +115,9 @@ def prepare(
         beam = params if isinstance(params, BeamSearchParams) else None
         sampling = params if beam is None else beam.sampling_params()
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
+        line_cap = engine.config.max_line_tokens  # before the pool check: a capped request needs fewer blocks
+        cap = "max_line_tokens" if line_cap is not None and line_cap < max_tokens else None
+        max_tokens = line_cap if cap else max_tokens
         # what the params cannot check alone: against the model's vocabulary and EOS, its processors
         # (a grammar is compiled here, cached for the completions), the context and the pool
         if (
@@ -128,7 +128,13 @@ def prepare(
             raise ValueError(
                 "structured_outputs in beam search needs the model's EOS (and no ignore_eos): beams end there"
             )
+        limit = engine.config.max_logprobs
         for name, k in (("logprobs", sampling.logprobs), ("prompt_logprobs", sampling.prompt_logprobs)):
+            if k is not None and 0 <= limit < k:
+                raise ValueError(
+                    f"{name}={k} exceeds max_logprobs={limit} (raise it with --max-logprobs or "
+                    "LLM(max_logprobs=...); -1: no limit)"
+                )
             if k is not None and k > vocab:
                 raise ValueError(f"{name}={k} exceeds the model's vocabulary of {vocab} tokens")
         if any(t >= vocab for t in sampling.stop_token_ids):
@@ -146,11 +152,11 @@ def prepare(
         return Rejected(request_id, text, ids, params, reason)
     params = sampling
     seed = params.seed if params.seed is not None else engine.draw_seed()
-    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, slot)
+    return EngineRequest(request_id, text, ids, params, max_tokens, seed, beam, adapter, cap)
 
 
-def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
-    """The adapter's slot; raises ValueError starting with ``lora:``."""
+def _adapter(engine: LLMEngine, lora: LoRARequest | str) -> LoadedAdapter:
+    """The adapter, read and checked once; raises ValueError starting with ``lora:``."""
     if engine.lora is None:
         raise ValueError(
             "lora: this engine has no LoRA enabled (LLM(enable_lora=True), or pagedinfer run --lora)"
@@ -158,61 +164,25 @@ def _lora_slot(engine: LLMEngine, lora: LoRARequest | str) -> int:
     try:
         if isinstance(lora, LoRARequest):
             return engine.lora.add(lora)
-        return engine.lora.slot_of(lora)
+        return engine.lora.get(lora)
     except AdapterError as e:
         raise ValueError(f"lora: {e}") from None
 
 
-def _render_chat(engine: LLMEngine, messages: list[dict]) -> str:
+def _render_chat(engine: LLMEngine, messages: list[dict], interrupt: Callable[[], None] | None) -> str:
     tok = engine.loaded.tokenizer
     if tok is None:
         raise ValueError(f"model {engine.loaded.name} has no tokenizer, so chat messages cannot be rendered")
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"the tokenizer of model {engine.loaded.name} has no chat template")
+    limit = engine.max_prompt_chars
     try:
-        with time_budget(TEMPLATE_BUDGET_S):
-            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateTimeout:
+        return chat_render.render(tok.get_chat_template(), messages, tok.special_tokens_map, limit, interrupt)
+    except chat_render.RenderedTooLong:
         raise ValueError(
-            f"the chat template ran longer than {TEMPLATE_BUDGET_S:g} s for these messages"
+            f"the rendered chat prompt has more than {limit:,} characters: more than "
+            f"{engine.scheduler.context_words('of')} can hold (checked before tokenizing)"
         ) from None
-    except Exception as e:  # noqa: BLE001 - template errors (e.g. an unsupported role) are the line's fault
-        raise ValueError(f"the chat template rejected the messages: {_first_line(e) or repr(e)}") from None
-
-
-@contextlib.contextmanager
-def time_budget(seconds: float):
-    """Raise `TemplateTimeout` inside the block once it has run ``seconds``.
-
-    On the main thread a real-time timer interrupts even a tight loop; elsewhere (a Ray actor's
-    thread) a trace function checks the clock on every line the block runs.
-    """
-    if threading.current_thread() is threading.main_thread():
-
-        def expire(signum, frame):
-            raise TemplateTimeout
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-        return
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TemplateTimeout
-        return trace
-
-    previous_trace = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        yield
-    finally:
-        sys.settrace(previous_trace)
 
 
 def _first_line(e: BaseException) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import random
 import warnings
+from dataclasses import dataclass
+from time import monotonic
 
 import torch
 
@@ -23,19 +25,36 @@ from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTo
 from pagedinfer.logits.processor import LogitsPipeline, LogitsState
 from pagedinfer.logits.structured import GrammarCompiler, GrammarProcessor
 from pagedinfer.lora.adapter import AdapterError
-from pagedinfer.lora.registry import AdapterRegistry
+from pagedinfer.lora.registry import AdapterRegistry, LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.loader import LoadedModel
 from pagedinfer.model.lora_sites import attach_sites
 from pagedinfer.model.runner import ModelRunner
-from pagedinfer.model.sampler import SampleResult, SampleRow, beam_candidates, logprob_entries, sample
+from pagedinfer.model.sampler import (
+    NonFinite,
+    SampleResult,
+    SampleRow,
+    beam_candidates,
+    found_words,
+    logprob_entries,
+    sample,
+)
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 from pagedinfer.seeding import completion_seed
 
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
+
+
+@dataclass
+class StartedRequest:
+    """An unfinished request that has started: its id, the tokens its completions hold, for how long."""
+
+    request_id: str
+    tokens: int
+    running_s: float
 
 
 class MaxModelLenCapped(UserWarning):
@@ -58,6 +77,21 @@ def _no_token_reason(params: SamplingParams) -> str:
         if getattr(params, name)
     ]
     return f"no token can be generated here: {', '.join(given)} exclude every token of the vocabulary"
+
+
+def _nonfinite_reason(found: str, where: str, controls: str | None, adapter: str | None) -> str:
+    """A request's error for a logits row with NaN or infinite values (``where``: "generated token 3"),
+    naming what made them: the weights (or the adapter the request runs with), or its logit controls."""
+    if controls is not None:
+        return (
+            f"the logits became non-finite ({found}) at {where} under {controls}; the model's own logits "
+            "were finite"
+        )
+    holder = "the model's weights" if adapter is None else f"the model's weights or the adapter {adapter!r}"
+    return (
+        f"the model produced non-finite logits ({found}) at {where}: {holder} hold NaN or Inf values, "
+        "or overflow float32"
+    )
 
 
 def graph_plan(
@@ -106,6 +140,10 @@ class LLMEngine:
         self.kv = KVCache(
             loaded.layer_shapes, num_blocks + int(graphs), config.block_size, kv_dtype, loaded.device
         )
+        self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
+        if config.enable_lora:
+            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
@@ -114,12 +152,9 @@ class LLMEngine:
             loaded.eos_token_ids,
             config.schedule_policy,
             context_set_by_option=self.max_model_len < loaded.max_model_len,
+            adapters=self.lora,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
-        self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
-        if config.enable_lora:
-            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
-            self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
         self.logits = LogitsPipeline(  # vLLM's order
@@ -188,9 +223,11 @@ class LLMEngine:
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,
             lora_enabled=self.lora is not None,
-            lora_adapters={} if self.lora is None else self.lora.loaded,  # the registry's own: kept current
+            lora_adapters={} if self.lora is None else self.lora.named,  # the registry's own: kept current
         )
         self.scheduler.counters = self.stats.counters
+        if self.lora is not None:
+            self.lora.counters = self.stats.adapter_counters
         self.grammars.counters = self.stats.structured
         self._pool_base = self._pool_counts()
 
@@ -212,8 +249,8 @@ class LLMEngine:
         longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
         return self.max_model_len * max(longest, 1)
 
-    def add_lora(self, request: LoRARequest) -> int:
-        """Load and check an adapter now (``pagedinfer run --lora``); its slot. Raises `AdapterError`."""
+    def add_lora(self, request: LoRARequest) -> LoadedAdapter:
+        """Read and check an adapter now (``pagedinfer run --lora``). Raises `AdapterError`."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled (enable_lora=True)")
         return self.lora.add(request)
@@ -247,7 +284,8 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             params=params,
             max_tokens=prepared.max_tokens,
-            lora_slot=prepared.lora_slot,
+            lora=prepared.lora,
+            cap=prepared.cap,
         )
         req.completion_state = functools.partial(self._new_completion, req, prepared.seed)
         if (beam := prepared.beam) is not None:
@@ -258,7 +296,7 @@ class LLMEngine:
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
         self.stats.completions += params.n
-        self.stats.lora_use(req.lora_slot).add_request(req.num_prompt_tokens)
+        self.stats.lora_use(req.lora).add_request(req.num_prompt_tokens)
         self.scheduler.add(req)
         return req
 
@@ -293,7 +331,11 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it (failed ones included)."""
+        start = monotonic()
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
+        for req in self.scheduler.running:
+            if req.started_s is None:  # admitted in this step
+                req.started_s = start
         self._record(plan)
         sampled, beams, prompt = None, None, None
         if plan.batch:
@@ -318,7 +360,9 @@ class LLMEngine:
         for r in finished:
             if not r.error:
                 self.stats.completion_tokens += r.completion_tokens()
-                self.stats.lora_use(r.lora_slot).completion_tokens += r.completion_tokens()
+                self.stats.lora_use(r.lora).completion_tokens += r.completion_tokens()
+        if self.config.line_timeout is not None:
+            self._cap_overdue(monotonic() - self.config.line_timeout)
         if self.trace is not None:
             self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
             self.pool.events.clear()
@@ -335,23 +379,46 @@ class LLMEngine:
         result = sample(logits, rows, self.logits)
         for i in result.no_token:
             self.scheduler.fail(targets[i].seq.request, _no_token_reason(rows[i].params))
+        for bad in result.nonfinite:
+            seq = targets[bad.row].seq
+            req = seq.request
+            where = f"generated token {seq.num_output_tokens + 1}"
+            if req.params.n > 1:
+                where += f" of completion {seq.index}"
+            self._fail_nonfinite(req, bad.found, where, bad.controls)
         return result
 
-    @staticmethod
+    def _fail_nonfinite(self, req: Request, found: str, where: str, controls: str | None = None) -> None:
+        """Fail ``req`` for a logits row with NaN or infinite values (once: its other rows say the same)."""
+        if req.state is RequestState.FINISHED:
+            return
+        adapter = None if req.lora is None else req.lora.name
+        self.scheduler.fail(req, _nonfinite_reason(found, where, controls, adapter))
+
     @torch.inference_mode()
-    def _prompt_logprobs(logits: torch.Tensor, chunks: list[PromptRows]) -> list[list[dict[int, Logprob]]]:
-        """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``."""
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, chunks: list[PromptRows]
+    ) -> list[list[dict[int, Logprob]]]:
+        """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``. A
+        row with NaN or infinite logits fails its request (its chunk gives no entries)."""
         out = []
         for c in chunks:
             req = c.request
             m = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)  # the prompt's last row gives none
             entries: list[dict[int, Logprob]] = []
             for lo in range(0, max(m, 0), PROMPT_LOGPROB_SLICE):  # log-softmax temporaries of a few rows
+                if req.state is RequestState.FINISHED:
+                    break
                 hi = min(m, lo + PROMPT_LOGPROB_SLICE)
                 tokens = req.prompt_token_ids[c.start + 1 + lo : c.start + 1 + hi]
                 rows = logits[c.first_row + lo : c.first_row + hi]  # [hi - lo, V]
                 ids = torch.tensor(tokens, device=logits.device)  # [hi - lo]
-                entries += logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
+                found = logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
+                if (j := next((j for j, e in enumerate(found) if e is None), None)) is not None:
+                    where = f"prompt token {c.start + lo + j + 2} of {req.num_prompt_tokens}"
+                    self._fail_nonfinite(req, found_words(float(rows[j].amax())), where)
+                    break
+                entries += found
             out.append(entries)
         return out
 
@@ -372,6 +439,10 @@ class LLMEngine:
                 req.beam.num_candidates,
                 (lambda scores, r=beam_rows: self.logits.apply(scores, r)) if shaped else None,
             )
+            if isinstance(found, NonFinite):
+                seq = targets[members[found.row]].seq
+                self._fail_nonfinite(req, found.found, f"generated token {seq.num_output_tokens + 1}")
+                continue
             out[req] = [Candidate(*c) for c in found]
         return out
 
@@ -391,11 +462,27 @@ class LLMEngine:
                     cumulative_logprob=h.cumulative_logprob,
                     score=h.score,
                     finish_reason=h.finish_reason,
+                    capped_by=req.cap if h.finish_reason == "length" else None,  # a search ends all at once
                 )
                 for h in req.beam.finished
             ],
             error=req.error,
         )
+
+    def _cap_overdue(self, started_before: float) -> None:
+        """``line_timeout``: requests admitted before ``started_before`` (preempted ones included) end
+        at their next token, marked."""
+        for req in (*self.scheduler.running, *self.scheduler.waiting):
+            if req.started_s is not None and req.started_s < started_before and req.cap != "line_timeout":
+                req.cap_at_next_token("line_timeout")
+
+    def started_requests(self) -> list[StartedRequest]:
+        """The unfinished requests that have been admitted (their prompt computed or being computed),
+        longest running first: what a progress record names and what a stop interrupts."""
+        now = monotonic()
+        started = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.started_s is not None]
+        started.sort(key=lambda r: r.started_s)
+        return [StartedRequest(r.request_id, r.tokens_so_far(), now - r.started_s) for r in started]
 
     # -- statistics -------------------------------------------------------------------------
     def _record(self, plan: SchedulerOutput) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pagedinfer.engine.intake import EngineRequest, Rejected
-from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
 from pagedinfer.outputs import BeamSearchOutput, RequestOutput
 
 Output = RequestOutput | BeamSearchOutput
@@ -38,6 +38,7 @@ class GenerationLoop:
         self.on_step = on_step
         self._inside: dict[int, tuple[Any, EngineRequest]] = {}  # order -> (tag, request) in the engine
         self._next = 0
+        self.dropped: list[StartedRequest] = []  # the started requests the last `close` dropped
 
     @property
     def pending(self) -> int:
@@ -92,7 +93,9 @@ class GenerationLoop:
             self.close()
 
     def close(self) -> None:
-        """Drop every unfinished request and return its blocks to the pool."""
+        """Drop every unfinished request and return its blocks to the pool; those that had started
+        are kept in ``dropped`` (a stopped run counts them)."""
+        self.dropped = self.engine.started_requests()
         self.engine.abort_all()
         self._inside.clear()
 

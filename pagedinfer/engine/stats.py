@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.scheduler import SchedulerCounters
 from pagedinfer.logits.structured import StructuredCounters
-from pagedinfer.lora.registry import LoadedAdapter
+from pagedinfer.lora.registry import AdapterCounters, LoadedAdapter
 
 
 @dataclass
@@ -79,14 +79,16 @@ class EngineStats:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     # structured outputs: the grammar compile cache and the token masks (counted as they happen)
     structured: StructuredCounters = field(default_factory=StructuredCounters)
-    # LoRA: whether enabled, the adapters loaded (by name, in load order), and each slot's requests and
-    # tokens in this run (slot 0: the base model)
+    # LoRA: whether enabled, the adapters named (by name, in the order first named), each one's
+    # requests and tokens in this run (by name; None: the base model), and the adapters read from
+    # disk and installed into slots (swapped in) during it
     lora_enabled: bool = False
     lora_adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
-    lora_usage: dict[int, AdapterUse] = field(default_factory=dict)
+    lora_usage: dict[str | None, AdapterUse] = field(default_factory=dict)
+    adapter_counters: AdapterCounters = field(default_factory=AdapterCounters)
 
-    def lora_use(self, slot: int) -> AdapterUse:
-        return self.lora_usage.setdefault(slot, AdapterUse())
+    def lora_use(self, adapter: LoadedAdapter | None) -> AdapterUse:
+        return self.lora_usage.setdefault(None if adapter is None else adapter.name, AdapterUse())
 
     def record_step(
         self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
@@ -308,7 +310,7 @@ class EngineStats:
         }
 
     def _lora_dict(self) -> dict:
-        base = self.lora_usage.get(0, AdapterUse())
+        base = self.lora_usage.get(None, AdapterUse())
         return {
             "enabled": self.lora_enabled,
             "adapters": [
@@ -317,11 +319,13 @@ class EngineStats:
                     "path": a.path,
                     "rank": a.rank,
                     "modules": a.modules,
-                    **vars(self.lora_usage.get(a.slot, AdapterUse())),
+                    **vars(self.lora_usage.get(a.name, AdapterUse())),
                 }
                 for a in self.lora_adapters.values()
             ],
             "base_requests": base.requests,
             "base_prompt_tokens": base.prompt_tokens,
             "base_completion_tokens": base.completion_tokens,
+            "adapter_reads": self.adapter_counters.reads,
+            "slot_loads": self.adapter_counters.slot_loads,
         }

@@ -96,6 +96,8 @@ def success_record(
         }
         if c.stop_reason is not None:
             entry["stop_reason"] = c.stop_reason
+        if c.capped_by is not None:
+            entry["capped_by"] = c.capped_by
         if c.logprobs is not None:
             entry["cumulative_logprob"] = c.cumulative_logprob
             entry["logprobs"] = [
@@ -114,7 +116,7 @@ def _beam(index: int, s) -> dict:
         "cumulative_logprob": s.cumulative_logprob,
         "score": s.score,
         "finish_reason": s.finish_reason,
-    }
+    } | ({"capped_by": s.capped_by} if s.capped_by is not None else {})
 
 
 def error_record(err: LineError) -> dict:
@@ -159,6 +161,13 @@ def record_key(record: object) -> str | None:
     if "custom_id" in record:  # OpenAI shape without a custom_id: named by its line
         return line_key(None, None, line) if line is not None else None
     return line_key(None, record["id"], line) if "id" in record else None
+
+
+def caps_of(record: dict) -> set[str]:
+    """The per-run caps (``capped_by``) that ended completions of a success record, any shape."""
+    body = (record.get("response") or {}).get("body") or {}
+    entries = record.get("outputs") or record.get("beams") or body.get("choices") or []
+    return {e["capped_by"] for e in entries if "capped_by" in e}
 
 
 ECHO_CHARS = 1000  # an error record echoes at most this much of a prompt string
@@ -222,6 +231,8 @@ def _openai_success(
             choice["text"] = (out.prompt or "") + c.text if info.echo else c.text
         choice["logprobs"] = _openai_logprobs(c, info, k, token_text, _echoed(info, out))
         choice["finish_reason"] = c.finish_reason
+        if c.capped_by is not None:  # an extension, as vLLM's stop_reason is
+            choice["capped_by"] = c.capped_by
         if prompt_logprobs is not None and not info.chat:  # vLLM: on each completions choice
             choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)

@@ -118,7 +118,7 @@ class MinTokens(LogitsProcessor):
 class LogitBias(LogitsProcessor):
     """OpenAI's ``logit_bias``: each value added to its token's logit, all rows in one scatter-add."""
 
-    name = "logit_bias"
+    name = "logit_bias"  # at most 100 in size: a finite float32 logit plus it stays finite
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -147,6 +147,13 @@ class Penalties(LogitsProcessor):
 
     def wants(self, params: SamplingParams) -> bool:
         return params.penalized
+
+    def overflows(self, params: SamplingParams) -> str | None:
+        """``repetition_penalty`` is only bounded below by 0: far below 1 it divides a positive logit
+        past float32 (far above, a negative one to -inf). The presence and frequency penalties
+        subtract at most 2 per occurrence: no finite logit overflows."""
+        p = params.repetition_penalty
+        return None if p == 1.0 else f"repetition_penalty={p}"
 
     def apply(self, logits: torch.Tensor, index: list[int], rows: list[Row]) -> None:
         for i, r in zip(index, rows, strict=True):

@@ -55,6 +55,12 @@ class LogitsProcessor:
     def validate(self, params: SamplingParams) -> str | None:
         return None
 
+    def overflows(self, params: SamplingParams) -> str | None:
+        """The setting of ``params`` with which this processor can turn a finite logit into NaN or an
+        infinity (``repetition_penalty=1e-40``), or None: a row it applies to is then checked for a
+        finite maximum before the pipeline, so that a row that ends non-finite names its cause."""
+        return None
+
     def new_state(self, params: SamplingParams) -> SequenceState | None:
         return None
 
@@ -123,6 +129,16 @@ class LogitsPipeline:
             return
         for p in self.processors:
             p.prepare(rows)
+
+    def overflowing(self, rows: list[Row]) -> dict[int, str]:
+        """The rows whose processors can turn a finite logit non-finite, with the settings that can."""
+        out = {}
+        for i, r in enumerate(rows):
+            if r.params.shapes_logits:
+                found = [w for p in self.processors if p.wants(r.params) and (w := p.overflows(r.params))]
+                if found:
+                    out[i] = ", ".join(found)
+        return out
 
     def apply(self, logits: torch.Tensor, rows: list[Row]) -> list[int]:
         """Shape ``logits [len(rows), V]`` in place; return the rows left with no token to draw."""

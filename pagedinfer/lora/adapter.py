@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pagedinfer.sampling_params import is_int, is_number
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+FLOAT32_MAX = 3.4028234663852886e38  # the scaling multiplies float32 activations
 PREFIX = "base_model.model."  # PEFT's wrapper in front of the base model's own module names
 # config features that change the forward beyond x A^T B^T * scaling: refused, named
 UNSUPPORTED = {
@@ -70,12 +73,38 @@ def read_adapter(name: str, path: str) -> Adapter:
             raise AdapterError(f"adapter {name!r}: {what} is not supported")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
-    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"adapter {name!r}: r must be a positive integer and lora_alpha a number")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scaling, rank = _scaling(name, config)
     tensors = _tensors(name, folder)
     return Adapter(name, str(folder), rank, scaling, _modules(name, tensors, rank))
+
+
+def _scaling(name: str, config: dict) -> tuple[float, int]:
+    """The adapter's scaling and rank from its config: ``r`` a positive integer (not ``true``),
+    ``lora_alpha`` a finite number (Python's JSON reads ``NaN`` and ``Infinity``), and their ratio
+    within float32, the dtype the scaling multiplies in (``1e308 / 8`` would be infinite there)."""
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if not is_int(rank) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: r must be a positive integer, found {_found(rank)}")
+    if not (is_int(alpha) or is_number(alpha)):  # an integer of any size; a float that is finite
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a finite number, found {_found(alpha)}")
+    words = "sqrt(r)" if config.get("use_rslora") else "r"
+    try:
+        divisor = math.sqrt(rank) if config.get("use_rslora") else float(rank)
+        scaling = float(alpha) / divisor
+    except OverflowError:  # an integer beyond a double
+        scaling = math.inf
+    if not abs(scaling) <= FLOAT32_MAX:
+        raise AdapterError(
+            f"adapter {name!r}: lora_alpha / {words} (lora_alpha={_found(alpha)}, r={_found(rank)}) is "
+            f"beyond float32's range (±{FLOAT32_MAX:.4g})"
+        )
+    return scaling, rank
+
+
+def _found(value: object) -> str:
+    """A config value as its JSON reads (``true``, ``NaN``, ``"8"``), cut to a line's worth."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "…"
 
 
 def _tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
@@ -106,6 +135,7 @@ def _modules(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str
             if marker in key and key.endswith(".weight"):
                 module = key.removeprefix(PREFIX).split(marker)[0]
                 found.setdefault(module, {})[part] = t
+                _check_finite(name, key, t)
                 break
         else:
             raise AdapterError(f"adapter {name!r}: unexpected tensor {key!r} in its weights")
@@ -123,3 +153,12 @@ def _modules(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str
             )
         modules[module] = LoRAWeights(a, b)
     return modules
+
+
+def _check_finite(name: str, key: str, t: torch.Tensor) -> None:
+    """A NaN or infinite weight would make every logit of the adapter's requests NaN: refused at load."""
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    held = " and ".join(f"{n:,} {what}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+    raise AdapterError(f"adapter {name!r}: tensor {key} holds {held} values of {t.numel():,}")

@@ -59,6 +59,10 @@ class LoRASite:
             at += r
         self.weights[slot] = (a_t.to(self.device), b_t.to(self.device))
 
+    def uninstall(self, slot: int) -> None:
+        """Drop slot ``slot``'s matrices (another adapter takes the slot)."""
+        self.weights.pop(slot, None)
+
     def active(self) -> bool:
         """Whether a row of the running step has an adapter that targets this site."""
         ctx = context.current_context()

@@ -52,8 +52,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
         for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
             getattr(dll, f"{name}_{suffix}").restype = None
-    dll.argmax_rows_f32.argtypes = [ptr, i32, i32, i64, ptr]
-    dll.argmax_rows_f32.restype = ctypes.c_int  # rows holding a NaN
+    dll.argmax_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr]
+    dll.argmax_rows_f32.restype = ctypes.c_int  # rows without a finite maximum
     dll.sample_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, ptr, ptr]
     dll.sample_rows_f32.restype = ctypes.c_int  # rows without a finite maximum
     return dll
@@ -160,31 +160,42 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 I] -> [..., I]
     return silu_mul(flat, use_c(flat)).view(*gate_up.shape[:-1], -1)  # [..., I]
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
-    """Each row's first maximum, as ``logits.argmax(dim=-1)`` (a NaN row: the NaN's index, torch's)."""
+def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:  # [R, V] -> [R] int64
+    """Each row's first maximum, as ``logits.argmax(dim=-1)``, of every row or of ``rows`` ``[S]``
+    (int64, then ``[S]`` out, no rows copied); -1 for a row without a finite maximum (a NaN, +inf, or
+    every logit -inf): no token is drawn from it."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
-        return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [R]
-    nan_rows = _library().argmax_rows_f32(
-        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+        picked = logits if rows is None else logits[rows]  # [S, V]
+        out = picked.argmax(dim=-1)  # [S]: a NaN row names its NaN, a +inf row its +inf
+        best = picked.gather(1, out.unsqueeze(1)).squeeze(1)  # [S]
+        return out.masked_fill_(~torch.isfinite(best), -1)
+    index = None if rows is None else rows.to(torch.int64).contiguous()  # [S]
+    out = torch.empty(len(logits if index is None else index), dtype=torch.int64, device=logits.device)  # [S]
+    _library().argmax_rows_f32(
+        logits.data_ptr(),
+        len(out),
+        None if index is None else index.data_ptr(),
+        logits.shape[1],
+        logits.stride(0),
+        out.data_ptr(),
     )
-    return logits.argmax(dim=-1) if nan_rows else out
+    return out
 
 
 def sample(
     logits: torch.Tensor, rows: torch.Tensor, temperatures: list[float], uniform: torch.Tensor
 ) -> torch.Tensor | None:
     """``[R]`` int64: each of ``logits[rows]`` ``[V]`` (``rows`` ``[R]`` int64) tempered, its CDF inverted
-    at ``uniform[i]`` in [0, 1) (no top-k, top-p or min-p), in one C call; None where the C loop cannot
-    serve (not a float32 CPU tensor of unit column stride, no compiler) or a row has no finite maximum:
-    the torch ops then run."""
+    at ``uniform[i]`` in [0, 1) (no top-k, top-p or min-p), in one C call; -1 for a row without a finite
+    maximum (after its temperature). None where the C loop cannot serve (not a float32 CPU tensor of
+    unit column stride, no compiler): the torch ops then run."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
         return None
     picks = rows.to(torch.int64).contiguous()  # [R]
-    temps = torch.tensor(temperatures, dtype=torch.float32)  # [R]
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)  # [R]
     u = uniform.to(torch.float32).contiguous()  # [R]
-    out = torch.empty(len(picks), dtype=torch.int64)  # [R]
-    bad = _library().sample_rows_f32(
+    out = torch.empty(len(picks), dtype=torch.int64, device=logits.device)  # [R]
+    _library().sample_rows_f32(
         logits.data_ptr(),
         len(picks),
         picks.data_ptr(),
@@ -194,4 +205,4 @@ def sample(
         u.data_ptr(),
         out.data_ptr(),
     )
-    return None if bad else out
+    return out

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
-from pagedinfer.chat_template import template_error
+from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
@@ -142,7 +142,10 @@ def load_model(
         note(emulated_note(choice))
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
     sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
-    compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
+    try:
+        compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
+    except kernel_cache.KernelCacheError as e:
+        raise ModelLoadError(str(e)) from None
     dummy = load_format == "dummy"
     if ckpt:
         own = _own_gguf(name, config, model_impl, dev)
@@ -394,7 +397,10 @@ def _set_chat_template(tokenizer, template: str, name: str) -> None:
         raise ModelLoadError(
             f"a chat template needs a tokenizer; model {name!r} has none (token-id prompts only)"
         )
-    error = template_error(template)
+    try:
+        error = compile_error(template)
+    except ChatRenderError as e:
+        raise ModelLoadError(str(e)) from None
     if error is not None:
         raise ModelLoadError(f"the chat template does not compile: {error}")
     tokenizer.chat_template = template

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagedinfer.engine.intake import Rejected, prepare
+from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.records import TokenText, success_record
@@ -35,6 +36,7 @@ class Live:
     generated_tokens: int
     blocks_used: int
     num_blocks: int
+    started: list[StartedRequest]  # its started unfinished requests (`LLMEngine.started_requests`)
 
 
 @dataclass
@@ -51,12 +53,22 @@ class EngineReplica:
     """Holds one `LLM`; `pump` feeds it rows and steps it for a while, returning what finished."""
 
     def __init__(
-        self, model: str | None, engine_kwargs: dict, seed: int, threads: int | None, model_name: str
+        self,
+        model: str | None,
+        engine_kwargs: dict,
+        seed: int,
+        threads: int | None,
+        model_name: str,
+        loras: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """``loras``: the ``--lora`` adapters (name, directory), read and checked now as the
+        single-process run does; one that does not fit the model ends the replica's start with its error."""
         import torch
         from transformers.utils import logging as hf_logging
 
         from pagedinfer.llm import LLM
+        from pagedinfer.lora.adapter import AdapterError
+        from pagedinfer.lora.request import LoRARequest
 
         if threads:
             torch.set_num_threads(threads)
@@ -64,6 +76,11 @@ class EngineReplica:
         hf_logging.disable_progress_bar()
         self.llm = LLM(model, seed=seed, **engine_kwargs)
         self.engine = self.llm.engine
+        for i, (name, path) in enumerate(loras, start=1):
+            try:
+                self.engine.add_lora(LoRARequest(name, i, path))
+            except AdapterError as e:
+                raise AdapterError(f"--lora {name}={path}: {e}") from None
         self.loop = GenerationLoop(self.engine)
         self.model_name = model_name
         self.token_text = TokenText(self.llm.tokenizer)
@@ -112,7 +129,9 @@ class EngineReplica:
         self.busy_s += time.perf_counter() - start
         self.engine.stats.wall_time_s = self.busy_s
         pool = self.engine.pool
-        live = Live(self.engine.stats.generated_tokens, pool.num_used, pool.num_blocks)
+        live = Live(
+            self.engine.stats.generated_tokens, pool.num_used, pool.num_blocks, self.engine.started_requests()
+        )
         running = [pos for pos, _ in self.loop.tags()]
         return Reply([self._answer(*f) for f in finished], running, self.instance, live)
 

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.ray.actor import EngineReplica, Live, Row
 
@@ -43,6 +44,7 @@ class ReplicaSpec:
     address: str | None = None  # None: start a local Ray for this run and stop it after
     model_name: str = "pagedinfer-demo"
     window: int | None = None  # rows held per replica (default: 2 × max_num_seqs)
+    loras: tuple[tuple[str, str], ...] = ()  # --lora adapters (name, directory) every replica loads
 
 
 def import_ray(command: str):
@@ -98,6 +100,10 @@ class _Progress:
     def num_blocks(self) -> int:
         return sum(v.num_blocks for v in self.live.values())
 
+    def started_requests(self) -> list[StartedRequest]:
+        """Every replica's started unfinished requests, as of its latest reply, longest running first."""
+        return sorted((x for v in self.live.values() for x in v.started), key=lambda x: -x.running_s)
+
 
 class DataParallelEngines:
     """N replicas on a local or joined Ray cluster; `run` yields each row's result as it finishes."""
@@ -136,7 +142,7 @@ class DataParallelEngines:
             actor = ray.remote(EngineReplica).options(
                 max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
             )
-            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name)
+            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name, spec.loras)
             self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
             self.infos = ray.get([a.info.remote() for a in self.actors])
         except ray.exceptions.RayActorError as e:
@@ -144,7 +150,7 @@ class DataParallelEngines:
                 ray.kill(a)
             self.actors = []
             self.close()
-            raise RayUnavailable(f"a replica failed to load the model: {_first_line(e)}") from None
+            raise RayUnavailable(f"a replica failed to start: {_first_line(e)}") from None
         except RayUnavailable:
             self.close()
             raise

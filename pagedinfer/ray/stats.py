@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 from itertools import zip_longest
 
 from pagedinfer.core.scheduler import SchedulerCounters
-from pagedinfer.engine.stats import EngineStats
+from pagedinfer.engine.stats import AdapterUse, EngineStats
 
 SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens", "cached_blocks")
 TOTALS = (
@@ -60,12 +60,16 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         setattr(merged, name, [sum(col) for col in columns])
     for name in TOTALS:
         setattr(merged, name, sum(getattr(s, name) for s in replicas))
-    for s in replicas:  # requests and tokens per adapter slot (replicas serve the base model only)
-        for slot, use in s.lora_usage.items():
-            total = merged.lora_use(slot)
+    # every replica names the same --lora adapters at startup: the first one's list is the run's
+    merged.lora_enabled, merged.lora_adapters = first.lora_enabled, first.lora_adapters
+    for s in replicas:  # requests and tokens per adapter (by name; None: the base model)
+        for name, use in s.lora_usage.items():
+            total = merged.lora_usage.setdefault(name, AdapterUse())
             total.requests += use.requests
             total.prompt_tokens += use.prompt_tokens
             total.completion_tokens += use.completion_tokens
+        merged.adapter_counters.reads += s.adapter_counters.reads
+        merged.adapter_counters.slot_loads += s.adapter_counters.slot_loads
     return merged
 
 
