@@ -1,13 +1,12 @@
 /* Every decoder layer of a decode-only CPU step (float32 or bfloat16, Llama family) in one call from Python.
  *
  * At batch 1-16 a step's Python between the kernels (module calls, ctypes argument conversion,
- * output allocations, the attention plan) cost about 200-250 us per layer, 15-20% of a batch-1
- * step of SmolLM2-135M. This file runs the same kernels in the same order as pagedinfer/model/llama.py's
- * layers do one by one (so the products are the same bits): residual add + RMSNorm, the QKV panel
- * GEMM, per-head norm + RoPE, the K/V write, paged decode attention, the output GEMM, residual add +
- * RMSNorm, the gated gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM; then the
- * model's final residual add + RMSNorm, the lm_head's input. It is one
- * translation unit with those kernels' sources, built like them (pagedinfer/model/decode_step.py).
+ * output allocations, the attention plan) is a large share of a small model's step (docs/kernels.md).
+ * This file runs the same kernels in the same order as pagedinfer/model/llama.py's layers do one by
+ * one (so the products are the same bits): residual add + RMSNorm, the QKV panel GEMM, per-head norm
+ * + RoPE, the K/V write, paged decode attention, the output GEMM, residual add + RMSNorm, the gated
+ * gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM; then the model's final residual
+ * add + RMSNorm, the lm_head's input. It is one translation unit with those kernels' sources, built like them (pagedinfer/model/decode_step.py).
  */
 #include <time.h>
 
@@ -15,8 +14,8 @@
 #include "cpu_llama_ops.c"
 #include "cpu_paged_decode.c"
 
-/* Wall seconds spent in the GEMMs of decode_layers since the last read (about 40 ns of clock reads
- * per GEMM): what scripts/profile_layer_step.py splits a step by. */
+/* Wall seconds spent in the GEMMs of decode_layers since the last read (two clock reads per GEMM,
+ * negligible beside it): what scripts/profile_layer_step.py splits a step by. */
 static double gemm_seconds, attention_seconds;
 
 double decode_gemm_seconds(void) {

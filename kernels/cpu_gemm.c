@@ -15,22 +15,22 @@
  * elsewhere two 8-float vectors (MR 6); both give the same bits (cpu_panel_vec.h).
  *
  * More than MR rows (AVX-512): row blocks of up to WR = 8 rows by WP = 3 panels (24 accumulators, each
- * broadcast of x feeding three FMAs). On an Intel Xeon 6 x 4 tiles ran 0.85-1.2x oneDNN's float32 GEMM
- * at 64-1024 rows where 12 x 1 tiles ran 0.54-0.9x (8 x 3 as fast, 12 x 2 and 4 x 4 slower); on an AMD
- * EPYC Zen 5 8 x 3 ran 3-6% faster than 6 x 4 at 64 rows (float32, int8) and bfloat16's 8 x 3 2-4% at
- * 64-256 rows (-DWR=6 -DWP=4, -DWRB=6 -DWPB=4 build those). Over a quantized chunk of WP panels the
- * first row block goes through a tile that converts in registers and also stores the float32 weights
- * it forms into a per-thread buffer, which the float32 tiles of the other rows then read from cache
- * (a pass that dequantized the chunk before the tiles left int8 16-20% behind float32 at 24-64 rows,
- * waiting on memory). Every row block prefetches its share of the next chunk's lines. AVX2 builds
- * keep MR x 1 tiles (WR = MR, WP = 1).
+ * broadcast of x feeding three FMAs). On cores with full-width 512-bit FMA units a tile of one panel
+ * loads a panel vector per MR FMAs and falls behind oneDNN there; of the wide shapes tried 8 x 3 was the
+ * fastest, for float32, the quantized kinds and bfloat16 alike (-DWR=6 -DWP=4, -DWRB=6 -DWPB=4 build
+ * the 6 x 4 runner-up; docs/kernels.md). Over a quantized chunk of WP panels the first row block goes
+ * through a tile that converts in registers and also stores the float32 weights it forms into a
+ * per-thread buffer, which the float32 tiles of the other rows then read from cache (a separate pass
+ * that dequantized the chunk before the tiles waited on memory with nothing to overlap it). Every row
+ * block prefetches its share of the next chunk's lines. AVX2 builds keep MR x 1 tiles (WR = MR,
+ * WP = 1).
  *
- * Threads take panels a chunk at a time (dynamically: on these shared 2-vCPU machines one core is
- * often slower than the other, and a static split left the faster one waiting); each panel is read
- * once per block of MC rows and then serves every row tile of that block from cache, while the first
- * tile prefetches the thread's next panel. So the weight streams near memory speed at 1-16 rows
- * (where oneDNN's and MKL's GEMMs stream it at half that or less) and the FMA units stay busy at 64
- * rows and more. MC keeps a block of x (MC x k) within about 384 KB of L2.
+ * Threads take panels a chunk at a time (dynamically: on a shared machine one core is often slower
+ * than the other, and a static split left the faster one waiting); each panel is read once per block
+ * of MC rows and then serves every row tile of that block from cache, while the first tile prefetches
+ * the thread's next panel. So the weight streams near memory speed at decode row counts (where
+ * oneDNN's and MKL's GEMMs stream it well below that) and the FMA units stay busy at prefill row
+ * counts. MC keeps a block of x (MC x k) within about 384 KB of L2.
  *
  * A fused gate-up weight of a gated MLP is packed with its halves paired (panel j: gate rows
  * 8j..8j+7, then the up rows of the same index), so one tile holds gate and up of the same 8
@@ -129,9 +129,8 @@ static inline __attribute__((always_inline)) void store_tile(float *y, v8 lo, v8
 #endif
 
 /* Whether a tile of ROWS rows reads kind f from its nibbles in registers (cpu_gemm_formats.h): at 1
- * and 2 rows, where converting the weights is most of the work (bench_gemm.py, AMD EPYC Zen 5, 2
- * threads, 4 rounds alternating, ms at 1 row: Q4_0 3.5 -> 2.9, Q4_1 3.8 -> 3.1, int4 3.7 -> 3.3; at
- * 12 rows 5-10% slower, so not there). */
+ * and 2 rows, where converting the weights is most of the work; from 3 rows the rows share each
+ * unpacked group, and unpacking once is as fast or faster (docs/kernels.md). */
 #define DIRECT(f, ROWS) (fmt_direct(f) && (ROWS) <= 2)
 
 /* Group gi's record (gl values a column) of each of np panels from pf (pbytes apart), fetched ahead:
@@ -161,8 +160,8 @@ static inline __attribute__((always_inline)) void tile_step(const int f, const i
                                                             int kk, int i, const vh (*s)[PV_HALVES],
                                                             const vh (*m)[PV_HALVES], const int8_t *const *q,
                                                             float *wout, vh (*acc)[4][PV_HALVES]) {
-    /* Q8_0 at one row: the next tile's 8.5 lines a group spread over the group, as int8's lines
-     * (a burst at the group's start: bench_gemm --rows 1, Zen 5, 4.7-5.7 -> 4.2-4.7 ms) */
+    /* Q8_0 at one row: the next tile's 8.5 lines a group spread over the group, as int8's lines (a
+     * burst at the group's start fills the miss buffers and stalls the loads behind it) */
     if (f == K_Q8_0 && ROWS == 1 && pf && kk % 4 == 0) {
         const int64_t at = group_offset(f, gi, g), rec = fmt_record_bytes(f, gl);
         for (int j = 0; j < NP; j++)
@@ -290,8 +289,8 @@ QUANTIZED_KINDS(TILES)
 #define WR MR
 #define WP 1
 #define WIDE_CASES TILE_CASES(K_F32)
-/* Full blocks first: with these tiles of one panel fewer rows give fewer FMA chains (AVX2 build, 7 and
- * 8 rows as 4 + 3 and 4 + 4: 5-17% slower than 6 + 1 and 6 + 2). */
+/* Full blocks first: with these tiles of one panel fewer rows give fewer FMA chains (7 and 8 rows as
+ * 4 + 3 and 4 + 4 ran slower than 6 + 1 and 6 + 2). */
 #define BALANCED 0
 #define FIRST_CASES(F) TILE_CASE(F, WR, 1)
 #endif
@@ -381,11 +380,11 @@ static float *thread_buffer(size_t n) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define MRB 8 /* rows per bfloat16 tile: 12, 16 and 24 ran 10-45% slower at 64-2048 rows */
+#define MRB 8 /* rows per bfloat16 tile: 12, 16 and 24 ran slower at 64-2048 rows */
 
 /* A tile row's 16 float32 sums (+ bias) out as 16 bfloat16, or 8 of silu(gate) * up when gated.
- * Inline: called once per accumulator, as a function it had the tiles spill all of them (SmolLM2's
- * linears at 64 rows 3-7% faster inline, AMD EPYC Zen 5; docs/kernels.md). */
+ * Inline: called once per accumulator, as a function it had the tiles spill all of them to the stack
+ * and reload each as an argument (docs/kernels.md). */
 static inline __attribute__((always_inline)) void store_tile_bf16(uint16_t *y, __m512 acc, const float *b, int gated) {
     if (b) acc = _mm512_add_ps(acc, _mm512_loadu_ps(b));
     v8 lo = (v8)_mm512_castps512_ps256(acc), hi = (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
@@ -431,14 +430,12 @@ BKERNEL(7)
 BKERNEL(8)
 
 /* Past MRB rows: tiles of WRB rows by WPB pair panels, 24 accumulators (3 panel loads and 8 x
- * broadcasts for 24 vdpbf16ps, where an 8 x 1 tile loads 9 for 8 and runs at 0.68x oneDNN's rate at
- * 256-2048 rows on an AMD EPYC Zen 5; 6 x 4 ran 2-4% slower than 8 x 3 at 64-256 rows and 5-25% at
- * 9-16, in blocks of equal rows). Each sum takes the same vdpbf16ps steps in the same order as
- * in an 8 x 1 tile, so the bits do not depend on the tile. pf: the next panels, prefetched beside
- * the loads, spread over the row blocks: block `phase` of `step` fetches the lines kp = phase (mod
- * step). (All of them in the first block left memory idle during the others: bench_gemm.py --dtype
- * bfloat16, AMD EPYC Zen 5, 2 threads, alternating, ms: 13 rows 8.2 -> 7.1, 16 rows 8.6 -> 6.9, 24
- * rows 11.1 -> 9.3, 48 rows 18.2 -> 15.5, 64 rows 22.6 -> 20.7, 256 rows 79.3 -> 77.0.) */
+ * broadcasts for 24 vdpbf16ps, where an 8 x 1 tile loads 9 for 8 and falls well behind oneDNN at
+ * prefill row counts on cores that issue two 512-bit vdpbf16ps a cycle; 6 x 4 ran slower than 8 x 3,
+ * in blocks of equal rows). Each sum takes the same vdpbf16ps steps in the same order as in an 8 x 1
+ * tile, so the bits do not depend on the tile. pf: the next panels, prefetched beside the loads,
+ * spread over the row blocks: block `phase` of `step` fetches the lines kp = phase (mod step). (All
+ * of them in the first block left memory idle while the others ran; docs/kernels.md.) */
 #ifndef WRB
 #define WRB 8
 #define WPB 3
@@ -717,13 +714,10 @@ static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s
 
 /* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). In
  * the AVX2 build, up to SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through
- * the tiles that convert in registers are faster (the same products, so the same bits): bench_gemm.py,
- * AMD EPYC Zen 5, -mno-avx512f, 2 threads, 3 rounds, buffer -> blocks, ms: 8 rows Q4_0 13.4-13.6 ->
- * 12.4-12.8, Q8_0 13.3-13.5 -> 11.9-12.4, int8 13.4-13.6 -> 11.8-12.1; 16 rows 22.5-23.6 -> 20.8-22.5.
- * With AVX-512 they were too, up to 16 rows (16 rows int8 13.2-15.0 -> 11.9-12.7, Q4_0 15.1-15.6 ->
- * 13.3-13.8), until the wide tiles became 8 x 3 in blocks of equal rows: now the buffer is as fast or
- * faster at 13-16 rows (13 rows Q8_0 10.2-12.2 -> 9.7-10.1 through it, Q4_0 10.7-11.3 -> 10.2-10.7;
- * 16 rows even), so that build does not split. int4 and Q4_K never paid split. */
+ * the tiles that convert in registers are faster (the same products, so the same bits): its buffer
+ * path has only MR x 1 tiles. The AVX-512 build's 8 x 3 wide tiles in blocks of equal rows are as
+ * fast or faster through the buffer, so that build does not split. int4 and Q4_K never paid split
+ * (docs/kernels.md). */
 #ifndef SPLIT_ROWS
 #if defined(PV_ZMM)
 #define SPLIT_ROWS MR /* none */
@@ -838,14 +832,10 @@ static void partial_panel(const gemm_segment *s, const char *x, int m, int k, in
  * Threads take chunks of panels from a shared counter and claim their next chunk when they start
  * one, so the panel each one prefetches is always one it will multiply itself (with OpenMP's
  * dynamic schedule the next panel often went to the other thread, into the wrong core's cache). A
- * single float32 row prefetches nothing: the hardware prefetcher alone streams it faster. SmolLM2's
- * 121 linears, AMD EPYC (Zen 3, AVX2), 2 threads, alternating in one process: 1 row 33.0 -> 29.1 ms,
- * 16 rows 63.5 -> 56.9, 64 rows 161.5 -> 154.4 (2 rows: the same with and without the prefetch;
- * 4 and 8 rows: 14% and 11% faster with it). Quantized and bfloat16 panels, with more work per byte,
- * do prefetch at one row: the hardware prefetcher alone left 4-bit ones streaming at 11 GB/s
- * (bench_gemm.py --rows 1, AMD EPYC Zen 5, 2 threads, two rounds alternating: Q4_1 7.3-7.4 ->
- * 4.0-4.1 ms, Q4_0 7.0-7.1 -> 3.6-3.7, int8 5.6-5.9 -> 4.8-5.0, Q8_0 5.8 -> 5.6-5.9, bfloat16 8.9-11.8
- * -> 8.1-8.7). */
+ * single float32 row prefetches nothing: the hardware prefetcher alone streams it faster (from a few
+ * rows on, the prefetch pays). Quantized and bfloat16 panels, with more work per byte, do prefetch at
+ * one row: on the hardware prefetcher alone they streamed well below the memory's rate
+ * (docs/kernels.md). */
 /* Panels a thread takes at a time at m rows: one wide tile's (its row blocks then share them), else
  * enough for tiles of tile_panels(m) panels and for the prefetch of the next to pay. */
 static inline int chunk_panels(int kind, int m) {

@@ -18,9 +18,8 @@
 #define MIN_PARALLEL (1 << 16) /* the argmax: elements; below this one thread is faster */
 /* The chains run their rows on all threads from this many elements (4 rows of a 576-wide model).
  * In a decode step their input rows were just written by a GEMM that splits its columns across the
- * threads, so one thread alone pulls half of every row from the other core's cache: SmolLM2 steps
- * (AMD EPYC Zen 3, 2 threads) spent 0.13-0.17 ms in the norms at 4 rows against 0.23-0.33 ms on one
- * thread, 0.20-0.24 against 0.33-0.53 at 8, 0.36-0.37 against 0.42-1.14 at 16. */
+ * threads, so one thread alone pulls half of every row from the other core's cache; from 4 rows the
+ * norms ran faster on all threads than on one (docs/kernels.md). */
 #define ROWS_MIN_PARALLEL (1 << 11)
 
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
@@ -97,8 +96,7 @@ static void first_max(const float *x, int n, int64_t *arg, int *nan) {
 /* out[r] = the index of the first maximum of row index[r] of x [*, cols] (row stride `stride`; with
  * index NULL, row r); returns how many rows have no finite maximum: a NaN, +inf, or every logit -inf
  * (their out[r] is -1; the caller fails them, never draws from them). Vectorized: torch's CPU argmax
- * runs lane by lane, 1 ms for 16 rows of a 49152-token vocabulary (AMD EPYC, 2 threads) against
- * 0.12 ms here. */
+ * runs lane by lane, several times slower over a large vocabulary (docs/fast_path.md). */
 int argmax_rows_f32(const float *x, int rows, const int64_t *index, int cols, int64_t stride, int64_t *out) {
     int bad_rows = 0;
 #pragma omp parallel for if ((int64_t)rows * cols >= MIN_PARALLEL) reduction(+ : bad_rows)

@@ -79,8 +79,8 @@ static inline v16 load16_f16(const _Float16 *p) { return cat16(load8_f16(p), loa
 
 // bfloat16 logits (the bfloat16 instantiation): q . k as pair dot products, 32 values (16 pairs) a
 // chunk into 16 lanes; lane l adds q[2l+1] k[2l+1], then q[2l] k[2l], each product exact and each sum
-// rounded once. That is vdpbf16ps (AVX512_BF16), measured lane for lane on AMD Zen 5, and two FMAs on
-// the widened halves elsewhere; with subnormals flushed as vdpbf16ps flushes them (MXCSR's FTZ and
+// rounded once. That is vdpbf16ps (AVX512_BF16), its order checked lane for lane, and two FMAs on the
+// widened halves elsewhere; with subnormals flushed as vdpbf16ps flushes them (MXCSR's FTZ and
 // DAZ for the whole call in every build), the two give the same bits.
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -271,9 +271,9 @@ static int group_pieces(piece *pieces, int s0, int s_end, int *s1_out, int gmax,
 // its V rows, its V pass the next group's K rows, a share of lines at every 8-row group of every
 // tile (ahead_step), so that a whole pass of arithmetic covers the reads. The first group's K pass,
 // which nobody prefetched, prefetches its own pieces after the first, then its V rows. Spread, not
-// issued at once: all at once ahead of a pass they filled the core's miss buffers (batch-16 calls
-// 1.4x slower, AMD EPYC Zen 3). (The engine's calls, their K/V read from memory, took 1.5-1.7x their
-// time over cached rows when each piece prefetched only the next one; docs/kernels.md.)
+// issued at once: all at once ahead of a pass they filled the core's miss buffers and slowed the call.
+// (Prefetching only the next piece left the engine's calls, their K/V read from memory, well behind
+// the same calls over cached rows; docs/kernels.md.)
 typedef struct {
   const piece *pieces;
   int np;

@@ -243,7 +243,7 @@ static void FN(transpose_k)(__m512i *kt, const uint16_t *k, int n, size_t k_row,
 }
 
 // acc += the pair products of q and the transposed rows at m, m read as vdpbf16ps' memory operand
-// (GCC 12 loads it into a register first: 0.58 against 0.42 TSC cycles a product, Zen 5).
+// (GCC 12 loads it into a register first, a slower product: docs/kernels.md).
 #define DOT_MEM(acc, q, m) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(q), "m"(m))
 
 // Lanes l and l + 8 of tile_logits' sums, added, for one query head (q: its pairs) over R groups of
@@ -266,7 +266,7 @@ static inline __attribute__((always_inline)) void FN(logits_shared)(const int R,
                                                                     float scale, float *li, const __m512i *kt) {
   __m512 e[SHARED_ROWS / 16], x[SHARED_ROWS / 16], y[SHARED_ROWS / 16], z[SHARED_ROWS / 16];
   // sum_lanes8's tree, lane by lane: ((0 1)(2 3))((4 5)(6 7)); written out (as two loops GCC spilled
-  // more of the accumulators: W3-shaped calls 5-8% slower)
+  // more of the accumulators, a slower call)
   FN(lanes_shared)(R, CH, e, 0, q, kt);
   for (int r = 0; r < R; ++r) x[r] = e[r];
   FN(lanes_shared)(R, CH, e, 1, q, kt);
@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) void FN(logits_shared)(const int R,
 // Pass 2's pairs of V rows (vt: pair p, chunk c of 32 columns: lo then hi as pairs_step forms them)
 // into the accumulators of S query heads (states; their bfloat16 probabilities from logit position
 // pos), CH chunks a row, 64 columns at a time; the prefetch steps spread over the pairs (a tile's
-// at once filled the miss buffers: over K/V from memory 5% slower than the tiles, 16 prompts x 4).
+// at once filled the miss buffers: over K/V from memory slower than the tiles).
 static inline __attribute__((always_inline)) void FN(values_shared)(const int S, const int CH, v8 *acc,
                                                                     const int *states, const float *logits,
                                                                     int lstride, int pos, const __m512i *vt,

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 # libgomp's threads (torch's, and our kernels', which share them) spin about 300,000 times at a
 # barrier before they sleep. Where the machine has more runnable threads than cores (shared, or
 # busy with other jobs) a spinning thread holds the core its partner needs, and each parallel region
-# waits a scheduler time slice: on a 2-core Xeon at load 7-12, batch-1 decode of SmolLM2 ran 0.7-1.5
-# tok/s spinning and 4.6-6.5 with 10,000 spins (docs/bench.md, sixth session). libgomp reads this once, as
-# torch loads it: it takes effect where pagedinfer is imported before torch; a value already set wins.
+# waits a scheduler time slice; 10,000 spins still cover the gaps between a step's parallel regions on
+# an idle machine (docs/bench.md, "OpenMP spinning"). libgomp reads this once, as torch loads it: it
+# takes effect where pagedinfer is imported before torch; a value already set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 __version__ = "0.1.0"

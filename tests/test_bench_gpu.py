@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pagedinfer.bench import runner
 from pagedinfer.bench.gpu import classify, profiled_split
 from pagedinfer.bench.models import MODELS, build_model, kv_elements_per_token, llama_parameters
-from pagedinfer.bench.report import format_gpu_workload
+from pagedinfer.bench.report import format_gpu_workload, format_machine
 from pagedinfer.bench.workloads import WORKLOADS, Shrink
 from pagedinfer.cli.app import app
 
@@ -168,6 +168,10 @@ def test_gpu_workload_path_on_the_cpu(tmp_path, monkeypatch):
     context = sum(16 * len(p) + 16 * 15 // 2 for p in job.prompts)  # every generated token's context
     assert paged["hbm_bytes"] == paged["forward_passes"] * weights + 4 * context * res["kv_bytes_per_token"]
     assert paged["hbm_fraction"] == pytest.approx(paged["hbm_bytes"] / paged["wall_s"] / 1e11)
+    tokens = sum(map(len, job.prompts)) + 4 * 4 * 16
+    flops = tokens * 2 * model.parameters
+    assert paged["matmul_peak_fraction"] == pytest.approx(flops / paged["wall_s"] / 1e12)
+    assert not [key for key in paged if "datasheet" in key]  # fractions of this run's own rates only
     assert paged["peak_gpu_bytes"] == 3 << 20
 
     table = format_gpu_workload("G1", res)
@@ -175,6 +179,9 @@ def test_gpu_workload_path_on_the_cpu(tmp_path, monkeypatch):
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
     assert rows == ["system", "pagedinfer", "hf_generate", "hf_generate_batch"]
     assert "| hf_generate_batch | failed: error: RuntimeError: CUDA out of memory |" in table
+    assert "| peak KV MiB | matmul peak | HBM | GPU time attention / GEMM / other |" in table
+    pct = f"| {100 * paged['matmul_peak_fraction']:.1f}% | {100 * paged['hbm_fraction']:.1f}% |"
+    assert pct in next(line for line in table.splitlines() if line.startswith("| pagedinfer |"))
     assert "- pagedinfer profile: 5 steps after" in table and "- hf_generate profile: 5 steps after" in table
 
 
@@ -184,3 +191,19 @@ def test_bench_exits_1_when_a_system_failed(monkeypatch):
     out = CliRunner().invoke(app, ["bench", "-w", "W0"])
     assert out.exit_code == 1
     assert out.output.strip() == "error: systems failed: G1 bfloat16: hf_generate_batch"
+
+
+def test_gpu_machine_line_gives_the_devices_own_peaks():
+    """Any GPU's figures are fractions of what it reached in the same run: no datasheet is assumed."""
+    gpu = {
+        "name": "Some GPU",
+        "memory_bytes": 80 << 30,
+        "matmul_size": 8192,
+        "bf16_flops": 7.5e14,
+        "copy_bytes": 2 << 30,
+        "copy_bytes_per_s": 3.2e12,
+    }
+    assert format_machine({"torch": "2.13", "transformers": "5.0", "gpu": gpu}) == (
+        "Some GPU (80 GiB), torch 2.13, transformers 5.0; measured: bfloat16 matmul 8192^3 750 TFLOP/s, "
+        "device copy of 2 GiB 3.20 TB/s read + written (the peaks the tables' fractions are of)"
+    )

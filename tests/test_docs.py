@@ -1,5 +1,5 @@
 """The documentation is true where a test can tell: every relative link and #anchor of README.md and
-docs/*.md resolves (anchors as GitHub renders headings), the README's Python example runs, and the
+docs/**/*.md resolves (anchors as GitHub renders headings), the README's Python example runs, and the
 README's first record is what `pagedinfer run prompts/example.jsonl` writes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from pagedinfer.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")  # [text](target), not images
 
 

@@ -9,7 +9,8 @@
 // see them, the latest moment a GPU may deliver them, so reading a buffer before waiting shows;
 // with kEagerCopies they land at once, the earliest moment, so overwriting a buffer that other
 // threads still read (a missing barrier after the reads) shows.
-// Included with `-include` by pagedinfer/cuda_cpu.py. Static shared memory only (no `extern __shared__`).
+// Included with `-include` by pagedinfer/attention/cuda_on_cpu.py. Static shared memory only (no
+// `extern __shared__`).
 #pragma once
 #include <algorithm>
 #include <bit>

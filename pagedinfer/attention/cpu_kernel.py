@@ -9,8 +9,7 @@ every layer of every step; this kernel reads K/V in place through the block tabl
 built with the system C compiler on first use (about a second; `prebuild` builds every CPU kernel at
 once when a model loads, saying so in one line) and cached by source and CPU; if no compiler is there, or ``PAGEDINFER_CPU_KERNEL=0``, the torch path runs instead. Its threads are
 OpenMP's: the library names libgomp by soname and so gets the copy torch loaded, whose workers are
-already awake after each op; a pool of our own would fight them for the cores (measured in W1: two
-Python threads were no faster than one).
+already awake after each op; a pool of our own would fight them for the cores.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); e
 # to shorten its latency, so two builds of one kernel (the AVX-512 head tiles and the AVX2 one head
 # at a time) round differently; with these off every such product-sum is fused, on every CPU
 FMA_CHAIN_TUNINGS = ("avoid_fma_chains", "avoid_fma256_chains", "avoid_fma512_chains")
-# decode attention without the kernel, per call on W1's shape (64 sequences of 250 tokens, 9/3 heads of
-# 64; AMD EPYC, 2 threads): scripts/bench_decode_fallback.py measured 40 ms against 733 ms (a loaded machine)
+# how many times slower decode attention runs per call without the kernel, on W1's shape, as the warning
+# says (scripts/bench_decode_fallback.py measures it; the figure is in docs/kernels.md)
 TORCH_PATH_SLOWDOWN = 18
 MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second thread costs more than it saves
 

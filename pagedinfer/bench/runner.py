@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pagedinfer.attention.cpu_kernel import cpu_flags
 from pagedinfer.bench import report
-from pagedinfer.bench.gpu import H200_BF16_DENSE_FLOPS, H200_HBM_BYTES_PER_S, cuda_problem, measure_gpu
+from pagedinfer.bench.gpu import cuda_problem, measure_gpu
 from pagedinfer.bench.job import Beam, Job, RunResult, SystemUnavailable
 from pagedinfer.bench.machine import cpu_model, measure_gemm, source_state
 from pagedinfer.bench.models import BuiltModel, build_model
@@ -200,8 +200,8 @@ def _header(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel, job:
 
 def _figures(runs: list[RunResult], head: dict, job: Job, rates: dict) -> dict:
     """A system's figures from its fastest run (over its own job's tokens): throughput, and compute
-    efficiency against ``rates`` (CPU: the GEMM rate per wall and per CPU second; GPU: the measured
-    and datasheet matmul peaks and HBM bandwidths)."""
+    efficiency against ``rates`` (CPU: the GEMM rate per wall and per CPU second; GPU: the bfloat16
+    matmul rate and the copy bandwidth the device reached at the start of this run)."""
     best = min(runs, key=lambda r: r.wall_s)
     generated = job.n * sum(job.max_tokens)
     tokens = sum(map(len, job.prompts)) + generated
@@ -229,10 +229,8 @@ def _figures(runs: list[RunResult], head: dict, job: Job, rates: dict) -> dict:
         **out,
         "flops_per_s": flops / best.wall_s,
         "matmul_peak_fraction": flops / best.wall_s / rates["bf16_flops"],
-        "matmul_datasheet_fraction": flops / best.wall_s / H200_BF16_DENSE_FLOPS,
         "hbm_bytes": hbm,
         "hbm_fraction": None if hbm is None else hbm / best.wall_s / rates["copy_bytes_per_s"],
-        "hbm_datasheet_fraction": None if hbm is None else hbm / best.wall_s / H200_HBM_BYTES_PER_S,
     }
 
 

@@ -180,7 +180,7 @@ def render(stats: EngineStats, console: Console) -> None:
             f"[dim]max_model_len[/] {stats.max_model_len:,}",
         ],
     )
-    # dtype line (issue 14): the run's dtype and why --dtype auto chose it
+    # dtype line: the run's dtype (yellow when it runs emulated) and why --dtype auto chose it
     shown = f"[bold yellow]{stats.dtype}[/]" if stats.dtype_emulated else f"[bold]{stats.dtype}[/]"
     rows.add("dtype", [shown, f"[dim]{escape(stats.dtype_reason)}[/]"])
     if stats.kv_cache_dtype != stats.dtype:

@@ -6,7 +6,7 @@ Blocks are handed out on demand (only when the last block is full), shared by ``
 counts rise), and copied only when a sequence must *write* into a block that others still
 reference (copy-on-write); a full shared block is never written again, so it stays shared.
 
-Prefix caching (seed 004 section 9, across requests): every FULL, computed block is named by a
+Prefix caching (across requests): every FULL, computed block is named by a
 chained hash of its parent's hash and its own token ids, so equal hashes mean equal token
 prefixes and therefore equal K/V. ``match_prefix`` hands a new sequence the blocks of its longest
 cached prefix (counts rise, nothing is computed again). A hashed block whose count falls to zero
@@ -305,7 +305,7 @@ class BlockPool:
         return n
 
     def slot(self, table: list[int], position: int) -> int:
-        """Flat slot index (block * block_size + offset) of a token position: the seeds' lookup."""
+        """Flat slot index (block * block_size + offset) of a token position (the block-table lookup)."""
         block, offset = divmod(position, self.block_size)
         return table[block] * self.block_size + offset
 

@@ -2,10 +2,10 @@
 
 Grammars are compiled by llguidance (Earley parser over a lazily built lexer; no dependencies, the
 library vLLM's ``guidance`` backend and llama.cpp use): JSON schemas, ``json_object``, regexes, choices,
-and Lark (EBNF) or llama.cpp GBNF grammars. scripts/bench_grammar_libs.py measured it against xgrammar
-on the CPU (docs/bench.md): xgrammar's masks cost less per step, llguidance compiles a schema ~10x
-faster and brings no dependency (xgrammar pulls triton); at batch 64 its masks are a few percent of
-a step and are computed while the forward pass runs.
+and Lark (EBNF) or llama.cpp GBNF grammars. Against xgrammar on the CPU (scripts/bench_grammar_libs.py,
+docs/bench.md): xgrammar's masks cost less per step, but llguidance compiles a schema much faster and
+brings no dependency (xgrammar pulls triton), and its masks, a small part of a batched step, are
+computed while the forward pass runs.
 
 * `GrammarCompiler`: one compiled matcher per distinct constraint (`StructuredOutputsParams.key`) in
   a bounded LRU cache; every sequence starts from a copy of it. Compiled in `engine.intake.prepare`

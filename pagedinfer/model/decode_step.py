@@ -2,13 +2,13 @@
 
 Per layer, our Llama-family layers make about ten Python calls into C kernels (norms, GEMMs, RoPE,
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
-for attention, walking the step's plan: about 200-250 us of Python per layer, 15-20% of a batch-1
-step of SmolLM2-135M. When a step only decodes (one new token per sequence) and every piece runs
-on a C kernel (weights in cpu_gemm.c's panels: float32, int8, int4 or GGUF blocks under float32
-activations, or bfloat16; a KV pool in host memory), this module
-hands the whole stack of layers to one C function that calls the same kernels in the same order,
-so the outputs are the same bits. The layers' pointers are gathered once per KV pool; a step passes
-only its metadata. ``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
+for attention, walking the step's plan: Python overhead that is a large share of a small model's
+batch-1 step (docs/kernels.md). When a step only decodes (one new token per sequence) and every
+piece runs on a C kernel (weights in cpu_gemm.c's panels: float32, int8, int4 or GGUF blocks under
+float32 activations, or bfloat16; a KV pool in host memory), this module hands the whole stack of
+layers to one C function that calls the same kernels in the same order, so the outputs are the same
+bits. The layers' pointers are gathered once per KV pool; a step passes only its metadata.
+``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ bfloat16 matrix instructions (AMX, AVX512-BF16) multiply it faster than float32;
 oneDNN converts every operand and bfloat16 GEMMs run slower. So ``auto`` keeps float32 unless the
 CPU has those instructions, the model is stored in 16 bits (a float32 checkpoint in bfloat16 would
 change its outputs for no saving the user asked for) and a GEMM of the model's own width runs at
-least `MIN_SPEEDUP` times faster in bfloat16 on this machine, measured at load time (about 0.1 s).
+least `MIN_SPEEDUP` times faster in bfloat16 on this machine, measured at load time (a fraction of a
+second).
 
 An explicit 16-bit choice on a CPU without that type's native matrix instructions runs emulated:
-every product converts its operands to float32 (bfloat16 GEMMs at a fraction of float32's rate on
-AVX2, float16 ones over a hundred times slower there). It runs as asked, and says so: a note on
-stderr naming the faster choice (`emulated_note`) and the report's dtype line.
+every product converts its operands to float32 and runs slower than float32 itself (docs/models.md
+has the figures). It runs as asked, and says so: a note on stderr naming the faster choice
+(`emulated_note`) and the report's dtype line.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A CPU step allocates activations of hundreds of KB to tens of MB (a batch-64 gate-up output is 786
 KB, a prefill's up to 24 MB) and frees them at once. By default glibc serves such sizes with mmap, or
 trims the heap top past a threshold it adapts as it goes, so the next step faults the same pages in
-again and the kernel zeroes them: 1.2-1.6 million minor faults and 6 s of system time in a batch-64
-run of SmolLM2-135M (32 tokens x 64 completions; AMD EPYC, 2 cores), against 0.18 million and 2 s with the
-settings below, and 6-8% less wall time (docs/kernels.md). The cost: up to `TRIM_BYTES` of freed
-memory stays in the process. ``PAGEDINFER_MALLOC_TUNING=0`` leaves malloc as it is.
+again and the kernel zeroes them, step after step. The settings below keep those pages in the
+process, which cuts the minor faults and the system time several-fold (docs/kernels.md, "Host memory
+between steps"). The cost: up to `TRIM_BYTES` of freed memory stays in the process.
+``PAGEDINFER_MALLOC_TUNING=0`` leaves malloc as it is.
 """
 
 from __future__ import annotations

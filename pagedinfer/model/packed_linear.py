@@ -2,28 +2,21 @@
 
 A decode step multiplies a few dozen rows by each weight; MKL's sgemm re-lays the whole weight out
 per call, which costs about as much as the multiply itself at that size. oneDNN's prepacked
-weights run the same products 1.2-2.5x faster on the CPU (the 49152-wide lm_head most), for
-every row count (measured in docs/bench.md), so `pack_linears` swaps each ``nn.Linear`` of a
-loaded CPU float32 model for a `PackedLinear`. bfloat16 models are packed too where the CPU has
-native bfloat16 instructions (AVX512-BF16, AMX): there the prepacked bfloat16 products ran 1.4-4x
-faster than ``F.linear``'s (docs/kernels.md); elsewhere oneDNN would emulate them.
+weights skip that re-layout, so `pack_linears` swaps each ``nn.Linear`` of a loaded CPU float32
+model for a `PackedLinear`. bfloat16 models are packed too where the CPU has native bfloat16
+instructions (AVX512-BF16, AMX); elsewhere oneDNN would emulate them.
 
 float32 linears go through kernels/cpu_gemm.c instead, on a weight laid out once in 16-row panels:
 at decode batch sizes a step streams every weight from memory, and oneDNN streams a packed weight
-at half the memory speed or less there (6-10 GB/s of 15-20 at 1-16 rows), while the panel kernel
-streams it near memory speed, and past 12 rows its tiles of 6 rows by 4 panels keep the FMA units
-busy. Measured on a SmolLM2-135M stack of linears (docs/kernels.md): 1.3-1.7x faster than oneDNN
-at 1-64 rows on AVX2 and AMD's Zen 4, within 10% at 256-2048 (prefill); on an Intel Xeon with
-AVX-512 0.85-1.2x oneDNN at 64-1024 rows and 2x at one row, and end to end faster on every
-workload of scripts/bench_llamacpp.py (the one-call decode step it enables, decode_step.py, made
-batch-1 decode 2.3x faster). One copy of the weight either way. ``PAGEDINFER_CPU_GEMM=panels`` /
-``=onednn`` forces one.
+well below the memory's rate there, while the panel kernel streams it near memory speed, and past
+its register tiles' rows its wide tiles keep the FMA units busy. The panels are also what the
+one-call decode step (decode_step.py) needs. One copy of the weight either way.
+``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one. (Measurements per CPU: docs/kernels.md.)
 
 bfloat16 linears take the same panels, with k in pairs for vdpbf16ps, where the kernel was built
-with AVX512-BF16 (and ``in`` is even): on the Zen 4 they ran 1.0-1.6x oneDNN's bfloat16 products at
-1-256 rows and 0.95x at 2048, the bits equal, and they let a bfloat16 decode step run in one C call.
-Where the CPU has AMX and the kernel was built for it, 8 rows and more run on the tiles from the
-same panels (1.05-1.5x oneDNN's AMX products at 8-256 rows on an Intel Xeon, docs/kernels.md).
+with AVX512-BF16 (and ``in`` is even): the bits equal oneDNN's bfloat16 products, and they let a
+bfloat16 decode step run in one C call. Where the CPU has AMX and the kernel was built for it, 8
+rows and more run on the tiles from the same panels.
 """
 
 from __future__ import annotations
@@ -49,7 +42,7 @@ from pagedinfer.model.panel_formats import KINDS, Segment
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
-MIN_WEIGHTS = 1 << 17  # under oneDNN smaller weights stay with MKL: its ~30 us a call outweighs its gain
+MIN_WEIGHTS = 1 << 17  # under oneDNN smaller weights stay with MKL: oneDNN's cost a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
 
 
@@ -379,9 +372,9 @@ def _gemm_library() -> ctypes.CDLL | None:
 
 def panels_by_default(dtype: torch.dtype) -> bool:
     """The panel kernel serves every linear, except bfloat16 ones on a CPU with AMX where the kernel
-    was built without AMX tiles: oneDNN drives those at 3-9x the vdpbf16ps panels' rate from 16 rows
-    up. With them (cpu_gemm.c's AMX path, from 8 rows) the panels ran 1.05-1.5x oneDNN at 8-256
-    rows and 0.97x at 2048 on an Intel Xeon, and the one-call decode step runs in bfloat16 too."""
+    was built without AMX tiles: oneDNN drives those on the tile units, several times the vdpbf16ps
+    panels' rate from 16 rows up. With them (cpu_gemm.c's AMX path, from 8 rows) the panels keep up
+    with oneDNN, and the one-call decode step runs in bfloat16 too."""
     lib = _gemm_library()
     return not (dtype == torch.bfloat16 and cpu_flags(("amx_bf16",)) and not (lib and lib.gemm_amx()))
 
@@ -411,7 +404,7 @@ def pack_linears(
 
     ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
     `panels_by_default` says for this CPU. ``min_weights`` None: every linear on the panels (a row's
-    products then never depend on the rows beside it: MKL's do, at small row counts on an AMD Zen 5),
+    products then never depend on the rows beside it: MKL's vary with the row count on some CPUs),
     `MIN_WEIGHTS` under oneDNN. ``quantization``: float32 weights quantized to int8 or int4
     (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says,
     multiplied under ``activations``, the model's other parameters then copied into that dtype (the

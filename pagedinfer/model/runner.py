@@ -59,7 +59,7 @@ class ModelRunner:
             ids = [s.seq.token_ids[s.start] for s in batch]
             starts = [s.start for s in batch]
             positions = torch.tensor(starts)  # [T = S]
-            # the seeds' lookup: position p of a sequence -> block table[p // bs], slot p % bs
+            # the block-table lookup: position p of a sequence -> block table[p // bs], slot p % bs
             slots = [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(batch, starts, strict=True)]
             slot_mapping = torch.tensor(slots)  # [T] int64
             query_start_loc = torch.arange(len(batch) + 1, dtype=torch.int32)  # [S + 1]
@@ -74,7 +74,7 @@ class ModelRunner:
             query_start_loc[1:] = torch.cumsum(q_lens, 0)
             offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
             positions = starts[seq_of_token] + offsets  # [T]
-            # the seeds' lookup, vectorised: position p of a sequence -> block table[p // bs], slot p % bs
+            # the block-table lookup, vectorised: position p of a sequence -> block table[p // bs], slot p % bs
             slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
