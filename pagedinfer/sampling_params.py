@@ -145,6 +145,12 @@ def line_fields(cls: type) -> dict[str, tuple[str, ...]]:
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on a logit_bias value
 # the ways to constrain an output, vLLM's names; exactly one is given
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON's whitespace by default: one space, or a newline and up to 20 spaces or tabs of indentation
+# (llama.cpp's bound), at each place JSON allows whitespace (llguidance matches it at most once
+# there): pretty-printed JSON passes, a completion cannot spend its tokens on runs of blank space
+BOUNDED_JSON_WHITESPACE = r"\x20|\n[\x20\x09]{0,20}"
+# any run of JSON whitespace anywhere (llguidance's and vLLM's default), on request
+UNBOUNDED_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
 
 
 @dataclass
@@ -154,8 +160,9 @@ class StructuredOutputsParams:
     ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object; ``regex``: the
     whole output matches it; ``choice``: the output is one of these strings; ``grammar``: a Lark
     (EBNF) or llama.cpp GBNF grammar. ``disable_any_whitespace``: JSON without whitespace between
-    tokens (shorter outputs, and no completion can spend its tokens on blank space). Plain data, so it
-    crosses to Ray replicas; the grammar is compiled by the engine (`engine.intake.prepare`).
+    tokens. ``whitespace_pattern``: the regex JSON's whitespace matches at each place it may go (vLLM's
+    name); by default `BOUNDED_JSON_WHITESPACE`, `UNBOUNDED_JSON_WHITESPACE` for any. Plain data, so
+    it crosses to Ray replicas; the grammar is compiled by the engine (`engine.intake.prepare`).
     """
 
     json: str | dict | None = None
@@ -164,6 +171,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -201,13 +209,30 @@ class StructuredOutputsParams:
                 isinstance(self.disable_any_whitespace, bool),
                 "must be true or false",
             ),
+            (
+                "whitespace_pattern",
+                self.whitespace_pattern is None
+                or isinstance(self.whitespace_pattern, str)
+                and self.whitespace_pattern,
+                "must be a non-empty string (a regex)",
+            ),
+            (
+                "whitespace_pattern",
+                self.whitespace_pattern is None or not self.disable_any_whitespace,
+                "cannot be given with disable_any_whitespace",
+            ),
+            (
+                "whitespace_pattern",
+                self.whitespace_pattern is None or self.json is not None or self.json_object,
+                "applies to json and json_object only",
+            ),
         ]
         for name, ok, reason in checks:
             if not ok:
                 raise ParamError(f"structured_outputs.{name}", reason)
         if self.choice is not None:
             self.choice = list(self.choice)
-        for name in ("regex", "grammar", *([] if self.choice is None else ["choice"])):
+        for name in ("regex", "grammar", "whitespace_pattern", *([] if self.choice is None else ["choice"])):
             for text in [getattr(self, name)] if name != "choice" else self.choice:
                 if isinstance(text, str) and (why := unicode_error(text)) is not None:
                     raise ParamError(f"structured_outputs.{name}", why)
@@ -220,7 +245,9 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """The same text for equal constraints: what the engine's compile cache is keyed by."""
         value = getattr(self, self.kind)
-        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+        return json.dumps(
+            [self.kind, value, self.disable_any_whitespace, self.whitespace_pattern], sort_keys=True
+        )
 
 
 def _structured(value: object) -> StructuredOutputsParams:
@@ -229,7 +256,7 @@ def _structured(value: object) -> StructuredOutputsParams:
         return value
     if not isinstance(value, dict):
         raise ParamError("structured_outputs", f"must be an object with one of {', '.join(STRUCTURED_KINDS)}")
-    unknown = sorted(set(value) - {*STRUCTURED_KINDS, "disable_any_whitespace"})
+    unknown = sorted(set(value) - {*STRUCTURED_KINDS, "disable_any_whitespace", "whitespace_pattern"})
     if unknown:
         s = "s" if len(unknown) > 1 else ""
         raise ParamError("structured_outputs", f"has unknown field{s} {', '.join(map(repr, unknown))}")

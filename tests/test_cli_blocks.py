@@ -90,3 +90,39 @@ def test_prefix_cache_hits_and_cached_blocks_are_drawn(tmp_path):
     assert "kept cached (no reference left, evictable): P1, P0" in first and "2 cached)" in first
     assert "P0 ▒▒ ⟲" in first and "P1 ▒▒ ⟲" in first
     assert "prefix cache hit  reused, not computed: P0, P1" in second
+
+
+def test_blocks_fit_60_and_80_columns_breaking_rows_between_cells():
+    import io
+    import re
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from pagedinfer.cli import blocks_view
+
+    doc = blocks_view.builtin_trace()
+
+    def drawn(width: int) -> str:
+        out = io.StringIO()
+        terminal = Console(file=out, width=width, force_terminal=True, color_system=None, soft_wrap=True)
+        blocks_view.render(doc, terminal)
+        return out.getvalue()
+
+    def words(text: str) -> list[str]:
+        return [w for w in text.split() if set(w) != {"─"}]  # a step's rule is as wide as the terminal
+
+    def cells(text: str) -> list[str]:
+        return re.findall(r"P\d+ (?:[█░]{4} ×\d+|·{4}|▒{4} ⟲)", text)  # block size 4
+
+    whole = drawn(1000)
+    assert len(cells(whole)) == 5 * 8  # every block of the pool, at every step
+    for width in (60, 80):
+        text = drawn(width)
+        assert max(cell_len(line) for line in text.splitlines()) <= width
+        assert words(text) == words(whole)  # only line breaks and indents were added
+        assert cells(text) == cells(whole)  # no cell broken
+        pool = [ln for ln in text.splitlines() if ln.startswith("  pool ")]
+        assert all(ln.startswith("  pool       P0 ") for ln in pool) and len(pool) == 5
+        rows = text.split("  pool       P0 ")[1].split("  tables")[0].splitlines()[1:]
+        assert rows and all(ln.startswith(" " * 13 + "P") or ln.startswith(" " * 13 + "(") for ln in rows)

@@ -226,3 +226,29 @@ def test_max_model_len_above_the_models_context_is_noted_once(model, tmp_path, g
     assert [ln for ln in result.stderr.splitlines() if "max-model-len" in ln] == ([expected] if note else [])
     assert not [w for w in caught if issubclass(w.category, MaxModelLenCapped)]
     assert json.loads(report.read_text())["pool"]["max_model_len"] == min(int(given), 128)
+
+
+def test_an_emulated_dtype_is_noted_on_stderr_and_in_the_report(model, tmp_path, monkeypatch):
+    """bfloat16 on a CPU without AVX512-BF16 or AMX (faked here: this CPU may have them) runs, says so
+    in one stderr line naming the faster choice, and the report's dtype line and JSON say emulated."""
+    from pagedinfer.model import dtype as dtype_choice
+
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda names: [])
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "To be", "max_tokens": 2}])
+    report = tmp_path / "r.json"
+    result = invoke("run", prompts, "--model", model, "--dtype", "bfloat16", "--report-json", report)
+    assert result.exit_code == 0, result.output
+    note = (
+        "pagedinfer: note: bfloat16 runs emulated on this CPU (no amx_bf16/avx512_bf16): float32 is "
+        "faster here (--dtype float32), or --quantization int8"
+    )
+    assert [ln for ln in result.stderr.splitlines() if "emulated" in ln] == [note]
+    row = result.stdout.split("│ dtype ", 1)[1].split("│ Weights", 1)[0]  # the report's dtype row
+    assert (
+        " ".join(row.replace("│", "").split())
+        == "bfloat16 --dtype bfloat16; emulated on this CPU (no amx_bf16/avx512_bf16)"
+    )
+    doc = json.loads(report.read_text())["model"]
+    assert doc["dtype_emulated"] is True and doc["dtype_reason"].endswith(
+        "emulated on this CPU (no amx_bf16/avx512_bf16)"
+    )

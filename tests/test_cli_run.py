@@ -403,6 +403,7 @@ REPORT_KEYS = {
     "model",
     "model.dtype",
     "model.dtype_reason",
+    "model.dtype_emulated",
     "model.weight_bytes",
     "model.linear_bits_per_weight",
     "cuda_graphs",
@@ -672,3 +673,42 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         "validate": 1,  # the one line whose logits a processor shapes
         "rejection_reason": 2,
     }
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_the_summary_and_errors_fit_the_terminal_between_words(model, tmp_path, width):
+    """On a terminal of ``width`` columns every line of the summary and of an error fits (wrapped
+    between words, continuations indented), a path is never broken (one longer than the width stands
+    whole on its own line) and the words are those of the unwrapped line; off a terminal, lines stay
+    whole."""
+    from rich.cells import cell_len
+
+    folder = tmp_path / "a-folder-name-long-enough-to-push-the-output-path-past-sixty-columns"
+    folder.mkdir()
+    out = folder / "out.jsonl"
+    src = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "To be", "max_tokens": 3}, {"prompt": "x", "logit_bias": {"100000": 1}}],
+    )
+    args = ["run", src, "--model", model, "-o", out, "--quiet"]
+    # a terminal to Rich (TTY_COMPATIBLE), colourless (TERM=dumb: its size is then COLUMNS x LINES)
+    terminal = {"COLUMNS": str(width), "LINES": "25", "TTY_COMPATIBLE": "1", "TERM": "dumb"}
+    result = CliRunner(env=terminal).invoke(app, [str(a) for a in args])
+    assert result.exit_code == 1, result.output
+    lines = result.stdout.splitlines()
+    assert all(cell_len(ln) <= width or ln.strip() == f"{out}:" for ln in lines), lines
+    assert f"  {out}:" in lines  # the path on a line of its own: it is longer than the width
+    assert all(ln.startswith("  ") for ln in lines[1:])  # continuations and the error line, indented
+    said = " ".join(result.stdout.split())
+    assert re.fullmatch(
+        rf"pagedinfer: 2 lines → {re.escape(str(out))}: 1 ok, 1 failed \(line 2\) · 3 tokens generated in "
+        r"[\d.]+ s ✗ line 2: logit_bias names token 100000, outside the model's vocabulary of 320 tokens",
+        said,
+    ), said
+    missing = folder / "missing-input-file.jsonl"
+    result = CliRunner(env=terminal).invoke(app, ["run", str(missing), "--model", model])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines == ["error: input file", f"  {missing}", "  does not exist"], lines
+    result = CliRunner(env={"COLUMNS": str(width)}).invoke(app, ["run", str(missing), "--model", model])
+    assert result.stderr.splitlines() == [f"error: input file {missing} does not exist"]  # a log: whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 from cli_helpers import read_jsonl, tiny_model, write_jsonl
 from typer.testing import CliRunner
 
@@ -112,3 +113,103 @@ def test_an_openai_body_asking_prompt_logprobs_gets_them_where_vllm_puts_them(tm
     plp = chat["prompt_logprobs"]  # vLLM's ChatCompletionResponse.prompt_logprobs
     assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"] and all(len(e) == 1 for e in plp[1:])
     assert "prompt_logprobs" not in none and "prompt_logprobs" not in none["choices"][0]
+
+
+PERSON = {  # prompts/extraction.jsonl's schema
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_lines_of_the_demo_model_finish_at_a_high_temperature(tmp_path):
+    # with JSON's whitespace unbounded this weak model spent every line's 120 tokens on blank space
+    def line(seed: int) -> dict:
+        body = {
+            "messages": [{"role": "user", "content": "Give a person as JSON with name, age and city."}],
+            "temperature": 0.9,
+            "seed": seed,
+            "max_tokens": 120,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        }
+        return {"custom_id": f"p{seed}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+    src, out = write_jsonl(tmp_path / "in.jsonl", [line(s) for s in range(8)]), tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(src), "-o", str(out), "--quiet"])  # the demo model
+    assert result.exit_code == 0, result.output
+    for rec in read_jsonl(out):
+        choice = rec["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_a_json_object_never_repeats_a_key(tmp_path):
+    # the biases make a repeated empty key the greedy choice: '{"":"","":"",...' without the key guard
+    bias = {'"': 100, "a": 80, ",": 60, ":": 50, "}": 40}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model())
+    bias = {str(tok.convert_tokens_to_ids(c)): b for c, b in bias.items()}
+    so = {"response_format": {"type": "json_object"}}
+    lines = [
+        {
+            "id": "o",
+            "prompt": "To be",
+            "temperature": 0,
+            "max_tokens": 24,
+            "logit_bias": bias,
+            "structured_outputs": {"json_object": True},
+        },
+        {
+            "custom_id": "oa",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "To be", "temperature": 0, "max_tokens": 24, "logit_bias": bias, **so},
+        },
+    ]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(src), "-m", str(tiny_model()), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    plain, openai = read_jsonl(out)
+    want = '{"":"","a":"","aa":"","a'
+    assert plain["outputs"][0]["text"] == want and plain["outputs"][0]["finish_reason"] == "length"
+    assert openai["response"]["body"]["choices"][0]["text"] == want
+
+
+def test_constraints_with_no_finite_output_are_their_lines_errors(tmp_path):
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "child": {"$ref": "#/$defs/node"}}}
+    endless = {"$defs": {"node": {**node, "required": ["child"]}}, "$ref": "#/$defs/node"}
+    optional = {
+        "$defs": {"node": {**node, "required": ["v"], "additionalProperties": False}},
+        "$ref": "#/$defs/node",
+    }
+    lines = [
+        {"id": "endless", "prompt": "x", "structured_outputs": {"json": endless}},
+        {"id": "self", "prompt": "x", "structured_outputs": {"json": {"$ref": "#"}}},
+        {"id": "optional", "prompt": "x", "max_tokens": 60, "structured_outputs": {"json": optional}},
+        {"id": "rule", "prompt": "x", "structured_outputs": {"grammar": "start: start"}},
+        {"id": "forced", "prompt": "x", "structured_outputs": {"grammar": 'root ::= "(" root ")"'}},
+    ]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(src), "-m", str(tiny_model()), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1, result.output
+    recs = {r["id"]: r for r in read_jsonl(out)}
+    cycle = (
+        "has no finite instance: each one must contain another (a reference cycle with no optional way out)"
+    )
+    assert recs["endless"]["error"] == f"line 1: structured_outputs.json: $ref '#/$defs/node' {cycle}"
+    assert recs["self"]["error"] == f"line 2: structured_outputs.json: $ref '#' {cycle}"
+    assert recs["optional"]["error"] is None and recs["optional"]["outputs"][0]["text"].startswith("{")
+    assert recs["rule"]["error"] == (
+        "line 4: structured_outputs.grammar: the grammar accepts no output: its rules only lead back to themselves"
+    )
+    assert recs["forced"]["error"] == (
+        "line 5: structured_outputs.grammar: the grammar has no finite output from here: it forces endless text"
+        " (a rule that must repeat)"
+    )
+    assert len(result.output.strip().splitlines()) == 1 + 4  # the summary, then one line per error

@@ -123,14 +123,17 @@ def test_the_api_pages_first_example_runs_outside_the_checkout(tmp_path):
 
 def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:
     """``pagedinfer COMMAND prompts/example.jsonl ARGS`` as the docs ran it (in a folder holding
-    prompts/, at 80 columns): its stdout."""
+    prompts/, on an 80-column terminal, `blocks` on a 100-column one): its stdout."""
     (tmp_path / "prompts").mkdir(exist_ok=True)
     shutil.copy(ROOT / "prompts" / "example.jsonl", tmp_path / "prompts")
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
         argv = [command, "prompts/example.jsonl", *args] if command == "run" else [command, *args]
-        result = CliRunner(env={"COLUMNS": "80" if command == "run" else "100"}).invoke(app, argv)
+        width = "80" if command == "run" else "100"
+        # a terminal to Rich (TTY_COMPATIBLE), colourless (TERM=dumb: its size is then COLUMNS x LINES)
+        terminal = {"COLUMNS": width, "LINES": "25", "TTY_COMPATIBLE": "1", "TERM": "dumb"}
+        result = CliRunner(env=terminal).invoke(app, argv)
     finally:
         os.chdir(cwd)
     assert result.exit_code == 0, result.output
@@ -138,7 +141,10 @@ def example_run(tmp_path: Path, *args: str, command: str = "run") -> str:
 
 
 def timeless(report: str) -> str:
-    """A report without what depends on the machine: the Throughput row, the summary's seconds, the folder."""
+    """A report without what depends on the machine: the Throughput row, the summary's seconds, the folder
+    (and so where the summary wraps: it is joined into one line)."""
+    box, end, summary = report.rpartition("╯\n")
+    report = box + end + " ".join(summary.split()) + "\n"
     text = re.sub(r"│ Throughput .*?(?=│ \S)", "│ Throughput …\n", report, flags=re.S)
     text = re.sub(r"generated in [\d.]+ s", "generated in … s", text)
     return re.sub(r"→ /\S*/prompts/", "→ …/prompts/", text)  # the summary names the output's full path

@@ -51,7 +51,8 @@ def test_llm_loads_a_gguf_file(qwen2_gguf):
 def test_gguf_is_dequantized_to_the_runs_dtype(qwen2_gguf):
     llm = LLM(str(qwen2_gguf[1]), device="cpu", dtype="bfloat16")
     loaded = llm.engine.loaded
-    assert loaded.dtype == torch.bfloat16 and loaded.dtype_reason == "--dtype bfloat16"
+    assert loaded.dtype == torch.bfloat16  # the reason adds "; emulated ..." on a CPU without AVX512-BF16
+    assert loaded.dtype_reason.startswith("--dtype bfloat16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert llm.engine.kv.k[0].dtype == torch.bfloat16
     assert len(greedy(llm)[0]) == MAX_TOKENS
@@ -160,6 +161,29 @@ def test_auto_on_this_machine_matches_its_cpu_flags(text_model):
         "dtype": "float32",
         "dtype_reason": "auto: float32 on the CPU (the model is not stored in 16 bits)",
     }
+
+
+@pytest.mark.parametrize(
+    "dtype, flags", [("bfloat16", "amx_bf16/avx512_bf16"), ("float16", "amx_fp16/avx512_fp16")]
+)
+def test_an_explicit_16_bit_dtype_without_native_instructions_says_it_runs_emulated(
+    dtype, flags, monkeypatch
+):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda names: [])  # an AVX2-only CPU
+    choice = dtype_choice.choose_dtype(dtype, config(None), CPU)
+    assert choice.emulated and choice.reason == f"--dtype {dtype}; emulated on this CPU (no {flags})"
+    assert dtype_choice.emulated_note(choice) == (
+        f"pagedinfer: note: {dtype} runs emulated on this CPU (no {flags}): float32 is faster here "
+        "(--dtype float32), or --quantization int8"
+    )
+    given = dtype_choice.choose_dtype(getattr(torch, dtype), config(None), CPU)
+    assert given.emulated and given.reason.startswith("given; emulated")
+    for other in ("float32", "auto"):
+        assert not dtype_choice.choose_dtype(other, config(None), CPU).emulated
+    assert not dtype_choice.choose_dtype(dtype, config(None), torch.device("cuda")).emulated
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda names: list(names[-1:]))  # AVX512 with it
+    native = dtype_choice.choose_dtype(dtype, config(None), CPU)
+    assert not native.emulated and native.reason == f"--dtype {dtype}"
 
 
 def test_gemm_speedup_measures_both_dtypes():

@@ -39,6 +39,7 @@ LEAVES = {
     "chat_template",
     "chat_render",
     "chat_worker",
+    "terminal",
 }  # plain records any layer may import
 
 

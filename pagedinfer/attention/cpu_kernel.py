@@ -22,7 +22,6 @@ import itertools
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 from pagedinfer import envs
 from pagedinfer.attention import kernel_cache
 from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.terminal import keep, note
 
 SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # kernel names' suffixes
@@ -138,8 +138,7 @@ def _start(compiler: str, source: Path, flags: list[str], lib: Path) -> tuple[su
 @functools.cache
 def _say_compiling() -> None:
     """One line, once per process, before the first compiler runs: the first run waits for it."""
-    sys.stderr.write(f"pagedinfer: compiling CPU kernels (once; cached in {envs.kernel_cache()})\n")
-    sys.stderr.flush()
+    note(f"pagedinfer: compiling CPU kernels (once; cached in {keep(str(envs.kernel_cache()))})")
 
 
 def compile_library(source: Path) -> Path | None:
@@ -220,9 +219,9 @@ def _library() -> ctypes.CDLL | None:
 
 def _unavailable(why: str) -> None:
     """Say once, on stderr, that decode attention runs slower (the torch path) and why."""
-    sys.stderr.write(
+    note(
         f"pagedinfer: the CPU decode kernel is unavailable ({why}); decode attention falls back to the "
-        f"torch path, about {TORCH_PATH_SLOWDOWN}x slower per call. Install a C compiler (gcc) to fix it.\n"
+        f"torch path, about {TORCH_PATH_SLOWDOWN}x slower per call. Install a C compiler (gcc) to fix it."
     )
     return None
 

@@ -11,6 +11,8 @@ def main() -> None:
     try:
         from pagedinfer.cli.app import app
     except KeyboardInterrupt:
-        sys.stderr.write("pagedinfer: interrupted while starting; nothing was run or written\n")
+        from pagedinfer.terminal import note
+
+        note("pagedinfer: interrupted while starting; nothing was run or written")
         sys.exit(130)
     app(prog_name="pagedinfer")

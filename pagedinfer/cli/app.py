@@ -17,11 +17,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pagedinfer.cli.help import HelpCommand, HelpGroup
 from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
 from pagedinfer.config import GPU_MEMORY_FRACTION, QUANTIZATIONS, EngineConfig
 from pagedinfer.sampling_params import SamplingParams
+from pagedinfer.terminal import note, say
 
 
 def _default(cls: type, name: str):
@@ -674,7 +676,7 @@ def blocks(
             f"built-in example: one {prompt_tokens}-token prompt, n={n} completions of {max_tokens} tokens, "
             f"block size {block_size}, {num_blocks} blocks"
         )
-    console.print(f"[bold]{title}[/]")
+    say(console, f"[bold]{escape(title)}[/]")
     blocks_view.render(doc, console, max_steps)
 
 
@@ -850,9 +852,7 @@ def bench(
         if res.get("errors")
     ]
     if failed:  # a GPU workload's system failed (its row says why); the others' tables are printed
-        Console(file=sys.stderr).print(
-            f"[bold red]error:[/] systems failed: {'; '.join(failed)}", highlight=False
-        )
+        say(Console(file=sys.stderr), f"[bold red]error:[/] systems failed: {escape('; '.join(failed))}")
         raise typer.Exit(1)
 
 
@@ -901,16 +901,12 @@ def _lora_options(
 
 
 def _interrupted_at_start() -> None:
-    sys.stderr.write("pagedinfer: interrupted while starting; nothing was run or written\n")
+    note("pagedinfer: interrupted while starting; nothing was run or written")
     raise typer.Exit(130)
 
 
 def _usage_error(message: str, err: Console | None = None) -> None:
-    from rich.markup import escape
-
-    (err or Console(file=sys.stderr)).print(
-        f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True
-    )
+    say(err or Console(file=sys.stderr), f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(2)
 
 

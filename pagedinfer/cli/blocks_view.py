@@ -3,6 +3,7 @@
 Input is a trace: the engine's per-step snapshots (``engine.enable_trace()``), either recorded by
 ``pagedinfer run --trace FILE`` or made here for a tiny built-in example (block size 4, a 6-token
 prompt, 2 completions) on a random-weight Llama built in a temporary directory, so it runs offline.
+Every line fits the terminal (`terminal.say`): the rows wrap between cells under their column.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.text import Text
 
+from pagedinfer.terminal import KEEP, keep, say
+
 TRACE_FORMAT = "pagedinfer-trace"
 MAX_POOL_CELLS = 24  # larger pools show only the blocks in use
+COLUMN = 13  # where a step's rows start after their label ("  scheduled  "): their continuations too
 
 
 class TraceError(Exception):
@@ -109,21 +113,22 @@ def render(doc: dict, console: Console, max_steps: int | None = None) -> None:
     bs = int(doc["block_size"])
     num_blocks = int(doc["num_blocks"])
     steps = doc["steps"]
-    console.print(
-        Text.assemble(
+    say(
+        console,
+        Text.assemble(  # each symbol kept with its first word
             ("KV pool: ", "bold"),
             f"{num_blocks} physical blocks of {bs} slots.  ",
             ("█", "green"),
-            " filled slot  ",
+            f"{KEEP}filled slot  ",
             ("░", "green dim"),
-            " allocated, empty  ",
+            f"{KEEP}allocated, empty  ",
             ("×k", "yellow"),
-            " reference count  ",
-            ("▒ ⟲", "blue"),
-            " cached, unreferenced (prefix cache)  ",
+            f"{KEEP}reference count  ",
+            (f"▒{KEEP}⟲", "blue"),
+            f"{KEEP}cached, unreferenced (prefix cache)  ",
             ("L0→P3", "cyan"),
-            " logical block 0 of a sequence lives in physical block 3",
-        )
+            f"{KEEP}{keep('logical block 0')} of a sequence lives in {keep('physical block 3')}",
+        ),
     )
     shown = steps if max_steps is None else steps[:max_steps]
     tables: dict[str, list[int]] = {}
@@ -131,13 +136,13 @@ def render(doc: dict, console: Console, max_steps: int | None = None) -> None:
         _render_step(step, bs, num_blocks, tables, console)
         tables = step.get("tables", {})
     if len(shown) < len(steps):
-        console.print(Text(f"… {len(steps) - len(shown)} more steps (raise --max-steps)", style="dim"))
+        say(console, Text(f"… {len(steps) - len(shown)} more steps (raise --max-steps)", style="dim"))
     elif steps:
         used = len(_ints(steps[-1].get("ref_counts", {})))
         if used == 0:
-            console.print(Text(f"All {num_blocks} blocks are back in the pool.", style="bold green"))
+            say(console, Text(f"All {num_blocks} blocks are back in the pool.", style="bold green"))
         else:
-            console.print(Text(f"{used} blocks still in use at the end of the trace.", style="bold yellow"))
+            say(console, Text(f"{used} blocks still in use at the end of the trace.", style="bold yellow"))
 
 
 def _ints(mapping: dict) -> dict[int, int]:
@@ -157,11 +162,11 @@ def _render_step(step: dict, bs: int, num_blocks: int, before: dict, console: Co
     line = Text("  scheduled  ", style="bold")
     for i, s in enumerate(step.get("scheduled", [])):
         if i:
-            line.append(" · ")
+            line.append(f"{KEEP}· ")  # a line never starts with the separator
         line.append_text(_describe_write(s, tables, before, bs, cows, allocs))
     if step.get("preempted"):
         line.append(f"  preempted: {', '.join(step['preempted'])}", style="bold red")
-    console.print(line)
+    say(console, line, COLUMN)
 
     line = Text("  pool       ", style="bold")
     cached = set(step.get("cached", []))
@@ -169,46 +174,47 @@ def _render_step(step: dict, bs: int, num_blocks: int, before: dict, console: Co
     for b in blocks:
         if b in cached:  # unreferenced but kept: its K/V serves later prompts that start the same
             line.append(f"P{b}", style="blue")
-            line.append(" " + "▒" * min(bs, 8) + " ⟲ ", style="blue")
+            line.append(keep(" " + "▒" * min(bs, 8) + " ⟲ "), style="blue")
         else:
             _pool_cell(line, b, refs.get(b, 0), filled.get(b, 0), bs, b in cows)
         line.append(" ")
     if num_blocks > MAX_POOL_CELLS:
         line.append(f"… {num_blocks - len(refs) - len(cached)} free ", style="dim")
-    line.append(f"({len(refs)}/{num_blocks} in use", style="bold")
+    line.append(keep(f"({len(refs)}/{num_blocks} in use"), style="bold")
     line.append(f", {len(cached)} cached)" if cached else ")", style="bold")
-    console.print(line)
+    say(console, line, COLUMN)
 
     for i, (name, table) in enumerate(sorted(tables.items())):
         line = Text("  tables     " if i == 0 else "             ", style="bold")
         line.append(f"{name:<10}", style="bold")
         for logical, block in enumerate(table):
             line.append(f" L{logical}→P{block}", style="bold red" if block in cows else "cyan")
-        console.print(line)
+        say(console, line, COLUMN + 10)
     if not tables:
-        console.print(Text("  tables     (no live sequences)", style="dim"))
+        say(console, Text("  tables     (no live sequences)", style="dim"))
 
     for text in _describe_events(events, tables):
-        console.print(text)
+        say(console, text)
 
 
 def _pool_cell(line: Text, block: int, ref: int, filled: int, bs: int, copied: bool) -> None:
+    """One block's cell; its spaces are kept (a line breaks between cells, never inside one)."""
     line.append(f"P{block}", style="bold red" if copied else ("bold" if ref else "dim"))
     if not ref:
-        line.append(" " + "·" * min(bs, 8) + "   ", style="dim")
+        line.append(keep(" " + "·" * min(bs, 8) + "   "), style="dim")
         return
     if bs <= 8:
-        line.append(" ")
+        line.append(KEEP)
         line.append("█" * filled, style="green")
         line.append("░" * (bs - filled), style="green dim")
     else:
-        line.append(f" {filled:>3}/{bs}", style="green")
-    line.append(f" ×{ref}", style="yellow bold" if ref > 1 else "yellow")
+        line.append(keep(f" {filled:>3}/{bs}"), style="green")
+    line.append(keep(f" ×{ref}"), style="yellow bold" if ref > 1 else "yellow")
 
 
 def _describe_write(s: dict, tables: dict, before: dict, bs: int, cows: dict, allocs: set) -> Text:
     seq, start, count = s["seq"], int(s["start"]), int(s["tokens"])
-    span = f"position {start}" if count == 1 else f"positions {start}–{start + count - 1}"
+    span = keep(f"position {start}" if count == 1 else f"positions {start}–{start + count - 1}")
     text = Text(f"{seq} {'prefills' if seq.endswith('/prompt') else 'writes'} {span}")
     table = tables.get(seq)
     logical = start // bs

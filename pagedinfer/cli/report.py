@@ -180,8 +180,9 @@ def render(stats: EngineStats, console: Console) -> None:
             f"[dim]max_model_len[/] {stats.max_model_len:,}",
         ],
     )
-    # dtype line: the run's dtype and why --dtype auto chose it
-    rows.add("dtype", [f"[bold]{stats.dtype}[/]", f"[dim]{escape(stats.dtype_reason)}[/]"])
+    # dtype line: the run's dtype (yellow when it runs emulated) and why --dtype auto chose it
+    shown = f"[bold yellow]{stats.dtype}[/]" if stats.dtype_emulated else f"[bold]{stats.dtype}[/]"
+    rows.add("dtype", [shown, f"[dim]{escape(stats.dtype_reason)}[/]"])
     if stats.kv_cache_dtype != stats.dtype:
         rows.add("K/V dtype", [f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]"])
     if stats.weight_bytes:

@@ -47,6 +47,7 @@ from pagedinfer.cli.run_options import describe, differing, run_options
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.parse import LineParser, parse_lines
 from pagedinfer.lines.source import InputFileError, InputLines
+from pagedinfer.terminal import keep, say
 
 if TYPE_CHECKING:
     from pagedinfer.engine.llm_engine import StartedRequest
@@ -126,15 +127,16 @@ class Outcome:
         """``N lines not run``, split into the lines a stop interrupted mid-generation (with the
         tokens they had, lost) and those not started."""
         left, cut = self.not_run(), len(self.unfinished)
-        words = f"{left} line{'s' if left != 1 else ''} not run"
+        words = f"{keep(f'{left} line' + ('s' if left != 1 else ''))} not run"  # counts kept with their words
         if not cut:
             return words
         tokens = sum(x.tokens for x in self.unfinished)
         parts = [
-            f"{cut} interrupted mid-generation ({tokens:,} token{'s' if tokens != 1 else ''} generated, not kept)"
+            f"{keep(f'{cut} interrupted')} mid-generation ({keep(f'{tokens:,} token' + ('s' if tokens != 1 else ''))} "
+            "generated, not kept)"
         ]
         if left > cut:
-            parts.append(f"{left - cut} not started")
+            parts.append(f"{keep(f'{left - cut} not')} started")
         return f"{words}: {', '.join(parts)}"
 
     def succeed(self, record: dict) -> None:
@@ -188,14 +190,13 @@ def execute(opts: RunOptions, out: Console, err: Console) -> int:
         try:
             return run.execute()
         except (UsageError, InputFileError, OutputError) as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            say(err, f"[bold red]error:[/] {escape(str(e))}")
             return EXIT_USAGE
         except (Stopped, KeyboardInterrupt) as e:
             signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-            err.print(
+            say(
+                err,
                 f"[bold yellow]stopped by {signal.Signals(signum).name}[/] at once: {run.on_disk_words()}",
-                highlight=False,
-                soft_wrap=True,
             )
             return 128 + signum
         finally:
@@ -225,9 +226,9 @@ class _Run:
     def on_disk_words(self) -> str:
         if isinstance(self.output, OutputFile):
             n = self.outcome.kept + self.output.written
-            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(str(self.output.path))}"
+            return f"{n} line{'s' if n != 1 else ''} on disk in {escape(keep(str(self.output.path)))}"
         if isinstance(self.output, StreamOutput):
-            return f"{self.output.written} lines written to {escape(str(self.output.path or 'stdout'))}"
+            return f"{self.output.written} lines written to {escape(keep(str(self.output.path or 'stdout')))}"
         return "nothing was written"
 
     def execute(self) -> int:
@@ -322,7 +323,7 @@ class _Run:
                 words.append(f"dropped {found.dropped} unreadable line{s} (their input lines run again)")
             if unchecked:
                 words.append(unchecked)
-            self.err.print("; ".join(words), soft_wrap=True)
+            say(self.err, "; ".join(words))
         return found.keys
 
     def _refuse_other_options(self, kept: dict) -> None:
@@ -561,7 +562,7 @@ class _Run:
         context = llm.infos[0]["context"] if self.opts.data_parallel else llm.engine.loaded.max_model_len
         words = capped_context_words("--max-model-len", self.opts.engine.get("max_model_len"), context)
         if words is not None:
-            self.err.print(f"note: {escape(words)}", highlight=False, soft_wrap=True)
+            say(self.err, f"note: {escape(words)}")
 
     # -- the end --------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -589,21 +590,20 @@ class _Run:
         if outcome.write_error is not None:
             left = outcome.not_run()
             tail = "; make room and run again with --resume" if isinstance(self.output, OutputFile) else ""
-            self.err.print(
+            say(
+                self.err,
                 f"[bold red]{'stopped' if outcome.closed else 'error'}:[/] {escape(outcome.write_error)}; "
                 f"{self.on_disk_words()}" + (f", {outcome.not_run_words()}" if left else "") + tail,
-                highlight=False,
-                soft_wrap=True,
             )
 
 
 def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
-    err.print(
+    say(
+        err,
         f"[bold red]--strict:[/] {len(bad)} bad line{'s' if len(bad) > 1 else ''}; stopping before {before}:",
-        soft_wrap=True,
     )
     for item in bad:
-        err.print(f"  {escape(item.message)}", highlight=False, soft_wrap=True)
+        say(err, f"  {escape(item.message)}")
     return EXIT_LINES_FAILED
 
 
@@ -726,40 +726,41 @@ def _run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
 def _summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str) -> None:
     failed = sorted(outcome.shown, key=lambda e: e.line)[:SHOW_REASONS]
     caps = [
-        f"{outcome.capped[cap]} capped by {option}"
+        f"{keep(f'{outcome.capped[cap]} capped')} by {option}"
         for cap, option in CAP_OPTIONS.items()
         if outcome.capped[cap]
     ]
-    parts = [f"[green]{outcome.ok} ok[/]" + (f" ({', '.join(caps)})" if caps else "")]
+    # a count stays with its word (terminal.keep)
+    parts = [f"[green]{keep(f'{outcome.ok} ok')}[/]" + (f" ({', '.join(caps)})" if caps else "")]
     if outcome.failed:
         lines = sorted(outcome.failed_lines)
         shown = ", ".join(str(n) for n in lines[:SHOW_REASONS]) + (", …" if len(lines) > SHOW_REASONS else "")
-        parts.append(f"[red]{outcome.failed} failed[/] (line{'s' if outcome.failed > 1 else ''} {shown})")
+        parts.append(
+            f"[red]{keep(f'{outcome.failed} failed')}[/] (line{'s' if outcome.failed > 1 else ''} {shown})"
+        )
     if outcome.skipped:
         earlier = f", {outcome.kept_errors} of them error records" if outcome.kept_errors else ""
-        parts.append(f"{outcome.skipped} already done (--resume{earlier})")
+        parts.append(f"{keep(f'{outcome.skipped} already done')} (--resume{earlier})")
     tail = ""
     if stats is not None and stats.steps:
         n = stats.completion_tokens  # what the records hold (beam search samples more than it returns)
-        tail = f" · {n:,} token{'s' if n != 1 else ''} generated in {stats.wall_time_s:.2f} s"
-    console.print(
-        f"[bold]pagedinfer:[/] {outcome.lines} line{'s' if outcome.lines != 1 else ''} → {escape(where)}: "
-        + ", ".join(parts)
-        + tail,
-        highlight=False,
-        soft_wrap=True,
+        tokens, seconds = f"{n:,} token{'s' if n != 1 else ''}", f"{stats.wall_time_s:.2f} s"
+        tail = f" · {keep(tokens)} generated in {keep(seconds)}"
+    say(
+        console,
+        f"[bold]pagedinfer:[/] {keep(f'{outcome.lines} line' + ('s' if outcome.lines != 1 else ''))} → "
+        f"{escape(keep(where))}: " + ", ".join(parts) + tail,
     )
     for e in failed:
-        console.print(f"  [red]✗[/] {escape(e.message)}", highlight=False, soft_wrap=True)
+        say(console, f"  [red]✗[/] {escape(e.message)}")
     if outcome.failed > SHOW_REASONS:
-        console.print(
+        say(
+            console,
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
-            soft_wrap=True,
         )
     if outcome.signal is not None:
-        console.print(
+        say(
+            console,
             f"[bold yellow]interrupted by {signal.Signals(outcome.signal).name}:[/] {on_disk}; "
             f"{outcome.not_run_words()}; run again with --resume to complete them",
-            highlight=False,
-            soft_wrap=True,
         )

@@ -17,7 +17,12 @@ computed while the forward pass runs.
 * `GrammarProcessor`: before the forward pass, one bitmask row per constrained sequence is filled
   by llguidance's thread pool in a worker thread (the GIL is released), overlapping the forward pass;
   the sampler then sets every disallowed token's logit to -inf. EOS is allowed only where the grammar
-  can end. A model without an EOS token gets a virtual one past its vocabulary (never drawn).
+  can end. A model without an EOS token gets a virtual one past its vocabulary (never drawn). A JSON
+  constraint's sequences also follow their objects' keys (`logits.json_keys`): a token that would
+  repeat a key of its object is masked too, which no grammar can say.
+
+JSON's whitespace is bounded by default (`sampling_params.BOUNDED_JSON_WHITESPACE`): unbounded, a weak
+model at a high temperature spends its tokens on blank space between JSON tokens and never finishes.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedinfer.logits.finite_schema import endless_ref
+from pagedinfer.logits.json_keys import JsonKeys, KeyGuard
 from pagedinfer.logits.processor import LogitsProcessor, Row
-from pagedinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedinfer.sampling_params import BOUNDED_JSON_WHITESPACE, SamplingParams, StructuredOutputsParams
 
 CACHE_SIZE = 256  # distinct compiled constraints kept
 ERROR_CHARS = 300  # a grammar error is cut to this much in a request's error
@@ -60,9 +67,13 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     kind = so.kind
     if kind in ("json", "json_object"):
         schema = so.json if kind == "json" else {"type": "object"}
-        options = {"whitespace_flexible": not so.disable_any_whitespace}
+        if kind == "json" and (ref := endless_ref(schema)) is not None:
+            raise GrammarError(
+                f"structured_outputs.json: $ref {ref!r} has no finite instance: each one must contain"
+                " another (a reference cycle with no optional way out)"
+            )
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(so, schema))
         except ValueError as e:
             raise GrammarError(f"structured_outputs.{kind}: {_first_line(e)}") from None
     if kind == "regex":
@@ -73,6 +84,44 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise GrammarError(f"structured_outputs.grammar: {_first_line(e)}") from None
+
+
+def json_options(so: StructuredOutputsParams, schema: dict) -> dict:
+    """llguidance's JSON options for ``so``: they are its defaults, so a schema's own ``x-guidance``
+    settings win (llguidance's order, vLLM's too); the bounded whitespace applies only where neither
+    the request nor the schema chose."""
+    if so.disable_any_whitespace:
+        return {"whitespace_flexible": False}
+    if so.whitespace_pattern is not None:
+        return {"whitespace_pattern": so.whitespace_pattern}
+    own = schema.get("x-guidance")
+    if isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own):
+        return {}
+    return {"whitespace_pattern": BOUNDED_JSON_WHITESPACE}
+
+
+def _reason(error: str) -> str:
+    """llguidance's error in the user's terms, on one line (its parser-state dump left out)."""
+    text = _first_line(error)
+    if text.startswith("NoExtensionBias"):  # no token can extend the output, and it cannot end
+        return "the grammar accepts no output: its rules only lead back to themselves"
+    if "Too many items" in text and "ff_tokens" in text:  # the forced continuation never ends
+        return "the grammar has no finite output from here: it forces endless text (a rule that must repeat)"
+    if "Too many items" in text:
+        return "the grammar is too ambiguous to follow here (llguidance's parser ran past its item limit)"
+    return text
+
+
+def _probe(matcher) -> str | None:
+    """The error a copy of a new matcher meets taking its forced start and computing its first mask:
+    where a grammar with no finite output shows (no token allowed, or endless forced text)."""
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced:
+        probe.consume_tokens(forced)
+    if not probe.is_error():
+        probe.compute_bitmask()
+    return probe.get_error() if probe.is_error() else None
 
 
 def _first_line(e: object) -> str:
@@ -96,6 +145,7 @@ class GrammarCompiler:
         self.counters = StructuredCounters()
         self._cache: OrderedDict[str, object] = OrderedDict()  # key -> a matcher that never moves
         self._ll_tokenizer = None
+        self._key_guard: KeyGuard | None = None
 
     @property
     def ll_tokenizer(self):
@@ -109,6 +159,16 @@ class GrammarCompiler:
                 n_vocab, eos = self.vocab_size + 1, self.vocab_size
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=eos)
         return self._ll_tokenizer
+
+    @property
+    def key_guard(self) -> KeyGuard:
+        """The vocabulary's view for JSON keys (made on the first JSON constraint)."""
+        if self._key_guard is None:
+            ll = self.ll_tokenizer
+            self._key_guard = KeyGuard(
+                self.vocab_size, lambda t: b"" if ll.is_special_token(t) else ll.decode_bytes([t])
+            )
+        return self._key_guard
 
     def template(self, so: StructuredOutputsParams, request: bool = True):
         """The compiled matcher of ``so`` (from the cache, else compiled now). Raises GrammarError.
@@ -127,8 +187,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(so), log_level=0)
         self.counters.compile_s += time.perf_counter() - start
         self.counters.compiles += 1
-        if matcher.is_error():
-            raise GrammarError(f"structured_outputs.{so.kind}: {_first_line(matcher.get_error())}")
+        error = matcher.get_error() if matcher.is_error() else _probe(matcher)
+        if error is not None:
+            raise GrammarError(f"structured_outputs.{so.kind}: {_reason(error)}")
         self._cache[key] = matcher
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -136,19 +197,24 @@ class GrammarCompiler:
 
 
 class MatcherState:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar (and, under a JSON constraint, in its objects' keys)."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, keys: JsonKeys | None = None, guard: KeyGuard | None = None) -> None:
         self.matcher = matcher
+        self.keys, self.guard = keys, guard
 
     def accept(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
+        # a matcher that errs (a grammar it cannot follow) may still take the token: never a success
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise ValueError(
-                f"structured_outputs: token {token} is not allowed here ({self.matcher.get_error()})"
+                f"structured_outputs: token {token} is not allowed here ({_reason(self.matcher.get_error())})"
             )
+        if self.keys is not None and (key := self.keys.feed(self.guard.token_bytes[token])) is not None:
+            raise ValueError(f"structured_outputs: token {token} repeats the key {key!r} of its object")
 
     def fork(self) -> MatcherState:
-        return MatcherState(self.matcher.deep_copy())
+        keys = None if self.keys is None else self.keys.copy()
+        return MatcherState(self.matcher.deep_copy(), keys, self.guard)
 
     @property
     def finished(self) -> bool:
@@ -188,7 +254,11 @@ class GrammarProcessor(LogitsProcessor):
         return None
 
     def new_state(self, params: SamplingParams) -> MatcherState:
-        return MatcherState(self.compiler.template(params.structured_outputs, request=False).deep_copy())
+        so = params.structured_outputs
+        matcher = self.compiler.template(so, request=False).deep_copy()
+        if so.kind not in ("json", "json_object"):
+            return MatcherState(matcher)
+        return MatcherState(matcher, JsonKeys(), self.compiler.key_guard)
 
     def prepare(self, rows: list[Row]) -> None:
         """Start filling the step's bitmask rows in the worker thread (it overlaps the forward pass)."""
@@ -230,6 +300,9 @@ class GrammarProcessor(LogitsProcessor):
         picks = [where[id(s)] for s in states]
         bitmask = masks.bitmask if picks == list(range(len(masks.states))) else masks.bitmask[picks]
         apply_bitmask(logits, index, bitmask, self._shifts)
+        for i, s, row in zip(index, states, bitmask, strict=True):
+            if s.keys is not None and (banned := s.guard.banned(s.keys, row)):
+                logits[i, banned] = float("-inf")
         counters.apply_s += time.perf_counter() - start
 
 

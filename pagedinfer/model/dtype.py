@@ -7,6 +7,11 @@ CPU has those instructions, the model is stored in 16 bits (a float32 checkpoint
 change its outputs for no saving the user asked for) and a GEMM of the model's own width runs at
 least `MIN_SPEEDUP` times faster in bfloat16 on this machine, measured at load time (a fraction of a
 second).
+
+An explicit 16-bit choice on a CPU without that type's native matrix instructions runs emulated:
+every product converts its operands to float32 and runs slower than float32 itself (docs/models.md
+has the figures). It runs as asked, and says so: a note on stderr naming the faster choice
+(`emulated_note`) and the report's dtype line.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pagedinfer.attention.cpu_kernel import cpu_flags
 from pagedinfer.config import DTYPE_NAMES, Quantization, torch_dtype
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+NATIVE_CPU_FLAGS = {torch.bfloat16: BF16_CPU_FLAGS, torch.float16: ("amx_fp16", "avx512_fp16")}
 MIN_SPEEDUP = 1.2  # bfloat16 must beat float32 by this much: below it, noise could pick the slower one
 GEMM_ROWS = 64  # a decode batch's rows: the GEMM shape a serving step runs
 
@@ -32,6 +38,7 @@ class DTypeError(ValueError):
 class DTypeChoice:
     dtype: torch.dtype
     reason: str  # one phrase, shown in the report: "--dtype bfloat16", "auto: ..."
+    emulated: bool = False  # a 16-bit dtype this CPU has no native matrix instructions for
 
     @property
     def name(self) -> str:
@@ -55,6 +62,29 @@ def stored_dtype(config) -> torch.dtype | None:
 def cpu_bf16_flags() -> list[str]:
     """The native bfloat16 matrix instructions the CPU has (none on AVX2-only CPUs)."""
     return cpu_flags(BF16_CPU_FLAGS)
+
+
+def emulated_words(dtype: torch.dtype, device: torch.device) -> str | None:
+    """``emulated on this CPU (no amx_bf16/avx512_bf16)`` when ``dtype`` has native matrix
+    instructions on some CPUs but not on this one, else None."""
+    flags = NATIVE_CPU_FLAGS.get(dtype)
+    if device.type != "cpu" or flags is None or cpu_flags(flags):
+        return None
+    return f"emulated on this CPU (no {'/'.join(flags)})"
+
+
+def emulated_note(choice: DTypeChoice) -> str:
+    """The one line a run with an emulated dtype prints on stderr: what, why, and the faster choice."""
+    why = emulated_words(choice.dtype, torch.device("cpu"))
+    return (
+        f"pagedinfer: note: {choice.name} runs {why}: float32 is faster here (--dtype float32), "
+        "or --quantization int8"
+    )
+
+
+def _explicit(dtype: torch.dtype, reason: str, device: torch.device) -> DTypeChoice:
+    why = emulated_words(dtype, device)
+    return DTypeChoice(dtype, reason if why is None else f"{reason}; {why}", emulated=why is not None)
 
 
 def gemm_speedup(width: int, repeats: int = 3) -> float:
@@ -94,9 +124,9 @@ def choose_dtype(
         act = torch.bfloat16 if wanted in ("bfloat16", torch.bfloat16) else torch.float32
         return DTypeChoice(act, f"{dtype_name(act)} activations; linear weights {quantization.description}")
     if isinstance(dtype, torch.dtype):
-        return DTypeChoice(dtype, "given")
+        return _explicit(dtype, "given", device)
     if dtype != "auto":
-        return DTypeChoice(torch_dtype(dtype), f"--dtype {dtype}")
+        return _explicit(torch_dtype(dtype), f"--dtype {dtype}", device)
     stored = stored_dtype(config)
     if device.type != "cpu":
         if stored in (torch.float16, torch.bfloat16):

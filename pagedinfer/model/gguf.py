@@ -25,7 +25,6 @@ import json
 import mmap
 import os
 import shutil
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from pagedinfer import envs
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
+from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
@@ -261,9 +261,9 @@ def dequantized_note(path: Path, kinds: Counter, dtype: torch.dtype = torch.floa
     """One line on stderr naming the matrices' types that were dequantized (to ``dtype``)."""
     if kinds:
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        sys.stderr.write(
-            f"pagedinfer: {path.name}: tensors of types the panels do not keep ({listed}) are dequantized to "
-            f"{dtype_name(dtype)}; kept as stored: {', '.join(BLOCKS)}\n"
+        note(
+            f"pagedinfer: {keep(path.name)}: tensors of types the panels do not keep ({listed}) are dequantized "
+            f"to {dtype_name(dtype)}; kept as stored: {', '.join(BLOCKS)}"
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,9 +17,10 @@ from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
-from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype, dtype_name
+from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
+from pagedinfer.terminal import note
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -58,6 +59,7 @@ class LoadedModel:
     device: torch.device
     name: str
     dtype_reason: str = ""  # why this dtype: "--dtype bfloat16", or what --dtype auto found
+    dtype_emulated: bool = False  # a 16-bit dtype without this CPU's native instructions (model/dtype.py)
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
     kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
     weights: WeightMemory = WeightMemory(0, 0.0)  # the weights' bytes and the linears' bits per weight
@@ -139,6 +141,8 @@ def load_model(
         choice = choose_dtype(dtype, config, dev, quant)
     except DTypeError as e:
         raise ModelLoadError(str(e)) from None
+    if choice.emulated:
+        note(emulated_note(choice))
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
     sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
     try:
@@ -169,7 +173,7 @@ def load_model(
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
-                choice = DTypeChoice(choice.dtype, reason or choice.reason)
+                choice = replace(choice, reason=reason or choice.reason)
             model = llama.from_gguf(config, sd)
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
@@ -235,6 +239,7 @@ def load_model(
         device=dev,
         name=name,
         dtype_reason=choice.reason,
+        dtype_emulated=choice.emulated,
         impl="pagedinfer" if own else "transformers",
         kernel_compile_s=compile_s,
         weights=weight_memory(model),
