@@ -204,7 +204,7 @@ def test_values_that_would_crash_the_sampler_fail_their_line_alone(model, tmp_pa
         {"id": "ok2", "prompt": "To be", "max_tokens": 2, "logprobs": 320},
     ]
     path = write_jsonl(tmp_path / "v.jsonl", lines)
-    result = run(model, path)
+    result = run(model, path, "--max-logprobs", "-1")  # unbounded: the vocabulary is the limit left
     assert result.exit_code == 1, result.output
     records = read_jsonl(tmp_path / "v.out.jsonl")
     assert len(records) == len(lines)
@@ -253,7 +253,7 @@ def test_python_api_validates_and_isolates_requests(model):
             SamplingParams(**kwargs)
     SamplingParams(temperature=0.01, seed=MAX_SEED, top_k=-1)  # the documented bounds themselves are fine
 
-    llm = LLM(model, device="cpu", num_blocks=64)
+    llm = LLM(model, device="cpu", num_blocks=64, max_logprobs=-1)  # the vocabulary is the limit left
     outs = llm.generate(
         [{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [3, 4]}, "a\ud800", {"prompt_token_ids": [5]}],
         [
