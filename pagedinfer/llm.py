@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import LLMConfig, llm_settings
 from pagedinfer.engine.intake import prepare
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.engine.loop import GenerationLoop
@@ -66,68 +68,20 @@ class LLM:
     request may ask (a request above it fails with its error); -1: no limit.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        block_size: int = EngineConfig.block_size,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float | None = None,
-        max_num_seqs: int = EngineConfig.max_num_seqs,
-        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-        max_model_len: int | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        model_impl: str = "auto",
-        seed: int = EngineConfig.seed,
-        use_cuda_kernels: bool | None = None,
-        enable_prefix_caching: bool = True,
-        schedule_policy: str = EngineConfig.schedule_policy,
-        enforce_eager: bool = EngineConfig.enforce_eager,
-        load_format: str = "auto",
-        quantization: str | None = None,
-        kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
-        chat_template: str | None = None,
-        enable_lora: bool = False,
-        max_loras: int = EngineConfig.max_loras,
-        max_lora_rank: int = EngineConfig.max_lora_rank,
-        max_cpu_loras: int | None = None,
-        max_line_tokens: int | None = None,
-        line_timeout: float | None = None,
-        max_logprobs: int = EngineConfig.max_logprobs,
-    ) -> None:
-        config = EngineConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            schedule_policy=schedule_policy,
-            enforce_eager=enforce_eager,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras,
-            max_line_tokens=max_line_tokens,
-            line_timeout=line_timeout,
-            max_logprobs=max_logprobs,
+    def __init__(self, model: str | None = None, **options) -> None:
+        """``options``: the settings `config.ModelConfig` and `config.EngineConfig` declare (the
+        signature lists them, with their defaults)."""
+        config = LLMConfig.of(model, **options)
+        m = config.model_config
+        loader = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("model", "use_cuda_kernels")}
+        self.engine = LLMEngine(
+            load_model(m.model, **loader), config.engine_config, use_cuda_kernels=m.use_cuda_kernels
         )
-        loaded = load_model(
-            model,
-            device=device,
-            dtype=dtype,
-            model_impl=model_impl,
-            load_format=load_format,
-            quantization=quantization,
-            chat_template=chat_template,
-        )
-        self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
+
+    @classmethod
+    def from_config(cls, config: LLMConfig) -> LLM:
+        """An `LLM` of a checked config (`LLMConfig.of`): what a Ray replica is sent."""
+        return cls(**config.options())
 
     @property
     def tokenizer(self):
@@ -307,3 +261,20 @@ def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable, loras: Ite
 
 
 _END = object()
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model=None, *, ...)``: every setting, as declared (`config.llm_settings`)."""
+    model, *options = llm_settings()
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("self", positional),
+            inspect.Parameter(model.name, positional, default=model.default, annotation=model.type),
+            *[inspect.Parameter(s.name, keyword, default=s.default, annotation=s.type) for s in options],
+        ],
+        return_annotation=None,
+    )
+
+
+LLM.__init__.__signature__ = _signature()

@@ -24,6 +24,7 @@ from cli_helpers import CORPUS, read_jsonl, sigterm, tiny_model, write_jsonl  # 
 from typer.testing import CliRunner  # noqa: E402
 
 from pagedinfer.cli.app import app  # noqa: E402
+from pagedinfer.config import LLMConfig  # noqa: E402
 from pagedinfer.lines.line import LineError, LineRequest  # noqa: E402
 from pagedinfer.lines.parse import parse_lines  # noqa: E402
 from pagedinfer.lines.records import error_record  # noqa: E402
@@ -220,9 +221,9 @@ def test_a_replica_checks_its_adapters_against_its_model(model, model_root):
     other = save_lora(wider, root, "wide", 8, seed=3)
     engine = {**ENGINE, "enable_lora": True}  # as the command line sets it with --lora
     with pytest.raises(AdapterError, match=rf"^--lora wide={other}: adapter 'wide' does not fit this model"):
-        EngineReplica(model, engine, 0, None, "m", loras=(("wide", str(other)),))
+        EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("wide", str(other)),))
     adapter = save_lora(Path(model), root, "a", 8, seed=21)
-    replica = EngineReplica(model, engine, 0, None, "m", loras=(("a", str(adapter)),))
+    replica = EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("a", str(adapter)),))
     assert list(replica.engine.lora.named) == ["a"]
 
 
@@ -232,7 +233,7 @@ def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
     path, reference = job
     items = list(parse_lines(InputLines(path), DEFAULTS, 0))
     rows = [(pos, item) for pos, item in enumerate(items) if isinstance(item, LineRequest)]
-    engines = DataParallelEngines(ReplicaSpec(model, ENGINE, 0, 2, None, model, window=3))
+    engines = DataParallelEngines(ReplicaSpec(LLMConfig.of(model, **ENGINE), 2, None, model, window=3))
     got: dict[int, dict | LineError] = {}
     try:
         victim = engines.infos[0]["pid"]

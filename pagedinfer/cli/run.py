@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import re
 import signal
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -42,8 +40,8 @@ from pagedinfer.cli.jsonl_output import (
     StreamOutput,
     plan_paths,
 )
-from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
-from pagedinfer.cli.run_options import describe, differing, run_options
+from pagedinfer.cli.run_options import RunOptions, UsageError, describe, differing, run_options
+from pagedinfer.config import LLMConfig, engine_option_words, flag_of
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.lines.parse import LineParser, parse_lines
 from pagedinfer.lines.source import InputFileError, InputLines
@@ -56,14 +54,7 @@ EXIT_OK, EXIT_LINES_FAILED, EXIT_USAGE, EXIT_OUTPUT_FAILED = 0, 1, 2, 74
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # exit code 128 + the signal's number
 SHOW_REASONS = 10  # failed lines listed in the summary
-CAP_OPTIONS = {
-    "max_line_tokens": "--max-line-tokens",
-    "line_timeout": "--line-timeout",
-}  # a record's capped_by
-
-
-class UsageError(Exception):
-    """The invocation cannot run; the message is one line (exit code 2)."""
+CAP_OPTIONS = {cap: flag_of(cap) for cap in ("max_line_tokens", "line_timeout")}  # a record's capped_by
 
 
 class Interrupted(BaseException):
@@ -77,28 +68,6 @@ class Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-@dataclass
-class RunOptions:
-    prompts: Path
-    output: str | None = None  # None: next to the input; "-": stdout
-    model: str | None = None
-    sampling: dict = field(default_factory=dict)  # SamplingParams defaults (lines override)
-    seed: int = 0
-    engine: dict = field(default_factory=dict)  # LLM keyword arguments
-    report: bool | None = None  # None: unless --quiet
-    report_json: Path | None = None
-    trace: Path | None = None
-    resume: bool = False
-    strict: bool = False
-    quiet: bool = False
-    progress: str = "auto"  # bar, log, none; auto: a bar on a terminal, a log elsewhere, none with --quiet
-    progress_interval: float = PROGRESS_INTERVAL_S  # seconds between two records of the log
-    data_parallel: int = 0  # N > 0: N engine replicas on Ray (pagedinfer/ray)
-    ray_address: str | None = None  # join this Ray cluster (default: a local Ray for the run)
-    loras: list[tuple[str, str]] = field(default_factory=list)  # --lora NAME=PATH, loaded with the model
-    chat_template: Path | None = None  # --chat-template FILE as given (engine["chat_template"]: its text)
 
 
 @dataclass
@@ -185,6 +154,10 @@ class StopSignals:
 
 
 def execute(opts: RunOptions, out: Console, err: Console) -> int:
+    if opts.threads is not None:
+        import torch
+
+        torch.set_num_threads(opts.threads)
     run = _Run(opts, out, err)
     with run.signals:
         try:
@@ -213,6 +186,7 @@ class _Run:
         self.output: OutputFile | StreamOutput | None = None
         self.paths: Paths | None = None
         self.source: InputLines | None = None
+        self.config: LLMConfig | None = None  # the model's and the engine's settings, checked
         self.llm = None
         self.parser: LineParser | None = None
         self.kept_fingerprint: str | None = None  # --resume: the system_fingerprint of the records kept
@@ -276,7 +250,6 @@ class _Run:
         return EXIT_LINES_FAILED if outcome.failed or outcome.kept_errors else EXIT_OK
 
     def _check_options(self) -> None:
-        from pagedinfer.config import EngineConfig
         from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
         sampling = {k: v for k, v in self.opts.sampling.items() if k != "beam_width"}
@@ -286,13 +259,10 @@ class _Run:
                 BeamSearchParams(self.opts.sampling["beam_width"], sampling.get("max_tokens") or 16)
         except ValueError as e:
             raise UsageError(f"invalid sampling option: {e}") from None
-        engine = self.opts.engine
-        keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
-        keys += ("max_num_batched_tokens", "max_model_len", "max_line_tokens", "line_timeout", "max_logprobs")
         try:
-            EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
+            self.config = LLMConfig.of(self.opts.model, seed=self.opts.seed, **self.opts.engine)
         except ValueError as e:
-            raise UsageError(_option_words(str(e))) from None
+            raise UsageError(engine_option_words(str(e))) from None
 
     def _adapters(self) -> frozenset[str]:
         """The names of the ``--lora`` adapters (loaded with the model), which lines may name."""
@@ -526,7 +496,9 @@ class _Run:
 
     def _load(self) -> None:
         self.llm = (
-            _start_replicas(self.opts, self.err) if self.opts.data_parallel else _load(self.opts, self.err)
+            _start_replicas(self.opts, self.config, self.err)
+            if self.opts.data_parallel
+            else _load(self.opts, self.err)
         )
         self.signals.install()  # Ray's driver takes SIGTERM for itself: the run keeps its own handling
         self._note_capped_context()
@@ -560,7 +532,7 @@ class _Run:
 
         llm = self.llm
         context = llm.infos[0]["context"] if self.opts.data_parallel else llm.engine.loaded.max_model_len
-        words = capped_context_words("--max-model-len", self.opts.engine.get("max_model_len"), context)
+        words = capped_context_words(flag_of("max_model_len"), self.opts.engine.get("max_model_len"), context)
         if words is not None:
             say(self.err, f"note: {escape(words)}")
 
@@ -607,27 +579,6 @@ def _strict_stop(bad: list[LineError], err: Console, before: str) -> int:
     return EXIT_LINES_FAILED
 
 
-def _option_words(message: str) -> str:
-    """Engine setting names -> the command-line options that set them (whole words only: ``seed``
-    names --seed, never a part of another word)."""
-    for name, option in (
-        ("kv_cache_memory", "--kv-cache-memory"),
-        ("gpu_memory_utilization", "--gpu-memory-utilization"),
-        ("kv_cache_dtype", "--kv-cache-dtype"),
-        ("num_blocks", "--num-blocks"),
-        ("block_size", "--block-size"),
-        ("max_num_batched_tokens", "--max-num-batched-tokens"),
-        ("max_num_seqs", "--max-num-seqs"),
-        ("max_model_len", "--max-model-len"),
-        ("max_line_tokens", "--max-line-tokens"),
-        ("line_timeout", "--line-timeout"),
-        ("max_logprobs", "--max-logprobs"),
-        ("seed", "--seed"),
-    ):
-        message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)
-    return message
-
-
 def _progress_mode(opts: RunOptions, err: Console) -> str:
     """--progress: auto is a bar on a terminal, the log elsewhere, nothing with --quiet."""
     if opts.progress != "auto":
@@ -667,7 +618,7 @@ def _load(opts: RunOptions, err: Console):
         except ModelLoadError as e:
             raise UsageError(f"{e}{_demo_model_hint(opts, e)}") from None
         except ValueError as e:
-            raise UsageError(_option_words(str(e).splitlines()[0])) from None
+            raise UsageError(engine_option_words(str(e).splitlines()[0])) from None
         for i, (name, path) in enumerate(opts.loras, start=1):
             try:
                 llm.engine.add_lora(LoRARequest(name, i, path))
@@ -676,7 +627,7 @@ def _load(opts: RunOptions, err: Console):
         return llm
 
 
-def _start_replicas(opts: RunOptions, err: Console):
+def _start_replicas(opts: RunOptions, config: LLMConfig, err: Console):
     """``--data-parallel N``: N engine replicas on Ray (local, or the cluster at ``--ray-address``).
     The ``--lora`` adapters' files are read here first, so an unreadable one is refused as a
     single-process run refuses it, before Ray starts; each replica checks them against its model."""
@@ -689,13 +640,7 @@ def _start_replicas(opts: RunOptions, err: Console):
         except AdapterError as e:
             raise UsageError(f"--lora {name}={path}: {e}") from None
     spec = ReplicaSpec(
-        opts.model,
-        opts.engine,
-        opts.seed,
-        opts.data_parallel,
-        opts.ray_address,
-        opts.model or "pagedinfer-demo",
-        loras=tuple(opts.loras),
+        config, opts.data_parallel, opts.ray_address, opts.model or "pagedinfer-demo", loras=tuple(opts.loras)
     )
     with _status(
         opts, err, f"starting {opts.data_parallel} replicas of {opts.model or 'the demo model'} on Ray"

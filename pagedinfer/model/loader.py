@@ -15,7 +15,7 @@ from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
-from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
 from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
 from pagedinfer.model.random_models import random_model
@@ -38,8 +38,6 @@ UNSUPPORTED = {
     "llama4_text": "uses chunked attention that lives only in its mask",
 }
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
-MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
-LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 # the files a tokenizer loads from, the one it reads first first (named when loading fails)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 

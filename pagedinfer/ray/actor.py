@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from pagedinfer.config import LLMConfig
 from pagedinfer.engine.intake import Rejected, prepare
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
@@ -54,9 +55,7 @@ class EngineReplica:
 
     def __init__(
         self,
-        model: str | None,
-        engine_kwargs: dict,
-        seed: int,
+        config: LLMConfig,
         threads: int | None,
         model_name: str,
         loras: tuple[tuple[str, str], ...] = (),
@@ -74,7 +73,7 @@ class EngineReplica:
             torch.set_num_threads(threads)
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        self.llm = LLM(model, seed=seed, **engine_kwargs)
+        self.llm = LLM.from_config(config)
         self.engine = self.llm.engine
         for i, (name, path) in enumerate(loras, start=1):
             try:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from pagedinfer.config import LLMConfig
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import LineError, LineRequest
 from pagedinfer.ray.actor import EngineReplica, Live, Row
@@ -37,9 +38,7 @@ class RayUnavailable(Exception):
 class ReplicaSpec:
     """What every replica loads, and how many there are."""
 
-    model: str | None
-    engine: dict  # LLM keyword arguments
-    seed: int = 0
+    llm: LLMConfig  # every replica's `LLM` (its model, seed and engine settings)
     replicas: int = 2
     address: str | None = None  # None: start a local Ray for this run and stop it after
     model_name: str = "pagedinfer-demo"
@@ -142,7 +141,7 @@ class DataParallelEngines:
             actor = ray.remote(EngineReplica).options(
                 max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
             )
-            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name, spec.loras)
+            args = (spec.llm, threads, spec.model_name, spec.loras)
             self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
             self.infos = ray.get([a.info.remote() for a in self.actors])
         except ray.exceptions.RayActorError as e:
@@ -161,7 +160,7 @@ class DataParallelEngines:
         resources = self.ray.cluster_resources()
         n = self.spec.replicas
         gpus = int(resources.get("GPU", 0))
-        device = self.spec.engine.get("device", "auto")
+        device = self.spec.llm.model_config.device
         if gpus and device != "cpu":
             if gpus < n:
                 raise RayUnavailable(f"--data-parallel {n} needs {n} GPUs; the Ray cluster has {gpus}")
@@ -185,7 +184,7 @@ class DataParallelEngines:
         may raise to stop the run; closing the generator drops the replicas' unfinished work).
         """
         ray = self.ray
-        window = self.spec.window or 2 * self.spec.engine.get("max_num_seqs", 256)
+        window = self.spec.window or 2 * self.spec.llm.engine_config.max_num_seqs
         source = iter(rows)
         retry: deque[Row] = deque()
         attempts: dict[int, int] = {}

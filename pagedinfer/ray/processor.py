@@ -113,11 +113,13 @@ class EngineStage:
     """The ``map_batches`` callable class: one engine replica per actor of the pool."""
 
     def __init__(self, config: ProcessorConfig, threads: int) -> None:
+        from pagedinfer.config import LLMConfig
         from pagedinfer.ray.actor import EngineReplica
 
         self.config = config
         name = config.model or "pagedinfer-demo"
-        self.replica = EngineReplica(config.model, config.engine_kwargs, config.seed, threads, name)
+        llm = LLMConfig.of(config.model, seed=config.seed, **config.engine_kwargs)
+        self.replica = EngineReplica(llm, threads, name)
 
     def __call__(self, batch):
         import pyarrow as pa
