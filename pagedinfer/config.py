@@ -4,7 +4,7 @@ Each setting is declared once, as a dataclass field: its type and default, and i
 (`option`) how it is offered (the command line's flag, help text and help panel, vLLM's name for
 it, and whether it decides what a record holds, so that ``--resume`` keeps it). Everything else is
 made from the declarations: `LLM`'s keyword arguments, the typer options of ``pagedinfer run`` and
-``pagedinfer bench`` (`cli.options`), the options ``--resume`` keeps (`cli.run_options`), the option
+``pagedinfer bench`` (`cli.options`), the options ``--resume`` keeps (`cli.resume`), the option
 words of the engine's messages and of the report, and the configuration a Ray replica is sent.
 """
 

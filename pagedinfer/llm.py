@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedinfer.config import LLMConfig, llm_settings
-from pagedinfer.engine.intake import prepare
-from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.engine import intake
+from pagedinfer.engine.intake import EngineRequest, Rejected
+from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.lora.request import LoRARequest
@@ -96,6 +97,75 @@ class LLM:
     def stats(self) -> EngineStats:
         """Memory and scheduling statistics of the last ``generate`` call."""
         return self.engine.stats
+
+    @property
+    def device(self):
+        """The torch device the model runs on."""
+        return self.engine.loaded.device
+
+    @property
+    def context_length(self) -> int:
+        """The model's own context length (``max_model_len`` above it runs capped to it)."""
+        return self.engine.loaded.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids the model takes and scores."""
+        return self.engine.vocab_size
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """(blocks in use, blocks in the pool) of the KV cache, now."""
+        return self.engine.pool.num_used, self.engine.pool.num_blocks
+
+    def started_requests(self) -> list[StartedRequest]:
+        """The unfinished requests admitted so far, longest running first (what a stop interrupts)."""
+        return self.engine.started_requests()
+
+    def system_fingerprint(self, adapter: str | None = None) -> str:
+        """What decides this LLM's outputs, as one hash (docs/reproducibility.md): the base model's, or
+        with a loaded adapter's files."""
+        return self.engine.system_fingerprint(adapter)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter now, against the model and ``max_lora_rank`` (else it is read
+        when a request first names it); requests may then name it by ``request.lora_name``."""
+        self.engine.add_lora(request)
+
+    def enable_trace(self) -> None:
+        """Record every engine step's pool and block tables from now on (`trace`)."""
+        self.engine.enable_trace()
+
+    def trace(self) -> dict:
+        """The steps recorded since `enable_trace`, with the pool's shape: ``block_size``,
+        ``num_blocks`` and ``steps`` (what ``pagedinfer blocks`` draws)."""
+        pool = self.engine.pool
+        return {
+            "block_size": pool.block_size,
+            "num_blocks": pool.num_blocks,
+            "steps": self.engine.trace or [],
+        }
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        lora: LoRARequest | str | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> EngineRequest | Rejected:
+        """One request tokenized and checked against the model and the pool, once (`engine.intake`):
+        what `loop`'s `GenerationLoop` runs as it is, or why it can never run. ``interrupt`` is called
+        while a chat template renders (what it raises propagates)."""
+        return intake.prepare(self.engine, prompt, params, request_id, lora, interrupt)
+
+    def loop(
+        self,
+        before_step: Callable[[], None] | None = None,
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ) -> GenerationLoop:
+        """The generation loop of this LLM's engine (`engine.loop`): prepared requests in, outputs out."""
+        return GenerationLoop(self.engine, before_step, on_step)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt blocks of earlier calls (a benchmark's warm-up, say)."""
@@ -228,12 +298,11 @@ class LLM:
         on (`engine.loop.GenerationLoop`). ``before_step`` runs before every engine step (the CLI
         makes the lines it wrote durable there), ``on_step`` after it.
         """
-        engine = self.engine
         feed = (
-            (index, prepare(engine, r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
+            (index, self.prepare(r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
             for index, r in enumerate(requests)
         )
-        yield from GenerationLoop(engine, before_step, on_step).stream(feed, max_pending)
+        yield from self.loop(before_step, on_step).stream(feed, max_pending)
 
 
 def _as_prompts(prompts: object) -> Iterable:

@@ -17,7 +17,8 @@ from cli_helpers import invoke, write_jsonl
 from pagedinfer.bench.options import BenchOptions
 from pagedinfer.cli.app import app
 from pagedinfer.cli.options import declared
-from pagedinfer.cli.run_options import RunOptions, run_options
+from pagedinfer.cli.resume import run_options
+from pagedinfer.cli.run_options import RunOptions
 from pagedinfer.config import (
     LINE_DEFAULTS,
     EngineConfig,
@@ -229,3 +230,28 @@ def test_engine_messages_and_the_report_name_the_options():
     assert describe_source(PoolSize(8, "kv_cache_memory", 1 << 20)) == "--kv-cache-memory (1.0 MiB)"
     with pytest.raises(ValueError, match="^max_num_seqs must be"):
         EngineConfig(max_num_seqs=0)
+
+
+def test_a_resume_file_keeping_the_options_in_another_order_is_read_alike(tmp_path):
+    """The resume file keeps the options in the settings' order; an earlier version kept them in
+    another: the same options in any order resume, another value is refused, by name."""
+    from cli_helpers import tiny_model
+
+    model = str(tiny_model())
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": i, "prompt": "To be", "max_tokens": 2} for i in range(3)]
+    )
+    out = tmp_path / "o.jsonl"
+    args = ("run", prompts, "--model", model, "--device", "cpu", "-o", out, "--quiet")
+    assert invoke(*args).exit_code == 0
+    complete = out.read_bytes()
+    sidecar = tmp_path / "o.jsonl.resume"
+    head, options = sidecar.read_bytes().split(b"\n", 1)[0], json.loads(sidecar.read_bytes().split(b"\n")[1])
+    reordered = dict(reversed(list(options["options"].items())))
+    assert list(reordered) != list(options["options"])
+    sidecar.write_bytes(head + b"\n" + json.dumps({"options": reordered}).encode() + b"\n")
+    out.write_bytes(b"".join(complete.splitlines(keepends=True)[:1]))
+    refused = invoke(*args, "--resume", "--seed", "3")
+    assert refused.exit_code == 2 and "was written with --seed 0; this run has --seed 3" in refused.stderr
+    assert invoke(*args, "--resume").exit_code == 0
+    assert out.read_bytes() == complete

@@ -224,7 +224,7 @@ def test_a_replica_checks_its_adapters_against_its_model(model, model_root):
         EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("wide", str(other)),))
     adapter = save_lora(Path(model), root, "a", 8, seed=21)
     replica = EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("a", str(adapter)),))
-    assert list(replica.engine.lora.named) == ["a"]
+    assert list(replica.llm.engine.lora.named) == ["a"]
 
 
 def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
@@ -237,10 +237,10 @@ def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
     got: dict[int, dict | LineError] = {}
     try:
         victim = engines.infos[0]["pid"]
-        for pos, result in engines.run(rows):
+        for answer in engines.run(rows):
             if not got:
                 os.kill(victim, signal.SIGKILL)  # mid-batch: replica 0 holds up to 3 unfinished lines
-            got[pos] = result
+            got[answer.position] = answer.result
     finally:
         engines.close()
     assert engines.restarts == [1, 0]

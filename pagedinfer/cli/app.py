@@ -24,6 +24,7 @@ from pagedinfer.cli.help import HelpCommand, HelpGroup
 from pagedinfer.cli.options import OptionError, build, declared, given, offering
 from pagedinfer.cli.run_options import RunOptions, UsageError, from_command_line
 from pagedinfer.config import LINE_DEFAULTS, EngineConfig, ModelConfig, settings
+from pagedinfer.errors import first_line
 from pagedinfer.terminal import note, say
 
 app = typer.Typer(
@@ -156,7 +157,7 @@ def blocks(
         try:
             doc = blocks_view.builtin_trace(model, block_size, prompt_tokens, n, max_tokens, num_blocks)
         except (ModelLoadError, ValueError) as e:
-            _usage_error(str(e).splitlines()[0], err)
+            _usage_error(first_line(e), err)
         title = (
             f"built-in example: one {prompt_tokens}-token prompt, n={n} completions of {max_tokens} tokens, "
             f"block size {block_size}, {num_blocks} blocks"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedinfer import chat_render
+from pagedinfer.errors import first_line
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.registry import LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
@@ -145,9 +146,9 @@ def prepare(
             len(ids), sampling.n, max_tokens, beam is not None
         )
     except ValueError as e:
-        reason = _first_line(e) or type(e).__name__
+        reason = first_line(e)
     except Exception as e:  # noqa: BLE001 - a tokenizer failing on one prompt must not end the others
-        reason = f"tokenizing failed: {type(e).__name__}: {_first_line(e)}".rstrip(": ")
+        reason = f"tokenizing failed: {type(e).__name__}: {first_line(e, '')}".rstrip(": ")
     if reason:
         return Rejected(request_id, text, ids, params, reason)
     params = sampling
@@ -183,8 +184,3 @@ def _render_chat(engine: LLMEngine, messages: list[dict], interrupt: Callable[[]
             f"the rendered chat prompt has more than {limit:,} characters: more than "
             f"{engine.scheduler.context_words('of')} can hold (checked before tokenizing)"
         ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
+from pagedinfer.errors import first_line
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.terminal import keep, note
@@ -146,10 +147,6 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(path, doc["arch"], tensors, folder, digest)
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip() or type(e).__name__).splitlines()[0]
-
-
 def _fill_cache(path: Path, folder: Path) -> None:
     """Read ``path`` once with gguf-py and transformers and write the cache folder (atomically)."""
     import gguf
@@ -159,7 +156,7 @@ def _fill_cache(path: Path, folder: Path) -> None:
         reader = gguf.GGUFReader(path)
         arch = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
     except Exception as e:  # noqa: BLE001 - any parse failure of a corrupt file is one line
-        why = _first_line(e)
+        why = first_line(e)
         if "reshape" in why:  # gguf-py's views of tensor data the file does not hold
             why = f"its tensor data is cut short at {path.stat().st_size:,} bytes (a truncated download?)"
         raise GGUFError(f"{path} is not a valid GGUF file: {why}") from None
@@ -178,7 +175,7 @@ def _fill_cache(path: Path, folder: Path) -> None:
     try:
         config = AutoConfig.from_pretrained(folder_in, **kwargs)
     except Exception as e:  # noqa: BLE001
-        raise GGUFError(f"{path}: cannot read the model config from its metadata: {_first_line(e)}") from None
+        raise GGUFError(f"{path}: cannot read the model config from its metadata: {first_line(e)}") from None
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -16,6 +16,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
+from pagedinfer.errors import first_line
 from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
 from pagedinfer.model.random_models import random_model
@@ -132,7 +133,7 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {first_line(e)}") from None
     check_family(config)
     dev = resolve_device(device)
     try:
@@ -193,7 +194,7 @@ def load_model(
     except gguf.GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load model {name!r}: {first_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
@@ -386,7 +387,7 @@ def _load_tokenizer(folder: str, kwargs: dict):
                 if isinstance(e, json.JSONDecodeError)
                 else f"missing key {e}"
                 if isinstance(e, KeyError)
-                else _first_line(e)
+                else first_line(e)
             )
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
@@ -425,8 +426,3 @@ def _eos_ids(config, model) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]

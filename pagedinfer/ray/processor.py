@@ -126,10 +126,7 @@ class EngineStage:
 
         rows = batch.to_pylist()
         items = [row_request(row, self.config) for row in rows]
-        results: dict[int, dict | LineError] = {i: x for i, x in enumerate(items) if isinstance(x, LineError)}
-        todo = [(i, x) for i, x in enumerate(items) if isinstance(x, LineRequest)]
-        for pos, result, _ in self.replica.run_all(todo):
-            results[pos] = result
+        results = {answer.position: answer.result for answer in self.replica.run_all(list(enumerate(items)))}
         if not self.config.should_continue_on_error:
             for i in sorted(results):
                 if isinstance(results[i], LineError):
