@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_template import template_error
 from pagedinfer.config import QUANTIZATIONS
-from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
+from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear, validate
 from pagedinfer.model.dtype import DTypeChoice, DTypeError, choose_dtype, dtype_name
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
@@ -129,8 +130,10 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
     check_family(config)
+    if ckpt and config.model_type in llama.FAMILIES:  # its tensors, whoever's layers run them
+        _check(validate.check_tensors, config, gguf.tensor_index(ckpt), str(ckpt.path), gguf.readable_types())
     dev = resolve_device(device)
     try:
         choice = choose_dtype(dtype, config, dev, quant)
@@ -144,6 +147,9 @@ def load_model(
         own = _own_gguf(name, config, model_impl, dev)
     else:
         own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
+    if own and not ckpt:
+        found = llama.tensor_index(own)
+        _check(validate.check_tensors, config, found, llama.weight_files(own), validate.SAFETENSORS_FLOATS)
     keep_blocks = (  # float32 activations (auto), or bfloat16 ones (--dtype bfloat16) over the blocks
         bool(ckpt)
         and own
@@ -160,6 +166,7 @@ def load_model(
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
             sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
+            validate.check_values(sd, gguf.tensor_index(ckpt))
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
@@ -167,7 +174,9 @@ def load_model(
             model = llama.from_gguf(config, sd)
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
-            model = llama.load(config, own, load_dtype, dev)
+            sd = llama.read_weights(own, load_dtype, dev)
+            validate.check_values(sd, found)
+            model = llama.build(config, sd, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
@@ -176,16 +185,20 @@ def load_model(
                 dtype=load_dtype,
                 attn_implementation=attention.transformers_name(),
                 output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported by check_module, naming the tensor, not raised
                 **src_kwargs,
                 **cache_only,
             )
-            _check_complete(info["missing_keys"], name, src, src_kwargs)
+            where = _check_complete(info["missing_keys"], name, src, src_kwargs)
+            validate.check_module(model, info["mismatched_keys"], where)
     except ModelLoadError:
         raise
+    except validate.ModelCheckError as e:
+        raise ModelLoadError(str(e)) from None
     except gguf.GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load model {name!r}: {validate.one_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
@@ -217,6 +230,8 @@ def load_model(
             "the transformers attention interface"
         )
     tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
+    if note := validate.vocabulary_note(tokenizer, model.get_input_embeddings().num_embeddings):
+        sys.stderr.write(f"pagedinfer: {name}: {note}\n")
     if chat_template is not None:
         _set_chat_template(tokenizer, chat_template, name)
     return LoadedModel(
@@ -235,19 +250,25 @@ def load_model(
     )
 
 
-def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> None:
+def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> str:
     """Refuse a checkpoint that lacks a tensor its config names (transformers would fill it with random
-    values and warn; a run would then write noise as if it were the model's answer)."""
-    if not missing:
-        return
-    first, *rest = sorted(missing)
+    values and warn; a run would then write noise as if it were the model's answer). Returns the
+    weights' file(s) in a few words, for the other checks' messages."""
     path = Path(folder).expanduser()
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     where = name if kwargs.get("gguf_file") else llama.weight_files(files) if files else folder
-    more = f" and {len(rest)} more" if rest else ""
-    raise ModelLoadError(
-        f"cannot load model {folder!r}: the weights have no tensor {first!r}{more} ({where})"
-    )
+    if missing:
+        first, *rest = sorted(missing)
+        raise ModelLoadError(validate.missing(first, len(rest), where))
+    return where
+
+
+def _check(check, *args) -> None:
+    """Run a `validate` check; its refusal becomes this module's one-line error."""
+    try:
+        check(*args)
+    except validate.ModelCheckError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _open_gguf(name: str) -> gguf.GGUFCheckpoint | None:
@@ -376,7 +397,7 @@ def _load_tokenizer(folder: str, kwargs: dict):
                 if isinstance(e, json.JSONDecodeError)
                 else f"missing key {e}"
                 if isinstance(e, KeyError)
-                else _first_line(e)
+                else validate.one_line(e)
             )
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
@@ -412,8 +433,3 @@ def _eos_ids(config, model) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
