@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds one file may take (default 60)")
     ap.add_argument("--keep", type=Path, help="copy the files that failed into this folder")
+    ap.add_argument("--verbose", action="store_true", help="print each mutation before it runs")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pagedinfer-fuzz-"))
     ctx = multiprocessing.get_context("spawn")
@@ -83,7 +84,7 @@ def main() -> int:
     for i, (base, case) in enumerate(gguf_fuzz.cases(args.count, args.seed, bases)):
         path = work / f"case-{i}.gguf"
         path.write_bytes(case.data)
-        if os.environ.get("FUZZ_DEBUG"):
+        if args.verbose:
             print(i, base.name, case.name[:200], flush=True)
         try:
             kind, detail = pool.submit(_run, str(path), replace(case, data=b""), base).result(
