@@ -45,6 +45,8 @@ def _init(cache: str) -> None:
 def _run(path: str, case: gguf_fuzz.Case, base: gguf_fuzz.Base) -> tuple[str, str]:
     try:
         out = gguf_fuzz.check(Path(path), case, base)
+    except gguf_fuzz.NonFiniteLogits as e:
+        return "failure:non-finite-logits", str(e)
     except BaseException:  # noqa: BLE001 - reported as the failure it is
         return "failure", traceback.format_exc(limit=-3)
     return out.kind, out.detail

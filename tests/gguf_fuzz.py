@@ -549,6 +549,10 @@ def cases(count: int, seed: int, all_bases: list[Base]) -> Iterator[tuple[Base, 
 # -- the check ------------------------------------------------------------------------------------
 
 
+class NonFiniteLogits(AssertionError):
+    """A record marked ok whose tokens came from NaN or infinite logits (garbage presented as success)."""
+
+
 @dataclass
 class Outcome:
     kind: str  # "refused" or "ran"
@@ -573,7 +577,8 @@ def greedy(path: Path) -> list[list[int] | str]:
         (c,) = o.outputs
         assert 1 <= len(c.token_ids) <= MAX_TOKENS and c.finish_reason == "length", c
         assert all(0 <= t < vocab for t in c.token_ids), c.token_ids
-        assert all(math.isfinite(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids, strict=True)), c
+        if not all(math.isfinite(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids, strict=True)):
+            raise NonFiniteLogits(f"tokens {c.token_ids} sampled from NaN or infinite logits: {c.logprobs}")
         out.append(list(c.token_ids))
     return out
 

@@ -162,6 +162,19 @@ def test_a_nan_weight_is_refused_naming_where(files, tmp_path):
     )
 
 
+def test_finite_weights_that_overflow_are_refused_by_the_probe(files, tmp_path):
+    """A norm of 1e30 is finite, but one token through the model (the loader's probe) overflows."""
+    tensors = [
+        replace(t, data=np.full(64, 1e30, np.float32).tobytes()) if t.name == "blk.0.ffn_norm.weight" else t
+        for t in files["llama"].layout.tensors
+    ]
+    path = write(tmp_path, "overflow", replace(files["llama"].layout, tensors=tensors))
+    assert refusal(path) == (
+        f"{path}: one token through the model gives NaN or infinite logits: its weights are finite but overflow "
+        "float32 (a corrupt file, or a dtype too narrow for this model)"
+    )
+
+
 def test_denormal_and_largest_scales_are_finite_weights_and_run(files, tmp_path):
     tensors = []
     for t in files["llama"].layout.tensors:
@@ -196,6 +209,15 @@ def test_size_metadata_that_no_config_can_be_made_of_is_refused(files, tmp_path,
     layout = with_field(files["llama"].layout, key, vtype, value, 4 if vtype == ARRAY else None)
     path = write(tmp_path, "meta", layout)
     assert refusal(path) == f"{path}: metadata {key} {why}"
+
+
+def test_a_layer_count_past_the_tensors_is_refused_before_a_config_is_made(files, tmp_path):
+    """transformers builds a list per layer: 2**40 layers would never finish."""
+    path = write(tmp_path, "layers", with_field(files["qwen3"].layout, "qwen3.block_count", 10, 1 << 40))
+    assert refusal(path) == (
+        f"{path}: metadata qwen3.block_count is 1,099,511,627,776, but the file holds 13 tensors (each layer "
+        "has its own)"
+    )
 
 
 def test_inconsistent_head_counts_say_why(files, tmp_path):

@@ -146,7 +146,7 @@ def _fill_cache(path: Path, folder: Path) -> None:
     except HeaderError as e:
         raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
     try:
-        check_metadata(header.metadata, header.types, str(path))
+        check_metadata(header.metadata, header.types, len(header.tensors), str(path))
     except ModelCheckError as e:
         raise GGUFError(str(e)) from None
     tensors = [asdict(t) for t in header.tensors]

@@ -74,19 +74,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def check_family(config) -> None:
+def check_family(config, name: str) -> None:
+    """Refuse the model ``name`` when its family cannot be served (the reason names the family)."""
     kind = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(
-            f"model family {kind!r} is an encoder-decoder; pagedinfer serves decoder-only models"
+            f"{name}: model family {kind!r} is an encoder-decoder; pagedinfer serves decoder-only models"
         )
     if kind in UNSUPPORTED:
-        raise ModelLoadError(f"model family {kind!r} is not supported: it {UNSUPPORTED[kind]}")
+        raise ModelLoadError(f"{name}: model family {kind!r} is not supported: it {UNSUPPORTED[kind]}")
     layer_types = getattr(config, "layer_types", None) or []
     hybrid = sorted({t for t in layer_types if any(m in str(t) for m in HYBRID_MARKERS)})
     if hybrid or any(m in kind for m in ("mamba", "jamba", "zamba", "_next", "nemotron_h", "lfm", "bamba")):
         raise ModelLoadError(
-            f"model family {kind!r} is not supported: it mixes linear/state-space layers "
+            f"{name}: model family {kind!r} is not supported: it mixes linear/state-space layers "
             f"({', '.join(hybrid) or kind}) with attention, which a paged KV cache alone cannot serve"
         )
 
@@ -131,7 +132,7 @@ def load_model(
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
         raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
-    check_family(config)
+    check_family(config, name)
     if ckpt and config.model_type in llama.FAMILIES:  # its tensors, whoever's layers run them
         _check(validate.check_tensors, config, gguf.tensor_index(ckpt), str(ckpt.path), gguf.readable_types())
     dev = resolve_device(device)
@@ -200,7 +201,7 @@ def load_model(
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model {name!r}: {validate.one_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
-        raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
+        raise ModelLoadError(f"{name}: model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
     if quant and not packed_linear.panel_dtype(choice.dtype, 2):
         raise ModelLoadError(
@@ -223,10 +224,11 @@ def load_model(
             raise ModelLoadError(f"cannot quantize {name!r}: {e}; use --dtype float32") from None
     if quant:
         _check_quantized(model, config.model_type, quant.name)
-    shapes = probe_layers(model, dev)
+    shapes, logits = probe_layers(model, dev)
+    _check(validate.check_probe, logits, name, choice.dtype)
     if not shapes:
         raise ModelLoadError(
-            f"model family {config.model_type!r} is not supported: its attention does not go through "
+            f"{name}: model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
     tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
@@ -372,16 +374,17 @@ def _cache_only(name: str) -> dict:
 
 
 @torch.inference_mode()
-def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, LayerShape]:
-    """Run one token through the model to learn each attention layer's K/V shape (works for any family)."""
+def probe_layers(model: torch.nn.Module, device: torch.device) -> tuple[dict[int, LayerShape], torch.Tensor]:
+    """Run one token through the model to learn each attention layer's K/V shape (works for any family);
+    returns them and the token's logits ``[1, 1, vocab]`` (attention gives zeros while probing)."""
     shapes: dict[int, LayerShape] = {}
     attention.set_context(attention.StepContext(meta=None, kv=None, probe=shapes))
     try:
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+        logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
     finally:
         attention.set_context(None)
-    return shapes
+    return shapes, logits
 
 
 def _load_tokenizer(folder: str, kwargs: dict):

@@ -15,6 +15,8 @@ loader hands this module what it knows, in order, and nothing is packed or run u
   state dict is read, before it is packed;
 - `check_module`: a model transformers built (any family): the tensors its loading found of another
   size than the config's, its embedding against its lm_head, and its weights finite;
+- `check_probe`: the logits of the loader's one-token probe finite (finite weights can still
+  overflow);
 - `vocabulary_note`: a tokenizer larger than the embedding, noted at load (intake refuses a prompt
   whose text tokenizes past the embedding's rows, as it does given ids).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.model.gguf_header import ArrayValue
 
@@ -116,30 +119,36 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_metadata(metadata: dict[str, object], types: dict[str, int], where: str) -> None:
-    """A Llama-family GGUF's size keys: each a positive integer, each float a finite positive number
+def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: int, where: str) -> None:
+    """A Llama-family GGUF's size keys: each a positive integer (the layer count at most the file's
+    ``tensors``: transformers builds a list per layer), each float a finite positive number
     (transformers divides by them, or makes a config no layer can be built from)."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHS:
         return
     for key in (f"{arch}.{k}" for k in SIZE_KEYS):
-        if key not in metadata:
-            continue
-        value = metadata[key]
-        if types[key] not in INTEGER_TYPES or not _is_int(value) or value < 1:
+        value = metadata.get(key, 1)
+        if types.get(key, INTEGER_TYPES[0]) not in INTEGER_TYPES or not _is_int(value) or value < 1:
             raise ModelCheckError(
                 f"{where}: metadata {key} is {_value(value)}; it must be a positive integer"
             )
     for key in (f"{arch}.{k}" for k in FLOAT_KEYS):
         value = metadata.get(key, 1.0)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value > 0)
-        ):
+        if not (_finite(value) and value > 0):
             raise ModelCheckError(
                 f"{where}: metadata {key} is {_value(value)}; it must be a finite positive number"
             )
+    layers = metadata.get(f"{arch}.block_count", 0)
+    if layers > tensors:
+        raise ModelCheckError(
+            f"{where}: metadata {arch}.block_count is {layers:,}, but the file holds {tensors:,} tensors "
+            "(each layer has its own)"
+        )
+
+
+def _finite(value: object) -> bool:
+    """A finite number (a bool is not one)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _value(v: object) -> str:
@@ -180,22 +189,13 @@ def sizes(config, where: str) -> Sizes:
         raise ModelCheckError(
             f"{where}: the config's head_dim is {head_dim}; rotary embeddings need an even one"
         )
-    for name in ("rms_norm_eps",):
-        value = getattr(config, name, 1e-6)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value >= 0)
-        ):
-            raise ModelCheckError(
-                f"{where}: the config's {name} is {_value(value)}; it must be a finite number >= 0"
-            )
+    eps = getattr(config, "rms_norm_eps", 1e-6)
+    if not (_finite(eps) and eps >= 0):
+        raise ModelCheckError(
+            f"{where}: the config's rms_norm_eps is {_value(eps)}; it must be a finite number >= 0"
+        )
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    if (
-        isinstance(theta, bool)
-        or not isinstance(theta, (int, float))
-        or not (math.isfinite(theta) and theta > 0)
-    ):
+    if not (_finite(theta) and theta > 0):
         raise ModelCheckError(
             f"{where}: the config's rope_theta is {_value(theta)}; it must be a finite positive number"
         )
@@ -371,6 +371,16 @@ def check_module(model: torch.nn.Module, mismatched: Iterable, where: str) -> No
         )
     for name, p in model.named_parameters():
         check_finite(repr(name), p, where)
+
+
+def check_probe(logits: torch.Tensor, where: str, dtype: torch.dtype) -> None:
+    """The logits of the loader's one-token probe: finite weights that overflow (a norm of 1e30) give
+    NaN or Inf here, and every token sampled from them would be garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelCheckError(
+            f"{where}: one token through the model gives NaN or infinite logits: its weights are finite but "
+            f"overflow {dtype_name(dtype)} (a corrupt file, or a dtype too narrow for this model)"
+        )
 
 
 def vocabulary_note(tokenizer, rows: int) -> str | None:
