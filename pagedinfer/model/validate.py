@@ -341,11 +341,10 @@ def check_finite(name: str, value: torch.Tensor | GGUFWeight, where: str) -> Non
 
 def _bad_scale(w: GGUFWeight) -> tuple[int, int] | None:
     """(row, block) of the first float16 scale that is NaN or Inf in ``w``'s blocks, else None."""
-    block, size = BLOCKS[w.kind]
-    rows = w.data.shape[0]
-    blocks = np.ascontiguousarray(w.data).reshape(rows, -1, size)  # [out, blocks per row, block bytes]
+    size = BLOCKS[w.kind][1]
+    blocks = w.data.reshape(w.data.shape[0], -1, size)  # [out, blocks per row, block bytes]
     for at in SCALE_OFFSETS[w.kind]:
-        bits = blocks[:, :, at : at + 2].copy().view("<u2")[..., 0]  # [out, blocks per row]
+        bits = blocks[:, :, at : at + 2].view("<u2")[..., 0]  # [out, blocks per row]: a view, no copy
         bad = (bits & F16_EXPONENT) == F16_EXPONENT
         if bad.any():
             row, col = np.argwhere(bad)[0]
