@@ -4,8 +4,8 @@ The one place a request is tokenized and checked, for every caller (`LLM.generat
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
 prompt added, within a time budget) and tokenized without adding special tokens again; a text too
 long for the context is refused before tokenizing; token ids, given or tokenized, must be in the
-vocabulary (the embedding's rows); the
-parameters must suit the model (its vocabulary, EOS and logits processors); and the request must fit the model's
+vocabulary (the embedding's rows); the parameters must suit the model (its vocabulary, EOS and logits
+processors); and the request must fit the model's
 context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
 else the reason starts with ``lora:``. Whatever raises while preparing one request

@@ -4,9 +4,9 @@ A GGUF file holds the model's config and tokenizer (with its chat template) as m
 tensors, usually quantized in blocks. Parsing that metadata is what took the time: gguf-py's reader
 builds a view per array element (the 49k-token vocabulary of SmolLM2 included), and transformers
 parses the file again for the config and again for the tokenizer (13-19 s each on two loaded
-cores, against 4 s to dequantize every tensor). So the first load of a file reads it once with
-gguf-py's memory-mapped reader for its tensor index and once through transformers for config and
-tokenizer, and writes what it found (config.json, generation_config.json, the tokenizer files, and
+cores, against 4 s to dequantize every tensor). So the first load of a file reads its header once
+with `gguf_header` (its own bounded walk: limits on counts and lengths, tensors inside the file) for
+the tensor index, then through transformers for config and tokenizer, and writes what it found (config.json, generation_config.json, the tokenizer files, and
 tensors.json: each tensor's type, shape and offset) into a cache folder named by the file's SHA-256
 (``$PAGEDINFER_GGUF_CACHE``, default ``~/.cache/pagedinfer/gguf``); a later load hashes the file and
 reads the folder and the tensors' bytes straight from a memory map.
@@ -138,7 +138,8 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
 
 
 def _fill_cache(path: Path, folder: Path) -> None:
-    """Read ``path`` once with gguf-py and transformers and write the cache folder (atomically)."""
+    """Read ``path`` once with `gguf_header` (within its limits) and transformers and write the cache
+    folder (atomically)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:  # within limits, before gguf-py and transformers parse it (they trust its counts and lengths)

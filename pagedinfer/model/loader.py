@@ -133,8 +133,10 @@ def load_model(
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
         raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
     check_family(config, name)
+    found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
     if ckpt and config.model_type in llama.FAMILIES:  # its tensors, whoever's layers run them
-        _check(validate.check_tensors, config, gguf.tensor_index(ckpt), str(ckpt.path), gguf.readable_types())
+        found = gguf.tensor_index(ckpt)
+        _check(validate.check_tensors, config, found, str(ckpt.path), gguf.readable_types())
     dev = resolve_device(device)
     try:
         choice = choose_dtype(dtype, config, dev, quant)
@@ -167,7 +169,7 @@ def load_model(
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
             sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
-            validate.check_values(sd, gguf.tensor_index(ckpt))
+            validate.check_values(sd, found)
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)

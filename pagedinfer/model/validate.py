@@ -11,7 +11,7 @@ loader hands this module what it knows, in order, and nothing is packed or run u
   Llama-family layers our implementation serves), which makes the vocabulary's three sizes (the
   config's, the embedding's rows, the lm_head's rows) one; from the GGUF index or the safetensors
   headers, before a byte of weight data is read;
-- `check_finite`: every weight finite (a quantized block's scales, a float tensor's values), as the
+- `check_values`: every weight finite (a quantized block's scales, a float tensor's values), once the
   state dict is read, before it is packed;
 - `check_module`: a model transformers built (any family): the tensors its loading found of another
   size than the config's, its embedding against its lm_head, and its weights finite;
@@ -126,9 +126,9 @@ def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: 
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHS:
         return
-    for key in (f"{arch}.{k}" for k in SIZE_KEYS):
-        value = metadata.get(key, 1)
-        if types.get(key, INTEGER_TYPES[0]) not in INTEGER_TYPES or not _is_int(value) or value < 1:
+    for key in (f"{arch}.{k}" for k in SIZE_KEYS if f"{arch}.{k}" in metadata):
+        value = metadata[key]
+        if types[key] not in INTEGER_TYPES or not _is_int(value) or value < 1:
             raise ModelCheckError(
                 f"{where}: metadata {key} is {_value(value)}; it must be a positive integer"
             )
@@ -257,10 +257,9 @@ def _expected(config, s: Sizes) -> Iterator[tuple[str, Expected]]:
         yield from _layer(config, s, i).items()
 
 
-def _named(name: str, found: Found | None) -> str:
-    if found is None or found.stored_as == name:
-        return repr(name)
-    return f"{found.stored_as!r} ({name})"
+def _named(name: str, found: Found) -> str:
+    """A tensor as messages name it: its name in the file, and the Hugging Face name when they differ."""
+    return repr(name) if found.stored_as == name else f"{found.stored_as!r} ({name})"
 
 
 def check_tensors(config, found: dict[str, Found], where: str, readable: Iterable[str]) -> None:
@@ -355,15 +354,16 @@ def _bad_scale(w: GGUFWeight) -> tuple[int, int] | None:
 def check_module(model: torch.nn.Module, mismatched: Iterable, where: str) -> None:
     """A model transformers built from its config: the tensors its loading found of another size, its
     embedding's and lm_head's rows (one vocabulary), and every parameter finite."""
-    for name, stored, built in sorted(mismatched, key=lambda m: m[0]):
+    first = min(mismatched, default=None, key=lambda m: m[0])  # (name, stored shape, built shape)
+    if first is not None:
+        name, stored, built = first
         raise ModelCheckError(
             f"{where}: tensor {name!r} has shape {_fmt(stored)}; the config expects {_fmt(built)}"
         )
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    rows = getattr(embed, "num_embeddings", None)
-    out = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [None])[0]
-    if rows is not None and out is not None and out != rows:
+    rows = model.get_input_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()  # None for a family without one
+    out = head.weight.shape[0] if head is not None else rows
+    if out != rows:
         raise ModelCheckError(
             f"{where}: the lm_head has {out:,} rows but the embedding {rows:,}: every sampled id must be one "
             "the embedding holds"
