@@ -264,6 +264,18 @@ def test_a_huge_metadata_array_is_refused_at_once(files, tmp_path, key, items):
     assert time.monotonic() - start < 5
 
 
+def test_a_huge_string_length_is_refused_before_anything_is_read(files, tmp_path):
+    """numpy's "array is too big" from gguf-py before: the length is checked against the limit first."""
+    data, spots = encode(files["llama"].layout)
+    at = next(s.offset for s in spots if s.label == "key general.name length")
+    path = tmp_path / "long.gguf"
+    path.write_bytes(data[:at] + (1 << 62).to_bytes(8, "little") + data[at + 8 :])
+    assert refusal(path) == (
+        f"{path} is not a valid GGUF file: metadata key 'general.name' is a string of "
+        "4,611,686,018,427,387,904 bytes (the limit is 16,777,216)"
+    )
+
+
 def test_a_big_endian_file_is_refused(files, tmp_path):
     data = bytearray(encode(files["llama"].layout)[0])
     data[4:8] = (3).to_bytes(4, "big")
