@@ -4,9 +4,10 @@ The one place a request is tokenized and checked, for every caller (`LLM.generat
 run``, the Ray replicas): a chat prompt is rendered with the tokenizer's chat template (generation
 prompt added, in a child process within a time budget and a memory limit: `chat_render`) and
 tokenized without adding special tokens again; a text too long for the context is refused before
-tokenizing; token ids must be in the vocabulary; the parameters must suit the engine
-(``max_logprobs``) and the model (its vocabulary, EOS and logits processors); and the request must
-fit the model's context and the pool (`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
+tokenizing; token ids, given or tokenized, must be in the vocabulary (the embedding's rows); the
+parameters must suit the engine (``max_logprobs``) and the model (its vocabulary, EOS and logits
+processors); and the request must fit the model's context and the pool
+(`Scheduler.rejection_reason`); a LoRA adapter, named by a `LoRARequest` (read and
 checked the first time) or by the name of one loaded already, must be servable (`AdapterRegistry`),
 else the reason starts with ``lora:``. Whatever raises while preparing one request
 rejects that request alone. `LLMEngine.add_request` checks nothing again.
@@ -112,6 +113,12 @@ def prepare(
                     f"{engine.scheduler.context_words('of')} can hold (checked before tokenizing)"
                 )
             text, ids = rendered, tok(rendered, add_special_tokens=not chat)["input_ids"]
+            if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:  # a tokenizer
+                # larger than the embedding (the loader notes it): the row lookup must never see it
+                raise ValueError(
+                    f"the prompt tokenizes to id {bad} ({tok.convert_ids_to_tokens(bad)!r}), outside the "
+                    f"model's vocabulary of {vocab} tokens (its embedding's rows)"
+                )
         beam = params if isinstance(params, BeamSearchParams) else None
         sampling = params if beam is None else beam.sampling_params()
         max_tokens = min(params.max_tokens or engine.max_model_len, engine.max_model_len - len(ids))
