@@ -1,15 +1,16 @@
 """GGUF checkpoints (the single-file format of llama.cpp, Ollama, LM Studio): read once, cached by content.
 
 A GGUF file holds the model's config and tokenizer (with its chat template) as metadata, and its
-tensors, usually quantized in blocks. Parsing that metadata is what took the time: gguf-py's reader
-builds a view per array element (the 49k-token vocabulary of SmolLM2 included), and transformers
-parses the file again for the config and again for the tokenizer (13-19 s each on two loaded
-cores, against 4 s to dequantize every tensor). So the first load of a file reads its header once
-with `gguf_header` (its own bounded walk: limits on counts and lengths, tensors inside the file) for
-the tensor index, then through transformers for config and tokenizer, and writes what it found (config.json, generation_config.json, the tokenizer files, and
-tensors.json: each tensor's type, shape and offset) into a cache folder named by the file's SHA-256
-(``$PAGEDINFER_GGUF_CACHE``, default ``~/.cache/pagedinfer/gguf``); a later load hashes the file and
-reads the folder and the tensors' bytes straight from a memory map.
+tensors, usually quantized in blocks. The first load of a file reads its header once with
+`gguf_header` (its own bounded walk: limits on counts and lengths, tensors inside the file), which
+gives the tensor index and every metadata value; transformers builds the config from those values
+through a stand-in for gguf-py's reader (`_HeaderReader`: gguf-py's own builds a numpy view per array
+item, the vocabulary's included, and that parse was the first load's cost), and the tokenizer with
+its own GGUF metadata reader. What it finds (config.json,
+generation_config.json, the tokenizer files, and tensors.json: each tensor's type, shape and offset)
+goes into a cache folder named by the file's SHA-256 (``$PAGEDINFER_GGUF_CACHE``, default
+``~/.cache/pagedinfer/gguf``); a later load hashes the file and reads the folder and the tensors'
+bytes straight from a memory map.
 
 `state_dict` gives the tensors under Hugging Face names: quantized tensors of the types the panels
 keep (`gguf_blocks.BLOCKS`) as their blocks (`GGUFWeight`), everything else dequantized by gguf-py
@@ -37,7 +38,7 @@ import torch
 from pagedinfer import envs
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
-from pagedinfer.model.gguf_header import HeaderError, TensorInfo, read
+from pagedinfer.model.gguf_header import ARRAY, STRING, ArrayValue, Header, HeaderError, TensorInfo, read
 from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, one_line
 from pagedinfer.terminal import keep, note
 
@@ -156,20 +157,71 @@ def _fill_cache(path: Path, folder: Path) -> None:
         raise GGUFError(str(e)) from None
     tensors = [asdict(t) for t in header.tensors]
     folder_in, kwargs = source(path)
-    try:
-        config = AutoConfig.from_pretrained(folder_in, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        raise GGUFError(f"{path}: cannot read the model config from its metadata: {one_line(e)}") from None
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
-        AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+    with _HeaderReader.standing_in(header):
+        try:
+            config = AutoConfig.from_pretrained(folder_in, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise GGUFError(
+                f"{path}: cannot read the model config from its metadata: {one_line(e)}"
+            ) from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
+            AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+@dataclass
+class _Field:
+    """One metadata value in the shape gguf-py's ``ReaderField`` gives it to transformers:
+    ``parts[i]`` for ``i`` in ``data`` are the items (a 1-element row of a scalar, a string's bytes)."""
+
+    types: list[int]
+    parts: list | np.ndarray
+    data: range
+
+
+class _HeaderReader:
+    """Stands in for gguf-py's ``GGUFReader`` while transformers reads a file's config and tokenizer
+    (``load_gguf_checkpoint`` uses ``fields`` and the tensors' names alone when it reads no tensor), with
+    the values `gguf_header` already read, so the file is parsed once, within its limits."""
+
+    header: Header | None = None  # set while `standing_in`
+
+    def __init__(self, path, mode: str = "r") -> None:
+        header = type(self).header
+        if header is None:
+            raise RuntimeError("_HeaderReader is used only within _HeaderReader.standing_in")
+        self.tensors = header.tensors  # each with its .name
+        self.fields = {key: _field(header.types[key], value) for key, value in header.metadata.items()}
+
+    @classmethod
+    @contextlib.contextmanager
+    def standing_in(cls, header: Header):
+        import gguf
+
+        own, cls.header, gguf.GGUFReader = gguf.GGUFReader, header, cls
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, cls.header = own, None
+
+
+def _field(vtype: int, value: object) -> _Field:
+    if vtype == STRING:
+        return _Field([STRING], [value.encode()], range(1))
+    if vtype != ARRAY:
+        return _Field([vtype], [(value,)], range(1))
+    assert isinstance(value, ArrayValue)
+    items = value.items
+    if value.item_type == STRING:
+        return _Field([ARRAY, STRING], [item.encode() for item in items], range(len(items)))
+    return _Field([ARRAY, value.item_type], items.reshape(-1, 1), range(len(items)))
 
 
 def hf_names(arch: str) -> Callable[[str], str | None]:

@@ -17,6 +17,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 VERSIONS = (2, 3)  # gguf-py reads these; version 1 had 32-bit counts
 DEFAULT_ALIGNMENT = 32
 # Limits (docs/cli.md "What is checked before a run"). Real files hold well under them: ~1,200 tensors
@@ -69,10 +71,15 @@ class TensorInfo:
 
 @dataclass
 class ArrayValue:
-    """An array's item type and length (the items are validated, not kept: gguf-py reads them later)."""
+    """An array's item type and its items, read within the limits: a numpy array of the scalars, or a
+    list of the strings."""
 
     item_type: int
-    count: int
+    items: np.ndarray | list[str]
+
+    @property
+    def count(self) -> int:
+        return len(self.items)
 
 
 @dataclass
@@ -145,15 +152,15 @@ def _value(cur: _Cursor, key: str, vtype: int) -> object:
     if cur.items > MAX_ITEMS:
         raise HeaderError(f"its metadata arrays hold more than {MAX_ITEMS:,} items in all (at {what})")
     if item_type in SCALARS:
-        cur.skip(count * struct.calcsize(SCALARS[item_type]))
+        dtype = np.dtype("<" + SCALARS[item_type])
+        items = np.frombuffer(cur.take(count * dtype.itemsize), dtype)
     elif item_type == STRING:
-        for i in range(count):
-            cur.string(f"{what} item {i}")
+        items = [cur.string(f"{what} item {i}") for i in range(count)]
     elif item_type == ARRAY:
         raise HeaderError(f"{what} is an array of arrays, which GGUF readers do not support")
     else:
         raise HeaderError(f"{what} is an array of unknown value type {item_type} (GGUF's are 0-12)")
-    return ArrayValue(item_type, count)
+    return ArrayValue(item_type, items)
 
 
 def _tensor_info(cur: _Cursor, sizes: dict[int, tuple[str, int, int]]) -> tuple[str, list[int], int, int]:
