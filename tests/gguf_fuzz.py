@@ -570,8 +570,12 @@ def greedy(path: Path) -> list[list[int] | str]:
     prompts = [{"prompt_token_ids": [t % vocab for t in p]} for p in PROMPTS]
     out: list[list[int] | str] = []
     for o in llm.generate(prompts, params, use_tqdm=False):
-        if o.error is not None:  # e.g. a context of one token: refused as that line's error
-            assert not o.outputs and o.error and "\n" not in o.error, o
+        if o.error is not None:  # e.g. a context of one token, or logits that turn non-finite later
+            assert o.error and "\n" not in o.error, o
+            for c in o.outputs:  # what came before a failure was drawn from finite logits
+                assert all(
+                    math.isfinite(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+                ), o
             out.append(o.error)
             continue
         (c,) = o.outputs
