@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -58,6 +59,25 @@ def test_an_embedding_lookup_refuses_an_id_past_its_rows(kind):
         with pytest.raises(IndexOutOfRange) as refused:
             embedding(torch.tensor(ids))
         assert str(refused.value) == message
+
+
+def test_panels_shorter_than_their_columns_are_refused_before_any_kernel_reads_them():
+    """The kernels index a segment's panels by column and k alone: a segment whose panels (or scales)
+    hold fewer bytes than its columns need is refused where a linear is built and at a lookup."""
+    torch.manual_seed(0)
+    table = packed_linear.quantized_segment(torch.randn(40, 64), None, False, QUANTIZATIONS["int8"])
+    short = dataclasses.replace(table, panels=table.panels[:2])  # 2 of the 3 panels of 40 rows
+    message = (
+        "I8 weight of 40 rows x 64: the kernel reads 3072 bytes of panels (3 panels) and 48 values of "
+        "bias and scales; found 2048 bytes of panels, 48 scales"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        packed_linear.PackedLinear.from_segments(64, 40, False, [short])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        packed_linear.PanelEmbedding(short)(torch.tensor([0]))
+    no_scales = dataclasses.replace(table, scale=table.scale[:1])
+    with pytest.raises(ValueError, match="found 3072 bytes of panels, 16 scales"):
+        packed_linear.panel_rows(no_scales, torch.tensor([0]))
 
 
 def pool(blocks: int = 4, block_size: int = 4, heads: int = 2, dim: int = 16):
@@ -156,6 +176,7 @@ def test_the_debug_build_asserts_what_callers_vouch_for(monkeypatch):
     """``PAGEDINFER_KERNEL_DEBUG=1`` builds the kernels with their assert()ions (``-UNDEBUG`` after the
     default ``-DNDEBUG``), and the bindings assert the shapes their callers vouch for: here K rows
     narrower than the pool's, stopped before any C runs."""
+    monkeypatch.delenv("PAGEDINFER_KERNEL_DEBUG", raising=False)
     compiler = cpu_kernel._compiler()
     assert all("-UNDEBUG" not in flags for flags, _ in cpu_kernel._targets(cpu_kernel.SOURCE, compiler))
     monkeypatch.setenv("PAGEDINFER_KERNEL_DEBUG", "1")
@@ -172,12 +193,15 @@ def test_the_debug_build_asserts_what_callers_vouch_for(monkeypatch):
         cpu_kernel.debug.cache_clear()
 
 
-def test_the_samplers_c_pass_refuses_a_row_past_the_logits():
+def test_the_samplers_c_passes_refuse_a_row_past_the_logits():
     logits = torch.randn(3, 50)
     uniform = torch.tensor([0.5, 0.5])
     assert fused_ops.sample(logits, torch.tensor([2, 0]), [1.0, 1.0], uniform) is not None
+    assert torch.equal(fused_ops.argmax(logits, torch.tensor([2, 0])), logits.argmax(1)[[2, 0]])
     with pytest.raises(IndexOutOfRange, match=r"^sample: logits row 3 \(entry 1\) is outside the 3 rows$"):
         fused_ops.sample(logits, torch.tensor([2, 3]), [1.0, 1.0], uniform)
+    with pytest.raises(IndexOutOfRange, match=r"^argmax: logits row -1 \(entry 0\) is outside the 3 rows$"):
+        fused_ops.argmax(logits, torch.tensor([-1, 0]))
 
 
 def test_a_packed_linear_refuses_rows_of_another_width():

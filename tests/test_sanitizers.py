@@ -1,12 +1,13 @@
 """The sanitizer tier: the C kernels built with AddressSanitizer and UndefinedBehaviorSanitizer, and the
 tests that drive every C entry point run against them in a child process, which fails on any report.
 
-The flags go through ``PAGEDINFER_CC_FLAGS`` after the defaults (``-O1``: as thorough, and the builds
-take less time than the ``-O3`` ones; ``-UNDEBUG``: the kernels' assertions on), into a kernel cache of
-their own (`sanitizer_cache`: kept between runs, as the plain builds are, since building them takes
-minutes on 2 cores). The child runs with libasan preloaded (Python itself is not instrumented; leak
-checks off, since Python keeps memory to the end by design). ``PAGEDINFER_SANITIZER_TESTS`` replaces
-the selection (``tests``: everything; docs/development.md).
+The sanitizers' flags go through ``PAGEDINFER_CC_FLAGS`` after the defaults (``-O1``, as the sanitizers'
+documentation advises; instrumenting ``-O3`` code took longer to build), with the debug build
+(``PAGEDINFER_KERNEL_DEBUG=1``: the kernels' assertions, and their bindings'), into a folder of the
+kernel cache of their own (``sanitized``: kept between runs as the plain builds are, since building
+them takes minutes on 2 cores). The child runs with the sanitizer runtime preloaded (Python itself is
+not instrumented; leak checks off, since Python keeps memory to the end by design).
+``PAGEDINFER_SANITIZER_TESTS`` replaces the selection (``tests``: all of them; docs/development.md).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ import pytest
 from conftest import DEVICE
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel
+from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
 REPO = Path(__file__).resolve().parents[1]
 # alignment: the kernels load and store through memcpy and unaligned intrinsics; object-size and
-# pointer-overflow: AddressSanitizer sees every access those would; the three cost a third of the
-# build time. Instrumentation by calls: half the build time of inline checks, the same reports.
+# pointer-overflow: AddressSanitizer sees every access those would; the three slow the build markedly.
+# Instrumentation by calls: quicker to build than inline checks, the same reports.
 FLAGS = (
-    "-O1 -g1 -UNDEBUG -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined "
+    "-O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined "
     "-fno-sanitize=alignment,object-size,pointer-overflow --param=asan-instrumentation-with-call-threshold=0"
 )
 SOURCES = [cpu_kernel.SOURCE, fused_ops.SOURCE, packed_linear.GEMM_SOURCE, decode_step.SOURCE]
@@ -85,15 +86,16 @@ def sanitized() -> dict[str, str]:
     first (in parallel; nothing to do once cached): beside the plain builds, in a folder of their own."""
     env = {
         **os.environ,
-        "PAGEDINFER_CACHE": str(envs.kernel_cache() / "sanitized"),
+        "PAGEDINFER_CACHE": str(kernel_cache.folder("sanitized")),
         "PAGEDINFER_CC_FLAGS": FLAGS,
+        "PAGEDINFER_KERNEL_DEBUG": "1",  # the kernels' assertions, and the bindings'
         "LD_PRELOAD": runtime(),
         "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("PAGEDINFER_CACHE", "PAGEDINFER_CC_FLAGS"):
+        for name in ("PAGEDINFER_CACHE", "PAGEDINFER_CC_FLAGS", "PAGEDINFER_KERNEL_DEBUG"):
             patch.setenv(name, env[name])
         cpu_kernel.prebuild(SOURCES)
     return env

@@ -305,11 +305,10 @@ def store_kv(
     loop instead of two index_copy_ calls per layer. A slot outside the pool: `IndexOutOfRange`, nothing
     written (a negative slot is padding, skipped)."""
     if debug():  # what the caller vouches for
-        assert (
-            k.shape[1:] == k_cache.shape[2:] and v.shape[:2] == k.shape[:2] and v.shape[2] == v_cache.shape[3]
-        )
+        assert k.shape[1:] == k_cache.shape[2:] and v.shape[:2] == k.shape[:2]
+        assert v.shape[2] == v_cache.shape[3] and slots.shape == k.shape[:1]
         assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == k.shape[:1]
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
     refusal = Refusal()
     code = getattr(_library(), f"store_kv_{_name(k.dtype, k_cache.dtype)}")(
         k_cache.data_ptr(),
@@ -367,13 +366,12 @@ def paged_decode(
     seqs, max_blocks = block_tables.shape
     num_blocks, block_size, kvh, head_dim = k_cache.shape
     if debug():  # what the caller vouches for
-        assert (
-            out.is_contiguous() and out.shape == (*q.shape[:2], v_cache.shape[3]) and q.shape[2] == head_dim
-        )
+        assert out.is_contiguous() and out.shape == (*q.shape[:2], v_cache.shape[3])
+        assert q.shape[2] == head_dim and (sinks is None or sinks.shape == q.shape[1:2])
         assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_tables.dtype == ctx_lens.dtype == torch.int32 and rows.dtype == torch.int64
         assert block_tables.is_contiguous() and ctx_lens.is_contiguous() and rows.is_contiguous()
-        assert ctx_lens.shape == rows.shape == (seqs,) and (sinks is None or sinks.shape == q.shape[1:2])
+        assert ctx_lens.shape == rows.shape == (seqs,)
     if not (out.dtype == q.dtype and k_cache.dtype == v_cache.dtype and (q.dtype, k_cache.dtype) in PAIRS):
         raise TypeError(
             f"out and q must share one dtype and the K/V pool be that dtype or, under float32, a 16-bit one; "

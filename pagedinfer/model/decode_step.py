@@ -196,15 +196,11 @@ class DecodeStep:
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
         if cpu_kernel.debug():  # what the caller vouches for
-            assert residual.shape == (rows, self.hidden) and cos.shape == sin.shape == (
-                rows,
-                self.head_dim // 2,
-            )
-            assert (
-                meta.slot_mapping.shape == meta.context_lens.shape == (rows,) == meta.block_tables.shape[:1]
-            )
-            assert meta.block_tables.is_contiguous() and meta.slot_mapping.dtype == torch.int64
-            assert meta.block_size == self.kv.block_size
+            half = (rows, self.head_dim // 2)
+            assert residual.shape == (rows, self.hidden) and cos.shape == half and sin.shape == half
+            assert meta.slot_mapping.shape == meta.context_lens.shape == (rows,)
+            assert meta.block_tables.shape[0] == rows and meta.block_tables.is_contiguous()
+            assert meta.slot_mapping.dtype == torch.int64 and meta.block_size == self.kv.block_size
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
         lens = meta.context_lens_host
         if lens is None:  # a step through the graph path's static buffers (padding rows included)

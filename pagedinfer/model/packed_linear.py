@@ -76,6 +76,25 @@ def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
     return c
 
 
+def check_panels(s: Segment) -> None:
+    """Refuse a segment whose panels (or bias, scales) hold fewer bytes than its columns and input width
+    need in the kernel's layout: the kernels index them by column and k alone (ValueError naming both)."""
+    lib = _gemm_library()
+    if lib is None:  # no kernel to read them
+        return
+    rows = s.cols * (2 if s.gated_pairs else 1)
+    panels = -(-rows // panel_formats.PANEL_ROWS)
+    need = panels * lib.gemm_panel_bytes(KINDS[s.kind], s.in_features, s.group)
+    have = s.panels.numel() * s.panels.element_size()
+    floats = [(name, t.numel()) for name, t in (("bias", s.bias), ("scales", s.scale)) if t is not None]
+    if have != need or any(n != panels * panel_formats.PANEL_ROWS for _, n in floats):
+        found = ", ".join([f"{have} bytes of panels"] + [f"{n} {name}" for name, n in floats])
+        raise ValueError(
+            f"{s.kind} weight of {rows} rows x {s.in_features}: the kernel reads {need} bytes of panels"
+            f" ({panels} panels) and {panels * panel_formats.PANEL_ROWS} values of bias and scales; found {found}"
+        )
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` forward on a weight laid out once for a faster GEMM; inference only.
 
@@ -134,6 +153,8 @@ class PackedLinear(nn.Module):
     def _set_segments(self, segments: list[Segment]) -> None:
         assert all(s.in_features == self.in_features for s in segments), "segments of another input width"
         assert sum(s.cols * (2 if s.gated_pairs else 1) for s in segments) == self.out_features
+        for segment in segments:
+            check_panels(segment)
         self.segments = segments
         self.paired = self.gated and len(segments) == 1  # the kernel writes silu(gate) * up itself
         self._c = (GemmSegment * len(segments))()  # what the kernel reads, built once
@@ -346,6 +367,7 @@ def panel_rows(segment: Segment, rows: torch.Tensor) -> torch.Tensor:
     (a token id past the embedding): `IndexOutOfRange`."""
     if debug():  # what the caller vouches for
         assert not segment.gated_pairs
+    check_panels(segment)  # the lookup reads the panel of each id's row
     rows = rows.contiguous().to(torch.int64)
     out = torch.empty(rows.numel(), segment.in_features)  # [n, in]
     refusal = Refusal()
