@@ -6,8 +6,8 @@
  * `refusal` (pagedinfer/attention/cpu_kernel.py's `Refusal` turns it into an exception naming it).
  * Each index is read once, ahead of the work: integer compares over the step's metadata, against
  * calls that read megabytes. What the caller builds itself (tensor shapes, strides, head counts) it
- * vouches for; those preconditions are assert()ions, compiled in where NDEBUG is not defined (the
- * sanitizer build: docs/development.md).
+ * vouches for; those preconditions are assert()ions, compiled in only in the debug build
+ * (PAGEDINFER_KERNEL_DEBUG=1: -UNDEBUG after the default -DNDEBUG; the sanitizer tier's).
  */
 #ifndef PAGEDINFER_CPU_BOUNDS_H
 #define PAGEDINFER_CPU_BOUNDS_H

@@ -97,8 +97,8 @@ static void first_max(const float *x, int n, int64_t *arg, int *nan) {
 /* out[r] = the index of the first maximum of row index[r] of x [x_rows, cols] (row stride `stride`;
  * with index NULL, row r); returns how many rows have no finite maximum: a NaN, +inf, or every logit
  * -inf (their out[r] is -1; the caller fails them, never draws from them); -REFUSED_LOGITS (nothing
- * written, `why` says which) where an index is not one of the x_rows rows. Vectorized: torch's CPU argmax
- * runs lane by lane, several times slower over a large vocabulary (docs/fast_path.md). */
+ * written, `why` says which) where an index is not one of the x_rows rows. Vectorized: torch's CPU
+ * argmax runs lane by lane, several times slower over a large vocabulary (docs/fast_path.md). */
 int argmax_rows_f32(const float *x, int rows, const int64_t *index, int cols, int64_t stride, int64_t *out,
                     int x_rows, refusal *why) {
     assert(index || rows <= x_rows);
@@ -156,8 +156,8 @@ static float block_weights(const float *x, int n, float temp, float top, float *
  * block is found on those, then its tokens' weights are added in order (a rounding shortfall there
  * takes the block's last token of nonzero weight). Returns how many rows have no finite maximum
  * (a NaN, +inf, every token masked, or a maximum that overflows at its temperature: out[i] = -1, the
- * caller fails them); -REFUSED_LOGITS (nothing written, `why` says which) where a row index is not one of
- * x's x_rows rows. */
+ * caller fails them); -REFUSED_LOGITS (nothing written, `why` says which) where a row index is not
+ * one of x's x_rows rows. */
 int sample_rows_f32(const float *x, int n, const int64_t *rows, int cols, int64_t stride, const float *temps,
                     const float *u, int64_t *out, int x_rows, refusal *why) {
     if (check_indexes(rows, n, 0, x_rows, REFUSED_LOGITS, why)) return -REFUSED_LOGITS;
