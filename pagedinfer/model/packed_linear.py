@@ -77,8 +77,9 @@ def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
 
 
 def check_panels(s: Segment) -> None:
-    """Refuse a segment whose panels (or bias, scales) hold fewer bytes than its columns and input width
-    need in the kernel's layout: the kernels index them by column and k alone (ValueError naming both)."""
+    """Refuse a segment whose panels (or bias, scales) are not the size its columns and input width make
+    in the kernel's layout: the kernels index them by column and k alone, so a short one would be read
+    past its end (ValueError naming both sizes)."""
     lib = _gemm_library()
     if lib is None:  # no kernel to read them
         return
