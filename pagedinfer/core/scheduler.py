@@ -197,8 +197,11 @@ class Scheduler:
     def fail(self, req: Request, reason: str) -> None:
         """End ``req`` alone with ``reason`` (its blocks freed); the other requests go on.
 
-        The next ``update`` returns it among the finished requests.
+        The next ``update`` returns it among the finished requests. A request fails once: a second
+        reason (another of its rows failing in the same step) is dropped.
         """
+        if req.state is RequestState.FINISHED:
+            return
         req.error = reason
         self._finish(req)
         if req in self.waiting:
