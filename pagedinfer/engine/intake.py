@@ -26,7 +26,8 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedinfer import chat_render
 from pagedinfer.core.limits import RequestLimits
@@ -63,34 +64,25 @@ class Rejected:
     reason: str
 
 
+@dataclass
 class Intake:
-    def __init__(
-        self,
-        tokenizer,
-        model_name: str,
-        vocab_size: int,
-        eos_token_ids: set[int] | frozenset[int],
-        limits: RequestLimits,
-        logits: LogitsPipeline,
-        adapters: AdapterRegistry | None,
-        max_logprobs: int,
-        max_line_tokens: int | None,
-        seed: int,
-    ) -> None:
-        """``tokenizer``: the model's (None: prompts as token ids only); ``logits``: the processors that
-        check the parameters that shape logits (and compile their grammars); ``adapters``: the LoRA
-        adapters (None: LoRA is not enabled); ``seed``: starts the stream of base seeds drawn for
-        requests that give none."""
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.limits = limits
-        self.logits = logits
-        self.adapters = adapters
-        self.max_logprobs = max_logprobs
-        self.max_line_tokens = max_line_tokens
-        self._seeds = random.Random(seed)
+    """What requests are checked against, for one engine; `prepare` turns each into an `EngineRequest`
+    or a `Rejected`."""
+
+    tokenizer: Any  # the model's (None: prompts as token ids only)
+    model_name: str
+    vocab_size: int
+    eos_token_ids: set[int] | frozenset[int]
+    limits: RequestLimits
+    logits: LogitsPipeline  # checks the parameters that shape logits (and compiles their grammars)
+    adapters: AdapterRegistry | None  # the LoRA adapters (None: LoRA is not enabled)
+    max_logprobs: int
+    max_line_tokens: int | None
+    seed: int  # starts the stream of base seeds drawn for requests that give none
+    _seeds: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._seeds = random.Random(self.seed)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
