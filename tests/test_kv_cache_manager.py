@@ -74,10 +74,10 @@ def test_two_completions_share_the_partial_block_and_copy_on_write():
     c0.num_computed = c1.num_computed = 6
     c0.token_ids.append(100)
     a0 = kv.allocate(c0, 1)
-    assert a0.new_blocks == [] and a0.copies == [(p1, c0.block_table[1])] and c0.block_table[1] != p1
+    assert a0.new_blocks == () and a0.copies == ((p1, c0.block_table[1]),) and c0.block_table[1] != p1
     c1.token_ids.append(200)
     b0 = kv.allocate(c1, 1)
-    assert (b0.new_blocks, b0.copies) == ([], []) and c1.block_table == [p0, p1]
+    assert (b0.new_blocks, b0.copies) == ((), ()) and c1.block_table == [p0, p1]
     assert kv.pool.num_used == 3 and kv.pool.ref_counts[p0] == 2 and kv.pool.ref_counts[p1] == 1
     assert kv.make_stats().cow_copies == 1
     kv.free(c0)
@@ -118,7 +118,7 @@ def test_a_beam_fork_shares_every_block_and_the_first_writer_copies():
     assert all(kv.pool.ref_counts[b] == 2 for b in parent.block_table)
     child.token_ids.append(7)
     grant = kv.allocate(child, 1)
-    assert grant.copies == [(parent.block_table[1], child.block_table[1])] and kv.pool.num_used == 3
+    assert grant.copies == ((parent.block_table[1], child.block_table[1]),) and kv.pool.num_used == 3
 
 
 def test_a_shared_system_prompt_is_cached_once_and_referenced_by_each_request():
@@ -156,7 +156,7 @@ def test_a_fully_cached_prompt_recomputes_its_last_token_and_counts_the_copy():
         assert kv.can_admit(again, hit) is admitted
     seq = admit(kv, again)
     grant = kv.allocate(seq, 1)
-    assert grant.copies == [(first.block_table[1], seq.block_table[1])] and kv.pool.num_used == 3
+    assert grant.copies == ((first.block_table[1], seq.block_table[1]),) and kv.pool.num_used == 3
 
 
 def test_adapters_start_their_own_chains():

@@ -41,13 +41,16 @@ def chain_seed(adapter_digest: bytes) -> bytes:
     return b"" if not adapter_digest else hashlib.blake2b(b"lora:" + adapter_digest, digest_size=32).digest()
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVCacheBlocks:
     """What one `allocate` gave a sequence: the blocks appended to its table, and the copies to make
     before the step writes (each ``dst`` has replaced the shared ``src`` in the table)."""
 
-    new_blocks: list[int]
-    copies: list[tuple[int, int]]  # (src, dst)
+    new_blocks: tuple[int, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst)
+
+
+NO_NEW_BLOCKS = KVCacheBlocks()  # most decode tokens fit the last block: one answer for all of them
 
 
 @dataclass
@@ -157,7 +160,9 @@ class KVCacheManager:
             copies = self.pool.reserve(table, seq.num_computed, num_new_tokens)
         except OutOfBlocks:
             return None
-        return KVCacheBlocks(table[before:], copies)
+        if not copies and len(table) == before:
+            return NO_NEW_BLOCKS
+        return KVCacheBlocks(tuple(table[before:]), tuple(copies))
 
     def fork_prompt(self, prompt: Sequence, seq: Sequence) -> int:
         """Give completion ``seq`` its blocks once its request's ``prompt`` is computed; returns how many
