@@ -166,6 +166,7 @@ class LLMEngine:
             adapters=self.lora,
             completion_states=CompletionStates(tok, self.logits),
             line_timeout=config.line_timeout,
+            clock=monotonic,  # the engine's: requests' running times are read on it too
         )
         limits = RequestLimits(
             self.max_model_len,
