@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedinfer.config import LLMConfig, llm_settings
-from pagedinfer.engine import intake
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
@@ -157,7 +156,7 @@ class LLM:
         """One request tokenized and checked against the model and the pool, once (`engine.intake`):
         what `loop`'s `GenerationLoop` runs as it is, or why it can never run. ``interrupt`` is called
         while a chat template renders (what it raises propagates)."""
-        return intake.prepare(self.engine, prompt, params, request_id, lora, interrupt)
+        return self.engine.intake.prepare(prompt, params, request_id, lora, interrupt)
 
     def loop(
         self,
@@ -290,7 +289,7 @@ class LLM:
         """Run ``(prompt, params, request id)`` triples (or with a fourth: the adapter, a `LoRARequest` or a
         loaded adapter's name), read lazily; yield ``(index, output)`` as each finishes.
 
-        Each request is prepared (tokenized and checked, `engine.intake.prepare`) only when the engine
+        Each request is prepared (tokenized and checked, ``engine.intake.prepare``) only when the engine
         has room: at most ``max_pending`` unfinished requests are in the engine at once (default:
         twice ``max_num_seqs``, enough to keep every batch full), so memory does not grow with the
         number of requests; a request is released once yielded. One that cannot run (too long,
