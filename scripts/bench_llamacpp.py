@@ -47,7 +47,8 @@ same GGUF file llama.cpp runs, its tensors kept in their types; a quantized dtyp
 
 ``--isa avx2`` holds both to an AVX2 machine's instructions on any CPU (scripts/bench_isa.py: our
 kernels built without AVX-512, torch's and oneDNN's caps; llama.cpp's own AVX2 build); the CPU, the
-cap and what each system's check found are printed.
+cap (the first line of the report) and what each system's check found are printed. bfloat16 (a dtype,
+the BF16 format, bf16 K/V) is refused there: an AVX2 CPU has no bfloat16 instructions.
 Needs: cmake, ninja, a C++ compiler, and the pip packages gguf and accelerate (extra ``llamacpp``).
 """
 
@@ -363,7 +364,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
     )
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    bf16 = [d for d in a.dtypes.split(",") if d.endswith("bfloat16")]
+    bf16 += [f for f in a.formats.split(",") if f == "BF16"] + [k for k in a.llamacpp_kv_types if k == "bf16"]
+    if a.isa == "avx2" and bf16:
+        ap.error(f"--isa avx2 runs no {bf16[0]}: an AVX2 CPU has no bfloat16 instructions")
+    return a
 
 
 def our_systems(args, model_dir: Path, ggufs: dict[str, Path], env: dict[str, str]) -> list[System]:
@@ -474,14 +480,15 @@ def main() -> None:
                 for kv in matched_kv_types(results, fmt, listed)
             ]
         run_all(theirs)
-    print(report(results, [w.name for w in ws], {w.name: w.max_new for w in ws}))
+    machine = bench_isa.machine_line(args.isa)
+    print(report(results, [w.name for w in ws], {w.name: w.max_new for w in ws}, machine))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
-                    "machine": bench_isa.machine_line(args.isa),
+                    "machine": machine,
                     "systems": {
                         k: {
                             **{f: v[f] for f in ("side", "weights", "default")},
@@ -532,12 +539,12 @@ def _cell(wall: float, workload: str, max_new: int) -> str:
     return f"{max_new / wall:.1f} tok/s" if workload == "b1" else f"{wall:.2f} s"
 
 
-def report(results: dict[str, dict], workloads: list[str], max_new: dict[str, int]) -> str:
-    """The wall of every system per workload, then ours over llama.cpp (their wall / ours: above 1 when
-    ours is faster) at equal precision and at each system's defaults, peak RSS, greedy agreement and
-    what each system's ISA check found."""
+def report(results: dict[str, dict], workloads: list[str], max_new: dict[str, int], machine: str) -> str:
+    """The machine line (CPU and ISA cap), the wall of every system per workload, then ours over
+    llama.cpp (their wall / ours: above 1 when ours is faster) at equal precision and at each system's
+    defaults, peak RSS, greedy agreement and what each system's ISA check found."""
     names = list(results)
-    lines = ["| workload | " + " | ".join(title(n, results[n]) for n in names) + " |"]
+    lines = [machine, "", "| workload | " + " | ".join(title(n, results[n]) for n in names) + " |"]
     lines.append("|---|" + "---:|" * len(names))
     for w in workloads:
         cells = [_cell(results[n]["runs"][w]["wall_s"], w, max_new[w]) for n in names]

@@ -13,13 +13,6 @@ VERSION=0.3.36
 HERE=$(cd "$(dirname "$0")" && pwd)
 JOBS=${JOBS:-2}
 mkdir -p "$CACHE"
-SRC=$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp
-if [ ! -f "$SRC/CMakeLists.txt" ]; then
-  if ! ls "$CACHE"/sdist/llama_cpp_python-$VERSION.tar.gz >/dev/null 2>&1; then
-    python -m pip download "llama-cpp-python==$VERSION" --no-deps --no-binary :all: -d "$CACHE/sdist"
-  fi
-  tar xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
-fi
 FLAGS=""
 case $ISA in
 native)
@@ -69,6 +62,13 @@ avx2)
   exit 2
   ;;
 esac
+SRC=$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+  if ! ls "$CACHE"/sdist/llama_cpp_python-$VERSION.tar.gz >/dev/null 2>&1; then
+    python -m pip download "llama-cpp-python==$VERSION" --no-deps --no-binary :all: -d "$CACHE/sdist"
+  fi
+  tar xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+fi
 STAMP="$FLAGS ${ISA_OPTIONS[*]}"
 if [ ! -f "$BUILD/.done" ] || [ "$(cat "$BUILD/.done")" != "$STAMP" ]; then
   cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \

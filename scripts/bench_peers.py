@@ -326,6 +326,47 @@ def worker_env(
     return env
 
 
+def vllm_sampling(w: dict) -> list[dict]:
+    """vLLM's ``SamplingParams`` arguments, one per prompt of ``w``. n completions of a greedy workload
+    are sampled from the top token alone (vLLM refuses n > 1 greedy); no per-request seed: the CPU
+    build refuses one ("CPU Generator does not use offset"), the engine's seed serves."""
+    top1 = {"temperature": 1.0, "top_k": 1} if w["temperature"] == 0 and w["n"] > 1 else {}
+    return [
+        {"n": w["n"], "temperature": w["temperature"], "max_tokens": m, "ignore_eos": True} | top1
+        for m in w["max_tokens"]
+    ]
+
+
+def openvino_properties(dtype: str, threads: int) -> dict:
+    """The CPU plugin's properties of an OpenVINO run: at equal precision its inference and K/V
+    precision set and dynamic quantization off (activations stay float, as ours with int8 weights); at
+    its defaults (``auto``, ``int8:auto``) the thread count alone, the rest left to the plugin."""
+    props: dict = {"INFERENCE_NUM_THREADS": threads}
+    act = precision(dtype)[1]
+    if act == "auto":
+        return props
+    hint = "bf16" if act == "bfloat16" else "f32"
+    return props | {
+        "INFERENCE_PRECISION_HINT": hint,
+        "KV_CACHE_PRECISION": hint,
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
+    }
+
+
+def openvino_generation(w: dict) -> list[dict]:
+    """OpenVINO GenAI's ``GenerationConfig`` fields, one set per prompt of ``w`` (every completion
+    exactly its max_tokens long; greedy with n completions: sampled from the top token alone)."""
+    out = []
+    for m in w["max_tokens"]:
+        c = {"max_new_tokens": m, "min_new_tokens": m, "ignore_eos": True, "num_return_sequences": w["n"]}
+        if w["temperature"] > 0:
+            c |= {"do_sample": True, "temperature": w["temperature"], "top_p": 1.0, "rng_seed": w["seed"]}
+        elif w["n"] > 1:
+            c |= {"do_sample": True, "top_k": 1}
+        out.append(c)
+    return out
+
+
 class Worker:
     """One (system, precision) process: loads the model, then runs workloads on request."""
 
@@ -475,14 +516,7 @@ class VllmRunner:
         from vllm import SamplingParams, TokensPrompt
 
         self.llm.reset_prefix_cache()
-        # n completions of a greedy workload: sampled from the top token alone (vLLM refuses n > 1 greedy);
-        # no per-request seed: the CPU build refuses one ("CPU Generator does not use offset"), the
-        # engine's seed serves
-        top1 = dict(temperature=1.0, top_k=1) if w["temperature"] == 0 and w["n"] > 1 else {}
-        temperature = {"temperature": w["temperature"]} | top1
-        params = [
-            SamplingParams(n=w["n"], **temperature, max_tokens=m, ignore_eos=True) for m in w["max_tokens"]
-        ]
+        params = [SamplingParams(**kw) for kw in vllm_sampling(w)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
@@ -514,15 +548,7 @@ class OpenvinoRunner:
 
         self.ov_genai = ov_genai
         self.spec = spec
-        self.properties: dict = {"INFERENCE_NUM_THREADS": spec["threads"]}
-        act = precision(spec["dtype"])[1]
-        if act != "auto":
-            hint = "bf16" if act == "bfloat16" else "f32"
-            self.properties |= {
-                "INFERENCE_PRECISION_HINT": hint,
-                "KV_CACHE_PRECISION": hint,
-                "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,  # activations stay float (as ours with int8 weights)
-            }
+        self.properties = openvino_properties(spec["dtype"], spec["threads"])
         self.pipe = self._pipeline()
 
     def _compiled(self):
@@ -551,14 +577,10 @@ class OpenvinoRunner:
         import openvino as ov
 
         configs = []
-        for m in w["max_tokens"]:
+        for fields in openvino_generation(w):
             c = self.ov_genai.GenerationConfig()
-            c.max_new_tokens, c.min_new_tokens, c.ignore_eos = m, m, True
-            c.num_return_sequences = w["n"]
-            if w["temperature"] > 0:
-                c.do_sample, c.temperature, c.top_p, c.rng_seed = True, w["temperature"], 1.0, w["seed"]
-            elif w["n"] > 1:  # greedy with n completions: sampling from the top token alone
-                c.do_sample, c.top_k = True, 1
+            for name, value in fields.items():
+                setattr(c, name, value)
             configs.append(c)
         inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p in w["prompts"]]
         results = self.pipe.generate(inputs, configs)

@@ -229,6 +229,49 @@ def test_every_system_gets_the_cap_and_the_peers_the_starting_environment(bench,
     )
 
 
+def test_precisions_and_each_peers_arguments(bench):
+    assert [bench.precision(d) for d in bench.DTYPES] == [
+        (None, "float32"),
+        (None, "bfloat16"),
+        ("int8", "float32"),
+        ("int8", "bfloat16"),
+        (None, "auto"),
+        ("int8", "auto"),
+    ]
+    assert set(bench.NOT_SUPPORTED) == {("vllm", "int8"), ("vllm", "int8:bfloat16"), ("vllm", "int8:auto")}
+    # OpenVINO at equal precision: hints set, dynamic quantization off; at its defaults: nothing but threads
+    assert bench.openvino_properties("float32", 2) == {
+        "INFERENCE_NUM_THREADS": 2,
+        "INFERENCE_PRECISION_HINT": "f32",
+        "KV_CACHE_PRECISION": "f32",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
+    }
+    assert bench.openvino_properties("int8:bfloat16", 2)["KV_CACHE_PRECISION"] == "bf16"
+    assert (
+        bench.openvino_properties("auto", 3)
+        == bench.openvino_properties("int8:auto", 3)
+        == {"INFERENCE_NUM_THREADS": 3}
+    )
+    greedy_n = {"n": 4, "temperature": 0.0, "max_tokens": [5, 6], "seed": 0}
+    sampled = {"n": 2, "temperature": 0.8, "max_tokens": [7], "seed": 11}
+    b1 = {"n": 1, "temperature": 0.0, "max_tokens": [128], "seed": 0}
+    assert bench.vllm_sampling(greedy_n) == [
+        {"n": 4, "temperature": 1.0, "top_k": 1, "max_tokens": 5, "ignore_eos": True},
+        {"n": 4, "temperature": 1.0, "top_k": 1, "max_tokens": 6, "ignore_eos": True},
+    ]
+    assert bench.vllm_sampling(sampled) == [{"n": 2, "temperature": 0.8, "max_tokens": 7, "ignore_eos": True}]
+    assert bench.vllm_sampling(b1) == [{"n": 1, "temperature": 0.0, "max_tokens": 128, "ignore_eos": True}]
+    fixed = {"min_new_tokens": 5, "max_new_tokens": 5, "ignore_eos": True, "num_return_sequences": 4}
+    assert bench.openvino_generation(greedy_n)[0] == fixed | {"do_sample": True, "top_k": 1}
+    assert bench.openvino_generation(sampled) == [
+        {"max_new_tokens": 7, "min_new_tokens": 7, "ignore_eos": True, "num_return_sequences": 2}
+        | {"do_sample": True, "temperature": 0.8, "top_p": 1.0, "rng_seed": 11}
+    ]
+    assert bench.openvino_generation(b1) == [
+        {"max_new_tokens": 128, "min_new_tokens": 128, "ignore_eos": True, "num_return_sequences": 1}
+    ]
+
+
 def test_peer_install_failure_is_one_line(bench, tmp_path, monkeypatch):
     monkeypatch.setitem(bench.PEER_PACKAGES, "vllm", [["pagedinfer-no-such-package-xyz"]])
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no network: pip fails at once
