@@ -2,9 +2,10 @@
 
 A command lists the dataclasses whose settings it offers (`config.settings`); `offering` gives its
 function one typer parameter per setting that has a flag (its type, default, help, panel, metavar
-and choices as declared, and a hidden one for a former name), grouped by help panel in `PANELS`'
-order, in declaration order within a panel. `given` reads the values back (a choice as its text,
-a former name as the setting it names); `build` makes the dataclass of them.
+and choices as declared, and a hidden one for a former name; a ``dict`` is read as a JSON object),
+grouped by help panel in `PANELS`' order, in declaration order within a panel. `given` reads the
+values back (a choice as its text, a former name as the setting it names); `build` makes the
+dataclass of them.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _parameters(s: Setting) -> list[inspect.Parameter]:
         rich_help_panel=PANELS[o.panel],
         metavar=o.metavar,
         show_default=o.show_default,
+        parser=_json_object if value_type is dict else None,  # typer reads no dict of its own
     )
     params = [
         inspect.Parameter(s.name, kind, default=default, annotation=Annotated[_optional(s, value_type), info])
@@ -118,6 +120,19 @@ def _parameters(s: Setting) -> list[inspect.Parameter]:
             )
         )
     return params
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object option's value (``--speculative-config``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"a JSON object is needed, not {text!r}")
+    return value
 
 
 def _value_type(s: Setting) -> Any:
