@@ -25,6 +25,7 @@ from pagedinfer.config import (
     LLMConfig,
     ModelConfig,
     Setting,
+    SpeculativeConfig,
     llm_settings,
     parse_size,
     settings,
@@ -50,6 +51,8 @@ def other_value(s: Setting, tmp_path: Path) -> tuple[list[str], object]:
         path = tmp_path / "t.jinja"
         path.write_text(TEMPLATE, encoding="utf-8")
         return [flag, str(path)], TEMPLATE
+    if s.option.cli_type is dict:  # speculative decoding: a JSON object, parsed into its config
+        return [flag, '{"num_speculative_tokens": 2}'], SpeculativeConfig(2)
     if s.option.cli_type is str:  # a size
         return [flag, "1MiB"], parse_size("1MiB")
     if s.name == "model":  # a directory (a hub id would be looked up)
