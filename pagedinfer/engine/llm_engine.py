@@ -143,7 +143,7 @@ class LLMEngine:
         )
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
         if config.enable_lora:
-            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            sites = attach_sites(loaded.model, loaded.impl, loaded.device)
             self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.scheduler = Scheduler(
             self.pool,
