@@ -68,6 +68,7 @@ typedef struct {
     int max_blocks, block_size;
     const int32_t *bounds;                     /* [parts + 1] sequence ranges, one per thread */
     int parts;
+    int64_t num_blocks;                        /* the pool's blocks (every layer's) */
 } step_meta;
 
 /* float32 activations (weights of any float32-activation format): decode_layers_f32 */

@@ -55,6 +55,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bounds.h"       /* the entry points' index checks, refusal */
 #include "cpu_exp.h"          /* exp_poly, exp_poly8 */
 #include "cpu_gemm_formats.h" /* formats, vh, NR */
 #include "cpu_vec.h"          /* v8, load8, store8 */
@@ -901,16 +902,22 @@ int64_t gemm_panel_bytes(int kind, int k, int group) { return panel_bytes(kind, 
 void gemm_segments(const gemm_segment *seg, int nseg, const void *x, void *y, int m, int k, int gated) {
     if (m <= 0 || k <= 0) return;
     int64_t width = 0;
-    for (int i = 0; i < nseg; i++) width += seg[i].cols;
+    for (int i = 0; i < nseg; i++) {
+        assert(gemm_kind_available(seg[i].kind) && bf16_io(&seg[i]) == bf16_io(&seg[0]));
+        width += seg[i].cols;
+    }
     const int e = bf16_io(&seg[0]) ? 2 : 4;
     for (int i = 0, at = 0; i < nseg; at += seg[i].cols, i++)
         gemm_segment_run(&seg[i], x, (char *)y + (int64_t)at * e, width, m, k, gated);
 }
 
 /* Rows `rows[0 .. n)` of the segment's W (output features; not gated) as float32 into out[n, k]: the
- * weights the kernels multiply by (an embedding lookup on a quantized, tied lm_head). */
-void gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, float *out) {
-    if (n <= 0 || k <= 0) return;
+ * weights the kernels multiply by (an embedding lookup on a quantized, tied lm_head). Every row is
+ * checked against the segment's s->cols first: 0, or (nothing written) REFUSED_TOKEN. */
+int gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, float *out, refusal *why) {
+    assert(gemm_kind_available(s->kind) && s->kind != K_BF16);
+    const int refused = check_indexes(rows, n, 0, s->cols, REFUSED_TOKEN, why);
+    if (refused || n <= 0 || k <= 0) return refused;
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
 #pragma omp parallel if ((int64_t)n * k >= MIN_PARALLEL)
     {
@@ -927,4 +934,5 @@ void gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, f
             for (int kk = 0; kk < k; kk++) out[(int64_t)i * k + kk] = w[(int64_t)kk * NR + c];
         }
     }
+    return REFUSED_NONE;
 }

@@ -22,6 +22,7 @@
  * norms ran faster on all threads than on one (docs/kernels.md). */
 #define ROWS_MIN_PARALLEL (1 << 11)
 
+#include "cpu_bounds.h" /* the entry points' index checks, refusal */
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
 #include "cpu_vec.h" /* load8_bf16, store8_bf16, round8_bf16 */
 
@@ -93,11 +94,15 @@ static void first_max(const float *x, int n, int64_t *arg, int *nan) {
     *arg = i_m;
 }
 
-/* out[r] = the index of the first maximum of row index[r] of x [*, cols] (row stride `stride`; with
- * index NULL, row r); returns how many rows have no finite maximum: a NaN, +inf, or every logit -inf
- * (their out[r] is -1; the caller fails them, never draws from them). Vectorized: torch's CPU argmax
- * runs lane by lane, several times slower over a large vocabulary (docs/fast_path.md). */
-int argmax_rows_f32(const float *x, int rows, const int64_t *index, int cols, int64_t stride, int64_t *out) {
+/* out[r] = the index of the first maximum of row index[r] of x [x_rows, cols] (row stride `stride`;
+ * with index NULL, row r); returns how many rows have no finite maximum: a NaN, +inf, or every logit
+ * -inf (their out[r] is -1; the caller fails them, never draws from them); -REFUSED_LOGITS (nothing
+ * written, `why` says which) where an index is not one of the x_rows rows. Vectorized: torch's CPU
+ * argmax runs lane by lane, several times slower over a large vocabulary (docs/fast_path.md). */
+int argmax_rows_f32(const float *x, int rows, const int64_t *index, int cols, int64_t stride, int64_t *out,
+                    int x_rows, refusal *why) {
+    assert(index || rows <= x_rows);
+    if (index && check_indexes(index, rows, 0, x_rows, REFUSED_LOGITS, why)) return -REFUSED_LOGITS;
     int bad_rows = 0;
 #pragma omp parallel for if ((int64_t)rows * cols >= MIN_PARALLEL) reduction(+ : bad_rows)
     for (int r = 0; r < rows; r++) {
@@ -151,9 +156,11 @@ static float block_weights(const float *x, int n, float temp, float top, float *
  * block is found on those, then its tokens' weights are added in order (a rounding shortfall there
  * takes the block's last token of nonzero weight). Returns how many rows have no finite maximum
  * (a NaN, +inf, every token masked, or a maximum that overflows at its temperature: out[i] = -1, the
- * caller fails them). */
+ * caller fails them); -REFUSED_LOGITS (nothing written, `why` says which) where a row index is not
+ * one of x's x_rows rows. */
 int sample_rows_f32(const float *x, int n, const int64_t *rows, int cols, int64_t stride, const float *temps,
-                    const float *u, int64_t *out) {
+                    const float *u, int64_t *out, int x_rows, refusal *why) {
+    if (check_indexes(rows, n, 0, x_rows, REFUSED_LOGITS, why)) return -REFUSED_LOGITS;
     int bad_rows = 0;
 #pragma omp parallel for if ((int64_t)n * cols >= MIN_PARALLEL) reduction(+ : bad_rows)
     for (int i = 0; i < n; i++) {

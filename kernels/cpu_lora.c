@@ -21,9 +21,9 @@
  * as their float32 values (exact) and rounded to nearest even on the one store (cpu_vec.h's).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bounds.h"    /* refusal, REFUSED_ROW_RANGE; assert() in the debug build */
 #include "cpu_panel_vec.h" /* vh, VW, PV_HALVES, vh_load, vh_store, vh_splat; v8 and bfloat16 from cpu_vec.h */
 
 #define LANES 16 /* a panel's width: A^T's and B^T's columns are padded to a multiple of it */
@@ -150,16 +150,16 @@ static inline __attribute__((always_inline)) void second_tile(void *y, size_t ro
 static inline __attribute__((always_inline)) int lora_delta(const void *x, void *y, int rows, int lo, int hi,
                                                             int in, int out, const float *a_t, int a_ld,
                                                             const float *b_t, int b_ld, int rank,
-                                                            float scaling, const int bf16) {
-    if (!x || !y || !a_t || !b_t || rows < 0 || lo < 0 || lo > hi || hi > rows || in < 1 || out < 1 ||
-        rank < 1 || a_ld < rank || a_ld % LANES || b_ld < out || b_ld % LANES)
-        return -1;
+                                                            float scaling, float *t, refusal *why,
+                                                            const int bf16) {
+    if (lo < 0 || lo > hi || hi > rows)
+        return refuse(why, REFUSED_ROW_RANGE, lo, hi, rows);
+    assert(x && y && a_t && b_t && in > 0 && out > 0 && rank > 0);
+    assert(a_ld >= rank && a_ld % LANES == 0 && b_ld >= out && b_ld % LANES == 0);
     const int n = hi - lo;
     if (n == 0)
-        return 0;
-    float *t = malloc((size_t)n * a_ld * sizeof *t); /* [n, a_ld]: the rows' first product */
-    if (!t)
-        return -2;
+        return REFUSED_NONE;
+    assert(t);
     const int tiles = (n + MR - 1) / MR, rank_panels = a_ld / LANES;
     const int64_t first_work = (int64_t)n * in * a_ld;
 #pragma omp parallel for schedule(static) if (tiles > 1 && first_work >= MIN_PARALLEL)
@@ -190,19 +190,20 @@ static inline __attribute__((always_inline)) int lora_delta(const void *x, void 
             v += step;
         }
     }
-    free(t);
-    return 0;
+    return REFUSED_NONE;
 }
 
-/* x [rows, in] and y [rows, out] in float32; A^T [in, a_ld] and B^T [rank, b_ld] float32 (zeros past rank
- * and out). 0 when done, -1 for arguments out of range (nothing written), -2 when out of memory. */
+/* Rows [lo, hi) of x [rows, in] and y [rows, out], float32; A^T [in, a_ld] and B^T [rank, b_ld] float32
+ * (zeros past rank and out); t [hi - lo, a_ld] float32, the call's scratch. REFUSED_NONE when done, or
+ * REFUSED_ROW_RANGE (nothing written) for a range that is not one of the rows. */
 int lora_delta_f32(const float *x, float *y, int rows, int lo, int hi, int in, int out, const float *a_t,
-                   int a_ld, const float *b_t, int b_ld, int rank, float scaling) {
-    return lora_delta(x, y, rows, lo, hi, in, out, a_t, a_ld, b_t, b_ld, rank, scaling, 0);
+                   int a_ld, const float *b_t, int b_ld, int rank, float scaling, float *t, refusal *why) {
+    return lora_delta(x, y, rows, lo, hi, in, out, a_t, a_ld, b_t, b_ld, rank, scaling, t, why, 0);
 }
 
 /* The same on bfloat16 rows of x and y (their float32 values in, one rounding out). */
 int lora_delta_bf16(const uint16_t *x, uint16_t *y, int rows, int lo, int hi, int in, int out,
-                    const float *a_t, int a_ld, const float *b_t, int b_ld, int rank, float scaling) {
-    return lora_delta(x, y, rows, lo, hi, in, out, a_t, a_ld, b_t, b_ld, rank, scaling, 1);
+                    const float *a_t, int a_ld, const float *b_t, int b_ld, int rank, float scaling, float *t,
+                    refusal *why) {
+    return lora_delta(x, y, rows, lo, hi, in, out, a_t, a_ld, b_t, b_ld, rank, scaling, t, why, 1);
 }

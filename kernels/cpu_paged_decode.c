@@ -9,13 +9,15 @@
 // multiples of 8: rows are processed 16 floats at a time, a last 8 alone (vector extensions of GCC >= 12 or Clang).
 // The element-typed functions live in cpu_paged_decode_body.h, instantiated at the end of this file:
 // paged_decode_ranges_{f32,bf16,f16} and store_kv_{...} (queries and pool of one type), and
-// _f32_kv_{bf16,f16} (float32 queries over a 16-bit pool); f16 where the compiler has _Float16.
+// _f32_kv_{bf16,f16} (float32 queries over a 16-bit pool); f16 where the compiler has _Float16. Both
+// check every slot, block id, context length and row they are given first (cpu_bounds.h).
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bounds.h" /* the entry points' index checks, refusal */
 #include "cpu_vec.h" /* v8, load8, store8, and from and to bfloat16 */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h> /* the vector intrinsics below; _mm_getcsr (DOT_BF16) */

@@ -29,10 +29,11 @@
 // Write this step's K/V rows of n tokens into their pool slots (slot < 0: padding, skipped),
 // converted to the pool's type (rounded to nearest even, as torch's .to() rounds; a copy when the
 // types are one). The sources are strided views ([token, head, dim] with any token/head stride in
-// elements, unit dim stride).
-void FN(store_kv)(ELEM *k_cache, ELEM *v_cache, const QELEM *k, const QELEM *v, const int64_t *slots, int n,
-                  int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride,
-                  int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride) {
+// elements, unit dim stride). The slots are the caller's to check (store_kv, decode_layers).
+static void FN(store_rows)(ELEM *k_cache, ELEM *v_cache, const QELEM *k, const QELEM *v, const int64_t *slots,
+                           int n, int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride,
+                           int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride) {
+  assert(head_dim % 8 == 0 && head_dim_v % 8 == 0);  // rows are written 8 values at a time
   for (int i = 0; i < n; ++i) {
     if (slots[i] < 0) continue;
     for (int h = 0; h < num_kv_heads; ++h) {
@@ -44,6 +45,18 @@ void FN(store_kv)(ELEM *k_cache, ELEM *v_cache, const QELEM *k, const QELEM *v, 
       for (int c = 0; c < head_dim_v; c += 8) STORE8(vd + c, QLOAD8(vs + c));
     }
   }
+}
+
+// store_rows into a pool of num_slots slots, after checking every slot: 0, or (nothing written) what
+// was out of range (cpu_bounds.h).
+int FN(store_kv)(ELEM *k_cache, ELEM *v_cache, const QELEM *k, const QELEM *v, const int64_t *slots, int n,
+                 int num_kv_heads, int head_dim, int head_dim_v, int64_t k_token_stride, int64_t k_head_stride,
+                 int64_t v_token_stride, int64_t v_head_stride, int64_t num_slots, refusal *why) {
+  const int refused = check_slots(slots, n, num_slots, why);
+  if (!refused)
+    FN(store_rows)(k_cache, v_cache, k, v, slots, n, num_kv_heads, head_dim, head_dim_v, k_token_stride,
+                   k_head_stride, v_token_stride, v_head_stride);
+  return refused;
 }
 
 // Loads one element of every 64-byte line of p[0, n), in address order. The passes read a block's
@@ -748,20 +761,42 @@ static void FN(paged_decode)(QELEM *out, const QELEM *q, const ELEM *k_cache, co
 #endif
 }
 
-// paged_decode over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread.
-void FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const QELEM *q,
-                             const ELEM *k_cache, const ELEM *v_cache,
-                             const int32_t *block_tables, const int32_t *ctx_lens,
-                             const int64_t *rows, int max_blocks, int block_size, int num_heads,
-                             int num_kv_heads, int head_dim, int head_dim_v,
-                             int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
-                             float softcap, const float *sinks) {
+// paged_decode over parts ranges of sequences, [bounds[p], bounds[p + 1]), one per thread; the
+// sequences are the caller's to check (paged_decode_ranges, decode_layers).
+static void FN(decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const QELEM *q,
+                              const ELEM *k_cache, const ELEM *v_cache,
+                              const int32_t *block_tables, const int32_t *ctx_lens,
+                              const int64_t *rows, int max_blocks, int block_size, int num_heads,
+                              int num_kv_heads, int head_dim, int head_dim_v,
+                              int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
+                              float softcap, const float *sinks) {
+  assert(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 8 == 0 && head_dim_v % 8 == 0);
   if (parts <= 0) return;  // no sequences: nothing to attend (num_threads needs a positive count)
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
   for (int p = 0; p < parts; ++p)
     FN(paged_decode)(out, q, k_cache, v_cache, block_tables, ctx_lens, rows, bounds[p],
                      bounds[p + 1], max_blocks, block_size, num_heads, num_kv_heads, head_dim,
                      head_dim_v, q_token_stride, q_head_stride, scale, window, softcap, sinks);
+}
+
+// decode_ranges over seqs sequences (block_tables [seqs, max_blocks], ctx_lens and rows [seqs]), a pool
+// of num_blocks blocks and num_rows query rows (q and out), after checking every index the ranges
+// reach (check_decode): 0, or (nothing written) what was out of range.
+int FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const QELEM *q,
+                            const ELEM *k_cache, const ELEM *v_cache,
+                            const int32_t *block_tables, const int32_t *ctx_lens,
+                            const int64_t *rows, int max_blocks, int block_size, int num_heads,
+                            int num_kv_heads, int head_dim, int head_dim_v,
+                            int64_t q_token_stride, int64_t q_head_stride, float scale, int window,
+                            float softcap, const float *sinks, int seqs, int64_t num_blocks,
+                            int64_t num_rows, refusal *why) {
+  const int refused = check_decode(bounds, parts, seqs, block_tables, ctx_lens, rows, max_blocks, block_size,
+                                   num_blocks, num_rows, why);
+  if (!refused)
+    FN(decode_ranges)(bounds, parts, out, q, k_cache, v_cache, block_tables, ctx_lens, rows, max_blocks,
+                      block_size, num_heads, num_kv_heads, head_dim, head_dim_v, q_token_stride,
+                      q_head_stride, scale, window, softcap, sinks);
+  return refused;
 }
 
 #undef QELEM

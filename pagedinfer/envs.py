@@ -37,6 +37,12 @@ def c_flags() -> list[str]:
     return os.environ.get("PAGEDINFER_CC_FLAGS", "").split()
 
 
+def kernel_debug() -> bool:
+    """``PAGEDINFER_KERNEL_DEBUG=1``: the CPU kernels' debug build, their assert()ions compiled in
+    (``-UNDEBUG``), and their bindings asserting the shapes their callers vouch for (the sanitizer tier)."""
+    return os.environ.get("PAGEDINFER_KERNEL_DEBUG") == "1"
+
+
 def cpu_kernels() -> bool:
     """``PAGEDINFER_CPU_KERNEL=0``: no C kernels at all (torch's attention path; debugging)."""
     return not _off("PAGEDINFER_CPU_KERNEL")

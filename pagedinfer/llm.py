@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from pagedinfer.config import EngineConfig
-from pagedinfer.engine.intake import prepare
 from pagedinfer.engine.llm_engine import LLMEngine
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
@@ -266,7 +265,7 @@ class LLM:
         """Run ``(prompt, params, request id)`` triples (or with a fourth: the adapter, a `LoRARequest` or a
         loaded adapter's name), read lazily; yield ``(index, output)`` as each finishes.
 
-        Each request is prepared (tokenized and checked, `engine.intake.prepare`) only when the engine
+        Each request is prepared (tokenized and checked, ``engine.intake.prepare``) only when the engine
         has room: at most ``max_pending`` unfinished requests are in the engine at once (default:
         twice ``max_num_seqs``, enough to keep every batch full), so memory does not grow with the
         number of requests; a request is released once yielded. One that cannot run (too long,
@@ -276,7 +275,7 @@ class LLM:
         """
         engine = self.engine
         feed = (
-            (index, prepare(engine, r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
+            (index, engine.intake.prepare(r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
             for index, r in enumerate(requests)
         )
         yield from GenerationLoop(engine, before_step, on_step).stream(feed, max_pending)

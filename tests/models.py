@@ -141,10 +141,8 @@ def save_text_model(root: Path, seed: int = 0) -> Path:
 
 def submit(engine, prompt, params, order: int | None = None):
     """Prepare ``prompt`` through intake (as every caller does) and queue it; returns the core Request."""
-    from pagedinfer.engine.intake import prepare
-
     order = engine.stats.requests if order is None else order
-    return engine.add_request(prepare(engine, prompt, params, str(order)), order)
+    return engine.add_request(engine.intake.prepare(prompt, params, str(order)), order)
 
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

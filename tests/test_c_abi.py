@@ -33,6 +33,7 @@ LIBRARIES = {  # a module's compiled library, and the source it is built from
     "lora_delta": (delta.library, delta.SOURCE),
 }
 STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
+    "refusal": (cpu_kernel.Refusal, cpu_kernel.SOURCE),
     "gemm_segment": (packed_linear.GemmSegment, packed_linear.GEMM_SOURCE),
     "step_layer": (decode_step.StepLayer, decode_step.SOURCE),
     "step_meta": (decode_step.StepMeta, decode_step.SOURCE),

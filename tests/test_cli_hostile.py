@@ -430,7 +430,7 @@ def test_a_stop_during_the_last_lines_intake_still_stops_the_run(model, tmp_path
     """A SIGTERM that arrives while the last line is prepared, when no engine step follows (every line
     refused at intake), is still the run's outcome: exit 143 and the interrupted report, as it is
     after a step (timed, this is what test_sigterm_during_a_long_template_... hits on a fast CPU)."""
-    real = intake.prepare
+    real = intake.Intake.prepare
     calls = []
 
     def prepare(*args, **kwargs):
@@ -439,7 +439,7 @@ def test_a_stop_during_the_last_lines_intake_still_stops_the_run(model, tmp_path
             os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it: generation is under way
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(intake, "prepare", prepare)
+    monkeypatch.setattr(intake.Intake, "prepare", prepare)
     lines = [
         {"id": f"v{i}", "prompt_token_ids": [10**6], "max_tokens": 2} for i in range(2)
     ]  # past the vocab

@@ -627,7 +627,7 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     prepared (tokenized and checked against the model and the pool) once, and nothing checked again."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    from pagedinfer.core.scheduler import Scheduler
+    from pagedinfer.core.limits import RequestLimits
     from pagedinfer.engine import intake
     from pagedinfer.lines import parse, source
     from pagedinfer.logits.processor import LogitsPipeline
@@ -646,10 +646,10 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     for owner, name in [
         (source.InputLines, "__init__"),
         (parse.LineParser, "parse"),
-        (intake, "prepare"),
+        (intake.Intake, "prepare"),
         (PreTrainedTokenizerBase, "__call__"),
         (LogitsPipeline, "validate"),
-        (Scheduler, "rejection_reason"),
+        (RequestLimits, "rejection_reason"),
     ]:
         count(owner, name)
     read: list[int] = []

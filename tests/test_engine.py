@@ -37,7 +37,7 @@ def test_two_completions_through_the_engine(llama):
             engine.step()
         prefill, first_write = engine.trace[0], engine.trace[1]
     finally:
-        engine.trace = engine.pool.events = None
+        engine.scheduler.trace = engine.pool.events = None
     p0, p1 = prefill["tables"]["0/0"]
     assert prefill["tables"]["0/1"] == [p0, p1]
     assert prefill["ref_counts"] == {p0: 2, p1: 2}  # both completions point at both prompt blocks

@@ -195,3 +195,25 @@ def test_unknown_dtype_is_one_clear_line(text_model):
         ModelLoadError, match="unknown dtype 'float8': use auto, float32, float16 or bfloat16"
     ):
         LLM(str(text_model), device="cpu", dtype="float8")
+
+
+def test_the_header_reader_stands_in_for_gguf_py_exactly(tmp_path, monkeypatch):
+    """The first load builds the config from the values `gguf_header` read (no gguf-py parse of the
+    file): the cache folder is byte for byte the one gguf-py's own reader gives transformers."""
+    import contextlib
+
+    from gguf_fuzz import bases, encode
+
+    base = next(b for b in bases() if b.name == "llama")  # a BPE tokenizer with merges, a chat template
+    path = tmp_path / "llama.gguf"
+    path.write_bytes(encode(base.layout)[0])
+    folders = {}
+    for how in ("header", "gguf-py"):
+        monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / how))
+        if how == "gguf-py":
+            monkeypatch.setattr(gguf._HeaderReader, "standing_in", lambda header: contextlib.nullcontext())
+        folders[how] = gguf.open_checkpoint(path).folder
+    names = sorted(p.name for p in folders["header"].iterdir())
+    assert "tokenizer.json" in names and names == sorted(p.name for p in folders["gguf-py"].iterdir())
+    for name in names:
+        assert (folders["header"] / name).read_bytes() == (folders["gguf-py"] / name).read_bytes(), name

@@ -306,8 +306,11 @@ def test_a_truncated_gguf_names_the_tensor(gguf_dir, tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as err:
         LLM(str(cut), **ENGINE)
     size = cut.stat().st_size
+    t = next(t for t in gguf.GGUFReader(good).tensors if t.data_offset + t.n_bytes > size)  # the first cut
+    shape = ", ".join(f"{d:,}" for d in reversed(t.shape.tolist()))
     assert str(err.value) == (
-        f"{cut} is not a valid GGUF file: its tensor data is cut short at {size:,} bytes (a truncated download?)"
+        f"{cut} is not a valid GGUF file: its tensor data is cut short at {size:,} bytes: tensor {t.name!r} "
+        f"[{shape}] Q4_0 needs bytes {t.data_offset:,} to {t.data_offset + t.n_bytes:,} (a truncated download?)"
     )
 
 

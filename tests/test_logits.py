@@ -276,14 +276,19 @@ def test_bad_values_fail_their_request_alone(text_llm):
 
 
 def test_every_token_excluded_fails_the_request_alone(text_llm, text_prompts):
+    """Also with n=2: both completions lose their token in one step, and the request fails once."""
     eos = text_llm.tokenizer.eos_token_id
-    outs = text_llm.generate(
-        [{"prompt_token_ids": p} for p in text_prompts[:2]],
-        [SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos]), SamplingParams(max_tokens=3)],
-        use_tqdm=False,
-    )
-    assert outs[0].error.startswith("no token can be generated here: allowed_token_ids, min_tokens")
-    assert outs[1].error is None
+    for n in (1, 2):
+        outs = text_llm.generate(
+            [{"prompt_token_ids": p} for p in text_prompts[:2]],
+            [
+                SamplingParams(n=n, max_tokens=4, min_tokens=3, allowed_token_ids=[eos]),
+                SamplingParams(max_tokens=3),
+            ],
+            use_tqdm=False,
+        )
+        assert outs[0].error.startswith("no token can be generated here: allowed_token_ids, min_tokens")
+        assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
 
 
 @pytest.mark.parametrize(

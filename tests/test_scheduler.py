@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedinfer.core.beam import BeamSearch, Candidate
-from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.scheduler import Scheduler, SchedulerOutput
+from pagedinfer.core.kv_cache_manager import KVCacheManager
+from pagedinfer.core.limits import RequestLimits
+from pagedinfer.core.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.slots import SlotTable
@@ -116,8 +117,8 @@ def request(
 def check_adapters(sched: Scheduler) -> None:
     """At most max_loras distinct adapters run, each in the slot the table gives it, one slot each."""
     slots = {r.lora.name: r.lora_slot for r in sched.running if r.lora is not None}
-    assert len(slots) <= sched.adapters.max_loras
-    assert all(sched.adapters.table.holders[slot] == name for name, slot in slots.items())
+    assert len(slots) <= sched.admission.adapters.max_loras
+    assert all(sched.admission.adapters.table.holders[slot] == name for name, slot in slots.items())
     assert len(set(slots.values())) == len(slots)
     assert all(
         r.lora_slot == slots[r.lora.name] for r in sched.running if r.lora is not None
@@ -126,7 +127,7 @@ def check_adapters(sched: Scheduler) -> None:
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
     plan = sched.schedule()
-    return plan, sched.update(plan, fake_sample(plan) if plan.batch else None)
+    return plan, sched.update_from_output(plan, ModelOutput(fake_sample(plan) if plan.batch else None))
 
 
 def run(sched: Scheduler, limit: int = 1000) -> list[SchedulerOutput]:
@@ -138,7 +139,7 @@ def run(sched: Scheduler, limit: int = 1000) -> list[SchedulerOutput]:
 
 
 def test_token_budget_splits_a_long_prompt_into_chunks():
-    sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64)
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=5)
     sched.add(request("r1", 12, max_tokens=2))
     plans = run(sched)
     assert [[(s.start, s.num_tokens, s.sample) for s in p.batch] for p in plans] == [
@@ -150,7 +151,7 @@ def test_token_budget_splits_a_long_prompt_into_chunks():
 
 
 def test_admission_stops_at_max_num_seqs_counting_future_completions():
-    sched = Scheduler(BlockPool(64, 4), max_num_seqs=4, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100)
     for rid, n in (("r1", 3), ("r2", 2), ("r3", 1)):
         sched.add(request(rid, 4, n=n))
     plan, _ = step(sched)
@@ -159,7 +160,7 @@ def test_admission_stops_at_max_num_seqs_counting_future_completions():
 
 
 def test_admission_needs_free_blocks_for_the_prompt():
-    sched = Scheduler(BlockPool(3, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(3, 4), max_num_seqs=8, max_num_batched_tokens=100)
     sched.add(request("r1", 8))  # 2 blocks
     sched.add(request("r2", 8))  # 2 more: only 1 left
     step(sched)
@@ -167,7 +168,7 @@ def test_admission_needs_free_blocks_for_the_prompt():
 
 
 def test_forked_completions_share_the_prompt_row_and_blocks():
-    sched = Scheduler(BlockPool(16, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(16, 4), max_num_seqs=8, max_num_batched_tokens=100)
     req = request("r1", 6, n=3)
     sched.add(req)
     plan, _ = step(sched)
@@ -177,15 +178,20 @@ def test_forked_completions_share_the_prompt_row_and_blocks():
         ("r1/2", 0),
     ]
     tables = [s.block_table for s in req.completions]
-    assert tables[0] == tables[1] == tables[2] and sched.pool.num_used == 2  # seed 000: 6 tokens, 2 blocks
-    assert all(sched.pool.ref_counts[b] == 3 for b in tables[0])
+    assert (
+        tables[0] == tables[1] == tables[2] and sched.kv_cache_manager.pool.num_used == 2
+    )  # seed 000: 6 tokens, 2 blocks
+    assert all(sched.kv_cache_manager.pool.ref_counts[b] == 3 for b in tables[0])
     plan, _ = step(sched)  # each completion writes position 6 into the shared partial block
     assert len(plan.copies) == 2  # the first two writers copy; the last writes the original in place
-    assert sched.pool.num_used == 4 and sched.pool.ref_counts[tables[0][0]] == 3
+    assert (
+        sched.kv_cache_manager.pool.num_used == 4
+        and sched.kv_cache_manager.pool.ref_counts[tables[0][0]] == 3
+    )
 
 
 def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
-    sched = Scheduler(BlockPool(4, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(4, 2), max_num_seqs=8, max_num_batched_tokens=100)
     first, second = request("r1", 4, max_tokens=3), request("r2", 4, max_tokens=3, first=50)
     sched.add(first)
     sched.add(second)
@@ -196,16 +202,14 @@ def test_the_latest_admitted_request_is_preempted_and_resumes_with_its_tokens():
     assert all(not s.block_table for s in second.completions) and second.completions[0].num_computed == 0
     run(sched)
     assert second.completions[0].token_ids[: len(before)] == before  # resumed with exactly what it had
-    assert second.completions[0].num_output_tokens == 3 and sched.pool.num_free == 4
+    assert second.completions[0].num_output_tokens == 3 and sched.kv_cache_manager.pool.num_free == 4
 
 
 def test_a_resumed_completion_restores_its_cached_generated_blocks():
     """r2 is preempted with 6 positions computed (3 full blocks: 4 prompt tokens, 2 generated); on its
     return the prompt recomputes only its last token and the completion starts at position 6."""
     for caching, resumed in ((True, [(3, 1), (6, 1)]), (False, [(0, 4), (4, 3)])):
-        sched = Scheduler(
-            BlockPool(7, 2, caching), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64
-        )
+        sched = Scheduler(KVCacheManager(7, 2, caching), max_num_seqs=8, max_num_batched_tokens=100)
         r1, r2 = request("r1", 4, max_tokens=4), request("r2", 4, max_tokens=8, first=50)
         sched.add(r1)
         sched.add(r2)
@@ -217,21 +221,23 @@ def test_a_resumed_completion_restores_its_cached_generated_blocks():
         ]
         assert sched.counters.output_tokens_restored == (2 if caching else 0)
         assert sched.counters.output_tokens_recomputed == (0 if caching else 2)
-        assert sched.pool.prefix_queries == (8 + 4 if caching else 0)  # prompts only, not the restored tokens
+        assert sched.kv_cache_manager.pool.prefix_queries == (
+            8 + 4 if caching else 0
+        )  # prompts only, not the restored tokens
 
 
 def test_a_request_that_preempts_itself_leaves_nothing_scheduled():
-    sched = Scheduler(BlockPool(2, 2), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(2, 2), max_num_seqs=8, max_num_batched_tokens=100)
     lone = request("r1", 3, n=2, max_tokens=2)  # prompt: 2 blocks; the completions then need 1 each
     sched.add(lone)
     step(sched)
     plan, _ = step(sched)  # the first completion copies... no block left for the second: r1 preempts itself
     assert plan.preempted == [lone] and plan.batch == [] and plan.targets == [] and plan.copies == []
-    assert sched.pool.num_free == 2 and lone.state is RequestState.WAITING
+    assert sched.kv_cache_manager.pool.num_free == 2 and lone.state is RequestState.WAITING
 
 
 def test_finished_and_failed_requests_hold_no_blocks():
-    sched = Scheduler(BlockPool(16, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64)
+    sched = Scheduler(KVCacheManager(16, 4), max_num_seqs=8, max_num_batched_tokens=100)
     ok, bad = request("r1", 5, max_tokens=2), request("r2", 5, max_tokens=2)
     sched.add(ok)
     sched.add(bad)
@@ -239,7 +245,7 @@ def test_finished_and_failed_requests_hold_no_blocks():
     sched.fail(bad, "broken")
     assert bad.error == "broken" and all(not s.block_table for s in bad.completions)
     plans = run(sched)
-    assert ok.finished and not ok.error and sched.pool.num_free == 16
+    assert ok.finished and not ok.error and sched.kv_cache_manager.pool.num_free == 16
     assert all(t.seq.request is ok for p in plans for t in p.targets)
 
 
@@ -253,7 +259,7 @@ def finish_first(sched: Scheduler) -> list[Request]:
 
 def test_lpm_admits_the_request_with_the_cached_prefix_first():
     for policy, expected in (("fcfs", "r2"), ("lpm", "r3")):
-        sched = Scheduler(BlockPool(64, 4), 1, 100, max_model_len=64, schedule_policy=policy)
+        sched = Scheduler(KVCacheManager(64, 4), 1, 100, schedule_policy=policy)
         sched.add(request("r1", 12, max_tokens=1))  # prefix family 10: its 3 blocks stay cached
         sched.add(request("r2", 12, max_tokens=1, first=40))  # another family, arrived first
         sched.add(request("r3", 13, max_tokens=1))  # family 10 again: 3 blocks cached
@@ -261,13 +267,13 @@ def test_lpm_admits_the_request_with_the_cached_prefix_first():
         plan, _ = step(sched)
         assert [s.seq.request.request_id for s in plan.batch] == [expected]
         if policy == "lpm":  # it starts after the cached 12 tokens
-            assert plan.batch[0].start == 12 and sched.pool.prefix_hits == 12
+            assert plan.batch[0].start == 12 and sched.kv_cache_manager.pool.prefix_hits == 12
             assert sched.waiting[0].num_overtaken == 1  # r2 was passed over once
 
 
 def test_lpm_lets_no_request_be_overtaken_more_than_max_num_seqs_times():
     max_seqs = 2
-    sched = Scheduler(BlockPool(64, 4), max_seqs, 100, max_model_len=64, schedule_policy="lpm")
+    sched = Scheduler(KVCacheManager(64, 4), max_seqs, 100, schedule_policy="lpm")
     sched.add(request("r0", 8, n=max_seqs, max_tokens=1))  # family 10, alone in the first step
     sched.add(request("r1", 8, max_tokens=1, first=40))  # a lone family, never cached while it waits
     for i in range(2, 12):
@@ -292,7 +298,7 @@ def admissions(sched: Scheduler, limit: int = 1000) -> list[str]:
 
 
 def test_requests_of_at_most_max_loras_adapters_run_at_once_and_slots_are_reused():
-    sched = Scheduler(BlockPool(64, 4), 8, 100, max_model_len=64, adapters=FakeSlots(2))
+    sched = Scheduler(KVCacheManager(64, 4), 8, 100, adapters=FakeSlots(2))
     names = ["a", "b", "c", None, "a", "d", "b", "c"]
     reqs = [request(f"r{i}", 5, max_tokens=3 + i % 3, lora=n, first=10 + i) for i, n in enumerate(names)]
     for r in reqs:
@@ -302,7 +308,7 @@ def test_requests_of_at_most_max_loras_adapters_run_at_once_and_slots_are_reused
         r.finished and not r.error for r in reqs
     )
     assert order[:4] == ["r0", "r1", "r3", "r4"]  # c waits for a slot; the base line and a's next pass it
-    installs = sched.adapters.installs
+    installs = sched.admission.adapters.installs
     assert {name for name, _ in installs} == {"a", "b", "c", "d"} and {s for _, s in installs} == {1, 2}
 
 
@@ -310,7 +316,7 @@ def test_a_request_waiting_for_a_slot_is_overtaken_at_most_max_num_seqs_times():
     """One slot, adapter a's lines keep arriving and running: b's line waits, base lines pass it,
     and once max_num_seqs later lines went first, no other adapter's line goes before it."""
     max_seqs = 3
-    sched = Scheduler(BlockPool(256, 4), max_seqs, 100, max_model_len=64, adapters=FakeSlots(1))
+    sched = Scheduler(KVCacheManager(256, 4), max_seqs, 100, adapters=FakeSlots(1))
     sched.add(request("r0", 4, max_tokens=6, lora="a"))
     sched.add(request("r1", 4, max_tokens=2, lora="b", first=30))
     for i in range(2, 14):  # a's lines (staggered lengths keep one running at every step) and base lines
@@ -322,7 +328,7 @@ def test_a_request_waiting_for_a_slot_is_overtaken_at_most_max_num_seqs_times():
 
 
 def test_an_adapter_that_cannot_be_installed_fails_its_requests_alone():
-    sched = Scheduler(BlockPool(64, 4), 8, 100, max_model_len=64, adapters=FakeSlots(1, frozenset({"x"})))
+    sched = Scheduler(KVCacheManager(64, 4), 8, 100, adapters=FakeSlots(1, frozenset({"x"})))
     ok, bad, base = (
         request("r1", 5, lora="a"),
         request("r2", 5, lora="x", first=30),
@@ -333,7 +339,7 @@ def test_an_adapter_that_cannot_be_installed_fails_its_requests_alone():
     finished = [r for _ in range(20) if sched.has_work for r in step(sched)[1]]
     assert bad in finished and bad.error == "lora: adapter 'x': cannot be read" and not bad.completions
     assert ok.finished and base.finished and not ok.error and not base.error
-    assert sched.pool.num_free == 64
+    assert sched.kv_cache_manager.pool.num_free == 64
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -349,11 +355,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_loras=st.integers(1, 3),
     )
     def setup(self, num_blocks, block_size, max_seqs, budget, policy, max_loras):
-        pool = BlockPool(num_blocks, block_size)
         slots = FakeSlots(max_loras)
-        self.sched = Scheduler(
-            pool, max_seqs, budget, max_model_len=40, schedule_policy=policy, adapters=slots
-        )
+        kv = KVCacheManager(num_blocks, block_size)
+        self.sched = Scheduler(kv, max_seqs, budget, schedule_policy=policy, adapters=slots)
+        self.limits = RequestLimits(40, max_seqs, budget, num_blocks, block_size)
         self.requests: list[Request] = []
         self.expected: dict[tuple[str, int], list[int]] = {}  # (request, completion) -> tokens handed out
         self.steps = 0
@@ -362,7 +367,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.failed: set[str] = set()
 
     def _add(self, req: Request, beam: bool) -> None:
-        if self.sched.rejection_reason(req.num_prompt_tokens, req.params.n, req.max_tokens, beam) is None:
+        if self.limits.rejection_reason(req.num_prompt_tokens, req.params.n, req.max_tokens, beam) is None:
             self.sched.add(req)
             self.requests.append(req)
             self.arrival[req.request_id] = self.steps
@@ -426,7 +431,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
             self.expected.setdefault(key, []).append(token)
         beams = fake_beams(plan) if plan.beam_targets else None
-        for req in sched.update(plan, sampled, beams):
+        for req in sched.update_from_output(plan, ModelOutput(sampled, beams or {})):
             self.finished_at[req.request_id] = self.steps
 
     @invariant()
@@ -438,13 +443,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reference_counts_match_tables(self):
         if not hasattr(self, "sched"):
             return
-        counts = [0] * self.sched.pool.num_blocks
+        counts = [0] * self.sched.kv_cache_manager.pool.num_blocks
         for req in self.sched.running:  # only live sequences hold blocks: finished completions free theirs
             for seq in req.live_seqs():
                 for block in seq.block_table:
                     counts[block] += 1
-        assert counts == self.sched.pool.ref_counts
-        assert self.sched.pool.num_free == counts.count(0)
+        assert counts == self.sched.kv_cache_manager.pool.ref_counts
+        assert self.sched.kv_cache_manager.pool.num_free == counts.count(0)
 
     @invariant()
     def finished_requests_hold_nothing_and_kept_their_tokens(self):
@@ -483,7 +488,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in self.requests:  # no request waits longer than the whole workload's token count, twice over
             if r.request_id in self.finished_at:
                 assert self.finished_at[r.request_id] - self.arrival[r.request_id] <= 2 * work + 10
-        assert self.sched.pool.num_free == self.sched.pool.num_blocks
+        assert self.sched.kv_cache_manager.pool.num_free == self.sched.kv_cache_manager.pool.num_blocks
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -30,9 +30,7 @@ def test_say_breaks_between_words_keeps_values_and_indents_continuations():
         "  (once)",
     ]
     assert said(Text(LINE), 28)[:2] == ["pagedinfer: note:", "  1,245 tokens in"]  # never "1,245" alone
-    assert (
-        said("  [red]✗[/] " + "word " * 12, 30)[1] == "    word word word word word"
-    )  # under its start
+    assert said("  [red]✗[/] " + "word " * 12, 30)[1] == "    word word word word word"  # under its start
     assert said("[bold]a[/] b c d", 4, indent=1) == ["a b", " c d"]
     assert said(Text(LINE), 40, terminal=False) == [LINE.replace("\u00a0", " ")]  # a log, a pipe: whole
 

@@ -36,7 +36,8 @@ SOURCE = KERNELS_DIR / "cpu_paged_decode.c"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # kernel names' suffixes
 # (activation dtype, pool dtype) pairs with an instantiation: one dtype, or float32 over a 16-bit pool
 PAIRS = [(dt, dt) for dt in SUFFIX] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+# -DNDEBUG: the kernels' assert()ions (preconditions their callers vouch for) only in the debug build
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-DNDEBUG"]
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])  # libgomp (torch's, by soname); else one thread per call
 # GCC's tunings for AMD Zen (what -march=native picks there) leave some `a * b + c` of a chain unfused
 # to shorten its latency, so two builds of one kernel (the AVX-512 head tiles and the AVX2 one head
@@ -50,6 +51,44 @@ MIN_WORK_PER_THREAD = 1 << 16  # multiply-adds; below this waking a second threa
 
 class KernelUnavailable(RuntimeError):
     """A C source could not be built here (no compiler, or the build failed); the message says why."""
+
+
+class IndexOutOfRange(IndexError):
+    """A C kernel refused an index outside the buffer it indexes (nothing was read or written through
+    it): a token id past an embedding's rows, a slot or block id past the KV pool, a context longer
+    than its block table, a row past its tensor. The message names it and the bound."""
+
+
+class Refusal(ctypes.Structure):  # kernels/cpu_bounds.h: refusal
+    _fields_ = [("at", ctypes.c_int64), ("found", ctypes.c_int64), ("limit", ctypes.c_int64)]
+
+
+# kernels/cpu_bounds.h's REFUSED_* codes: what was out of range, said with the refusal's fields
+REFUSED = {
+    1: "the slot {found} of new token {at} is outside the KV pool's {limit} slots",
+    2: "sequence {at}'s block table names block {found}, outside the KV pool's {limit} blocks",
+    3: "sequence {at}'s context of {found} tokens is outside its block table's {limit} slots",
+    4: "sequence {at}'s query row {found} is outside the {limit} query rows",
+    5: "thread range {at} ends at sequence {found}, outside the {limit} sequences",
+    6: "id {found} at position {at} is outside the table's {limit} rows",
+    7: "logits row {found} (entry {at}) is outside the {limit} rows",
+    8: "rows {at}:{found} are not a range of the {limit} rows",
+}
+
+
+@functools.cache
+def debug() -> bool:
+    """The kernels' debug build (``PAGEDINFER_KERNEL_DEBUG=1``, read once as each library is loaded
+    once): the bindings then assert the shapes their callers vouch for, per call (else they cost
+    microseconds a call, and a layer-by-layer step makes a dozen calls a layer)."""
+    return envs.kernel_debug()
+
+
+def check(code: int, refusal: Refusal, kernel: str) -> None:
+    """Raise `IndexOutOfRange` where a kernel returned a refusal ``code`` (0: it ran)."""
+    if code:
+        what = REFUSED[code].format(at=refusal.at, found=refusal.found, limit=refusal.limit)
+        raise IndexOutOfRange(f"{kernel}: {what}")
 
 
 @functools.cache
@@ -121,7 +160,8 @@ def _targets(source: Path, compiler: str) -> list[tuple[list[str], Path]]:
     cache = kernel_cache.folder()
     targets = []
     for threading in THREADING:  # a compiler without OpenMP still builds the serial kernel
-        flags = FLAGS + _fused_flags(compiler) + envs.c_flags() + threading
+        debug = ["-UNDEBUG"] if envs.kernel_debug() else []
+        flags = FLAGS + _fused_flags(compiler) + debug + envs.c_flags() + threading
         key = hashlib.sha256(code + " ".join(flags).encode() + flags_line).hexdigest()[:20]
         targets.append((flags, cache / f"{source.stem}-{key}.so"))
     return targets
@@ -206,14 +246,17 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll = ctypes.CDLL(str(lib))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    refusal = ctypes.POINTER(Refusal)
     for q, kv in PAIRS:  # f16 only where the compiler has _Float16
         fn = getattr(dll, f"paged_decode_ranges_{_name(q, kv)}", None)
         if fn is not None:
-            fn.argtypes = [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr]
-            fn.restype = None
+            fn.argtypes = (
+                [ptr, i32] + [ptr] * 7 + [i32] * 6 + [i64, i64, f32, i32, f32, ptr, i32, i64, i64, refusal]
+            )
+            fn.restype = ctypes.c_int  # 0, or what was out of range
             store = getattr(dll, f"store_kv_{_name(q, kv)}")
-            store.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 4
-            store.restype = None
+            store.argtypes = [ptr] * 5 + [i32] * 4 + [i64] * 5 + [refusal]
+            store.restype = ctypes.c_int
     return dll
 
 
@@ -260,8 +303,15 @@ def store_kv(
     slots: torch.Tensor,  # [T] int64, contiguous
 ) -> None:
     """Write the step's K/V rows at their slots, rounded to the pool's dtype as ``.to()`` rounds: one C
-    loop instead of two index_copy_ calls per layer."""
-    getattr(_library(), f"store_kv_{_name(k.dtype, k_cache.dtype)}")(
+    loop instead of two index_copy_ calls per layer. A slot outside the pool: `IndexOutOfRange`, nothing
+    written (a negative slot is padding, skipped)."""
+    if debug():  # what the caller vouches for
+        assert k.shape[1:] == k_cache.shape[2:] and v.shape[:2] == k.shape[:2]
+        assert v.shape[2] == v_cache.shape[3] and slots.shape == k.shape[:1]
+        assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
+    refusal = Refusal()
+    code = getattr(_library(), f"store_kv_{_name(k.dtype, k_cache.dtype)}")(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k.data_ptr(),
@@ -275,7 +325,10 @@ def store_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        k_cache.shape[0] * k_cache.shape[1],
+        refusal,
     )
+    check(code, refusal, "store_kv")
 
 
 def split(ctx_lens: list[int], madds_per_key: int) -> ctypes.Array:
@@ -309,16 +362,25 @@ def paged_decode(
     softcap: float,
     sinks: torch.Tensor | None,  # [Hq] float32
 ) -> None:
-    """Write attention outputs of ``S`` single-token queries into ``out[rows]``."""
-    _, max_blocks = block_tables.shape
-    _, block_size, kvh, head_dim = k_cache.shape
+    """Write attention outputs of ``S`` single-token queries into ``out[rows]``. A block id outside the
+    pool, a context longer than its table or a row outside ``q``: `IndexOutOfRange`, nothing written."""
+    seqs, max_blocks = block_tables.shape
+    num_blocks, block_size, kvh, head_dim = k_cache.shape
+    if debug():  # what the caller vouches for
+        assert out.is_contiguous() and out.shape == (*q.shape[:2], v_cache.shape[3])
+        assert q.shape[2] == head_dim and (sinks is None or sinks.shape == q.shape[1:2])
+        assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_tables.dtype == ctx_lens.dtype == torch.int32 and rows.dtype == torch.int64
+        assert block_tables.is_contiguous() and ctx_lens.is_contiguous() and rows.is_contiguous()
+        assert ctx_lens.shape == rows.shape == (seqs,)
     if not (out.dtype == q.dtype and k_cache.dtype == v_cache.dtype and (q.dtype, k_cache.dtype) in PAIRS):
         raise TypeError(
             f"out and q must share one dtype and the K/V pool be that dtype or, under float32, a 16-bit one; "
             f"got {out.dtype}, {q.dtype}, {k_cache.dtype}"
         )
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    getattr(_library(), f"paged_decode_ranges_{_name(q.dtype, k_cache.dtype)}")(
+    refusal = Refusal()
+    code = getattr(_library(), f"paged_decode_ranges_{_name(q.dtype, k_cache.dtype)}")(
         bounds,
         len(bounds) - 1,
         out.data_ptr(),
@@ -340,4 +402,9 @@ def paged_decode(
         window,
         softcap,
         None if sinks is None else sinks.data_ptr(),
+        seqs,
+        num_blocks,
+        q.shape[0],
+        refusal,
     )
+    check(code, refusal, "paged_decode")

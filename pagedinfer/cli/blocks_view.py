@@ -9,7 +9,6 @@ Every line fits the terminal (`terminal.say`): the rows wrap between cells under
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -70,42 +69,20 @@ def builtin_trace(
     num_blocks: int = 8,
     seed: int = 0,
 ) -> dict:
-    """Run the small example with tracing on; a random tiny Llama unless ``model`` is given."""
+    """Run the small example with tracing on; the embedded demo model unless ``model`` is given (its
+    layers are pagedinfer's own, so no transformers modelling code is imported and nothing is built)."""
     from pagedinfer.llm import LLM
     from pagedinfer.sampling_params import SamplingParams
 
-    with tempfile.TemporaryDirectory(prefix="pagedinfer-blocks-") as tmp:
-        path = model or _tiny_llama(Path(tmp))
-        llm = LLM(path, block_size=block_size, num_blocks=num_blocks, device="cpu", seed=seed)
-        vocab = llm.engine.loaded.model.get_input_embeddings().num_embeddings
-        prompt = {"prompt_token_ids": [(7 * i + 3) % vocab for i in range(prompt_tokens)]}
-        params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-        llm.engine.enable_trace()
-        for _, result in llm.generate_iter([prompt], [params], request_ids=["r"]):
-            if result.error:
-                raise ValueError(result.error)
-        return trace_document(llm.engine)
-
-
-def _tiny_llama(directory: Path) -> str:
-    from transformers import LlamaConfig
-
-    from pagedinfer.model.random_models import save_random_model
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    save_random_model(config, directory)
-    return str(directory)
+    llm = LLM(model, block_size=block_size, num_blocks=num_blocks, device="cpu", seed=seed)
+    vocab = llm.engine.vocab_size
+    prompt = {"prompt_token_ids": [(7 * i + 3) % vocab for i in range(prompt_tokens)]}
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    llm.engine.enable_trace()
+    for _, result in llm.generate_iter([prompt], [params], request_ids=["r"]):
+        if result.error:
+            raise ValueError(result.error)
+    return trace_document(llm.engine)
 
 
 # -- drawing ------------------------------------------------------------------------------------------

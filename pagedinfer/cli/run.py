@@ -380,10 +380,10 @@ class _Run:
             if bad:
                 self.llm.close()
             return bad
-        from pagedinfer.engine.intake import Rejected, prepare
+        from pagedinfer.engine.intake import Rejected
 
-        engine = self.llm.engine
-        checked = ((i, prepare(engine, i.prompt, i.params, str(i.id), i.lora)) for i in requests)
+        intake = self.llm.engine.intake
+        checked = ((i, intake.prepare(i.prompt, i.params, str(i.id), i.lora)) for i in requests)
         return [i.failed(p.reason) for i, p in checked if isinstance(p, Rejected)]
 
     # -- generation -----------------------------------------------------------------------------------
@@ -451,7 +451,6 @@ class _Run:
 
     def _run_engine(self, rows: Iterator[tuple[int, LineRequest]], progress) -> None:
         """The lines through the one generation loop (as `LLM.stream` runs), each written as it finishes."""
-        from pagedinfer.engine.intake import prepare
         from pagedinfer.engine.loop import GenerationLoop
         from pagedinfer.lines.records import TokenText, success_record
 
@@ -472,7 +471,7 @@ class _Run:
         feed = (  # each request tagged with its line and the line's output position
             (
                 (item, position),
-                prepare(llm.engine, item.prompt, item.params, str(item.id), item.lora, interrupt),
+                llm.engine.intake.prepare(item.prompt, item.params, str(item.id), item.lora, interrupt),
             )
             for position, item in rows
         )

@@ -12,13 +12,15 @@ prefixes and therefore equal K/V. ``match_prefix`` hands a new sequence the bloc
 cached prefix (counts rise, nothing is computed again). A hashed block whose count falls to zero
 is not freed: it stays cached and evictable, least recently used first, and is only reclaimed
 when no never-cached free block is left. A cached block is therefore never handed out while
-referenced, and a full block is never written, so its hash always matches its tokens.
+referenced, and a full block is never written, so its hash always matches its tokens. When a hash
+leaves the cache, ``on_uncache`` is told (the KV-cache manager drops what it kept beside it).
 
 The hash is a 256-bit BLAKE2b digest of (parent digest, token ids): an accidental collision among
 even 2**64 distinct blocks has a probability near 2**-128, and crafting one means breaking BLAKE2b,
 so stored token ids are not kept or compared.
 
-All allocation and release goes through ``_take`` / ``_release``.
+All allocation and release goes through ``_take`` / ``_release``. Which sequence gets which blocks,
+and when, is decided above the pool (`core.kv_cache_manager`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedinfer.core.trace import BlockEvent, EventKind
 
 
 class OutOfBlocks(RuntimeError):
-    """The pool has fewer free blocks than a write needs; the scheduler preempts and retries."""
+    """The pool has fewer free blocks than a write needs (nothing was changed)."""
 
 
 def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
@@ -42,13 +45,6 @@ def block_hashes(token_ids: list[int], block_size: int, parent: bytes = b"") -> 
         parent = _chain(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out
-
-
-def chain_seed(adapter_digest: bytes) -> bytes:
-    """The parent of a sequence's first block hash: K/V computed under an adapter is that adapter's own,
-    so each adapter starts its own chains from its digest (what it computes with, not the slot it
-    holds now: slots change hands); the base model's (``b""``) is the empty seed."""
-    return b"" if not adapter_digest else hashlib.blake2b(b"lora:" + adapter_digest, digest_size=32).digest()
 
 
 def _chain(parent: bytes, tokens: list[int]) -> bytes:
@@ -62,14 +58,13 @@ class BlockPool:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    on_uncache: Callable[[bytes], None] | None = None  # told each hash that leaves the cache
     ref_counts: list[int] = field(init=False)
     filled: list[int] = field(init=False)  # slots of each block holding K/V (fragmentation stats)
     free_ids: list[int] = field(init=False)  # never-cached free blocks, a stack: last freed, first reused
     hashes: list[bytes | None] = field(init=False)  # chained hash of each full computed block, else None
     cached: dict[bytes, int] = field(init=False)  # hash -> the block that serves hits for it
     evictable: OrderedDict[int, None] = field(init=False)  # cached, unreferenced; least recently used first
-    # hash -> (k, the prompt logprobs of the block's tokens with their top k): kept while the hash is cached
-    kept_prompt_logprobs: dict[bytes, tuple[int, list]] = field(init=False)
     num_filled_slots: int = field(init=False, default=0)  # filled slots of referenced blocks
     num_cow_copies: int = field(init=False, default=0)
     prefix_queries: int = field(init=False, default=0)  # prompt tokens looked up in the cache
@@ -87,7 +82,6 @@ class BlockPool:
         self.hashes = [None] * self.num_blocks
         self.cached = {}
         self.evictable = OrderedDict()
-        self.kept_prompt_logprobs = {}
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -158,7 +152,8 @@ class BlockPool:
         digest = self.hashes[block]
         if digest is not None and self.cached.get(digest) == block:
             del self.cached[digest]
-            self.kept_prompt_logprobs.pop(digest, None)
+            if self.on_uncache is not None:
+                self.on_uncache(digest)
         self.hashes[block] = None
         self.filled[block] = 0
 
@@ -228,18 +223,6 @@ class BlockPool:
                 blocks.append(block)
         return blocks
 
-    def admission_blocks(self, hits: list[int], num_tokens: int) -> int:
-        """Free blocks a new sequence of ``num_tokens`` takes when ``hits`` are its cached prefix.
-
-        Counts the blocks still to allocate, the hit blocks that leave the evictable set, and the
-        copy of a shared last block when the whole prompt is cached (its last token is rewritten).
-        """
-        new = self.blocks_for_tokens(num_tokens) - len(hits)
-        revived = sum(self.ref_counts[b] == 0 for b in hits)
-        if hits and len(hits) * self.block_size >= num_tokens and self.ref_counts[hits[-1]] > 0:
-            new += 1
-        return new + revived
-
     def match_prefix(
         self, token_ids: list[int], hashes: list[bytes] | None = None, prompt: bool = True
     ) -> list[int]:
@@ -248,7 +231,7 @@ class BlockPool:
         Returns the block table to start from; the caller computes the remaining tokens. The last
         token is always computed (its logits are sampled), so a fully cached prompt saves all but
         one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)`` (from
-        the sequence's `chain_seed`) when the caller has them already. ``prompt=False`` (a resumed
+        the sequence's `kv_cache_manager.chain_seed`) when the caller has them already. ``prompt=False`` (a resumed
         completion's generated tokens) leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits``
         alone.
         """
@@ -273,7 +256,7 @@ class BlockPool:
         self, table: list[int], token_ids: list[int], num_computed: int, seed: bytes = b""
     ) -> None:
         """Hash the blocks of ``table`` that are full and computed (positions < ``num_computed``), the
-        chain starting from ``seed`` (`chain_seed`).
+        chain starting from ``seed`` (`kv_cache_manager.chain_seed`).
 
         Called after each step; blocks hashed before are skipped. A block whose contents are cached
         already in another block keeps its hash (for the chain) but stays out of the map.
@@ -291,18 +274,6 @@ class BlockPool:
             parent = _chain(parent, token_ids[logical * bs : (logical + 1) * bs])
             self.hashes[block] = parent
             self.cached.setdefault(parent, block)
-
-    def keep_prompt_logprobs(self, digest: bytes, k: int, entries: list) -> None:
-        """Keep a cached block's prompt logprobs (top ``k``) beside its hash, for later hits."""
-        if digest in self.cached and self.kept_prompt_logprobs.get(digest, (-1,))[0] < k:
-            self.kept_prompt_logprobs[digest] = (k, list(entries))
-
-    def prompt_logprobs_prefix(self, hashes: list[bytes], k: int) -> int:
-        """How many leading ``hashes`` have prompt logprobs kept with at least the top ``k``."""
-        n = 0
-        while n < len(hashes) and self.kept_prompt_logprobs.get(hashes[n], (-1,))[0] >= k:
-            n += 1
-        return n
 
     def slot(self, table: list[int], position: int) -> int:
         """Flat slot index (block * block_size + offset) of a token position (the block-table lookup)."""

@@ -9,7 +9,6 @@ as opaque objects.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,8 +107,11 @@ class Sequence:
         )
 
 
-# completion index -> (generator, detokenizer, logits state)
-CompletionState = Callable[[int], tuple[Any, "TextStream | None", "LogitsStateLike | None"]]
+class CompletionStates(Protocol):
+    """What a new completion starts with: its random source, detokenizer and logits state (the engine
+    makes them, `engine.completion_state`; the scheduler asks when it first admits a request)."""
+
+    def __call__(self, req: Request, index: int) -> tuple[Any, TextStream | None, LogitsStateLike | None]: ...
 
 
 @dataclass(eq=False)
@@ -122,14 +124,16 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens capped by the model's context
-    completion_state: CompletionState | None = None  # made by the engine; None: greedy rows need no state
+    seed: int = 0  # the base seed of its completions' random sources
     state: RequestState = RequestState.WAITING
     prompt_seq: Sequence | None = None
     completions: list[Sequence] = field(default_factory=list)  # made at first admission
     error: str | None = None
     num_preemptions: int = 0
     num_overtaken: int = 0  # later arrivals admitted before it (the ``lpm`` policy's starvation bound)
-    prompt_hashes: list[bytes] | None = None  # chained hashes of the full prompt blocks (prefix cache)
+    prompt_hashes: list[bytes] | None = (
+        None  # its full prompt blocks' chained hashes (the KV-cache manager's)
+    )
     beam: BeamSearch | None = None  # set for beam search: ``completions`` are then the live beams, best first
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -139,7 +143,7 @@ class Request:
     # the per-run cap that set ``max_tokens``, if one did: "max_line_tokens" (below the request's own
     # limit) or "line_timeout" (`cap_at_next_token`); a completion it ends says so
     cap: str | None = None
-    started_s: float | None = None  # the engine's clock when first admitted (None: never yet)
+    started_s: float | None = None  # the scheduler's clock when first admitted (None: never yet)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -1,9 +1,8 @@
-"""The engine loop: add requests, then step (schedule -> execute -> sample -> update) until done."""
+"""The engine: requests in, then steps until done, each ``schedule()`` -> the model and the sampler ->
+``update_from_output()`` (vLLM v1's shape: the scheduler makes every state change of a step)."""
 
 from __future__ import annotations
 
-import functools
-import random
 import warnings
 from dataclasses import dataclass
 from time import monotonic
@@ -15,15 +14,16 @@ from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.scheduler import PromptRows, SampleTarget, Scheduler, SchedulerCounters, SchedulerOutput
+from pagedinfer.core.kv_cache_manager import KVCacheManager
+from pagedinfer.core.limits import RequestLimits
+from pagedinfer.core.scheduler import ModelOutput, PromptRows, SampleTarget, Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
-from pagedinfer.core.trace import snapshot
 from pagedinfer.engine import fingerprint
-from pagedinfer.engine.detokenizer import IncrementalDetokenizer
-from pagedinfer.engine.intake import EngineRequest, Rejected
+from pagedinfer.engine.completion_state import CompletionStates
+from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
-from pagedinfer.logits.processor import LogitsPipeline, LogitsState
+from pagedinfer.logits.processor import LogitsPipeline
 from pagedinfer.logits.structured import GrammarCompiler, GrammarProcessor
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.registry import AdapterRegistry, LoadedAdapter
@@ -44,7 +44,6 @@ from pagedinfer.model.sampler import (
 )
 from pagedinfer.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
-from pagedinfer.seeding import completion_seed
 
 PROMPT_LOGPROB_SLICE = 128  # prompt logits rows normalised at once
 
@@ -130,7 +129,7 @@ class LLMEngine:
         per_block = bytes_per_token(loaded.layer_shapes, kv_dtype) * config.block_size
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
         num_blocks = self.pool_size.num_blocks
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kernels = select_cuda_kernels(
             use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size, kv_dtype
         )
@@ -145,16 +144,6 @@ class LLMEngine:
         if config.enable_lora:
             sites = attach_sites(loaded.model, loaded.impl, loaded.device)
             self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        self.scheduler = Scheduler(
-            self.pool,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            loaded.eos_token_ids,
-            config.schedule_policy,
-            context_set_by_option=self.max_model_len < loaded.max_model_len,
-            adapters=self.lora,
-        )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
@@ -168,11 +157,39 @@ class LLMEngine:
                 GrammarProcessor(self.grammars),
             ]
         )
+        self.scheduler = Scheduler(
+            kv_cache_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            eos,
+            config.schedule_policy,
+            adapters=self.lora,
+            completion_states=CompletionStates(tok, self.logits),
+            line_timeout=config.line_timeout,
+            clock=monotonic,  # the engine's: requests' running times are read on it too
+        )
+        limits = RequestLimits(
+            self.max_model_len,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_blocks,
+            config.block_size,
+            context_set_by_option=self.max_model_len < loaded.max_model_len,
+        )
+        self.intake = Intake(
+            tok,
+            loaded.name,
+            vocab,
+            eos,
+            limits,
+            self.logits,
+            self.lora,
+            max_logprobs=config.max_logprobs,
+            max_line_tokens=config.max_line_tokens,
+            seed=config.seed,
+        )
         if graphs:
             self._start_graphs(num_blocks)
-        self._seeds = random.Random(config.seed)
-        self._next_id = 0
-        self.trace: list[dict] | None = None  # per-step pool snapshots, when enabled
         self._fingerprints: dict[str | None, str] = {}  # by adapter name (None: the base model)
         self.reset_stats()
 
@@ -204,8 +221,34 @@ class LLMEngine:
             f"contexts up to {graphs.max_context} tokens"
         )
 
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool (its use: ``num_used``, ``num_blocks``), the scheduler's KV-cache manager's."""
+        return self.scheduler.kv_cache_manager.pool
+
+    @property
+    def trace(self) -> list[dict] | None:
+        """The per-step pool snapshots (`core.trace`), once `enable_trace` was called."""
+        return self.scheduler.trace
+
+    def enable_trace(self) -> None:
+        self.scheduler.enable_trace()
+
+    @property
+    def stats(self) -> EngineStats:
+        """This run's figures: the engine's own record with its parts' snapshots as of now."""
+        s = self._stats
+        scheduler = self.scheduler.make_stats()
+        s.counters, s.kv = scheduler.counters, scheduler.kv
+        s.structured = self.grammars.make_stats()
+        if self.lora is not None:
+            s.adapter_counters = self.lora.make_stats()
+            s.lora_adapters = dict(self.lora.named)
+        return s
+
     def reset_stats(self) -> None:
-        self.stats = EngineStats(
+        """Start a run's figures: the engine's record afresh, every part's counts from zero."""
+        self._stats = EngineStats(
             num_blocks=self.pool.num_blocks,
             block_size=self.pool.block_size,
             bytes_per_token=self.kv.bytes_per_token,
@@ -213,8 +256,7 @@ class LLMEngine:
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
             prefix_caching=self.pool.enable_prefix_caching,
-            schedule_policy=self.scheduler.schedule_policy,
-            counters=SchedulerCounters(),
+            schedule_policy=self.config.schedule_policy,
             dtype=dtype_name(self.loaded.dtype),
             dtype_reason=self.loaded.dtype_reason,
             dtype_emulated=self.loaded.dtype_emulated,
@@ -225,15 +267,13 @@ class LLMEngine:
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,
             lora_enabled=self.lora is not None,
-            lora_adapters={} if self.lora is None else self.lora.named,  # the registry's own: kept current
             reproducibility=fingerprint.reproducibility(self),
             system_fingerprint=self._fingerprints.get(None, ""),  # once asked for: hashing reads the files
         )
-        self.scheduler.counters = self.stats.counters
+        self.scheduler.reset_stats()
+        self.grammars.reset_stats()
         if self.lora is not None:
-            self.lora.counters = self.stats.adapter_counters
-        self.grammars.counters = self.stats.structured
-        self._pool_base = self._pool_counts()
+            self.lora.reset_stats()
 
     def system_fingerprint(self, adapter: str | None = None) -> str:
         """The hash of what decides this engine's records (docs/reproducibility.md): the base model's
@@ -242,46 +282,23 @@ class LLMEngine:
         if adapter not in self._fingerprints:
             self._fingerprints[adapter] = fingerprint.system_fingerprint(self, adapter)
         if adapter is None:
-            self.stats.system_fingerprint = self._fingerprints[None]
+            self._stats.system_fingerprint = self._fingerprints[None]
         return self._fingerprints[adapter]
 
-    def _pool_counts(self) -> tuple[int, ...]:
-        p = self.pool
-        return p.num_cow_copies, p.prefix_queries, p.prefix_hits, p.blocks_reused, p.evictions
-
-    def enable_trace(self) -> None:
-        self.trace = []
-        self.pool.events = []
-
     # -- requests ---------------------------------------------------------------------------
-    @functools.cached_property
-    def max_prompt_chars(self) -> int:
-        """A text longer than this cannot fit the context: no token spans more characters than the
-        tokenizer's longest vocabulary entry (a generous bound, so a huge line is refused without
-        tokenizing it)."""
-        tok = self.loaded.tokenizer
-        longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
-        return self.max_model_len * max(longest, 1)
-
     def add_lora(self, request: LoRARequest) -> LoadedAdapter:
         """Read and check an adapter now (``pagedinfer run --lora``). Raises `AdapterError`."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled (enable_lora=True)")
         return self.lora.add(request)
 
-    def draw_seed(self) -> int:
-        """The base seed of a request that gives none: the next of the engine's seeded stream."""
-        return self._seeds.getrandbits(62)
-
     def add_request(self, prepared: EngineRequest | Rejected, order: int) -> Request:
-        """Queue a request intake prepared (`engine.intake.prepare`), as it is: nothing is checked again.
+        """Queue a request intake prepared (`Intake.prepare`), as it is: nothing is checked again.
 
         A `Rejected` one comes back already finished with ``error`` set. ``order`` numbers the
         request for its caller (outputs are matched back by it).
         """
-        self.stats.requests += 1
         if isinstance(prepared, Rejected):
-            self.stats.failed_requests += 1
             req = Request(
                 prepared.request_id, order, prepared.prompt, prepared.prompt_token_ids, SamplingParams(), 0
             )
@@ -289,6 +306,7 @@ class LLMEngine:
             req.state = RequestState.FINISHED
             if isinstance(b := prepared.params, BeamSearchParams):  # answered as a beam search
                 req.beam = BeamSearch(b.beam_width, 0, b.length_penalty, b.early_stopping, frozenset())
+            self._stats.count_added(req)
             return req
         params = prepared.params
         req = Request(
@@ -298,41 +316,18 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             params=params,
             max_tokens=prepared.max_tokens,
+            seed=prepared.seed,
             lora=prepared.lora,
             cap=prepared.cap,
         )
-        req.completion_state = functools.partial(self._new_completion, req, prepared.seed)
         if (beam := prepared.beam) is not None:
             stops = set(params.stop_token_ids) | (set() if beam.ignore_eos else self.loaded.eos_token_ids)
             req.beam = BeamSearch(
                 beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
             )
-        self.stats.prompt_tokens += req.num_prompt_tokens
-        self.stats.prompt_tokens_requested += req.num_prompt_tokens * params.n
-        self.stats.completions += params.n
-        self.stats.lora_use(req.lora).add_request(req.num_prompt_tokens)
+        self._stats.count_added(req)
         self.scheduler.add(req)
         return req
-
-    def _new_completion(
-        self, req: Request, base_seed: int, index: int
-    ) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
-        """Completion ``index``'s random source, detokenizer and processor states (a grammar matcher),
-        made when the scheduler creates the completion (`Request.completion_state`)."""
-        tok, p = self.loaded.tokenizer, req.params
-        gen = torch.Generator()
-        gen.manual_seed(completion_seed(base_seed, index, req.prompt_token_ids))
-        state = self.logits.new_state(p) if p.shapes_logits else None
-        if tok is None:
-            return gen, None, state
-        detok = IncrementalDetokenizer(
-            tok.backend_tokenizer,
-            req.prompt_token_ids,
-            p.skip_special_tokens,
-            p.stop,
-            p.include_stop_str_in_output,
-        )
-        return gen, detok, state
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""
@@ -345,73 +340,68 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it (failed ones included)."""
-        start = monotonic()
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
-        for req in self.scheduler.running:
-            if req.started_s is None:  # admitted in this step
-                req.started_s = start
-        self._record(plan)
-        sampled, beams, prompt = None, None, None
-        if plan.batch:
-            # what the processors and the sampler read of each sequence that receives a token
-            every = [
-                SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
-                for s in (t.seq for t in (*plan.targets, *plan.beam_targets))
-            ]
-            self.logits.prepare(every)  # grammar masks, overlapping the forward pass
-            rows, beam_rows = every[: len(plan.targets)], every[len(plan.targets) :]
-            logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
-            self.stats.graph_steps += self.runner.last_step_graphed
-            if plan.targets:
-                sampled = self._sample(logits, plan.targets, rows)
-            if plan.beam_targets:
-                beams = self._beam_candidates(logits, plan.beam_targets, beam_rows)
-            if plan.prompt_rows:
-                prompt = self._prompt_logprobs(logits, plan.prompt_rows)
-        finished = self.scheduler.update(
-            plan, sampled, beams, prompt
-        )  # computed, forks, appends, stops, frees
-        for r in finished:
-            if not r.error:
-                self.stats.completion_tokens += r.completion_tokens()
-                self.stats.lora_use(r.lora).completion_tokens += r.completion_tokens()
-        if self.config.line_timeout is not None:
-            self._cap_overdue(monotonic() - self.config.line_timeout)
-        if self.trace is not None:
-            self.trace.append(snapshot(len(self.trace), plan, self.pool, self.scheduler.running))
-            self.pool.events.clear()
+        self._stats.record_step(self.scheduler.make_stats(), plan.num_tokens)
+        output = self._execute(plan) if plan.batch else ModelOutput()
+        finished = self.scheduler.update_from_output(plan, output)  # computed, forks, appends, stops, frees
+        self._stats.count_finished(finished)
         return finished
 
+    def _execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """The forward pass, then each target's token, each beam search's candidates and each prompt
+        chunk's logprobs; a logits row that gives none fails its request (`ModelOutput.failed`)."""
+        out = ModelOutput()
+        # what the processors and the sampler read of each sequence that receives a token
+        every = [
+            SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
+            for s in (t.seq for t in (*plan.targets, *plan.beam_targets))
+        ]
+        self.logits.prepare(every)  # grammar masks, overlapping the forward pass
+        rows, beam_rows = every[: len(plan.targets)], every[len(plan.targets) :]
+        logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
+        self._stats.graph_steps += self.runner.last_step_graphed
+        if plan.targets:
+            out.sampled = self._sample(logits, plan.targets, rows, out.failed)
+        if plan.beam_targets:
+            out.beams = self._beam_candidates(logits, plan.beam_targets, beam_rows, out.failed)
+        if plan.prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(logits, plan.prompt_rows, out.failed)
+        return out
+
     def _sample(
-        self, logits: torch.Tensor, targets: list[SampleTarget], rows: list[SampleRow]
+        self,
+        logits: torch.Tensor,
+        targets: list[SampleTarget],
+        rows: list[SampleRow],
+        failed: dict[Request, str],
     ) -> SampleResult:
         """One token per target (a step that raises here is isolated by the generation loop); a row a
-        constraint leaves no token fails its request alone."""
+        constraint leaves no token fails its request alone (added to ``failed``)."""
         at = [t.row for t in targets]
         if at != list(range(logits.shape[0])):  # forked completions share their prompt's row
             logits = logits[torch.tensor(at, device=logits.device)]  # [len(targets), V]
         result = sample(logits, rows, self.logits)
         for i in result.no_token:
-            self.scheduler.fail(targets[i].seq.request, _no_token_reason(rows[i].params))
+            failed.setdefault(targets[i].seq.request, _no_token_reason(rows[i].params))
         for bad in result.nonfinite:
             seq = targets[bad.row].seq
             req = seq.request
             where = f"generated token {seq.num_output_tokens + 1}"
             if req.params.n > 1:
                 where += f" of completion {seq.index}"
-            self._fail_nonfinite(req, bad.found, where, bad.controls)
+            self._fail_nonfinite(failed, req, bad.found, where, bad.controls)
         return result
 
-    def _fail_nonfinite(self, req: Request, found: str, where: str, controls: str | None = None) -> None:
+    def _fail_nonfinite(
+        self, failed: dict[Request, str], req: Request, found: str, where: str, controls: str | None = None
+    ) -> None:
         """Fail ``req`` for a logits row with NaN or infinite values (once: its other rows say the same)."""
-        if req.state is RequestState.FINISHED:
-            return
         adapter = None if req.lora is None else req.lora.name
-        self.scheduler.fail(req, _nonfinite_reason(found, where, controls, adapter))
+        failed.setdefault(req, _nonfinite_reason(found, where, controls, adapter))
 
     @torch.inference_mode()
     def _prompt_logprobs(
-        self, logits: torch.Tensor, chunks: list[PromptRows]
+        self, logits: torch.Tensor, chunks: list[PromptRows], failed: dict[Request, str]
     ) -> list[list[dict[int, Logprob]]]:
         """Each prompt chunk's entries: row ``j`` gives the logprob of prompt token ``start + j + 1``. A
         row with NaN or infinite logits fails its request (its chunk gives no entries)."""
@@ -421,7 +411,7 @@ class LLMEngine:
             m = min(c.num_tokens, req.num_prompt_tokens - 1 - c.start)  # the prompt's last row gives none
             entries: list[dict[int, Logprob]] = []
             for lo in range(0, max(m, 0), PROMPT_LOGPROB_SLICE):  # log-softmax temporaries of a few rows
-                if req.state is RequestState.FINISHED:
+                if req in failed:
                     break
                 hi = min(m, lo + PROMPT_LOGPROB_SLICE)
                 tokens = req.prompt_token_ids[c.start + 1 + lo : c.start + 1 + hi]
@@ -430,14 +420,18 @@ class LLMEngine:
                 found = logprob_entries(rows, ids, [req.params.prompt_logprobs] * len(tokens))
                 if (j := next((j for j, e in enumerate(found) if e is None), None)) is not None:
                     where = f"prompt token {c.start + lo + j + 2} of {req.num_prompt_tokens}"
-                    self._fail_nonfinite(req, found_words(float(rows[j].amax())), where)
+                    self._fail_nonfinite(failed, req, found_words(float(rows[j].amax())), where)
                     break
                 entries += found
             out.append(entries)
         return out
 
     def _beam_candidates(
-        self, logits: torch.Tensor, targets: list[SampleTarget], rows: list[SampleRow]
+        self,
+        logits: torch.Tensor,
+        targets: list[SampleTarget],
+        rows: list[SampleRow],
+        failed: dict[Request, str],
     ) -> dict[Request, list[Candidate]]:
         """Each beam search's best continuations over all its live beams (their rows are in ``targets``)."""
         groups: dict[Request, list[int]] = {}
@@ -455,7 +449,7 @@ class LLMEngine:
             )
             if isinstance(found, NonFinite):
                 seq = targets[members[found.row]].seq
-                self._fail_nonfinite(req, found.found, f"generated token {seq.num_output_tokens + 1}")
+                self._fail_nonfinite(failed, req, found.found, f"generated token {seq.num_output_tokens + 1}")
                 continue
             out[req] = [Candidate(*c) for c in found]
         return out
@@ -483,13 +477,6 @@ class LLMEngine:
             error=req.error,
         )
 
-    def _cap_overdue(self, started_before: float) -> None:
-        """``line_timeout``: requests admitted before ``started_before`` (preempted ones included) end
-        at their next token, marked."""
-        for req in (*self.scheduler.running, *self.scheduler.waiting):
-            if req.started_s is not None and req.started_s < started_before and req.cap != "line_timeout":
-                req.cap_at_next_token("line_timeout")
-
     def started_requests(self) -> list[StartedRequest]:
         """The unfinished requests that have been admitted (their prompt computed or being computed),
         longest running first: what a progress record names and what a stop interrupts."""
@@ -497,23 +484,3 @@ class LLMEngine:
         started = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.started_s is not None]
         started.sort(key=lambda r: r.started_s)
         return [StartedRequest(r.request_id, r.tokens_so_far(), now - r.started_s) for r in started]
-
-    # -- statistics -------------------------------------------------------------------------
-    def _record(self, plan: SchedulerOutput) -> None:
-        running = self.scheduler.running
-        self.stats.record_step(
-            blocks_used=self.pool.num_used,
-            slots_filled=self.pool.num_filled_slots,
-            logical=sum(len(s.block_table) for r in running for s in r.live_seqs()),
-            seqs=sum(r.num_future_seqs() for r in running),
-            tokens=plan.num_tokens,
-            cached=self.pool.num_cached,
-        )
-        st = self.stats
-        (
-            st.cow_copies,
-            st.prefix_cache_queries,
-            st.prefix_cache_hits,
-            st.prefix_cache_blocks_reused,
-            st.prefix_cache_evictions,
-        ) = (now - base for now, base in zip(self._pool_counts(), self._pool_base, strict=True))

@@ -73,6 +73,7 @@ class GenerationLoop:
         if window < 1:
             raise ValueError("the window of unfinished requests must be >= 1")
         self.engine.reset_stats()
+        stats = self.engine.stats  # this stream's record: its wall time is kept current
         feed, more, start = iter(feed), True, time.perf_counter()
         try:
             while True:
@@ -85,11 +86,11 @@ class GenerationLoop:
                 if not self._inside:
                     return
                 for done in self._step():
-                    self.engine.stats.wall_time_s = time.perf_counter() - start
+                    stats.wall_time_s = time.perf_counter() - start
                     yield done
-                self.engine.stats.wall_time_s = time.perf_counter() - start
+                stats.wall_time_s = time.perf_counter() - start
         finally:
-            self.engine.stats.wall_time_s = time.perf_counter() - start
+            stats.wall_time_s = time.perf_counter() - start
             self.close()
 
     def close(self) -> None:

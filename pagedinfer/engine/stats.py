@@ -1,7 +1,9 @@
 """Where every byte of KV memory went: the figures behind the memory-usage report.
 
-Recorded once per engine step (after scheduling, when this step's blocks are allocated and its
-slots assigned). ``to_dict`` gives the stable, documented keys of ``--report-json``.
+The pool's use is recorded once per engine step (after scheduling, when this step's blocks are
+allocated and its slots assigned); the counts are the snapshots of the engine's parts, taken when the
+figures are read (`LLMEngine.stats`). ``to_dict`` gives the stable, documented keys of
+``--report-json``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedinfer.config import EngineConfig, PoolSize
-from pagedinfer.core.scheduler import SchedulerCounters
+from pagedinfer.core.kv_cache_manager import KVCacheStats
+from pagedinfer.core.scheduler import SchedulerCounters, SchedulerStats
+from pagedinfer.core.sequence import Request
 from pagedinfer.engine.fingerprint import Reproducibility
 from pagedinfer.logits.structured import StructuredCounters
 from pagedinfer.lora.registry import AdapterCounters, LoadedAdapter
@@ -30,6 +34,10 @@ class AdapterUse:
 
 @dataclass
 class EngineStats:
+    """One run's figures, assembled by the engine: its own record (the pool's geometry, each step's
+    use, the requests it was given) and the snapshots its parts return (`Scheduler.make_stats`, with
+    the KV-cache manager's; `GrammarCompiler.make_stats`; `AdapterRegistry.make_stats`)."""
+
     # pool geometry
     num_blocks: int
     block_size: int
@@ -50,34 +58,30 @@ class EngineStats:
     cuda_graphs: str = ""
     graph_capture_s: float = 0.0
     graph_steps: int = 0
-    # per step
+    # per step (`record_step`)
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
     logical_blocks: list[int] = field(default_factory=list)
     running_seqs: list[int] = field(default_factory=list)
     batch_tokens: list[int] = field(default_factory=list)
     cached_blocks: list[int] = field(default_factory=list)  # cached blocks nobody references
-    # totals
-    cow_copies: int = 0
+    # the requests given (`count_added`, `count_finished`)
     requests: int = 0
     failed_requests: int = 0
     completions: int = 0
     prompt_tokens: int = 0  # unique prompt tokens of the requests that ran
     prompt_tokens_requested: int = 0  # prompt tokens x n: what prefilling every completion would cost
-    # prefix cache (the pool's counts during this run): prompt tokens looked up at admission, and
-    # those its blocks saved from computing
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_blocks_reused: int = 0  # blocks handed to a new sequence by a hit
-    prefix_cache_evictions: int = 0  # cached blocks reclaimed for new contents
     # tokens in the finished requests' outputs (their records' usage.completion_tokens add up to it);
     # generated_tokens counts the tokens sampled: under beam search the returned beams repeat their
     # common history, and pruned beams' tokens are not returned, so the two differ
     completion_tokens: int = 0
     wall_time_s: float = 0.0
     kernel_compile_s: float = 0.0  # compiling the CPU kernels when the model loaded: not in wall_time_s
-    # counted by the scheduler as it applies each step (prompt tokens computed, recomputed, generated)
+    # the scheduler's counts as it applies each step (prompt tokens computed, recomputed, generated)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    # the KV-cache manager's counts: copy-on-write copies, and the prefix cache's lookups (prompt
+    # tokens looked up at admission, those its blocks saved from computing), reuse and evictions
+    kv: KVCacheStats = field(default_factory=KVCacheStats)
     # structured outputs: the grammar compile cache and the token masks (counted as they happen)
     structured: StructuredCounters = field(default_factory=StructuredCounters)
     # LoRA: whether enabled, the adapters named (by name, in the order first named), each one's
@@ -95,15 +99,33 @@ class EngineStats:
     def lora_use(self, adapter: LoadedAdapter | None) -> AdapterUse:
         return self.lora_usage.setdefault(None if adapter is None else adapter.name, AdapterUse())
 
-    def record_step(
-        self, blocks_used: int, slots_filled: int, logical: int, seqs: int, tokens: int, cached: int = 0
-    ) -> None:
-        self.cached_blocks.append(cached)
-        self.blocks_used.append(blocks_used)
-        self.slots_filled.append(slots_filled)
-        self.logical_blocks.append(logical)
-        self.running_seqs.append(seqs)
+    def record_step(self, scheduler: SchedulerStats, tokens: int) -> None:
+        """One step's use, once it is scheduled (its blocks allocated, nothing freed yet)."""
+        kv = scheduler.kv
+        self.cached_blocks.append(kv.num_cached_blocks)
+        self.blocks_used.append(kv.num_used_blocks)
+        self.slots_filled.append(kv.num_filled_slots)
+        self.logical_blocks.append(scheduler.logical_blocks)
+        self.running_seqs.append(scheduler.running_seqs)
         self.batch_tokens.append(tokens)
+
+    def count_added(self, req: Request) -> None:
+        """A request queued (or answered at once when ``req.error`` is set: it can never run)."""
+        self.requests += 1
+        if req.error:
+            self.failed_requests += 1
+            return
+        self.prompt_tokens += req.num_prompt_tokens
+        self.prompt_tokens_requested += req.num_prompt_tokens * req.params.n
+        self.completions += req.params.n
+        self.lora_use(req.lora).add_request(req.num_prompt_tokens)
+
+    def count_finished(self, finished: list[Request]) -> None:
+        """The tokens the callers get back from the requests that finished without an error."""
+        for r in finished:
+            if not r.error:
+                self.completion_tokens += r.completion_tokens()
+                self.lora_use(r.lora).completion_tokens += r.completion_tokens()
 
     # -- the scheduler's counts ------------------------------------------------------------
     @property
@@ -129,6 +151,29 @@ class EngineStats:
     @property
     def prompt_tokens_readmitted(self) -> int:
         return self.counters.prompt_tokens_readmitted
+
+    # -- the KV-cache manager's counts -----------------------------------------------------
+    @property
+    def cow_copies(self) -> int:
+        return self.kv.cow_copies
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_hits
+
+    @property
+    def prefix_cache_blocks_reused(self) -> int:
+        """Blocks handed to a new sequence by a hit."""
+        return self.kv.blocks_reused
+
+    @property
+    def prefix_cache_evictions(self) -> int:
+        """Cached blocks reclaimed for new contents."""
+        return self.kv.evictions
 
     # -- derived figures -------------------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ ERROR_CHARS = 300  # a grammar error is cut to this much in a request's error
 
 @dataclass
 class StructuredCounters:
-    """Figures of structured outputs since the last reset (`EngineStats.structured`)."""
+    """Figures of structured outputs since the last `GrammarCompiler.reset_stats`."""
 
     compiles: int = 0  # constraints compiled (cache misses)
     cache_hits: int = 0  # requests (or completions) that found their constraint compiled
@@ -146,6 +146,13 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, object] = OrderedDict()  # key -> a matcher that never moves
         self._ll_tokenizer = None
         self._key_guard: KeyGuard | None = None
+
+    def make_stats(self) -> StructuredCounters:
+        """The figures since the last `reset_stats` (a copy)."""
+        return replace(self.counters)
+
+    def reset_stats(self) -> None:
+        self.counters = StructuredCounters()
 
     @property
     def ll_tokenizer(self):

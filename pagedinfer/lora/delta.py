@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library
+from pagedinfer.attention.cpu_kernel import KernelUnavailable, Refusal, check, compile_library, debug
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_lora.c"
@@ -40,25 +40,32 @@ class DeltaWeights:
 
 
 def padded(n: int) -> int:
+    """``n`` rounded up to a whole number of the kernel's panels."""
     return -(-n // LANES) * LANES
 
 
 def add_delta(y: torch.Tensor, x: torch.Tensor, lo: int, hi: int, w: DeltaWeights) -> None:
-    """``y[lo:hi] += scaling * (x[lo:hi] A^T) B^T``; ``y`` ``[N, out]`` (contiguous), ``x`` ``[N, in]``."""
+    """``y[lo:hi] += scaling * (x[lo:hi] A^T) B^T``; ``y`` ``[N, out]`` (contiguous), ``x`` ``[N, in]``. A
+    range that is not one of the N rows: `IndexOutOfRange`, nothing written."""
     fn = _kernel(y, x)
     if fn is None:
         t = x[lo:hi].float() @ w.a_t[:, : w.rank]  # [n, R]
         delta = (t @ w.b_t[:, : w.out]) * w.scaling  # [n, out]
         y[lo:hi] = (y[lo:hi].float() + delta).to(y.dtype)
         return
-    x = x.contiguous()
-    a_ld, b_ld = w.a_t.shape[1], w.b_t.shape[1]
-    rows, in_features = x.shape
-    if (in_features, y.shape[1], y.shape[0]) != (w.a_t.shape[0], w.out, rows):  # what C cannot check
-        raise ValueError(
-            f"LoRA deltas: x {list(x.shape)} and y {list(y.shape)} do not fit A^T [{w.a_t.shape[0]}, R] "
-            f"and B^T [R, {w.out}]"
+    if debug():  # what the caller vouches for
+        assert y.is_contiguous() and x.shape == (y.shape[0], w.a_t.shape[0]) and y.shape[1] == w.out
+        assert w.a_t.is_contiguous() and w.b_t.is_contiguous() and w.b_t.shape[0] == w.rank
+        assert (
+            w.a_t.dtype == w.b_t.dtype == torch.float32
+            and w.a_t.shape[1] % LANES == w.b_t.shape[1] % LANES == 0
         )
+    x = x.contiguous()
+    (rows, in_features), a_ld = x.shape, w.a_t.shape[1]
+    scratch = torch.empty(
+        max(hi - lo, 0), a_ld, dtype=torch.float32
+    )  # [n, R padded]: the rows' first product
+    refusal = Refusal()
     code = fn(
         x.data_ptr(),
         y.data_ptr(),
@@ -66,19 +73,17 @@ def add_delta(y: torch.Tensor, x: torch.Tensor, lo: int, hi: int, w: DeltaWeight
         lo,
         hi,
         in_features,
-        y.shape[1],
+        w.out,
         w.a_t.data_ptr(),
         a_ld,
         w.b_t.data_ptr(),
-        b_ld,
+        w.b_t.shape[1],
         w.rank,
         w.scaling,
+        scratch.data_ptr(),
+        refusal,
     )
-    if code:
-        what = "out of memory" if code == -2 else "arguments out of range"
-        raise RuntimeError(
-            f"cpu_lora.c: {what} (rows {lo}:{hi} of {rows}, in {in_features}, out {y.shape[1]}, rank {w.rank})"
-        )
+    check(code, refusal, "LoRA delta")
 
 
 def _kernel(y: torch.Tensor, x: torch.Tensor):
@@ -86,8 +91,6 @@ def _kernel(y: torch.Tensor, x: torch.Tensor):
     lib = library()
     if lib is None or x.device.type != "cpu" or x.dtype != y.dtype or x.dtype not in SUFFIX:
         return None
-    if not y.is_contiguous():  # written in place: the layers hand the GEMM's own output
-        raise ValueError("LoRA deltas: the base output y must be contiguous")
     return getattr(lib, f"lora_delta_{SUFFIX[x.dtype]}")
 
 
@@ -107,6 +110,7 @@ def bind(path: Path) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     for suffix in SUFFIX.values():
         fn = getattr(dll, f"lora_delta_{suffix}")
-        fn.argtypes = [ptr, ptr] + [i32] * 5 + [ptr, i32, ptr, i32, i32, ctypes.c_float]
-        fn.restype = i32
+        fn.argtypes = [ptr, ptr] + [i32] * 5 + [ptr, i32, ptr, i32, i32, ctypes.c_float, ptr]
+        fn.argtypes += [ctypes.POINTER(Refusal)]
+        fn.restype = i32  # 0, or what was out of range
     return dll

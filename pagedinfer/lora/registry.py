@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ class LoadedAdapter:
 
 @dataclass
 class AdapterCounters:
-    """Adapter traffic since the last reset (the engine's statistics read them)."""
+    """Adapter traffic since the last `AdapterRegistry.reset_stats`."""
 
     reads: int = 0  # adapter directories read (a first read, or again after it left memory)
     slot_loads: int = 0  # adapters installed into a slot (each first use, and each swap back in)
@@ -67,6 +67,13 @@ class AdapterRegistry:
         self.slots = SlotTable(max_loras)
         self.counters = AdapterCounters()
         self._memory: OrderedDict[str, Adapter] = OrderedDict()  # by name, least recently used first
+
+    def make_stats(self) -> AdapterCounters:
+        """The adapter traffic since the last `reset_stats` (a copy)."""
+        return replace(self.counters)
+
+    def reset_stats(self) -> None:
+        self.counters = AdapterCounters()
 
     def add(self, request: LoRARequest) -> LoadedAdapter:
         """``request``'s adapter, read and checked the first time its name is seen."""

@@ -62,6 +62,7 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ("block_size", ctypes.c_int),
         ("bounds", _ptr),
         ("parts", ctypes.c_int),
+        ("num_blocks", ctypes.c_int64),
     ]
 
 
@@ -80,7 +81,8 @@ def _library() -> ctypes.CDLL | None:
             if fn is None:
                 continue
             fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
-            fn.restype = None
+            fn.argtypes += [ctypes.POINTER(cpu_kernel.Refusal)]
+            fn.restype = ctypes.c_int  # 0, or what was out of range
     dll.decode_gemm_seconds.restype = ctypes.c_double
     dll.decode_attention_seconds.restype = ctypes.c_double
     return dll
@@ -134,7 +136,10 @@ class DecodeStep:
                 c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.q_norm, entry.k_norm = _addr(layer.q_norm), _addr(layer.k_norm)
-            entry.k_cache, entry.v_cache = kv.k[layer.layer_idx].data_ptr(), kv.v[layer.layer_idx].data_ptr()
+            k, v = kv.k[layer.layer_idx], kv.v[layer.layer_idx]
+            assert k.shape == v.shape == (kv.num_blocks, kv.block_size, self.kv_heads, self.head_dim)
+            assert k.is_contiguous() and v.is_contiguous() and layer.q_heads == self.q_heads
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             entry.window = layer.window
 
     @staticmethod
@@ -190,6 +195,12 @@ class DecodeStep:
         meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
+        if cpu_kernel.debug():  # what the caller vouches for
+            half = (rows, self.head_dim // 2)
+            assert residual.shape == (rows, self.hidden) and cos.shape == half and sin.shape == half
+            assert meta.slot_mapping.shape == meta.context_lens.shape == (rows,)
+            assert meta.block_tables.shape[0] == rows and meta.block_tables.is_contiguous()
+            assert meta.slot_mapping.dtype == torch.int64 and meta.block_size == self.kv.block_size
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
         lens = meta.context_lens_host
         if lens is None:  # a step through the graph path's static buffers (padding rows included)
@@ -217,8 +228,10 @@ class DecodeStep:
             meta.block_size,
             ctypes.addressof(bounds),
             len(bounds) - 1,
+            self.kv.num_blocks,
         )
-        self.decode_layers(
+        refusal = cpu_kernel.Refusal()
+        code = self.decode_layers(
             self.layers,
             ctypes.byref(step),
             residual.data_ptr(),
@@ -227,5 +240,7 @@ class DecodeStep:
             qkv.data_ptr(),
             attn.data_ptr(),
             act.data_ptr(),
+            refusal,
         )
+        cpu_kernel.check(code, refusal, "decode step")
         return x

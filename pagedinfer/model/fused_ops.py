@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, compile_library
+from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, Refusal, check, compile_library, debug
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
@@ -52,10 +52,11 @@ def _library() -> ctypes.CDLL | None:
         getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
         for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
             getattr(dll, f"{name}_{suffix}").restype = None
-    dll.argmax_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr]
-    dll.argmax_rows_f32.restype = ctypes.c_int  # rows without a finite maximum
-    dll.sample_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, ptr, ptr]
-    dll.sample_rows_f32.restype = ctypes.c_int  # rows without a finite maximum
+    refusal = ctypes.POINTER(Refusal)
+    dll.argmax_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, i32, refusal]
+    dll.argmax_rows_f32.restype = ctypes.c_int  # rows without a finite maximum, or -(a refusal's code)
+    dll.sample_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, ptr, ptr, i32, refusal]
+    dll.sample_rows_f32.restype = ctypes.c_int  # rows without a finite maximum, or -(a refusal's code)
     return dll
 
 
@@ -78,6 +79,9 @@ def add_rms_norm(
 ) -> torch.Tensor:  # [T, H]: RMSNorm(residual) * weight
     """Residual add and RMSNorm in one pass (HF: ``residual + x``, then ``weight * (h * rsqrt(...))``)."""
     if fast:
+        if debug():  # what the caller vouches for
+            assert residual.is_contiguous() and weight.shape == residual.shape[1:]
+            assert x is None or (x.shape == residual.shape and x.is_contiguous())
         out = torch.empty_like(residual)
         _fn("add_rms_norm", residual)(
             residual.data_ptr(),
@@ -108,6 +112,10 @@ def qk_norm_rope_(
 ) -> None:
     """In place: the q and k heads of ``qkv`` get their per-head norm (if any), then rotate-half RoPE."""
     if fast:
+        if debug():  # what the caller vouches for
+            assert qkv.stride(1) == 1 and qkv.shape[1] >= (q_heads + k_heads) * head_dim
+            assert cos.shape == sin.shape == (qkv.shape[0], head_dim // 2) and cos.is_contiguous()
+            assert sin.is_contiguous() and all(w is None or w.shape == (head_dim,) for w in (q_norm, k_norm))
         _fn("qk_norm_rope", qkv)(
             qkv.data_ptr(),
             qkv.stride(0),
@@ -139,6 +147,8 @@ def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> 
     """``silu(gate) * up`` of a fused gate-up GEMM output."""
     inter = gate_up.shape[1] // 2
     if fast:
+        if debug():  # what the caller vouches for
+            assert gate_up.is_contiguous()
         out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
         _fn("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
@@ -163,7 +173,7 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 I] -> [..., I]
 def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:  # [R, V] -> [R] int64
     """Each row's first maximum, as ``logits.argmax(dim=-1)``, of every row or of ``rows`` ``[S]``
     (int64, then ``[S]`` out, no rows copied); -1 for a row without a finite maximum (a NaN, +inf, or
-    every logit -inf): no token is drawn from it."""
+    every logit -inf): no token is drawn from it. A row outside ``logits``: `IndexOutOfRange`."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
         picked = logits if rows is None else logits[rows]  # [S, V]
         out = picked.argmax(dim=-1)  # [S]: a NaN row names its NaN, a +inf row its +inf
@@ -171,14 +181,18 @@ def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tens
         return out.masked_fill_(~torch.isfinite(best), -1)
     index = None if rows is None else rows.to(torch.int64).contiguous()  # [S]
     out = torch.empty(len(logits if index is None else index), dtype=torch.int64, device=logits.device)  # [S]
-    _library().argmax_rows_f32(
+    refusal = Refusal()
+    bad = _library().argmax_rows_f32(
         logits.data_ptr(),
         len(out),
         None if index is None else index.data_ptr(),
         logits.shape[1],
         logits.stride(0),
         out.data_ptr(),
+        logits.shape[0],
+        refusal,
     )
+    check(max(-bad, 0), refusal, "argmax")
     return out
 
 
@@ -188,14 +202,17 @@ def sample(
     """``[R]`` int64: each of ``logits[rows]`` ``[V]`` (``rows`` ``[R]`` int64) tempered, its CDF inverted
     at ``uniform[i]`` in [0, 1) (no top-k, top-p or min-p), in one C call; -1 for a row without a finite
     maximum (after its temperature). None where the C loop cannot serve (not a float32 CPU tensor of
-    unit column stride, no compiler): the torch ops then run."""
+    unit column stride, no compiler): the torch ops then run. A row outside ``logits``: `IndexOutOfRange`."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
         return None
     picks = rows.to(torch.int64).contiguous()  # [R]
     temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)  # [R]
     u = uniform.to(torch.float32).contiguous()  # [R]
+    if debug():  # what the caller vouches for
+        assert temps.shape == u.shape == picks.shape
     out = torch.empty(len(picks), dtype=torch.int64, device=logits.device)  # [R]
-    _library().sample_rows_f32(
+    refusal = Refusal()
+    bad = _library().sample_rows_f32(
         logits.data_ptr(),
         len(picks),
         picks.data_ptr(),
@@ -204,5 +221,8 @@ def sample(
         temps.data_ptr(),
         u.data_ptr(),
         out.data_ptr(),
+        logits.shape[0],
+        refusal,
     )
+    check(max(-bad, 0), refusal, "sample")
     return out

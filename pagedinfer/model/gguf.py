@@ -1,15 +1,16 @@
 """GGUF checkpoints (the single-file format of llama.cpp, Ollama, LM Studio): read once, cached by content.
 
 A GGUF file holds the model's config and tokenizer (with its chat template) as metadata, and its
-tensors, usually quantized in blocks. Parsing that metadata is what took the time: gguf-py's reader
-builds a view per array element (the 49k-token vocabulary of SmolLM2 included), and transformers
-parses the file again for the config and again for the tokenizer (13-19 s each on two loaded
-cores, against 4 s to dequantize every tensor). So the first load of a file reads it once with
-gguf-py's memory-mapped reader for its tensor index and once through transformers for config and
-tokenizer, and writes what it found (config.json, generation_config.json, the tokenizer files, and
-tensors.json: each tensor's type, shape and offset) into a cache folder named by the file's SHA-256
-(``$PAGEDINFER_GGUF_CACHE``, default ``~/.cache/pagedinfer/gguf``); a later load hashes the file and
-reads the folder and the tensors' bytes straight from a memory map.
+tensors, usually quantized in blocks. The first load of a file reads its header once with
+`gguf_header` (its own bounded walk: limits on counts and lengths, tensors inside the file), which
+gives the tensor index and every metadata value; transformers builds the config from those values
+through a stand-in for gguf-py's reader (`_HeaderReader`: gguf-py's own builds a numpy view per array
+item, the vocabulary's included, and that parse was the first load's cost), and the tokenizer with
+its own GGUF metadata reader. What it finds (config.json,
+generation_config.json, the tokenizer files, and tensors.json: each tensor's type, shape and offset)
+goes into a cache folder named by the file's SHA-256 (``$PAGEDINFER_GGUF_CACHE``, default
+``~/.cache/pagedinfer/gguf``); a later load hashes the file and reads the folder and the tensors'
+bytes straight from a memory map.
 
 `state_dict` gives the tensors under Hugging Face names: quantized tensors of the types the panels
 keep (`gguf_blocks.BLOCKS`) as their blocks (`GGUFWeight`), everything else dequantized by gguf-py
@@ -24,9 +25,11 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import shutil
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +38,13 @@ import torch
 from pagedinfer import envs
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
+from pagedinfer.model.gguf_header import ARRAY, STRING, ArrayValue, Header, HeaderError, TensorInfo, read
+from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, one_line
 from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 1  # bump when the cache folder's contents change
+CACHE_VERSION = 2  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 # Hugging Face names of a Llama-family layer's tensors (gguf-py's name map gives the GGUF ones)
 LAYER_TENSORS = (
@@ -76,15 +81,6 @@ def missing_extra() -> str | None:
 def source(path: Path) -> tuple[str, dict]:
     """``from_pretrained`` arguments for a GGUF file: its folder, and the file name as ``gguf_file``."""
     return str(path.parent), {"gguf_file": path.name}
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    kind: str  # gguf-py's type name: F32, F16, BF16, Q4_1, Q6_K, ...
-    shape: list[int]  # numpy order: [rows, in] for a matrix (GGUF's ne reversed)
-    offset: int  # of its bytes in the file
-    nbytes: int
 
 
 @dataclass
@@ -146,67 +142,137 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(path, doc["arch"], tensors, folder, digest)
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip() or type(e).__name__).splitlines()[0]
-
-
 def _fill_cache(path: Path, folder: Path) -> None:
-    """Read ``path`` once with gguf-py and transformers and write the cache folder (atomically)."""
-    import gguf
+    """Read ``path`` once with `gguf_header` (within its limits) and transformers and write the cache
+    folder (atomically)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    try:  # within limits, before gguf-py and transformers parse it (they trust its counts and lengths)
+        header = read(path)
+    except HeaderError as e:
+        raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
     try:
-        reader = gguf.GGUFReader(path)
-        arch = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    except Exception as e:  # noqa: BLE001 - any parse failure of a corrupt file is one line
-        why = _first_line(e)
-        if "reshape" in why:  # gguf-py's views of tensor data the file does not hold
-            why = f"its tensor data is cut short at {path.stat().st_size:,} bytes (a truncated download?)"
-        raise GGUFError(f"{path} is not a valid GGUF file: {why}") from None
-    tensors = [
-        {
-            "name": t.name,
-            "kind": t.tensor_type.name,
-            "shape": [int(n) for n in reversed(t.shape.tolist())],
-            "offset": int(t.data_offset),
-            "nbytes": int(t.n_bytes),
-        }
-        for t in reader.tensors
-    ]
-    del reader
+        check_metadata(header.metadata, header.types, len(header.tensors), str(path))
+    except ModelCheckError as e:
+        raise GGUFError(str(e)) from None
+    tensors = [asdict(t) for t in header.tensors]
     folder_in, kwargs = source(path)
-    try:
-        config = AutoConfig.from_pretrained(folder_in, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        raise GGUFError(f"{path}: cannot read the model config from its metadata: {_first_line(e)}") from None
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
-        AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
-    (tmp / "tensors.json").write_text(json.dumps({"arch": arch, "tensors": tensors}))
+    with _HeaderReader.standing_in(header):
+        try:
+            config = AutoConfig.from_pretrained(folder_in, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise GGUFError(
+                f"{path}: cannot read the model config from its metadata: {one_line(e)}"
+            ) from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
+            AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+    (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
 
 
-def hf_names(arch: str, layers: int) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name, for the Llama-family tensors of ``arch``."""
+@dataclass
+class _Field:
+    """One metadata value in the shape gguf-py's ``ReaderField`` gives it to transformers:
+    ``parts[i]`` for ``i`` in ``data`` are the items (a 1-element row of a scalar, a string's bytes)."""
+
+    types: list[int]
+    parts: list | np.ndarray
+    data: range
+
+
+class _HeaderReader:
+    """Stands in for gguf-py's ``GGUFReader`` while transformers reads a file's config and tokenizer
+    (``load_gguf_checkpoint`` uses ``fields`` and the tensors' names alone when it reads no tensor), with
+    the values `gguf_header` already read, so the file is parsed once, within its limits."""
+
+    header: Header | None = None  # set while `standing_in`
+
+    def __init__(self, path, mode: str = "r") -> None:
+        header = type(self).header
+        if header is None:
+            raise RuntimeError("_HeaderReader is used only within _HeaderReader.standing_in")
+        self.tensors = header.tensors  # each with its .name
+        self.fields = {key: _field(header.types[key], value) for key, value in header.metadata.items()}
+
+    @classmethod
+    @contextlib.contextmanager
+    def standing_in(cls, header: Header):
+        import gguf
+
+        own, cls.header, gguf.GGUFReader = gguf.GGUFReader, header, cls
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, cls.header = own, None
+
+
+def _field(vtype: int, value: object) -> _Field:
+    if vtype == STRING:
+        return _Field([STRING], [value.encode()], range(1))
+    if vtype != ARRAY:
+        return _Field([vtype], [(value,)], range(1))
+    assert isinstance(value, ArrayValue)
+    items = value.items
+    if value.item_type == STRING:
+        return _Field([ARRAY, STRING], [item.encode() for item in items], range(len(items)))
+    return _Field([ARRAY, value.item_type], items.reshape(-1, 1), range(len(items)))
+
+
+def hf_names(arch: str) -> Callable[[str], str | None]:
+    """GGUF tensor name -> Hugging Face name (None: not one of the Llama-family tensors of ``arch``), for
+    any layer: gguf-py's name map is built for layer 0 only (it costs 1.6 ms per layer) and the layer
+    index carried over."""
     import gguf
 
     key = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
     if key is None:
-        return {}
-    names = gguf.get_tensor_name_map(key, layers)
-    stems = ["model.embed_tokens", "model.norm", "lm_head"]
-    stems += [f"model.layers.{i}.{t}" for i in range(layers) for t in LAYER_TENSORS]
+        return lambda name: None
+    names = gguf.get_tensor_name_map(key, 1)
+    top, layer = {}, {}
+    for stem in ("model.embed_tokens", "model.norm", "lm_head"):
+        if (g := names.get_name(stem)) is not None:
+            top[g] = stem
+    for t in LAYER_TENSORS:
+        if (g := names.get_name(f"model.layers.0.{t}")) is not None:
+            layer[g.removeprefix("blk.0.")] = t
+
+    def hf(name: str) -> str | None:
+        stem, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            return None
+        if stem in top:
+            return f"{top[stem]}.{suffix}"
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", stem)
+        if match is None or match.group(2) not in layer:
+            return None
+        return f"model.layers.{int(match.group(1))}.{layer[match.group(2)]}.{suffix}"
+
+    return hf
+
+
+def tensor_index(ckpt: GGUFCheckpoint) -> dict[str, Found]:
+    """The file's Llama-family tensors as `validate.check_tensors` takes them: Hugging Face name ->
+    shape, type and GGUF name (the other tensors, e.g. rope_freqs, are not read)."""
+    hf = hf_names(ckpt.arch)
     out = {}
-    for stem in stems:
-        g = names.get_name(stem)
-        if g is not None:
-            out |= {f"{g}.weight": f"{stem}.weight", f"{g}.bias": f"{stem}.bias"}
+    for info in ckpt.tensors.values():
+        if (name := hf(info.name)) is not None:
+            out[name] = Found(tuple(info.shape), info.kind, info.name, str(ckpt.path))
     return out
+
+
+def readable_types() -> tuple[str, ...]:
+    """The GGUF types `state_dict` reads: float32, float16, and those gguf-py dequantizes."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    return ("F32", "F16", *(t.name for t in types if isinstance(getattr(gguf.quants, t.name, None), type)))
 
 
 def _reverse_permute(a: np.ndarray, heads: int) -> np.ndarray:
@@ -226,14 +292,14 @@ def state_dict(
     un-permuted for llama files, as transformers does."""
     import gguf
 
-    names = hf_names(ckpt.arch, config.num_hidden_layers)
+    names = hf_names(ckpt.arch)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     sd: dict[str, torch.Tensor | GGUFWeight] = {}
     dequantized: Counter = Counter()
     bf16_io = dtype == torch.bfloat16  # kept blocks multiplied under bfloat16 activations
     for info in ckpt.tensors.values():
-        hf = names.get(info.name)
+        hf = names(info.name)
         if hf is None:  # e.g. rope_freqs: transformers ignores it too
             continue
         raw = ckpt.raw(info)
@@ -247,9 +313,9 @@ def state_dict(
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
         kind = getattr(gguf.GGMLQuantizationType, info.kind)
-        values = (
-            gguf.quants.dequantize(raw.reshape(-1), kind).reshape(info.shape).astype(np.float32, copy=False)
-        )
+        with np.errstate(all="ignore"):  # non-finite scales: refused by validate.check_values, not warned
+            values = gguf.quants.dequantize(raw.reshape(-1), kind).reshape(info.shape)
+        values = values.astype(np.float32, copy=False)
         if permute is not None:
             values = _reverse_permute(values, permute)
         sd[hf] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -26,6 +27,7 @@ from pagedinfer.lora.site import LoRASite
 from pagedinfer.model import fused_ops, packed_linear
 from pagedinfer.model.decode_step import DecodeStep
 from pagedinfer.model.gguf_blocks import GGUFWeight
+from pagedinfer.model.validate import Found
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # one RoPE, one layer shape (q/k norms: qwen3)
 
@@ -290,8 +292,20 @@ def checkpoint_files(name: str, local_files_only: bool = False) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> LlamaFamilyForCausalLM:
-    """Build the model from its config and the checkpoint's tensors (cast to ``dtype`` on ``device``)."""
+def tensor_index(files: list[Path]) -> dict[str, Found]:
+    """Each tensor's shape and dtype, from the safetensors headers alone (`validate.check_tensors`)."""
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if "rotary_emb" not in name:
+                    part = st.get_slice(name)
+                    out[name] = Found(tuple(part.get_shape()), part.get_dtype(), name, str(f))
+    return out
+
+
+def read_weights(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors cast to ``dtype`` on ``device`` (RoPE buffers left out)."""
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         for name, stored in load_file(str(f)).items():
@@ -300,10 +314,12 @@ def load(config, files: list[Path], dtype: torch.dtype, device: torch.device) ->
             sd[name] = stored.to(device=device, dtype=dtype)
             if sd[name].data_ptr() != stored.data_ptr():  # a copy: the stored pages need not stay resident
                 packed_linear.release_pages(stored)
-    try:
-        return LlamaFamilyForCausalLM(config, sd).to(device).eval()
-    except KeyError as e:  # a tensor the config implies (a layer, a projection) is not in the files
-        raise ValueError(f"the weights have no tensor {e.args[0]!r} ({weight_files(files)})") from None
+    return sd
+
+
+def build(config, sd: dict[str, torch.Tensor], device: torch.device) -> LlamaFamilyForCausalLM:
+    """The model from its config and the tensors of `read_weights` (checked by `validate` first)."""
+    return LlamaFamilyForCausalLM(config, sd).to(device).eval()
 
 
 def weight_files(files: list[Path]) -> str:

@@ -17,7 +17,7 @@ from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.lora import delta
-from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear
+from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear, validate
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
@@ -79,19 +79,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def check_family(config) -> None:
+def check_family(config, name: str) -> None:
+    """Refuse the model ``name`` when its family cannot be served (the reason names the family)."""
     kind = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(
-            f"model family {kind!r} is an encoder-decoder; pagedinfer serves decoder-only models"
+            f"{name}: model family {kind!r} is an encoder-decoder; pagedinfer serves decoder-only models"
         )
     if kind in UNSUPPORTED:
-        raise ModelLoadError(f"model family {kind!r} is not supported: it {UNSUPPORTED[kind]}")
+        raise ModelLoadError(f"{name}: model family {kind!r} is not supported: it {UNSUPPORTED[kind]}")
     layer_types = getattr(config, "layer_types", None) or []
     hybrid = sorted({t for t in layer_types if any(m in str(t) for m in HYBRID_MARKERS)})
     if hybrid or any(m in kind for m in ("mamba", "jamba", "zamba", "_next", "nemotron_h", "lfm", "bamba")):
         raise ModelLoadError(
-            f"model family {kind!r} is not supported: it mixes linear/state-space layers "
+            f"{name}: model family {kind!r} is not supported: it mixes linear/state-space layers "
             f"({', '.join(hybrid) or kind}) with attention, which a paged KV cache alone cannot serve"
         )
 
@@ -135,8 +136,12 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {_first_line(e)}") from None
-    check_family(config)
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
+    check_family(config, name)
+    found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
+    if ckpt and config.model_type in llama.FAMILIES:  # its tensors, whoever's layers run them
+        found = gguf.tensor_index(ckpt)
+        _check(validate.check_tensors, config, found, str(ckpt.path), gguf.readable_types())
     dev = resolve_device(device)
     try:
         choice = choose_dtype(dtype, config, dev, quant)
@@ -161,6 +166,9 @@ def load_model(
         own = _own_gguf(name, config, model_impl, dev)
     else:
         own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
+    if own and not ckpt:
+        found = llama.tensor_index(own)
+        _check(validate.check_tensors, config, found, llama.weight_files(own), validate.SAFETENSORS_FLOATS)
     keep_blocks = (  # float32 activations (auto), or bfloat16 ones (--dtype bfloat16) over the blocks
         bool(ckpt)
         and own
@@ -177,6 +185,7 @@ def load_model(
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
             sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
+            validate.check_values(sd, found)
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
@@ -184,7 +193,9 @@ def load_model(
             model = llama.from_gguf(config, sd)
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
-            model = llama.load(config, own, load_dtype, dev)
+            sd = llama.read_weights(own, load_dtype, dev)
+            validate.check_values(sd, found)
+            model = llama.build(config, sd, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
@@ -193,18 +204,22 @@ def load_model(
                 dtype=load_dtype,
                 attn_implementation=attention.transformers_name(),
                 output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported by check_module, naming the tensor, not raised
                 **src_kwargs,
                 **cache_only,
             )
-            _check_complete(info["missing_keys"], name, src, src_kwargs)
+            where = _check_complete(info["missing_keys"], name, src, src_kwargs)
+            validate.check_module(model, info["mismatched_keys"], where)
     except ModelLoadError:
         raise
+    except validate.ModelCheckError as e:
+        raise ModelLoadError(str(e)) from None
     except gguf.GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load model {name!r}: {validate.one_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
-        raise ModelLoadError(f"model family {config.model_type!r} does not support custom attention")
+        raise ModelLoadError(f"{name}: model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
     if quant and not packed_linear.panel_dtype(choice.dtype, 2):
         raise ModelLoadError(
@@ -227,13 +242,16 @@ def load_model(
             raise ModelLoadError(f"cannot quantize {name!r}: {e}; use --dtype float32") from None
     if quant:
         _check_quantized(model, config.model_type, quant.name)
-    shapes = probe_layers(model, dev)
+    shapes, logits = probe_layers(model, dev)
+    _check(validate.check_probe, logits, name, choice.dtype)
     if not shapes:
         raise ModelLoadError(
-            f"model family {config.model_type!r} is not supported: its attention does not go through "
+            f"{name}: model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
     tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
+    if words := validate.vocabulary_note(tokenizer, model.get_input_embeddings().num_embeddings):
+        note(f"pagedinfer: {name}: {words}")
     if chat_template is not None:
         _set_chat_template(tokenizer, chat_template, name)
     return LoadedModel(
@@ -254,19 +272,25 @@ def load_model(
     )
 
 
-def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> None:
+def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwargs: dict) -> str:
     """Refuse a checkpoint that lacks a tensor its config names (transformers would fill it with random
-    values and warn; a run would then write noise as if it were the model's answer)."""
-    if not missing:
-        return
-    first, *rest = sorted(missing)
+    values and warn; a run would then write noise as if it were the model's answer). Returns the
+    weights' file(s) in a few words, for the other checks' messages."""
     path = Path(folder).expanduser()
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     where = name if kwargs.get("gguf_file") else llama.weight_files(files) if files else folder
-    more = f" and {len(rest)} more" if rest else ""
-    raise ModelLoadError(
-        f"cannot load model {folder!r}: the weights have no tensor {first!r}{more} ({where})"
-    )
+    if missing:
+        first, *rest = sorted(missing)
+        raise ModelLoadError(validate.missing(first, len(rest), where))
+    return where
+
+
+def _check(check, *args) -> None:
+    """Run a `validate` check; its refusal becomes this module's one-line error."""
+    try:
+        check(*args)
+    except validate.ModelCheckError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _open_gguf(name: str) -> gguf.GGUFCheckpoint | None:
@@ -370,16 +394,17 @@ def _cache_only(name: str) -> dict:
 
 
 @torch.inference_mode()
-def probe_layers(model: torch.nn.Module, device: torch.device) -> dict[int, LayerShape]:
-    """Run one token through the model to learn each attention layer's K/V shape (works for any family)."""
+def probe_layers(model: torch.nn.Module, device: torch.device) -> tuple[dict[int, LayerShape], torch.Tensor]:
+    """Run one token through the model to learn each attention layer's K/V shape (works for any family);
+    returns them and the token's logits ``[1, 1, vocab]`` (attention gives zeros while probing)."""
     shapes: dict[int, LayerShape] = {}
     attention.set_context(attention.StepContext(meta=None, kv=None, probe=shapes))
     try:
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+        logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
     finally:
         attention.set_context(None)
-    return shapes
+    return shapes, logits
 
 
 def _load_tokenizer(folder: str, kwargs: dict):
@@ -395,7 +420,7 @@ def _load_tokenizer(folder: str, kwargs: dict):
                 if isinstance(e, json.JSONDecodeError)
                 else f"missing key {e}"
                 if isinstance(e, KeyError)
-                else _first_line(e)
+                else validate.one_line(e)
             )
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
@@ -434,8 +459,3 @@ def _eos_ids(config, model) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]

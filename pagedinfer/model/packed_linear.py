@@ -30,7 +30,14 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, compile_library, cpu_flags
+from pagedinfer.attention.cpu_kernel import (
+    KernelUnavailable,
+    Refusal,
+    check,
+    compile_library,
+    cpu_flags,
+    debug,
+)
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.config import Quantization
 from pagedinfer.model import gguf_blocks, panel_formats
@@ -67,6 +74,26 @@ def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
     c.scale = None if s.scale is None else s.scale.data_ptr()
     c.bf16_io = int(s.bf16_io)
     return c
+
+
+def check_panels(s: Segment) -> None:
+    """Refuse a segment whose panels (or bias, scales) are not the size its columns and input width make
+    in the kernel's layout: the kernels index them by column and k alone, so a short one would be read
+    past its end (ValueError naming both sizes)."""
+    lib = _gemm_library()
+    if lib is None:  # no kernel to read them
+        return
+    rows = s.cols * (2 if s.gated_pairs else 1)
+    panels = -(-rows // panel_formats.PANEL_ROWS)
+    need = panels * lib.gemm_panel_bytes(KINDS[s.kind], s.in_features, s.group)
+    have = s.panels.numel() * s.panels.element_size()
+    floats = [(name, t.numel()) for name, t in (("bias", s.bias), ("scales", s.scale)) if t is not None]
+    if have != need or any(n != panels * panel_formats.PANEL_ROWS for _, n in floats):
+        found = ", ".join([f"{have} bytes of panels"] + [f"{n} {name}" for name, n in floats])
+        raise ValueError(
+            f"{s.kind} weight of {rows} rows x {s.in_features}: the kernel reads {need} bytes of panels"
+            f" ({panels} panels) and {panels * panel_formats.PANEL_ROWS} values of bias and scales; found {found}"
+        )
 
 
 class PackedLinear(nn.Module):
@@ -125,6 +152,10 @@ class PackedLinear(nn.Module):
         return cls(shell, segments=segments)
 
     def _set_segments(self, segments: list[Segment]) -> None:
+        assert all(s.in_features == self.in_features for s in segments), "segments of another input width"
+        assert sum(s.cols * (2 if s.gated_pairs else 1) for s in segments) == self.out_features
+        for segment in segments:
+            check_panels(segment)
         self.segments = segments
         self.paired = self.gated and len(segments) == 1  # the kernel writes silu(gate) * up itself
         self._c = (GemmSegment * len(segments))()  # what the kernel reads, built once
@@ -138,6 +169,10 @@ class PackedLinear(nn.Module):
             return gated(y) if self.gated else y  # [..., out] or [..., out / 2]
         if x.dtype != self.activation_dtype:  # the kernel reads x as that type
             raise TypeError(f"PackedLinear: input is {x.dtype}, the kernel takes {self.activation_dtype}")
+        if x.shape[-1] != self.in_features:  # the kernel reads in_features values a row, writes a row each
+            raise ValueError(
+                f"PackedLinear: input rows of {x.shape[-1]} values, the weight takes {self.in_features}"
+            )
         width = self.out_features // 2 if self.paired else self.out_features
         y = x.new_empty(*x.shape[:-1], width)
         _gemm_library().gemm_segments(
@@ -329,12 +364,23 @@ def dequantized(segment: Segment) -> torch.Tensor:
 
 def panel_rows(segment: Segment, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (int64 ``[n]``) of a non-gated segment's weight as float32 ``[n, in]``, dequantized
-    by the kernels' own code (an embedding lookup on a quantized table)."""
+    by the kernels' own code (an embedding lookup on a quantized table). A row outside the weight's
+    (a token id past the embedding): `IndexOutOfRange`."""
+    if debug():  # what the caller vouches for
+        assert not segment.gated_pairs
+    check_panels(segment)  # the lookup reads the panel of each id's row
     rows = rows.contiguous().to(torch.int64)
     out = torch.empty(rows.numel(), segment.in_features)  # [n, in]
-    _gemm_library().gemm_panel_rows(
-        ctypes.byref(c_segment(segment)), rows.data_ptr(), rows.numel(), segment.in_features, out.data_ptr()
+    refusal = Refusal()
+    code = _gemm_library().gemm_panel_rows(
+        ctypes.byref(c_segment(segment)),
+        rows.data_ptr(),
+        rows.numel(),
+        segment.in_features,
+        out.data_ptr(),
+        refusal,
     )
+    check(code, refusal, "embedding lookup")
     return out
 
 
@@ -361,8 +407,8 @@ def _gemm_library() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     dll.gemm_segments.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32]
     dll.gemm_segments.restype = None
-    dll.gemm_panel_rows.argtypes = [ptr, ptr, i32, i32, ptr]
-    dll.gemm_panel_rows.restype = None
+    dll.gemm_panel_rows.argtypes = [ptr, ptr, i32, i32, ptr, ctypes.POINTER(Refusal)]
+    dll.gemm_panel_rows.restype = ctypes.c_int  # 0, or what was out of range
     dll.gemm_panel_bytes.argtypes = [i32, i32, i32]
     dll.gemm_panel_bytes.restype = ctypes.c_int64
     dll.gemm_kind_available.argtypes = [i32]

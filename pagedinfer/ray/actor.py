@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pagedinfer.engine.intake import Rejected, prepare
+from pagedinfer.engine.intake import Rejected
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.lines.line import LineError, LineRequest
@@ -113,7 +113,7 @@ class EngineReplica:
     def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
         """The rows the model or the pool can never run (``--strict`` stops on them before generating)."""
         checked = (
-            (pos, item, prepare(self.engine, item.prompt, item.params, str(item.id), item.lora))
+            (pos, item, self.engine.intake.prepare(item.prompt, item.params, str(item.id), item.lora))
             for pos, item in rows
         )
         return [(pos, item.failed(p.reason)) for pos, item, p in checked if isinstance(p, Rejected)]
@@ -124,7 +124,7 @@ class EngineReplica:
         finished = []
         for pos, item in rows:
             finished += self.loop.add(
-                (pos, item), prepare(self.engine, item.prompt, item.params, str(item.id), item.lora)
+                (pos, item), self.engine.intake.prepare(item.prompt, item.params, str(item.id), item.lora)
             )
         while self.loop.pending and time.perf_counter() - start < budget_s:
             finished += self.loop.step()

@@ -11,22 +11,18 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from itertools import zip_longest
 
+from pagedinfer.core.kv_cache_manager import KVCacheStats
 from pagedinfer.core.scheduler import SchedulerCounters
 from pagedinfer.engine.stats import AdapterUse, EngineStats
 
 SERIES = ("blocks_used", "slots_filled", "logical_blocks", "running_seqs", "batch_tokens", "cached_blocks")
 TOTALS = (
     "graph_steps",
-    "cow_copies",
     "requests",
     "failed_requests",
     "completions",
     "prompt_tokens",
     "prompt_tokens_requested",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "prefix_cache_blocks_reused",
-    "prefix_cache_evictions",
     "completion_tokens",
 )
 
@@ -54,9 +50,8 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         reproducibility=first.reproducibility,
         # replicas on unlike machines may differ (a bfloat16 path, say): each one is named
         system_fingerprint=",".join(sorted({s.system_fingerprint for s in replicas})),
-        counters=SchedulerCounters(
-            **{f.name: sum(getattr(s.counters, f.name) for s in replicas) for f in fields(SchedulerCounters)}
-        ),
+        counters=_summed(SchedulerCounters, [s.counters for s in replicas]),
+        kv=_summed(KVCacheStats, [s.kv for s in replicas]),
     )
     for name in SERIES:
         columns = zip_longest(*(getattr(s, name) for s in replicas), fillvalue=0)
@@ -74,6 +69,11 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         merged.adapter_counters.reads += s.adapter_counters.reads
         merged.adapter_counters.slot_loads += s.adapter_counters.slot_loads
     return merged
+
+
+def _summed(cls: type, parts: list) -> object:
+    """A ``cls`` record whose every field is the sum of ``parts``' (the replicas' snapshots)."""
+    return cls(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)})
 
 
 def replica_rows(replicas: list[EngineStats], infos: list[dict], restarts: list[int]) -> list[dict]:

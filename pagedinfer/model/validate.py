@@ -1,0 +1,394 @@
+"""One check of a model against itself before any kernel runs.
+
+The C ops (the panels' row lookup, the fused QKV split, the one-call decode step) trust the config's
+sizes: a tensor with fewer rows than the config implies is read past its end, one with more is
+misread, and an lm_head wider than the embedding samples ids the embedding cannot look up. So the
+loader hands this module what it knows, in order, and nothing is packed or run until it passes:
+
+- `check_metadata`: a GGUF file's size metadata (positive integers, finite positive floats), before
+  transformers makes a config of it;
+- `check_tensors`: the config's own consistency, then every tensor's shape and type against it (the
+  Llama-family layers our implementation serves), which makes the vocabulary's three sizes (the
+  config's, the embedding's rows, the lm_head's rows) one; from the GGUF index or the safetensors
+  headers, before a byte of weight data is read;
+- `check_values`: every weight finite (a quantized block's scales, a float tensor's values), once the
+  state dict is read, before it is packed;
+- `check_module`: a model transformers built (any family): the tensors its loading found of another
+  size than the config's, its embedding against its lm_head, and its weights finite;
+- `check_probe`: the logits of the loader's one-token probe finite (finite weights can still
+  overflow);
+- `vocabulary_note`: a tokenizer larger than the embedding, noted at load (intake refuses a prompt
+  whose text tokenizes past the embedding's rows, as it does given ids).
+
+Each refusal is a `ModelCheckError` whose message names the file, the tensor, and the expected and
+found shape (or what else is wrong), in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedinfer.model.dtype import dtype_name
+from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
+from pagedinfer.model.gguf_header import ArrayValue
+
+# the families whose layers our implementation builds (llama.FAMILIES; mistral files are "llama" in GGUF)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# GGUF size keys (after "<arch>.") that become the config's sizes; each must be a positive integer
+SIZE_KEYS = (
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "block_count",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.dimension_count",
+    "vocab_size",
+)
+FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
+INTEGER_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)  # GGUF's integer value types (7 is bool)
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes our loader casts from
+# the float16 scale fields of each kept block type (byte offsets in a block): d, then m / dmin
+SCALE_OFFSETS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+F16_EXPONENT = 0x7C00  # all ones: Inf or NaN
+FINITE_CHUNK = 1 << 24  # values per isfinite pass over a tensor whose sum overflowed (bounds its mask)
+
+
+class ModelCheckError(ValueError):
+    """The model disagrees with itself; the message names the file and the tensor or setting."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A tensor as its file states it."""
+
+    shape: tuple[int, ...]  # numpy order: [rows, in]
+    kind: str  # a GGUF type (F32, Q4_K, ...) or a safetensors dtype (F32, BF16, I64, ...)
+    stored_as: str  # its name in the file (a GGUF name; the same as the key for safetensors)
+    file: str
+
+
+@dataclass(frozen=True)
+class Expected:
+    shape: tuple[int, ...]
+    formula: str  # the config fields it is made of, e.g. "[vocab_size, hidden_size]"
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes our Llama-family layers are built from."""
+
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line: its first line, and the next one when the first only
+    introduces it (huggingface_hub's "Class validation error for validator ...:" then the reason)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
+
+
+def _fmt(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(f"{d:,}" for d in shape) + "]"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: int, where: str) -> None:
+    """A Llama-family GGUF's size keys: each a positive integer (the layer count at most the file's
+    ``tensors``: transformers builds a list per layer), each float a finite positive number
+    (transformers divides by them, or makes a config no layer can be built from)."""
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        return
+    for key in (f"{arch}.{k}" for k in SIZE_KEYS if f"{arch}.{k}" in metadata):
+        value = metadata[key]
+        if types[key] not in INTEGER_TYPES or not _is_int(value) or value < 1:
+            raise ModelCheckError(
+                f"{where}: metadata {key} is {_value(value)}; it must be a positive integer"
+            )
+    for key in (f"{arch}.{k}" for k in FLOAT_KEYS):
+        value = metadata.get(key, 1.0)
+        if not (_finite(value) and value > 0):
+            raise ModelCheckError(
+                f"{where}: metadata {key} is {_value(value)}; it must be a finite positive number"
+            )
+    layers = metadata.get(f"{arch}.block_count", 0)
+    if layers > tensors:
+        raise ModelCheckError(
+            f"{where}: metadata {arch}.block_count is {layers:,}, but the file holds {tensors:,} tensors "
+            "(each layer has its own)"
+        )
+
+
+def _finite(value: object) -> bool:
+    """A finite number (a bool is not one)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _value(v: object) -> str:
+    if isinstance(v, ArrayValue):
+        return f"an array of {v.count:,} items"
+    text = repr(v) if isinstance(v, (str, bool, float)) else str(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def sizes(config, where: str) -> Sizes:
+    """The config's sizes, each checked (positive integers that fit together); raises `ModelCheckError`."""
+
+    def positive(name: str, value: object) -> int:
+        if not _is_int(value) or value < 1:
+            raise ModelCheckError(
+                f"{where}: the config's {name} is {_value(value)}; it must be a positive integer"
+            )
+        return value
+
+    hidden = positive("hidden_size", getattr(config, "hidden_size", None))
+    heads = positive("num_attention_heads", getattr(config, "num_attention_heads", None))
+    kv_heads = positive("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise ModelCheckError(
+            f"{where}: the config's num_attention_heads ({heads}) is not a multiple of its "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelCheckError(
+                f"{where}: the config's hidden_size ({hidden}) is not a multiple of its num_attention_heads "
+                f"({heads}), and it sets no head_dim"
+            )
+        head_dim = hidden // heads
+    head_dim = positive("head_dim", head_dim)
+    if head_dim % 2:
+        raise ModelCheckError(
+            f"{where}: the config's head_dim is {head_dim}; rotary embeddings need an even one"
+        )
+    eps = getattr(config, "rms_norm_eps", 1e-6)
+    if not (_finite(eps) and eps >= 0):
+        raise ModelCheckError(
+            f"{where}: the config's rms_norm_eps is {_value(eps)}; it must be a finite number >= 0"
+        )
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if not (_finite(theta) and theta > 0):
+        raise ModelCheckError(
+            f"{where}: the config's rope_theta is {_value(theta)}; it must be a finite positive number"
+        )
+    positive("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    return Sizes(
+        hidden,
+        positive("intermediate_size", getattr(config, "intermediate_size", None)),
+        positive("num_hidden_layers", getattr(config, "num_hidden_layers", None)),
+        heads,
+        kv_heads,
+        head_dim,
+        positive("vocab_size", getattr(config, "vocab_size", None)),
+    )
+
+
+def _top(s: Sizes) -> dict[str, Expected]:
+    row = "[vocab_size, hidden_size]"
+    return {
+        "model.embed_tokens.weight": Expected((s.vocab, s.hidden), row),
+        "model.norm.weight": Expected((s.hidden,), "[hidden_size]"),
+        "lm_head.weight": Expected((s.vocab, s.hidden), row, required=False),  # absent: tied
+    }
+
+
+def _layer(config, s: Sizes, i: int) -> dict[str, Expected]:
+    family = getattr(config, "model_type", "")
+    q, kv, h, inter, d = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.inter, s.head_dim
+    qf, kvf = "num_attention_heads * head_dim", "num_key_value_heads * head_dim"
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    qkv_bias = family == "qwen2"  # HF's Qwen2 has q/k/v biases; the others only when a config says so
+    qk_norm = family == "qwen3"
+    return {
+        a + "q_proj.weight": Expected((q, h), f"[{qf}, hidden_size]"),
+        a + "k_proj.weight": Expected((kv, h), f"[{kvf}, hidden_size]"),
+        a + "v_proj.weight": Expected((kv, h), f"[{kvf}, hidden_size]"),
+        a + "o_proj.weight": Expected((h, q), f"[hidden_size, {qf}]"),
+        a + "q_proj.bias": Expected((q,), f"[{qf}]", qkv_bias),
+        a + "k_proj.bias": Expected((kv,), f"[{kvf}]", qkv_bias),
+        a + "v_proj.bias": Expected((kv,), f"[{kvf}]", qkv_bias),
+        a + "o_proj.bias": Expected((h,), "[hidden_size]", False),
+        a + "q_norm.weight": Expected((d,), "[head_dim]", qk_norm),
+        a + "k_norm.weight": Expected((d,), "[head_dim]", qk_norm),
+        m + "gate_proj.weight": Expected((inter, h), "[intermediate_size, hidden_size]"),
+        m + "up_proj.weight": Expected((inter, h), "[intermediate_size, hidden_size]"),
+        m + "down_proj.weight": Expected((h, inter), "[hidden_size, intermediate_size]"),
+        m + "gate_proj.bias": Expected((inter,), "[intermediate_size]", False),
+        m + "up_proj.bias": Expected((inter,), "[intermediate_size]", False),
+        m + "down_proj.bias": Expected((h,), "[hidden_size]", False),
+        f"model.layers.{i}.input_layernorm.weight": Expected((h,), "[hidden_size]"),
+        f"model.layers.{i}.post_attention_layernorm.weight": Expected((h,), "[hidden_size]"),
+    }
+
+
+def _expected(config, s: Sizes) -> Iterator[tuple[str, Expected]]:
+    """Every tensor the config implies, layer by layer (lazily: a config of a billion layers stops at
+    the first layer the file lacks)."""
+    yield from _top(s).items()
+    for i in range(s.layers):
+        yield from _layer(config, s, i).items()
+
+
+def _named(name: str, found: Found) -> str:
+    """A tensor as messages name it: its name in the file, and the Hugging Face name when they differ."""
+    return repr(name) if found.stored_as == name else f"{found.stored_as!r} ({name})"
+
+
+def check_tensors(config, found: dict[str, Found], where: str, readable: Iterable[str]) -> None:
+    """The config's sizes, then each tensor against them (Hugging Face names -> what the file states):
+    every required tensor present, each present one of the expected shape and of a ``readable`` type,
+    none unexpected. ``where``: the weights' file(s), for a tensor that is missing."""
+    s = sizes(config, where)
+    readable = set(readable)
+    seen = set()
+    for name, want in _expected(config, s):
+        seen.add(name)
+        got = found.get(name)
+        if got is None:
+            if want.required:
+                raise ModelCheckError(missing(name, 0, where))
+            continue
+        if got.shape != want.shape:
+            raise ModelCheckError(
+                f"{got.file}: tensor {_named(name, got)} has shape {_fmt(got.shape)}; the config expects "
+                f"{_fmt(want.shape)} ({want.formula[1:-1]} = {', '.join(f'{d:,}' for d in want.shape)})"
+            )
+        if got.kind not in readable:
+            raise ModelCheckError(
+                f"{got.file}: tensor {_named(name, got)} is stored as {got.kind}, a type pagedinfer does not "
+                "read as weights"
+            )
+    extra = sorted(set(found) - seen)
+    if extra:
+        got = found[extra[0]]
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise ModelCheckError(
+            f"{got.file}: tensor {_named(extra[0], got)}{more} {'are' if more else 'is'} not part of the "
+            f"config's {config.model_type} model (num_hidden_layers = {s.layers})"
+        )
+
+
+def missing(name: str, more: int, where: str) -> str:
+    """The refusal of weights that lack a tensor the config implies (and ``more`` others)."""
+    others = f" and {more} more" if more else ""
+    return f"{where}: the weights have no tensor {name!r}{others}, which the config implies"
+
+
+def check_values(sd: dict[str, torch.Tensor | GGUFWeight], found: dict[str, Found]) -> None:
+    """Every weight of a state dict read from the files ``found`` indexes: finite (`check_finite`)."""
+    for name, value in sd.items():
+        got = found[name]
+        check_finite(_named(name, got), value, got.file)
+
+
+def check_finite(name: str, value: torch.Tensor | GGUFWeight, where: str) -> None:
+    """Refuse a weight holding NaN or Inf (it would turn every logit into NaN, argmaxed to token 0).
+    ``name``: as the message shows it."""
+    if isinstance(value, GGUFWeight):
+        bad = _bad_scale(value)
+        if bad is not None:
+            raise ModelCheckError(
+                f"{where}: tensor {name} ({value.kind}) has a NaN or infinite scale in row {bad[0]:,}, block "
+                f"{bad[1]:,}"
+            )
+        return
+    if not value.is_floating_point() or value.numel() == 0:
+        return
+    flat = value.detach().reshape(-1)
+    # one summing pass (no mask): finite unless a value is not, or finite values overflow; only then
+    # is the exact check run, in chunks
+    if torch.isfinite(flat.sum(dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)):
+        return
+    for start in range(0, flat.numel(), FINITE_CHUNK):
+        chunk = flat[start : start + FINITE_CHUNK]
+        ok = torch.isfinite(chunk)
+        if not bool(ok.all()):
+            at = start + int((~ok).nonzero()[0, 0])
+            index = np.unravel_index(at, tuple(value.shape))
+            raise ModelCheckError(
+                f"{where}: tensor {name} holds {chunk[at - start].item()} at {list(map(int, index))}"
+            )
+
+
+def _bad_scale(w: GGUFWeight) -> tuple[int, int] | None:
+    """(row, block) of the first float16 scale that is NaN or Inf in ``w``'s blocks, else None."""
+    size = BLOCKS[w.kind][1]
+    blocks = w.data.reshape(w.data.shape[0], -1, size)  # [out, blocks per row, block bytes]
+    for at in SCALE_OFFSETS[w.kind]:
+        bits = blocks[:, :, at : at + 2].view("<u2")[..., 0]  # [out, blocks per row]: a view, no copy
+        bad = (bits & F16_EXPONENT) == F16_EXPONENT
+        if bad.any():
+            row, col = np.argwhere(bad)[0]
+            return int(row), int(col)
+    return None
+
+
+def check_module(model: torch.nn.Module, mismatched: Iterable, where: str) -> None:
+    """A model transformers built from its config: the tensors its loading found of another size, its
+    embedding's and lm_head's rows (one vocabulary), and every parameter finite."""
+    first = min(mismatched, default=None, key=lambda m: m[0])  # (name, stored shape, built shape)
+    if first is not None:
+        name, stored, built = first
+        raise ModelCheckError(
+            f"{where}: tensor {name!r} has shape {_fmt(stored)}; the config expects {_fmt(built)}"
+        )
+    rows = model.get_input_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()  # None for a family without one
+    out = head.weight.shape[0] if head is not None else rows
+    if out != rows:
+        raise ModelCheckError(
+            f"{where}: the lm_head has {out:,} rows but the embedding {rows:,}: every sampled id must be one "
+            "the embedding holds"
+        )
+    for name, p in model.named_parameters():
+        check_finite(repr(name), p, where)
+
+
+def check_probe(logits: torch.Tensor, where: str, dtype: torch.dtype) -> None:
+    """The logits of the loader's one-token probe: finite weights that overflow (a norm of 1e30) give
+    NaN or Inf here, and every token sampled from them would be garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelCheckError(
+            f"{where}: one token through the model gives NaN or infinite logits: its weights are finite but "
+            f"overflow {dtype_name(dtype)} (a corrupt file, or a dtype too narrow for this model)"
+        )
+
+
+def vocabulary_note(tokenizer, rows: int) -> str | None:
+    """A tokenizer that knows more tokens than the embedding has rows (their ids cannot be looked up):
+    what a run does about it, in one line (None when they agree)."""
+    size = len(tokenizer) if tokenizer is not None else 0
+    if size <= rows:
+        return None
+    return (
+        f"its tokenizer has {size:,} tokens but its embedding {rows:,} rows: a prompt whose text "
+        f"tokenizes to an id of {rows:,} or more fails its line"
+    )
