@@ -144,7 +144,7 @@ class LLMEngine:
         if config.enable_lora:
             sites = attach_sites(loaded.model, loaded.impl, loaded.device)
             self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels, loaded.impl)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
         self.logits = LogitsPipeline(  # vLLM's order
@@ -197,10 +197,9 @@ class LLMEngine:
         """Decode steps through static buffers; on CUDA their graphs captured now (the time is reported).
         A failed capture leaves every step eager and says why."""
         graphs = DecodeGraphs(
-            self.loaded.model,
+            self.runner.run_model,
             self.kv,
             self.loaded.device,
-            self.runner.use_cuda_kernels,
             self.config.max_num_seqs,
             min(self.max_model_len, GRAPH_MAX_CONTEXT),
             scratch_block,
