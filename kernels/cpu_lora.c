@@ -161,8 +161,7 @@ static inline __attribute__((always_inline)) int lora_delta(const void *x, void 
         return REFUSED_NONE;
     assert(t);
     const int tiles = (n + MR - 1) / MR, rank_panels = a_ld / LANES;
-    const int64_t first_work = (int64_t)n * in * a_ld;
-#pragma omp parallel for schedule(static) if (tiles > 1 && first_work >= MIN_PARALLEL)
+#pragma omp parallel for schedule(static) if (tiles > 1 && (int64_t)n * in * a_ld >= MIN_PARALLEL)
     for (int tile = 0; tile < tiles; tile++) {
         const int i0 = tile * MR, m = n - i0 < MR ? n - i0 : MR;
         for (int v = 0; v < rank_panels;) {
@@ -174,8 +173,7 @@ static inline __attribute__((always_inline)) int lora_delta(const void *x, void 
         }
     }
     const int panels = (out + LANES - 1) / LANES, groups = (panels + GROUP - 1) / GROUP;
-    const int64_t second_work = (int64_t)n * rank * panels * LANES;
-#pragma omp parallel for schedule(dynamic) if (tiles * groups > 1 && second_work >= MIN_PARALLEL)
+#pragma omp parallel for schedule(dynamic) if (tiles * groups > 1 && (int64_t)n * rank * panels * LANES >= MIN_PARALLEL)
     for (int job = 0; job < tiles * groups; job++) {
         const int tile = job / groups, group = job % groups;
         const int i0 = tile * MR, m = n - i0 < MR ? n - i0 : MR;
