@@ -107,6 +107,65 @@ def torch_dtype(name: str) -> torch.dtype | None:
     return getattr(torch, DTYPE_NAMES[name]) if name in DTYPE_NAMES else None
 
 
+SPECULATIVE_METHODS = ("ngram",)  # drafts with no second model (core/speculative.py)
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys): each step, a decoding sequence may
+    have up to ``num_speculative_tokens`` drafted tokens verified after its own; ``ngram`` drafts copy
+    what followed the sequence's last ``prompt_lookup_min``..``prompt_lookup_max`` tokens earlier in its
+    prompt and output, or in its sibling completions (docs/speculative.md). Outputs are unchanged."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    # vLLM's defaults: neither given, both 5; one given, the other takes its value
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:
+        """From ``speculative_config``'s dict (or as it is); ValueError names the key that is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a dict of {', '.join(SPECULATIVE_KEYS)}, not {value!r}"
+            )
+        if unknown := sorted(set(value) - set(SPECULATIVE_KEYS)):
+            raise ValueError(
+                f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})"
+            )
+        method = value.get("method", "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, not {method!r}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise ValueError(
+                "speculative_config needs num_speculative_tokens (the most drafted tokens a step)"
+            )
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (
+            (5, 5)
+            if lo is None and hi is None
+            else (lo if lo is not None else hi, hi if hi is not None else lo)
+        )
+        for name, v in (
+            ("num_speculative_tokens", value["num_speculative_tokens"]),
+            ("prompt_lookup_min", lo),
+            ("prompt_lookup_max", hi),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, not {v!r}")
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})"
+            )
+        return cls(value["num_speculative_tokens"], method, lo, hi)
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -138,8 +197,12 @@ class EngineConfig:
     # most logprobs a request may ask per token (logprobs, prompt_logprobs; vLLM's name and default):
     # a record's size grows with them; -1: no limit
     max_logprobs: int = 20
+    # speculative decoding (vLLM's name): a dict of `SpeculativeConfig`'s keys, or None (off)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two from 1 to 128")
         if self.num_blocks is not None and self.kv_cache_memory is not None:

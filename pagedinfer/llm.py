@@ -63,6 +63,10 @@ class LLM:
     machine's speed.
     ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
     request may ask (a request above it fails with its error); -1: no limit.
+    ``speculative_config`` (vLLM's name; default None, off): ``{"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``: drafted tokens
+    from the line's own prompt and output and its sibling completions, verified in the step; outputs
+    are byte-identical to a run without it (docs/speculative.md).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class LLM:
         max_line_tokens: int | None = None,
         line_timeout: float | None = None,
         max_logprobs: int = EngineConfig.max_logprobs,
+        speculative_config: dict | None = None,
     ) -> None:
         config = EngineConfig(
             block_size=block_size,
@@ -116,6 +121,7 @@ class LLM:
             max_line_tokens=max_line_tokens,
             line_timeout=line_timeout,
             max_logprobs=max_logprobs,
+            speculative_config=speculative_config,
         )
         loaded = load_model(
             model,

@@ -206,6 +206,7 @@ def test_the_runner_chooses_the_path_and_the_model_follows(tiny_model, monkeypat
     class Chunk:
         def __init__(self, seq: Seq, start: int, num_tokens: int) -> None:
             self.seq, self.start, self.num_tokens, self.num_logits = seq, start, num_tokens, 1
+            self.step_token_ids = seq.token_ids[start : start + num_tokens]  # no drafted tokens
 
     seqs = [Seq([3, 14, 15, 92, 65], [0, 1]), Seq([35, 89, 79], [2])]
     prefill = [Chunk(s, 0, len(s.token_ids) - 1) for s in seqs]

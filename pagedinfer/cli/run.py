@@ -289,6 +289,7 @@ class _Run:
         engine = self.opts.engine
         keys = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs")
         keys += ("max_num_batched_tokens", "max_model_len", "max_line_tokens", "line_timeout", "max_logprobs")
+        keys += ("speculative_config",)
         try:
             EngineConfig(seed=self.opts.seed, **{k: engine[k] for k in keys if k in engine})
         except ValueError as e:
@@ -621,6 +622,7 @@ def _option_words(message: str) -> str:
         ("max_line_tokens", "--max-line-tokens"),
         ("line_timeout", "--line-timeout"),
         ("max_logprobs", "--max-logprobs"),
+        ("speculative_config", "--speculative-config"),
         ("seed", "--seed"),
     ):
         message = re.sub(rf"(?<![\w-]){name}(?![\w-])", option, message)

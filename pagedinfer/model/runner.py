@@ -34,6 +34,7 @@ class ScheduledChunk(Protocol):
     start: int  # first position computed this step
     num_tokens: int
     num_logits: int  # the logits of its last num_logits positions are returned (1: the sampled one)
+    step_token_ids: list[int]  # the tokens at positions [start, start + num_tokens): drafted ones last
 
 
 class ModelRunner:
@@ -79,7 +80,7 @@ class ModelRunner:
         else:
             ids = []
             for s in batch:
-                ids += s.seq.token_ids[s.start : s.start + s.num_tokens]
+                ids += s.step_token_ids
             q_lens = torch.tensor(query_lens)  # [S]
             seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)  # [T]
             starts = torch.tensor([s.start for s in batch])  # [S]
