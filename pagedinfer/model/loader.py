@@ -18,6 +18,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.lora import delta
 from pagedinfer.model import (
     decode_step,
     families,
@@ -164,7 +165,13 @@ def load_model(
     if choice.emulated:
         note(emulated_note(choice))
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
-    sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
+    sources = [
+        cpu_kernel.SOURCE,
+        fused_ops.SOURCE,
+        decode_step.SOURCE,
+        packed_linear.GEMM_SOURCE,
+        delta.SOURCE,
+    ]
     try:
         compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     except kernel_cache.KernelCacheError as e:
