@@ -159,7 +159,7 @@ class LLMEngine:
         )
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
         if config.enable_lora:
-            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            sites = attach_sites(loaded.model, loaded.impl, loaded.device)
             self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels, loaded.impl)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids

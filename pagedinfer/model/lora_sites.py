@@ -47,7 +47,7 @@ class LoRALinear(nn.Module):
         return y
 
 
-def attach_sites(model: nn.Module, impl: str, dtype: torch.dtype, device: torch.device) -> Sites:
+def attach_sites(model: nn.Module, impl: str, device: torch.device) -> Sites:
     """Give ``model`` its LoRA sites (once); return them by checkpoint module name."""
     sites: Sites = {}
 
@@ -56,7 +56,7 @@ def attach_sites(model: nn.Module, impl: str, dtype: torch.dtype, device: torch.
         for name, width in names_widths:
             parts.append(Part(name, at, width))
             at += width
-        s = LoRASite(in_features, parts, dtype, device, logits)
+        s = LoRASite(in_features, parts, device, logits)
         sites.update({p.name: (s, p) for p in parts})
         return s
 
