@@ -14,7 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pagedinfer.config import PoolSize
+from pagedinfer.config import PoolSize, flag_of
 from pagedinfer.engine.stats import AdapterUse, EngineStats
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -94,11 +94,11 @@ def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -
 def describe_source(size: PoolSize) -> str:
     """What decided the pool's size, in the CLI's words."""
     if size.origin == "num_blocks":
-        return f"--num-blocks {size.num_blocks}"
+        return f"{flag_of(size.origin)} {size.num_blocks}"
     if size.origin == "kv_cache_memory":
-        return f"--kv-cache-memory ({human_bytes(size.kv_cache_memory)})"
+        return f"{flag_of(size.origin)} ({human_bytes(size.kv_cache_memory)})"
     if size.origin == "gpu_memory_utilization":
-        return f"--gpu-memory-utilization {size.gpu_memory_utilization} (of free GPU memory)"
+        return f"{flag_of(size.origin)} {size.gpu_memory_utilization} (of free GPU memory)"
     return f"the default ({str(size)[len('default: ') :].replace(' x ', ' × ')})"
 
 

@@ -36,11 +36,12 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
+from pagedinfer.errors import one_line
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.families.spec import HF_LAYER, Family, Module
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.model.gguf_header import ARRAY, STRING, ArrayValue, Header, HeaderError, TensorInfo, read
-from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, one_line, sizes
+from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, sizes
 from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"

@@ -17,7 +17,8 @@ from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
-from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
+from pagedinfer.errors import one_line
 from pagedinfer.lora import delta
 from pagedinfer.model import (
     decode_step,
@@ -53,8 +54,6 @@ UNSUPPORTED = {
     "llama4_text": "uses chunked attention that lives only in its mask",
 }
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
-MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
-LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 # the files a tokenizer loads from, the one it reads first first (named when loading fails)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -150,7 +149,7 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {one_line(e)}") from None
     check_family(config, name)
     family = families.find(config)  # the declaration our layers read, where they serve the family
     found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
@@ -239,7 +238,7 @@ def load_model(
     except gguf.GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load model {name!r}: {validate.one_line(e)}") from None
+        raise ModelLoadError(f"cannot load model {name!r}: {one_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"{name}: model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
@@ -442,7 +441,7 @@ def _load_tokenizer(folder: str, kwargs: dict):
                 if isinstance(e, json.JSONDecodeError)
                 else f"missing key {e}"
                 if isinstance(e, KeyError)
-                else validate.one_line(e)
+                else one_line(e)
             )
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None

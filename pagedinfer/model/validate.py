@@ -70,15 +70,6 @@ class Found:
     file: str
 
 
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line: its first line, and the next one when the first only
-    introduces it (huggingface_hub's "Class validation error for validator ...:" then the reason)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
-
-
 def _fmt(shape: Iterable[int]) -> str:
     return "[" + ", ".join(f"{d:,}" for d in shape) + "]"
 
