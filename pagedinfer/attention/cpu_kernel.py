@@ -206,6 +206,16 @@ def compile_library(source: Path) -> Path | None:
     raise KernelUnavailable(f"{compiler} could not build {source.name}: {stderr.decode()[-300:].strip()}")
 
 
+def optional_library(source: Path) -> ctypes.CDLL | None:
+    """``source`` built and loaded, or None where the C kernels are off or cannot be built: the kernels
+    beside the decode kernel fall back to torch then, and the decode kernel's message already said why."""
+    try:
+        path = compile_library(source)
+    except KernelUnavailable:
+        return None
+    return None if path is None else ctypes.CDLL(str(path))
+
+
 def prebuild(sources: list[Path]) -> float:
     """Compile every source not in the cache yet, all at once (one compiler each, in parallel), so that
     no compile lands inside a timed generation; the seconds it took (0.0 when every one was cached).

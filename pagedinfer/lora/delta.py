@@ -16,11 +16,10 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pagedinfer.attention.cpu_kernel import KernelUnavailable, Refusal, check, compile_library, debug
+from pagedinfer.attention.cpu_kernel import Refusal, check, debug, optional_library
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_lora.c"
@@ -97,16 +96,12 @@ def _kernel(y: torch.Tensor, x: torch.Tensor):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel, built on first use (None without a C compiler, or with ``PAGEDINFER_CPU_KERNEL=0``)."""
-    try:
-        path = compile_library(SOURCE)
-    except KernelUnavailable:  # the decode kernel's message already said it; torch serves instead
-        return None
-    return None if path is None else bind(path)
+    dll = optional_library(SOURCE)  # None: torch computes the deltas
+    return None if dll is None else bind(dll)
 
 
-def bind(path: Path) -> ctypes.CDLL:
-    """The built library at ``path``, its functions' argument types set."""
-    dll = ctypes.CDLL(str(path))
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """The loaded library ``dll``, its functions' argument types set."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     for suffix in SUFFIX.values():
         fn = getattr(dll, f"lora_delta_{suffix}")

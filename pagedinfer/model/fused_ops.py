@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import SUFFIX, KernelUnavailable, Refusal, check, compile_library, debug
+from pagedinfer.attention.cpu_kernel import SUFFIX, Refusal, check, debug, optional_library
 from pagedinfer.attention.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
@@ -26,13 +26,9 @@ DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = compile_library(SOURCE)
-    except KernelUnavailable:  # the decode kernel's message already said it; these chains run as torch ops
+    dll = optional_library(SOURCE)  # None: these chains run as torch ops
+    if dll is None:
         return None
-    if lib is None:
-        return None
-    dll = ctypes.CDLL(str(lib))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for suffix in (SUFFIX[d] for d in DTYPES):
         getattr(dll, f"add_rms_norm_{suffix}").argtypes = [ptr] * 4 + [i32, i32, f32]

@@ -31,12 +31,11 @@ import torch
 from torch import nn
 
 from pagedinfer.attention.cpu_kernel import (
-    KernelUnavailable,
     Refusal,
     check,
-    compile_library,
     cpu_flags,
     debug,
+    optional_library,
 )
 from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.config import Quantization
@@ -397,13 +396,9 @@ def panel_dtype(dtype: torch.dtype, in_features: int) -> bool:
 
 @functools.cache
 def _gemm_library() -> ctypes.CDLL | None:
-    try:
-        lib = compile_library(GEMM_SOURCE)
-    except KernelUnavailable:  # the decode kernel's message already said it; oneDNN serves instead
+    dll = optional_library(GEMM_SOURCE)  # None: oneDNN serves instead
+    if dll is None:
         return None
-    if lib is None:
-        return None
-    dll = ctypes.CDLL(str(lib))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     dll.gemm_segments.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32]
     dll.gemm_segments.restype = None
