@@ -154,3 +154,16 @@ def sigterm(proc, out: Path) -> tuple[list[dict], str, str]:
     assert f"interrupted by SIGTERM: {len(kept)} lines on disk in {out}" in summary, summary
     assert "Traceback" not in stderr
     return kept, summary, stderr
+
+
+def with_weights(base: Path, out: Path, change) -> Path:
+    """A copy of the saved model ``base`` whose state dict ``change`` edits in place."""
+    from safetensors.torch import load_file, save_file
+
+    if not out.exists():
+        shutil.copytree(base, out)
+        file = out / "model.safetensors"
+        tensors = load_file(file)
+        change(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return out

@@ -7,7 +7,6 @@ scripts/fuzz_gguf.py) is each refused in one line or run with correct records.""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
+from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, with_weights, write_jsonl
 from gguf_fuzz import ARRAY, STRING, Field, Tensor, bases, cases, check, encode, greedy, tensor_bytes
-from safetensors.torch import load_file, save_file
 
 from pagedinfer import LLM
 from pagedinfer.model import validate
@@ -340,14 +338,11 @@ def test_check_module_refuses_an_lm_head_of_another_vocabulary():
 
 @pytest.mark.parametrize("impl", ["pagedinfer", "transformers"])
 def test_a_safetensors_q_projection_with_too_few_rows_is_refused(tmp_path, impl):
-    path = tmp_path / "model"
-    shutil.copytree(tiny_model(), path)
+    def short_q(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"][:24].clone()
+
+    path = with_weights(tiny_model(), tmp_path / "model", short_q)
     weights = path / "model.safetensors"
-    tensors = load_file(str(weights))
-    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][
-        :24
-    ].clone()
-    save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), device="cpu", model_impl=impl)
     expects = (
@@ -362,12 +357,11 @@ def test_a_safetensors_q_projection_with_too_few_rows_is_refused(tmp_path, impl)
 
 @pytest.mark.parametrize("impl", ["pagedinfer", "transformers"])
 def test_a_safetensors_inf_weight_is_refused(tmp_path, impl):
-    path = tmp_path / "model"
-    shutil.copytree(tiny_model(), path)
+    def inf(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.1.mlp.down_proj.weight"][2, 5] = float("inf")
+
+    path = with_weights(tiny_model(), tmp_path / "model", inf)
     weights = path / "model.safetensors"
-    tensors = load_file(str(weights))
-    tensors["model.layers.1.mlp.down_proj.weight"][2, 5] = float("inf")
-    save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), device="cpu", model_impl=impl)
     assert str(err.value) == f"{weights}: tensor 'model.layers.1.mlp.down_proj.weight' holds inf at [2, 5]"

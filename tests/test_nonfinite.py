@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
+from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, with_weights, write_jsonl
 from conftest import ENGINE
 from models import save_lora
 from safetensors.torch import load_file, save_file
@@ -23,17 +23,6 @@ from pagedinfer.model.sampler import NonFinite, SampleRow, sample
 NAN, INF = float("nan"), float("inf")
 HUGE = torch.finfo(torch.float32).max  # finite, so the load accepts it; any product with it overflows
 WEIGHTS = "the model's weights hold NaN or Inf values, or overflow float32"
-
-
-def with_weights(base: Path, out: Path, change) -> Path:
-    """A copy of the saved model ``base`` whose state dict ``change`` edits in place."""
-    if not out.exists():
-        shutil.copytree(base, out)
-        file = out / "model.safetensors"
-        tensors = load_file(file)
-        change(tensors)
-        save_file(tensors, file, metadata={"format": "pt"})
-    return out
 
 
 # -- the sampler's rows ---------------------------------------------------------------------------
