@@ -24,6 +24,7 @@ enum {
     REFUSED_RANGES = 5, /* the thread ranges of sequences: at = the range, limit = the sequences */
     REFUSED_TOKEN = 6,  /* a row of a weight (a token id of an embedding): at = its position, limit = the rows */
     REFUSED_LOGITS = 7, /* a logits row: at = its position, limit = the rows */
+    REFUSED_ROW_RANGE = 8, /* rows [lo, hi) of a tensor: at = lo, found = hi, limit = its rows */
 };
 
 typedef struct {

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedinfer.config import EngineConfig
-from pagedinfer.engine.llm_engine import LLMEngine
+from pagedinfer.config import LLMConfig, llm_settings
+from pagedinfer.engine.intake import EngineRequest, Rejected
+from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
 from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.lora.request import LoRARequest
@@ -63,70 +66,26 @@ class LLM:
     machine's speed.
     ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
     request may ask (a request above it fails with its error); -1: no limit.
+    ``speculative_config`` (vLLM's name; default None, off): ``{"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``: drafted tokens
+    from the line's own prompt and output and its sibling completions, verified in the step; outputs
+    are byte-identical to a run without it (docs/speculative.md).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        block_size: int = EngineConfig.block_size,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float | None = None,
-        max_num_seqs: int = EngineConfig.max_num_seqs,
-        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-        max_model_len: int | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        model_impl: str = "auto",
-        seed: int = EngineConfig.seed,
-        use_cuda_kernels: bool | None = None,
-        enable_prefix_caching: bool = True,
-        schedule_policy: str = EngineConfig.schedule_policy,
-        enforce_eager: bool = EngineConfig.enforce_eager,
-        load_format: str = "auto",
-        quantization: str | None = None,
-        kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
-        chat_template: str | None = None,
-        enable_lora: bool = False,
-        max_loras: int = EngineConfig.max_loras,
-        max_lora_rank: int = EngineConfig.max_lora_rank,
-        max_cpu_loras: int | None = None,
-        max_line_tokens: int | None = None,
-        line_timeout: float | None = None,
-        max_logprobs: int = EngineConfig.max_logprobs,
-    ) -> None:
-        config = EngineConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            schedule_policy=schedule_policy,
-            enforce_eager=enforce_eager,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras,
-            max_line_tokens=max_line_tokens,
-            line_timeout=line_timeout,
-            max_logprobs=max_logprobs,
+    def __init__(self, model: str | None = None, **options) -> None:
+        """``options``: the settings `config.ModelConfig` and `config.EngineConfig` declare (the
+        signature lists them, with their defaults)."""
+        config = LLMConfig.of(model, **options)
+        m = config.model_config
+        loader = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("model", "use_cuda_kernels")}
+        self.engine = LLMEngine(
+            load_model(m.model, **loader), config.engine_config, use_cuda_kernels=m.use_cuda_kernels
         )
-        loaded = load_model(
-            model,
-            device=device,
-            dtype=dtype,
-            model_impl=model_impl,
-            load_format=load_format,
-            quantization=quantization,
-            chat_template=chat_template,
-        )
-        self.engine = LLMEngine(loaded, config, use_cuda_kernels=use_cuda_kernels)
+
+    @classmethod
+    def from_config(cls, config: LLMConfig) -> LLM:
+        """An `LLM` of a checked config (`LLMConfig.of`): what a Ray replica is sent."""
+        return cls(**config.options())
 
     @property
     def tokenizer(self):
@@ -141,6 +100,75 @@ class LLM:
     def stats(self) -> EngineStats:
         """Memory and scheduling statistics of the last ``generate`` call."""
         return self.engine.stats
+
+    @property
+    def device(self):
+        """The torch device the model runs on."""
+        return self.engine.loaded.device
+
+    @property
+    def context_length(self) -> int:
+        """The model's own context length (``max_model_len`` above it runs capped to it)."""
+        return self.engine.loaded.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids the model takes and scores."""
+        return self.engine.vocab_size
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """(blocks in use, blocks in the pool) of the KV cache, now."""
+        return self.engine.pool.num_used, self.engine.pool.num_blocks
+
+    def started_requests(self) -> list[StartedRequest]:
+        """The unfinished requests admitted so far, longest running first (what a stop interrupts)."""
+        return self.engine.started_requests()
+
+    def system_fingerprint(self, adapter: str | None = None) -> str:
+        """What decides this LLM's outputs, as one hash (docs/reproducibility.md): the base model's, or
+        with a loaded adapter's files."""
+        return self.engine.system_fingerprint(adapter)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter now, against the model and ``max_lora_rank`` (else it is read
+        when a request first names it); requests may then name it by ``request.lora_name``."""
+        self.engine.add_lora(request)
+
+    def enable_trace(self) -> None:
+        """Record every engine step's pool and block tables from now on (`trace`)."""
+        self.engine.enable_trace()
+
+    def trace(self) -> dict:
+        """The steps recorded since `enable_trace`, with the pool's shape: ``block_size``,
+        ``num_blocks`` and ``steps`` (what ``pagedinfer blocks`` draws)."""
+        pool = self.engine.pool
+        return {
+            "block_size": pool.block_size,
+            "num_blocks": pool.num_blocks,
+            "steps": self.engine.trace or [],
+        }
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        lora: LoRARequest | str | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> EngineRequest | Rejected:
+        """One request tokenized and checked against the model and the pool, once (`engine.intake`):
+        what `loop`'s `GenerationLoop` runs as it is, or why it can never run. ``interrupt`` is called
+        while a chat template renders (what it raises propagates)."""
+        return self.engine.intake.prepare(prompt, params, request_id, lora, interrupt)
+
+    def loop(
+        self,
+        before_step: Callable[[], None] | None = None,
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ) -> GenerationLoop:
+        """The generation loop of this LLM's engine (`engine.loop`): prepared requests in, outputs out."""
+        return GenerationLoop(self.engine, before_step, on_step)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt blocks of earlier calls (a benchmark's warm-up, say)."""
@@ -273,12 +301,11 @@ class LLM:
         on (`engine.loop.GenerationLoop`). ``before_step`` runs before every engine step (the CLI
         makes the lines it wrote durable there), ``on_step`` after it.
         """
-        engine = self.engine
         feed = (
-            (index, engine.intake.prepare(r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
+            (index, self.prepare(r[0], r[1], str(index) if r[2] is None else r[2], *r[3:]))
             for index, r in enumerate(requests)
         )
-        yield from GenerationLoop(engine, before_step, on_step).stream(feed, max_pending)
+        yield from self.loop(before_step, on_step).stream(feed, max_pending)
 
 
 def _as_prompts(prompts: object) -> Iterable:
@@ -306,3 +333,20 @@ def _zip_requests(prompts: Iterable, params: Iterable, ids: Iterable, loras: Ite
 
 
 _END = object()
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model=None, *, ...)``: every setting, as declared (`config.llm_settings`)."""
+    model, *options = llm_settings()
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("self", positional),
+            inspect.Parameter(model.name, positional, default=model.default, annotation=model.type),
+            *[inspect.Parameter(s.name, keyword, default=s.default, annotation=s.type) for s in options],
+        ],
+        return_annotation=None,
+    )
+
+
+LLM.__init__.__signature__ = _signature()

@@ -5,9 +5,10 @@ under a profile hook; a function is on a line's path when it runs more often for
 for one. Left out: the model's compute (``model/``, ``attention/``, the kernels), the scheduler and
 block pool (``core/``), the report and progress rendering and the statistics, class bodies and
 comprehensions: what is left is the glue a line travels through (CLI, input, intake, engine loop,
-records, output). ``--verbose`` lists the functions.
+records, output); ``--all`` leaves no file out (every function of the package a line runs, the
+model's compute, the scheduler and the report included). ``--verbose`` lists the functions.
 
-    python scripts/line_path.py [--verbose]
+    python scripts/line_path.py [--all] [--verbose]
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ LEFT_OUT = (
 )
 
 
-def calls(lines: int) -> dict[tuple[str, str], int]:
-    """Calls per package function during one ``pagedinfer run`` of ``lines`` lines."""
+def calls(lines: int, everything: bool = False) -> dict[tuple[str, str], int]:
+    """Calls per package function during one ``pagedinfer run`` of ``lines`` lines (``everything``:
+    no file left out)."""
     import pagedinfer
     from pagedinfer.cli.app import app
 
@@ -44,7 +46,7 @@ def calls(lines: int) -> dict[tuple[str, str], int]:
             return
         rel = code.co_filename[len(package) + 1 :]
         if (
-            rel.startswith(LEFT_OUT)
+            (not everything and rel.startswith(LEFT_OUT))
             or code.co_name.startswith("<")
             or not code.co_flags & inspect.CO_OPTIMIZED
         ):
@@ -66,9 +68,10 @@ def calls(lines: int) -> dict[tuple[str, str], int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="leave no file out")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    one, three = calls(1), calls(3)
+    one, three = calls(1, args.all), calls(3, args.all)
     path = {k: v for k, v in three.items() if v > one.get(k, 0)}
     files = sorted({f for f, _ in path})
     print(f"a line's path: {len(path)} functions in {len(files)} files")

@@ -29,18 +29,11 @@ import gguf
 import numpy as np
 
 from pagedinfer.model.gguf_header import MAX_ARRAY_ITEMS, MAX_TOKENIZER_ITEMS, SCALARS
+from pagedinfer.model.validate import (
+    SCALE_OFFSETS as F16_SCALES,  # byte offsets of each block's float16 scales
+)
 
 STRING, ARRAY = 8, 9
-F16_SCALES = {  # byte offsets of each block's float16 scale fields (d, then m / dmin)
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 F16_VALUES = {"nan": 0x7E00, "inf": 0x7C00, "-inf": 0xFC00, "denormal": 0x0001, "max": 0x7BFF, "zero": 0}
 PROMPTS = [[1, 2, 3, 4], [7, 200, 9]]
 MAX_TOKENS = 4

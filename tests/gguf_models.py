@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import transformers as tf
 
-ARCHS = {"qwen2": "QWEN2", "llama": "LLAMA"}
+# model_type -> llama.cpp's architecture for it (its converter writes mistral checkpoints as llama)
+ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -87,17 +88,17 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
 
 
 def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda name: "F32") -> Path:
-    """The saved llama or qwen2 model at ``model_dir`` as a GGUF file at ``out``: each 2-D weight in
+    """The saved llama, mistral, qwen2 or qwen3 model at ``model_dir`` as a GGUF file at ``out``: each 2-D weight in
     the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
     1-D tensors in float32."""
     import gguf
 
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = model.config
-    arch = cfg.model_type
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[arch]), cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(f"tiny-{arch}")
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(f"tiny-{cfg.model_type}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -114,7 +115,7 @@ def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda
         stem, _, suffix = name.rpartition(".")
         gname = f"{names.get_name(stem)}.{suffix}"
         w = tensor.float().numpy().astype(np.float32)
-        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+        if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith(("q_proj", "k_proj")):
             w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
         kind = kind_of(gname) if w.ndim == 2 else "F32"
         qtype = getattr(gguf.GGMLQuantizationType, kind)

@@ -26,6 +26,8 @@ CONFIGS = {
     "qwen2": lambda: tf.Qwen2Config(**COMMON, **DECODER),
     "qwen3": lambda: tf.Qwen3Config(**COMMON, **DECODER, head_dim=16),
     "mistral": lambda: tf.MistralConfig(**COMMON, **DECODER, sliding_window=8),
+    # Mistral's layer with a window per layer type: no family of ours (tests/test_families.py declares one)
+    "ministral": lambda: tf.MinistralConfig(**COMMON, **DECODER, head_dim=16, sliding_window=8),
     "gemma2": lambda: tf.Gemma2Config(
         **COMMON,
         **DECODER,

@@ -22,6 +22,7 @@ import pytest
 from pagedinfer import envs
 from pagedinfer.attention import cpu_kernel, cuda_kernels
 from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
 LIBRARIES = {  # a module's compiled library, and the source it is built from
@@ -29,6 +30,7 @@ LIBRARIES = {  # a module's compiled library, and the source it is built from
     "fused_ops": (fused_ops._library, fused_ops.SOURCE),
     "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
     "decode_step": (decode_step._library, decode_step.SOURCE),
+    "lora_delta": (delta.library, delta.SOURCE),
 }
 STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
     "refusal": (cpu_kernel.Refusal, cpu_kernel.SOURCE),

@@ -424,6 +424,8 @@ REPORT_KEYS = {
     "fragmentation.naive_reserved_bytes_at_peak",
     "fragmentation.naive_waste_fraction_at_peak",
     "fragmentation.naive_waste_fraction_mean",
+    "speculation",
+    "speculation.mode",  # the other speculation keys only when it ran
     "sharing",
     "sharing.peak_logical_blocks",
     "sharing.blocks_saved_by_sharing",

@@ -196,3 +196,17 @@ def test_the_api_page_gives_llms_signature():
     assert pairs == [shown(p) for p in params]
     table = {m for m in re.findall(r"^\| `(\w+)`", text, flags=re.M)}
     assert {p.name for p in params} - {"kv_cache_memory"} <= table  # each explained (with num_blocks)
+
+
+@pytest.mark.parametrize("command, page", [("run", "cli.md"), ("bench", "bench.md")])
+def test_every_option_has_a_row_in_its_pages_option_table(command, page):
+    """Each flag a command's declarations give it (`cli.options.offering`) starts a row of the page's
+    option tables (``| `--flag` ...`` or ``| `--name`, `-n` ...``): an option added to a declaration
+    without its documentation fails here."""
+    from pagedinfer.cli import app as cli
+
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `-")]
+    documented = {name for row in rows for name in re.findall(r"`(-[-\w]+)", row)}
+    flags = {name for s in getattr(cli, command).settings for flag in s.flags for name in flag.split("/")}
+    assert flags and flags - documented == set()

@@ -17,6 +17,7 @@ from pagedinfer import LLM, SamplingParams
 from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.cpu_kernel import IndexOutOfRange
 from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, gguf_blocks, packed_linear
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels are the CPU's")
@@ -202,6 +203,30 @@ def test_the_samplers_c_passes_refuse_a_row_past_the_logits():
         fused_ops.sample(logits, torch.tensor([2, 3]), [1.0, 1.0], uniform)
     with pytest.raises(IndexOutOfRange, match=r"^argmax: logits row -1 \(entry 0\) is outside the 3 rows$"):
         fused_ops.argmax(logits, torch.tensor([-1, 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_delta_refuses_rows_that_are_not_a_range_of_its_rows(dtype):
+    """An adapter's rows [lo, hi) of the step (the LoRA context's ranges): one past the tensor's rows, a
+    negative start or an end before the start is refused, y untouched."""
+    if delta.library() is None:
+        pytest.fail("the LoRA deltas' kernel did not build")
+    torch.manual_seed(0)
+    a_t, b_t = torch.zeros(64, delta.padded(8)), torch.zeros(8, delta.padded(70))
+    a_t[:, :8], b_t[:, :70] = torch.randn(64, 8), torch.randn(8, 70)
+    w = delta.DeltaWeights(a_t, b_t, 8, 70, 0.5)
+    x, y = torch.randn(5, 64).to(dtype), torch.randn(5, 70).to(dtype)
+    before = y.clone()
+    delta.add_delta(y, x, 5, 5, w)  # no rows: nothing to do
+    assert torch.equal(y, before)
+    for lo, hi in ((3, 6), (-1, 2), (4, 3)):
+        with pytest.raises(
+            IndexOutOfRange, match=rf"^LoRA delta: rows {lo}:{hi} are not a range of the 5 rows$"
+        ):
+            delta.add_delta(y, x, lo, hi, w)
+        assert torch.equal(y, before)
+    delta.add_delta(y, x, 1, 5, w)
+    assert torch.equal(y[0], before[0]) and not torch.equal(y[1:], before[1:])
 
 
 def test_a_packed_linear_refuses_rows_of_another_width():

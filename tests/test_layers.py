@@ -40,6 +40,7 @@ LEAVES = {
     "chat_render",
     "chat_worker",
     "terminal",
+    "errors",
 }  # plain records any layer may import
 
 

@@ -24,6 +24,7 @@ from cli_helpers import CORPUS, read_jsonl, sigterm, tiny_model, write_jsonl  # 
 from typer.testing import CliRunner  # noqa: E402
 
 from pagedinfer.cli.app import app  # noqa: E402
+from pagedinfer.config import LLMConfig  # noqa: E402
 from pagedinfer.lines.line import LineError, LineRequest  # noqa: E402
 from pagedinfer.lines.parse import parse_lines  # noqa: E402
 from pagedinfer.lines.records import error_record  # noqa: E402
@@ -206,7 +207,7 @@ def test_hostile_lines_and_adapters_under_two_replicas(model, model_root, ray_en
 
 def test_a_replica_checks_its_adapters_against_its_model(model, model_root):
     """An adapter whose files read fine but that was trained for another base ends the replica's start
-    with the single-process run's words (the driver shows its last line: `_first_line`)."""
+    with the single-process run's words (the driver shows its last line: `_replica_error`)."""
     import transformers as tf
     from models import save_lora
 
@@ -220,10 +221,10 @@ def test_a_replica_checks_its_adapters_against_its_model(model, model_root):
     other = save_lora(wider, root, "wide", 8, seed=3)
     engine = {**ENGINE, "enable_lora": True}  # as the command line sets it with --lora
     with pytest.raises(AdapterError, match=rf"^--lora wide={other}: adapter 'wide' does not fit this model"):
-        EngineReplica(model, engine, 0, None, "m", loras=(("wide", str(other)),))
+        EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("wide", str(other)),))
     adapter = save_lora(Path(model), root, "a", 8, seed=21)
-    replica = EngineReplica(model, engine, 0, None, "m", loras=(("a", str(adapter)),))
-    assert list(replica.engine.lora.named) == ["a"]
+    replica = EngineReplica(LLMConfig.of(model, **engine), None, "m", loras=(("a", str(adapter)),))
+    assert list(replica.llm.engine.lora.named) == ["a"]
 
 
 def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
@@ -232,14 +233,14 @@ def test_killed_replica_is_restarted_and_its_lines_rerun(model, job, ray_env):
     path, reference = job
     items = list(parse_lines(InputLines(path), DEFAULTS, 0))
     rows = [(pos, item) for pos, item in enumerate(items) if isinstance(item, LineRequest)]
-    engines = DataParallelEngines(ReplicaSpec(model, ENGINE, 0, 2, None, model, window=3))
+    engines = DataParallelEngines(ReplicaSpec(LLMConfig.of(model, **ENGINE), 2, None, model, window=3))
     got: dict[int, dict | LineError] = {}
     try:
         victim = engines.infos[0]["pid"]
-        for pos, result in engines.run(rows):
+        for answer in engines.run(rows):
             if not got:
                 os.kill(victim, signal.SIGKILL)  # mid-batch: replica 0 holds up to 3 unfinished lines
-            got[pos] = result
+            got[answer.position] = answer.result
     finally:
         engines.close()
     assert engines.restarts == [1, 0]
@@ -322,10 +323,10 @@ def test_without_ray_one_line_error_naming_the_command(model, job, monkeypatch):
 
 
 def test_replica_error_becomes_one_line_without_the_class_path():
-    from pagedinfer.ray.driver import _first_line
+    from pagedinfer.ray.driver import _replica_error
 
     text = "ActorDiedError: ...\nTraceback:\n  ...\npagedinfer.model.loader.ModelLoadError: model directory /x does not exist"
-    assert _first_line(RuntimeError(text)) == "model directory /x does not exist"
+    assert _replica_error(RuntimeError(text)) == "model directory /x does not exist"
 
 
 def test_sigterm_to_a_data_parallel_driver_finishes_like_a_single_run(ray_env, tmp_path):

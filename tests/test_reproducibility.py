@@ -187,13 +187,8 @@ class Setup:
             line.key: golden.record(out) for line, out in zip(lines, outs, strict=True)
         }  # raises on errors
 
-    @property
-    def covered(self) -> list[str]:
-        """The lines the contract covers: all but one with an adapter (`test_lora_lines_are_not_covered`)."""
-        return [line.key for line in LINES if not (line.lora and self.adapters)]
-
     def check(self, got: dict[str, str], keys: list[str] | None = None) -> None:
-        for key in self.covered if keys is None else keys:
+        for key in [line.key for line in LINES] if keys is None else keys:
             assert got[key] == self.reference[key], f"line {key!r} differs from the reference"
 
 
@@ -256,8 +251,7 @@ def test_each_line_alone(setups, name):
     """Other lines: each line run alone gives its record in the batch."""
     setup = setups(name)
     for line in LINES:
-        if line.key in setup.covered:
-            setup.check(setup.run([line]), [line.key])
+        setup.check(setup.run([line]), [line.key])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -356,8 +350,6 @@ def test_n_siblings(setups, name):
         ]
         got = setup.run(lines)
         for line in LINES:
-            if line.key not in setup.covered:
-                continue
             want, have = json.loads(setup.reference[line.key]), json.loads(got[line.key])
             keep = min(len(want["outputs"]), len(have["outputs"]))
             assert have["prompt_logprobs"] == want["prompt_logprobs"], line.key
@@ -376,20 +368,20 @@ def test_thread_count(setups, name):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not covered (docs/reproducibility.md): a LoRA line's deltas are torch (MKL) GEMMs over its "
-    "adapter's rows in the step, whose products change with that row count and the thread count",
-)
-def test_lora_lines_are_not_covered(setups):
-    """A float32 line with an adapter, beside another line of the same adapter and in smaller prompt
-    chunks. (Under bfloat16 torch's GEMMs gave the same bits in every clause on an AVX512-BF16 CPU, but
-    nothing in them promises it: not covered either.)"""
-    name = "llama-float32"
+@pytest.mark.parametrize("name", LORA_CONFIGS)
+def test_lora_line_beside_its_own_adapter_in_prompt_chunks(setups, name):
+    """A line with an adapter, beside another line of the same adapter, in prompt chunks of 5 tokens and
+    on one thread: its adapter's rows in each step differ in number from the reference's every way."""
     setup = setups(name)
     keys = [line.key for line in LINES if line.lora]
     more = [*LINES, Line("own-again", FIRST, sampled(3, 41), lora=True)]
     setup.check(setup.run(more, setup.llm(max_num_batched_tokens=5)), keys)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        setup.check(setup.run(more, setup.llm(max_num_batched_tokens=7)), keys)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- the command line: --resume and --data-parallel ---------------------------------------------------
@@ -525,7 +517,7 @@ def test_instruction_set(setups, avx2_process, name):
     setup = setups(name)
     other = avx2_process[name]
     assert json.loads(json.dumps(components(setup.base.engine))) == other["components"]
-    differing = [key for key in setup.covered if other["records"][key] != setup.reference[key]]
+    differing = [key for key in setup.reference if other["records"][key] != setup.reference[key]]
     assert not differing, f"lines {differing} differ in the AVX2 process"
 
 
@@ -585,6 +577,7 @@ def test_system_fingerprint_names_what_decides_the_bytes(setups, tmp_path, monke
 
 def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monkeypatch):
     from pagedinfer.attention import cpu_kernel
+    from pagedinfer.lora import delta
 
     engine = setups("qwen3-float32").llm().engine
     assert engine.stats.to_dict()["reproducibility"]["system_fingerprint"] == ""  # not asked for yet
@@ -595,7 +588,16 @@ def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monke
         "system_fingerprint": fingerprint,
     }
     lora = setups("llama-float32").base.engine.stats.reproducibility
-    assert lora.words() == "yes: own layers and C kernels on the CPU; lines with a LoRA adapter excepted"
+    assert lora.words() == "yes: own layers and C kernels on the CPU"  # the deltas in cpu_lora.c
+    in_c = setups("llama-float32").llm().engine.system_fingerprint("own")
+    with monkeypatch.context() as m:
+        m.setattr(delta, "library", lambda: None)  # the deltas' kernel did not build: torch's GEMMs
+        on_torch = setups("llama-float32").llm().engine
+        assert on_torch.stats.reproducibility.words() == (
+            "yes: own layers and C kernels on the CPU; lines with a LoRA adapter excepted (deltas on torch)"
+        )
+        assert on_torch.system_fingerprint("own") != in_c
+        assert on_torch.system_fingerprint() == setups("llama-float32").base.engine.system_fingerprint()
 
     def verdict(family: str, **kwargs) -> str:
         llm = LLM(str(tiny_model(family)), device="cpu", dtype="float32", num_blocks=8, **kwargs)

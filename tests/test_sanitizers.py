@@ -24,6 +24,7 @@ from conftest import DEVICE
 
 from pagedinfer import envs
 from pagedinfer.attention import cpu_kernel, kernel_cache
+from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,11 +35,12 @@ FLAGS = (
     "-O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined "
     "-fno-sanitize=alignment,object-size,pointer-overflow --param=asan-instrumentation-with-call-threshold=0"
 )
-SOURCES = [cpu_kernel.SOURCE, fused_ops.SOURCE, packed_linear.GEMM_SOURCE, decode_step.SOURCE]
+SOURCES = [cpu_kernel.SOURCE, fused_ops.SOURCE, packed_linear.GEMM_SOURCE, decode_step.SOURCE, delta.SOURCE]
 # every C entry point, each dtype of it, through its Python binding: the refusals of out-of-range
 # indexes, decode attention and the K/V write, the GEMM of every panel format and the embedding
-# lookup, the elementwise chains and the sampler's C passes, and the one-call decode step in engines
-# (float32 and bfloat16, 16-bit pools, int8 and GGUF weights)
+# lookup, the elementwise chains and the sampler's C passes, the one-call decode step in engines
+# (float32 and bfloat16, 16-bit pools, int8 and GGUF weights), and the LoRA deltas (float32 and
+# bfloat16 rows on one and two threads, and adapters in an engine)
 TESTS = [
     "tests/test_kernel_bounds.py",
     "tests/test_cpu_kernel_16bit.py::test_half_kernel_matches_reference",
@@ -59,6 +61,10 @@ TESTS = [
     "tests/test_decode_step.py::test_c_step_gives_the_bits_of_the_layer_by_layer_path",
     "tests/test_engine.py::test_two_completions_through_the_engine",
     "tests/test_engine.py::test_seeded_sampling_is_reproducible_alone_and_amid_others",
+    "tests/test_lora_delta.py::test_each_row_depends_on_itself_alone",
+    "tests/test_lora_delta.py::test_batch_size_and_threads_change_no_row",
+    "tests/test_lora_delta.py::test_bfloat16_rows_are_the_float32_sums_rounded_once",
+    "tests/test_lora.py::test_greedy_matches_peft_with_every_linear_packed[panels]",
 ]
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
 
@@ -116,8 +122,10 @@ def test_the_kernels_tests_pass_under_the_sanitizers(sanitized):
         [
             "-c",
             "from pagedinfer.attention import cpu_kernel\n"
+            "from pagedinfer.lora import delta\n"
             "from pagedinfer.model import decode_step, fused_ops, packed_linear\n"
-            "for load in (cpu_kernel._library, fused_ops._library, packed_linear._gemm_library, decode_step._library):\n"
+            "for load in (cpu_kernel._library, fused_ops._library, packed_linear._gemm_library, decode_step._library,\n"
+            "             delta.library):\n"
             "    assert hasattr(load(), '__asan_init'), f'{load.__module__}: not a sanitized build'\n",
         ],
         timeout=600,

@@ -72,6 +72,7 @@ REFUSED = {
     5: "thread range {at} ends at sequence {found}, outside the {limit} sequences",
     6: "id {found} at position {at} is outside the table's {limit} rows",
     7: "logits row {found} (entry {at}) is outside the {limit} rows",
+    8: "rows {at}:{found} are not a range of the {limit} rows",
 }
 
 

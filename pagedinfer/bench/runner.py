@@ -14,17 +14,17 @@ import multiprocessing
 import os
 import platform
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pagedinfer.attention.cpu_kernel import cpu_flags
 from pagedinfer.bench import report
-from pagedinfer.bench.gpu import cuda_problem, measure_gpu
+from pagedinfer.bench.gpu import measure_gpu
 from pagedinfer.bench.job import Beam, Job, RunResult, SystemUnavailable
 from pagedinfer.bench.machine import cpu_model, measure_gemm, source_state
 from pagedinfer.bench.models import BuiltModel, build_model
+from pagedinfer.bench.options import DTYPES, BenchOptions
 from pagedinfer.bench.systems import (
-    SYSTEMS,
     finish_system,
     profile_system,
     quiet_transformers,
@@ -32,7 +32,6 @@ from pagedinfer.bench.systems import (
     time_system,
 )
 from pagedinfer.bench.workloads import (
-    GPU_WORKLOADS,
     WORKLOADS,
     Shrink,
     Workload,
@@ -41,70 +40,8 @@ from pagedinfer.bench.workloads import (
     quick,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REPORTED_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide GEMM speed
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    """What to run and how (the ``pagedinfer bench`` options; None: the workload's own choice)."""
-
-    workloads: tuple[str, ...] = ("W0", "W1", "W2")
-    systems: tuple[str, ...] | None = None  # None: every system the workload names
-    dtypes: tuple[str, ...] | None = None  # None: the workload's (float32; W5 bfloat16 and float32)
-    quick: bool = False
-    shrink: Shrink = field(default_factory=Shrink)
-    threads: int = os.cpu_count() or 1
-    block_size: int = 16
-    num_blocks: int | None = None  # None: every completion at full length without sharing
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    hf_batch_size: int | None = None
-    hf_cb_max_requests: int | None = None
-    repeats: int = 1
-    gemm_size: int = 2048
-    model_cache: Path | None = None
-    in_process: bool = False
-    json: Path | None = None
-    device: str = "cpu"  # "cuda": the GPU workloads (G1, G2)
-
-    def check(self) -> None:
-        """Raise ValueError (one line) for a name or a number the benchmark cannot use (or, with
-        ``device="cuda"``, a machine without a CUDA device)."""
-        for kind, names, known in (
-            ("workload", self.workloads, WORKLOADS),
-            ("system", self.systems or (), SYSTEMS),
-            ("dtype", self.dtypes or (), DTYPES),
-        ):
-            for name in names:
-                if name not in known:
-                    raise ValueError(f"unknown {kind} {name!r}: choose from {', '.join(known)}")
-        if not self.workloads:
-            raise ValueError("no workload given")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}: choose from cpu, cuda")
-        for name in self.workloads:
-            if WORKLOADS[name].device != self.device:
-                raise ValueError(
-                    f"{name} is a GPU workload: run it with --device cuda"
-                    if self.device == "cpu"
-                    else f"{name} is a CPU workload; with --device cuda the workloads are {', '.join(GPU_WORKLOADS)}"
-                )
-        for name, value in (
-            ("--threads", self.threads),
-            ("--repeats", self.repeats),
-            ("--gemm-size", self.gemm_size),
-            ("--block-size", self.block_size),
-            ("--prompts", self.shrink.prompts),
-            ("--max-prompt-len", self.shrink.prompt_len),
-            ("--max-tokens", self.shrink.max_tokens),
-            ("--hf-prompts", self.shrink.hf_prompts),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if self.device == "cuda" and (problem := cuda_problem()):
-            raise ValueError(problem)
 
 
 def make_job(w: Workload, opts: BenchOptions, model: BuiltModel, dtype: str) -> Job:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
+from pagedinfer.config import option
+
 # every system a workload may name (the registry in systems.py serves each)
 SAMPLING_SYSTEMS = ("pagedinfer", "hf_generate", "hf_generate_batch")
 
@@ -137,10 +139,18 @@ class Shrink:
     """Cuts applied to a workload after its prompts are drawn, so the prompts kept are those of the
     full workload (``--prompts``, ``--max-prompt-len``, ``--max-tokens``; None: no cut)."""
 
-    prompts: int | None = None  # keep the first N prompts
-    prompt_len: int | None = None  # cut each drawn part (a prompt; W3's shared prefix) to N tokens
-    max_tokens: int | None = None  # cap every prompt's max_tokens
-    hf_prompts: int | None = None  # the transformers systems keep only the first N (slow on a GPU)
+    prompts: int | None = option(None, "Keep only each workload's first N prompts.")
+    prompt_len: int | None = option(  # each drawn part (a prompt; W3's shared prefix)
+        None,
+        "Cut each prompt (W3: the shared prefix and each question) to its first N tokens.",
+        flags=("--max-prompt-len",),
+    )
+    max_tokens: int | None = option(None, "Cap every prompt's new tokens at N.")
+    hf_prompts: int | None = option(  # slow on a GPU
+        None,
+        "The transformers systems run only the first N prompts (slow on a GPU); their tok/s is over those "
+        "(the table says so).",
+    )
 
     def describe(self) -> str:
         parts = [

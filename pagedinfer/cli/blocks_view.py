@@ -1,6 +1,6 @@
 """``pagedinfer blocks``: draw the KV pool and every block table, step by step.
 
-Input is a trace: the engine's per-step snapshots (``engine.enable_trace()``), either recorded by
+Input is a trace: the engine's per-step snapshots (``LLM.enable_trace()``), either recorded by
 ``pagedinfer run --trace FILE`` or made here for a tiny built-in example (block size 4, a 6-token
 prompt, 2 completions) on a random-weight Llama built in a temporary directory, so it runs offline.
 Every line fits the terminal (`terminal.say`): the rows wrap between cells under their column.
@@ -27,18 +27,13 @@ class TraceError(Exception):
 
 
 # -- trace files --------------------------------------------------------------------------------------
-def trace_document(engine) -> dict:
-    return {
-        "format": TRACE_FORMAT,
-        "version": 1,
-        "block_size": engine.pool.block_size,
-        "num_blocks": engine.pool.num_blocks,
-        "steps": engine.trace or [],
-    }
+def trace_document(llm) -> dict:
+    """The trace an `LLM` recorded (`LLM.trace`), as a trace file holds it."""
+    return {"format": TRACE_FORMAT, "version": 1, **llm.trace()}
 
 
-def save_trace(path: Path, engine) -> None:
-    path.write_text(json.dumps(trace_document(engine)) + "\n", encoding="utf-8")
+def save_trace(path: Path, llm) -> None:
+    path.write_text(json.dumps(trace_document(llm)) + "\n", encoding="utf-8")
 
 
 def load_trace(path: Path) -> dict:
@@ -75,14 +70,14 @@ def builtin_trace(
     from pagedinfer.sampling_params import SamplingParams
 
     llm = LLM(model, block_size=block_size, num_blocks=num_blocks, device="cpu", seed=seed)
-    vocab = llm.engine.vocab_size
+    vocab = llm.vocab_size
     prompt = {"prompt_token_ids": [(7 * i + 3) % vocab for i in range(prompt_tokens)]}
     params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-    llm.engine.enable_trace()
+    llm.enable_trace()
     for _, result in llm.generate_iter([prompt], [params], request_ids=["r"]):
         if result.error:
             raise ValueError(result.error)
-    return trace_document(llm.engine)
+    return trace_document(llm)
 
 
 # -- drawing ------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ before it; `sync` (once per engine step, before the next one runs) makes the ste
 with ``fsync``, after writing the input's fingerprint beside the output (``<output>.resume``: the
 part of the input read so far and its SHA-256), which ``--resume`` checks the input against; the
 same file keeps, from when the run starts writing, the options its records depend on
-(`pagedinfer.cli.run_options`), which ``--resume`` checks its own against. A crash
+(`pagedinfer.cli.resume`), which ``--resume`` checks its own against. A crash
 or ``kill -9`` therefore loses only the lines still being generated (a power cut, also those
 written since the last step). A failed write (disk full, EIO) is cut back to the last full line and
 raised as `OutputWriteError`. When the run completes, `reorder` puts the file in input order

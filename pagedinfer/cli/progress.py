@@ -123,23 +123,25 @@ class RunProgress:
         """Generation starts now (the model is loaded): the rates' clock starts here."""
         self._start = self._logged = time.perf_counter()
 
-    def on_step(self, engine) -> None:
-        """After an engine step (or a replica's reply): ``engine`` gives ``stats.generated_tokens``,
-        ``pool.num_used`` / ``num_blocks`` and ``started_requests()``."""
+    def on_step(self, llm) -> None:
+        """After an engine step (or a replica's reply): ``llm`` (an `LLM`, or the replicas' sums)
+        gives ``stats.generated_tokens``, ``kv_blocks`` (in use, in the pool) and ``started_requests()``."""
         if self.mode == "none" or self._start is None:
             return
         now = time.perf_counter()
         if self._progress is not None:
-            tps = engine.stats.generated_tokens / max(now - self._start, 1e-9)
-            kv = f"{engine.pool.num_used:,}/{engine.pool.num_blocks:,}"
+            tps = llm.stats.generated_tokens / max(now - self._start, 1e-9)
+            used, blocks = llm.kv_blocks
+            kv = f"{used:,}/{blocks:,}"
             self._progress.update(self._task, tps=f"{tps:,.1f}", kv=kv, completed=self.source.bytes_read)
         elif now - self._logged >= self.interval:
             self._logged = now
-            self.console.print(self.snapshot(engine, now).log_line(), markup=False, highlight=False)
+            self.console.print(self.snapshot(llm, now).log_line(), markup=False, highlight=False)
 
-    def snapshot(self, engine, now: float) -> Snapshot:
+    def snapshot(self, llm, now: float) -> Snapshot:
         source = self.source
-        lines = engine.started_requests()
+        lines = llm.started_requests()
+        used, blocks = llm.kv_blocks
         return Snapshot(
             elapsed_s=now - self._start,
             done=self.done,
@@ -147,9 +149,9 @@ class RunProgress:
             read=source.count,
             total=source.count if source.bytes_read >= source.size else None,
             read_fraction=source.bytes_read / source.size,
-            tokens=engine.stats.generated_tokens,
-            kv_used=engine.pool.num_used,
-            kv_blocks=engine.pool.num_blocks,
+            tokens=llm.stats.generated_tokens,
+            kv_used=used,
+            kv_blocks=blocks,
             running=len(lines),
             longest=(lines[0].request_id, lines[0].tokens) if lines else None,
         )

@@ -14,7 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from pagedinfer.config import PoolSize
+from pagedinfer.config import PoolSize, flag_of
 from pagedinfer.engine.stats import AdapterUse, EngineStats
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -94,11 +94,11 @@ def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -
 def describe_source(size: PoolSize) -> str:
     """What decided the pool's size, in the CLI's words."""
     if size.origin == "num_blocks":
-        return f"--num-blocks {size.num_blocks}"
+        return f"{flag_of(size.origin)} {size.num_blocks}"
     if size.origin == "kv_cache_memory":
-        return f"--kv-cache-memory ({human_bytes(size.kv_cache_memory)})"
+        return f"{flag_of(size.origin)} ({human_bytes(size.kv_cache_memory)})"
     if size.origin == "gpu_memory_utilization":
-        return f"--gpu-memory-utilization {size.gpu_memory_utilization} (of free GPU memory)"
+        return f"{flag_of(size.origin)} {size.gpu_memory_utilization} (of free GPU memory)"
     return f"the default ({str(size)[len('default: ') :].replace(' x ', ' × ')})"
 
 
@@ -321,6 +321,8 @@ def render(stats: EngineStats, console: Console) -> None:
         )
     if stats.lora_enabled:
         rows.add("Adapters", _adapter_parts(stats))
+    if stats.speculation_mode != "off":
+        rows.add("Speculation", _speculation_parts(stats))
     _prefix_cache_rows(stats, rows)
     parts.append(rows.grid)
     console.print(
@@ -342,6 +344,22 @@ def _adapter_parts(stats: EngineStats) -> list[str]:
     c = stats.adapter_counters
     swaps = f"{_plural(c.slot_loads, 'adapter installed', 'adapters installed')} in a slot"
     return [*named, f"base model: {use(None)}", f"{swaps}, {_plural(c.reads, 'read')} from disk"]
+
+
+def _speculation_parts(stats: EngineStats) -> list[str]:
+    """Speculative decoding's row: what ran, each source's drafted and accepted tokens, tokens per step."""
+    s = stats.speculation
+    if s is None:  # asked for, refused (the run is off the reproducible path)
+        return [escape(stats.speculation_mode)]
+    parts = [escape(stats.speculation_mode)]
+    for name, c in s.sources.items():
+        if c.drafted:
+            parts.append(
+                f"{name}: {c.accepted:,} of {c.drafted:,} drafted accepted ({_pct(c.accepted / c.drafted)})"
+            )
+    parts.append(f"[bold]{stats.tokens_per_seq_step:.2f}[/] tokens per sequence-step")
+    parts.append(_plural(s.gated, "draft") + " gated off")
+    return parts
 
 
 def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:

@@ -211,6 +211,20 @@ class BlockPool:
             self._release(block)
         table.clear()
 
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Shorten a sequence to its first ``num_tokens`` positions (rejected drafted tokens): the blocks
+        past them are released, the last kept block's filled slots cut. Those slots were never hashed
+        (`register_full_blocks` reads computed positions only)."""
+        keep = self.blocks_for_tokens(num_tokens)
+        for block in reversed(table[keep:]):
+            self._release(block)
+        del table[keep:]
+        if keep:
+            last, now = table[-1], num_tokens - (keep - 1) * self.block_size
+            if self.filled[last] > now:
+                self.num_filled_slots -= self.filled[last] - now
+                self.filled[last] = now
+
     # -- prefix cache ---------------------------------------------------------------------
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence with these block hashes (no change)."""

@@ -10,7 +10,10 @@ It owns the `BlockPool` and decides every use of it:
 * once a prompt is computed, its completions share every prompt block, the partly filled last one
   included, or a completion resumed after a preemption takes its own cached blocks back
   (`fork_prompt`); a beam search's child shares its parent's blocks (`fork`);
-* a sequence that ends gives its references back (`free`); a block nobody references stays cached.
+* a sequence that ends gives its references back (`free`); a block nobody references stays cached;
+* a sequence whose drafted tokens were rejected is cut back to its verified positions (`truncate`):
+  drafts are written and verified within one step, so no block holding unverified tokens is ever
+  hashed or shared with a fork.
 
 Full computed blocks are named by chained hashes (`cache_blocks`) whose chain starts from the
 request's adapter (`chain_seed`), and a prompt's logprobs are kept beside its cached blocks, so a
@@ -191,6 +194,11 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (its table empties); blocks nobody references are freed or stay cached."""
         self.pool.free(seq.block_table)
+
+    def truncate(self, seq: Sequence) -> None:
+        """Roll ``seq`` back to its computed positions (speculative decoding: the drafted tokens a step
+        rejected): a block left holding none of them returns to the pool."""
+        self.pool.truncate(seq.block_table, seq.num_computed)
 
     # -- after a step -----------------------------------------------------------------------
     def cache_blocks(self, seq: Sequence) -> None:

@@ -18,6 +18,15 @@ from; the engine only runs the model and the sampler in between and hands back a
 finished prompts into their completions, appends the sampled tokens, detects stops, frees what
 finished and caps the requests past ``line_timeout``. No other module writes a sequence's state.
 
+Speculative decoding (`core.speculative`, when a `Speculator` is given): a decoding sequence's share
+may carry drafted tokens after its pending one, written into its own blocks (a shared block copied
+first, as any write) but only where free blocks cover them (a draft never preempts), each with its
+logits row. ``update_from_output`` appends the token drawn from the first row, and while it equals the
+next drafted token (and ends nothing), the token drawn from the next row (`ModelOutput.verify`: the
+engine draws it with the sequence's state as it is then, so each token is the one it would have
+been without speculation, from the same random number); the rejected tail is rolled back
+(`KVCacheManager.truncate`) before any block is hashed.
+
 Prompt logprobs (``SamplingParams.prompt_logprobs``): a prompt chunk of such a request returns the
 logits of every position it computes (at most `MAX_PROMPT_LOGPROB_ROWS` rows a step, so memory
 stays bounded for any prompt length); ``update_from_output`` takes each position's entry for the
@@ -39,6 +48,7 @@ from pagedinfer.core.admission import AdapterSlots, AdmissionPolicy
 from pagedinfer.core.beam import Candidate
 from pagedinfer.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, KVCacheStats, PrefixHit
 from pagedinfer.core.sequence import CompletionStates, Request, RequestState, Sequence
+from pagedinfer.core.speculative import Draft, SpeculationStats, Speculator
 from pagedinfer.core.trace import snapshot
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.outputs import Logprob
@@ -55,6 +65,13 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # the chunk ends the sequence's pending tokens: its last position's logits are kept
     num_logits: int = 0  # logits rows returned: its last num_logits positions (1 when it only samples)
+    draft: tuple[int, ...] = ()  # drafted tokens after its pending one, counted in num_tokens
+
+    @property
+    def step_token_ids(self) -> list[int]:
+        """The tokens this step computes: its pending ones, then the drafted ones."""
+        end = self.start + self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start : end] + list(self.draft)
 
 
 @dataclass
@@ -74,6 +91,7 @@ class SampleTarget:
 
     seq: Sequence
     row: int  # the n completions of a prompt completing this step share the prompt's row
+    draft: Draft | None = None  # its drafted tokens: their rows follow ``row``, one per token
 
 
 @dataclass
@@ -120,6 +138,9 @@ class ModelOutput:
     # per entry of the plan's prompt_rows: the entries of the prompt tokens after its positions
     prompt_logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
     failed: dict[Request, str] = field(default_factory=dict)  # requests a logits row fails, and why
+    # drafts still matching: the next token of each target (its ``row`` the next drafted position's),
+    # drawn as without speculation; with the requests such a row fails
+    verify: Callable[[list[SampleTarget]], tuple[Sampled, dict[Request, str]]] | None = None
 
 
 @dataclass
@@ -131,6 +152,7 @@ class SchedulerStats:
     logical_blocks: int  # block-table entries of their live sequences
     counters: SchedulerCounters
     kv: KVCacheStats  # the KV-cache manager's
+    speculation: SpeculationStats | None = None  # the speculator's, when speculation is on
 
 
 class Scheduler:
@@ -145,11 +167,13 @@ class Scheduler:
         completion_states: CompletionStates | None = None,
         line_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        speculator: Speculator | None = None,
     ) -> None:
         """``adapters``: the slots of the LoRA adapters requests name (None: no request names one).
         ``completion_states``: what each new completion starts with (None: no random source,
         detokenizer or logits state, as greedy token ids need none). ``line_timeout``: requests
-        admitted longer ago than this (seconds of ``clock``) end at their next token."""
+        admitted longer ago than this (seconds of ``clock``) end at their next token. ``speculator``:
+        drafts for decoding sequences (None: no speculation)."""
         self.kv_cache_manager = kv_cache_manager
         self.admission = AdmissionPolicy(kv_cache_manager, max_num_seqs, schedule_policy, adapters)
         self.max_num_seqs = max_num_seqs
@@ -158,6 +182,8 @@ class Scheduler:
         self.completion_states = completion_states
         self.line_timeout = line_timeout
         self.clock = clock
+        self.speculator = speculator
+        self._num_seqs = 0  # sequences running when the step being scheduled began (the gate's B)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.counters = SchedulerCounters()
@@ -200,6 +226,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._logit_rows_left = MAX_PROMPT_LOGPROB_ROWS
         now = self.clock()
+        self._num_seqs = sum(len(r.live_seqs()) for r in self.running)
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
@@ -212,9 +239,10 @@ class Scheduler:
 
     def _share(
         self, req: Request, budget: int, out: SchedulerOutput
-    ) -> list[tuple[Sequence, int, KVCacheBlocks]] | None:
-        """Each live sequence of running ``req`` with its tokens this step (within ``budget``) and the
-        slots granted for them; None when granting them preempted ``req`` itself."""
+    ) -> list[tuple[Sequence, int, KVCacheBlocks, Draft | None]] | None:
+        """Each live sequence of running ``req`` with its tokens this step (within ``budget``, drafted
+        ones included), the slots granted for them and its draft; None when granting them preempted
+        ``req`` itself."""
         seqs = req.live_seqs()
         beams = req.beam is not None and req.prompt_seq is None
         together = beams and sum(s.num_pending for s in seqs) <= budget
@@ -225,12 +253,30 @@ class Scheduler:
                 n = min(n, seq.num_pending - 1)
             if n <= 0:
                 continue
-            blocks = self._allocate(seq, n, req, out)
+            draft, blocks = self._draft(seq, n, budget), None
+            if draft is not None:  # only where free blocks cover it: a draft never preempts
+                blocks = self.kv_cache_manager.allocate(seq, n + len(draft.token_ids))
+                draft = draft if blocks is not None else None
+            if blocks is None:
+                blocks = self._allocate(seq, n, req, out)
             if blocks is None:
                 return None
-            share.append((seq, n, blocks))
+            n += len(draft.token_ids) if draft is not None else 0
+            share.append((seq, n, blocks, draft))
             budget -= n
         return share
+
+    def _draft(self, seq: Sequence, n: int, budget: int) -> Draft | None:
+        """A draft for ``seq`` when it decodes (one token pending; never a beam): at most the tokens
+        left in the budget and before its ``max_tokens``. Not for a LoRA line: outside the
+        reproducibility contract, its rows' bits may change with a draft's rows."""
+        req = seq.request
+        if self.speculator is None or seq.is_prompt or n != 1 or seq.num_pending != 1 or req.beam:
+            return None
+        if req.lora is not None:  # an adapter's deltas are torch GEMMs whose bits vary with the rows
+            return None
+        room = min(budget - 1, req.max_tokens - seq.num_output_tokens - 1)
+        return self.speculator.propose(seq, room, self._num_seqs)
 
     def _allocate(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> KVCacheBlocks | None:
         """Slots for ``seq``'s next ``n`` tokens, preempting the latest admitted requests while the free
@@ -243,12 +289,14 @@ class Scheduler:
                 return None
         return blocks
 
-    def _commit(self, out: SchedulerOutput, share: list[tuple[Sequence, int, KVCacheBlocks]]) -> int:
+    def _commit(
+        self, out: SchedulerOutput, share: list[tuple[Sequence, int, KVCacheBlocks, Draft | None]]
+    ) -> int:
         """Add a request's share to the plan; returns its tokens."""
-        for seq, n, blocks in share:
+        for seq, n, blocks, draft in share:
             out.copies += blocks.copies
-            self._schedule(out, seq, n)
-        return sum(n for _, n, _ in share)
+            self._schedule(out, seq, n, draft)
+        return sum(n for _, n, _, _ in share)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq`` this step can compute: its pending ones within the budget (and, for a
@@ -258,21 +306,25 @@ class Scheduler:
             n = min(n, self._logit_rows_left)
         return n
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        """Add ``n`` tokens of ``seq`` to the plan, with the targets its logits row feeds."""
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int, draft: Draft | None = None) -> None:
+        """Add ``n`` tokens of ``seq`` to the plan (the ``draft``'s included), with the targets its
+        logits rows feed (a drafted token's row follows the row of the token before it)."""
         req = seq.request
-        ends = seq.num_computed + n == len(seq.token_ids)
+        k = len(draft.token_ids) if draft is not None else 0
+        ends = seq.num_computed + n - k == len(seq.token_ids)
         targets = [seq] if not seq.is_prompt else [] if req.sampled_yet else req.completions
         sample = ends and bool(targets)  # a resumed request's completions recompute before they sample
-        rows = int(sample)
+        rows = int(sample) + k
         if seq.is_prompt and req.needs_prompt_logprobs:  # every position's logits, the last one sampled
             rows = n
             out.prompt_rows.append(PromptRows(req, out.num_rows, seq.num_computed, n))
             self._logit_rows_left -= n
-        out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample, rows))
+        out.batch.append(
+            ScheduledSeq(seq, seq.num_computed, n, sample, rows, tuple(draft.token_ids) if k else ())
+        )
         if sample:
             dest = out.targets if req.beam is None else out.beam_targets
-            dest += [SampleTarget(t, out.num_rows + rows - 1) for t in targets]
+            dest += [SampleTarget(t, out.num_rows + rows - 1 - k, draft) for t in targets]
         out.num_rows += rows
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
@@ -387,7 +439,7 @@ class Scheduler:
             seq, req = s.seq, s.seq.request
             if req.state is RequestState.FINISHED:
                 continue  # failed after it was scheduled
-            seq.num_computed += s.num_tokens
+            seq.num_computed += s.num_tokens - len(s.draft)  # drafted positions count once verified
             kv.cache_blocks(seq)
             if seq.is_prompt and req.params.prompt_logprobs is not None:
                 kv.keep_prompt_logprobs(seq, s.start)
@@ -396,22 +448,8 @@ class Scheduler:
                 if seq.num_pending == 0:
                     self._fork(req)
             else:
-                self.counters.output_tokens_recomputed += s.num_tokens - s.sample
-        sampled = output.sampled
-        for i, target in enumerate(plan.targets):
-            seq, req = target.seq, target.seq.request
-            if req.state is RequestState.FINISHED:
-                continue
-            try:
-                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top[i])
-            except Exception as exc:  # e.g. the tokenizer cannot decode: this request alone fails
-                self.fail(req, f"generation failed: {type(exc).__name__}: {exc}")
-                continue
-            if seq.finished:
-                kv.free(seq)
-                if req.finished:
-                    self._finish(req)
-                    finished.append(req)
+                self.counters.output_tokens_recomputed += s.num_tokens - s.sample - len(s.draft)
+        self._take_tokens(plan.targets, output, finished)
         for req, candidates in output.beams.items():
             if req.state is RequestState.FINISHED:
                 continue
@@ -426,6 +464,53 @@ class Scheduler:
             self.trace.append(snapshot(len(self.trace), plan, kv.pool, self.running))
             kv.pool.events.clear()
         return failed + finished
+
+    def _take_tokens(self, targets: list[SampleTarget], output: ModelOutput, finished: list[Request]) -> None:
+        """Append each target's sampled token; a target whose drafted token was drawn goes on to the
+        next drafted position's row (`ModelOutput.verify`), round by round, until a token differs from
+        its draft, ends the sequence, or the draft is used up (its last row's token is then a bonus)."""
+        kv, sampled, depth = self.kv_cache_manager, output.sampled, 0
+        while targets:
+            more = []
+            for i, target in enumerate(targets):
+                seq, req = target.seq, target.seq.request
+                if req.state is RequestState.FINISHED:
+                    continue
+                token = sampled.token_ids[i]
+                try:
+                    self._append(seq, token, sampled.logprobs[i], sampled.top[i])
+                except Exception as exc:  # e.g. the tokenizer cannot decode: this request alone fails
+                    self.fail(req, f"generation failed: {type(exc).__name__}: {exc}")
+                    continue
+                if self.speculator is not None:
+                    self.speculator.stats.seq_steps += depth == 0
+                    self.speculator.stats.tokens += 1
+                if (draft := target.draft) is not None:
+                    drafted = not seq.finished and depth < len(draft.token_ids)
+                    if drafted and token == draft.token_ids[depth]:
+                        more.append(replace(target, row=target.row + 1))
+                        continue
+                    self._settle(seq, draft, depth, mismatch=drafted)
+                if seq.finished:
+                    kv.free(seq)
+                    if req.finished:
+                        self._finish(req)
+                        finished.append(req)
+            depth += 1
+            if more:
+                sampled, failed = output.verify(more)
+                for req, reason in failed.items():
+                    self.fail(req, reason)
+            targets = more
+
+    def _settle(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:
+        """``seq``'s verification is over with ``accepted`` drafted tokens kept: they count as computed,
+        the rejected tail's slots go (a block left empty returns to the pool), full blocks are hashed."""
+        seq.num_computed += accepted
+        if not seq.finished:
+            self.kv_cache_manager.truncate(seq)
+            self.kv_cache_manager.cache_blocks(seq)
+        self.speculator.verified(seq, draft, accepted, mismatch)
 
     def _step_beams(self, req: Request, candidates: list[Candidate]) -> None:
         """Replace ``req``'s live beams by the candidates that run on (best first).
@@ -509,6 +594,8 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED
+        if self.speculator is not None:
+            self.speculator.forget(req)
         for seq in [req.prompt_seq, *req.completions]:
             if seq is not None:
                 self.kv_cache_manager.free(seq)
@@ -536,8 +623,11 @@ class Scheduler:
             logical_blocks=sum(len(s.block_table) for r in running for s in r.live_seqs()),
             counters=replace(self.counters),
             kv=self.kv_cache_manager.make_stats(),
+            speculation=self.speculator.make_stats() if self.speculator is not None else None,
         )
 
     def reset_stats(self) -> None:
         self.counters = SchedulerCounters()
         self.kv_cache_manager.reset_stats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pagedinfer.attention import cpu_kernel
+from pagedinfer.lora import delta
 from pagedinfer.model import fused_ops
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.packed_linear import PackedLinear
@@ -81,13 +82,13 @@ def components(engine: LLMEngine, adapter: str | None = None) -> dict:
     }
     if adapter is not None:
         parts["adapter"] = engine.lora.named[adapter].digest.hex()  # its scaling and weights
+        parts["lora_deltas"] = "C kernel" if _c_deltas(engine) else "torch"
     return parts
 
 
 def reproducibility(engine: LLMEngine) -> Reproducibility:
     """Whether the run is on the covered path: pagedinfer's own layers on the CPU, every linear on the
-    C panels and attention in the C kernel. LoRA adapters' lines are not covered (their deltas are
-    torch GEMMs over the adapter's rows of each step)."""
+    C panels, attention in the C kernel and, with LoRA, the adapters' deltas in theirs."""
     loaded = engine.loaded
     if loaded.device.type != "cpu":
         return Reproducibility(False, f"on {loaded.device.type}, whose kernels the contract does not cover")
@@ -101,9 +102,9 @@ def reproducibility(engine: LLMEngine) -> Reproducibility:
     other = [p for p in linear_paths(loaded.model) if not p.startswith("panels")]
     if other:
         return Reproducibility(False, f"linears on {', '.join(other)}, not the C panels")
-    if engine.lora is not None:
+    if engine.lora is not None and not _c_deltas(engine):
         return Reproducibility(
-            True, "own layers and C kernels on the CPU; lines with a LoRA adapter excepted"
+            True, "own layers and C kernels on the CPU; lines with a LoRA adapter excepted (deltas on torch)"
         )
     return Reproducibility(True, "own layers and C kernels on the CPU")
 
@@ -190,6 +191,12 @@ def _c_attention(engine: LLMEngine) -> bool:
         and cpu_kernel.supports(heads, s.num_kv_heads, s.head_dim, s.head_dim_v, engine.pool.block_size)
         for s in loaded.layer_shapes.values()
     )
+
+
+def _c_deltas(engine: LLMEngine) -> bool:
+    """LoRA deltas go through kernels/cpu_lora.c (activations it takes, on the CPU)."""
+    loaded = engine.loaded
+    return loaded.device.type == "cpu" and loaded.dtype in delta.SUFFIX and delta.library() is not None
 
 
 def _folder(name: str) -> Path | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from pagedinfer import chat_render
 from pagedinfer.core.limits import RequestLimits
+from pagedinfer.errors import first_line
 from pagedinfer.logits.processor import LogitsPipeline
 from pagedinfer.lora.adapter import AdapterError
 from pagedinfer.lora.registry import AdapterRegistry, LoadedAdapter
@@ -187,9 +188,9 @@ class Intake:
             shaped = self.logits.validate(sampling) if sampling.shapes_logits else None
             reason = shaped or limits.rejection_reason(len(ids), sampling.n, max_tokens, beam is not None)
         except ValueError as e:
-            reason = _first_line(e) or type(e).__name__
+            reason = first_line(e)
         except Exception as e:  # noqa: BLE001 - a tokenizer failing on one prompt must not end the others
-            reason = f"tokenizing failed: {type(e).__name__}: {_first_line(e)}".rstrip(": ")
+            reason = f"tokenizing failed: {type(e).__name__}: {first_line(e, '')}".rstrip(": ")
         if reason:
             return Rejected(request_id, text, ids, params, reason)
         params = sampling
@@ -225,8 +226,3 @@ class Intake:
                 f"the rendered chat prompt has more than {limit:,} characters: more than "
                 f"{self.limits.context_words('of')} can hold (checked before tokenizing)"
             ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from time import monotonic
 
 import torch
@@ -18,9 +19,11 @@ from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.limits import RequestLimits
 from pagedinfer.core.scheduler import ModelOutput, PromptRows, SampleTarget, Scheduler, SchedulerOutput
 from pagedinfer.core.sequence import Request, RequestState
+from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
 from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
+from pagedinfer.engine.row_cost import measure_row_cost
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
 from pagedinfer.logits.processor import LogitsPipeline
@@ -55,6 +58,11 @@ class StartedRequest:
     request_id: str
     tokens: int
     running_s: float
+
+
+class SpeculationOff(UserWarning):
+    """``speculative_config`` given on a path where a row's bits may depend on the rows beside it (outside
+    the reproducibility contract): speculation would change outputs, so the engine runs without it."""
 
 
 class MaxModelLenCapped(UserWarning):
@@ -92,6 +100,15 @@ def _nonfinite_reason(found: str, where: str, controls: str | None, adapter: str
         f"the model produced non-finite logits ({found}) at {where}: {holder} hold NaN or Inf values, "
         "or overflow float32"
     )
+
+
+def _sample_rows(targets: list[SampleTarget]) -> list[SampleRow]:
+    """What the processors and the sampler read of each target's sequence (one that receives a
+    token), as it is now."""
+    return [
+        SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
+        for s in (t.seq for t in targets)
+    ]
 
 
 def graph_plan(
@@ -142,9 +159,9 @@ class LLMEngine:
         )
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
         if config.enable_lora:
-            sites = attach_sites(loaded.model, loaded.impl, loaded.dtype, loaded.device)
+            sites = attach_sites(loaded.model, loaded.impl, loaded.device)
             self.lora = AdapterRegistry(sites, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels)
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.device, kernels, loaded.impl)
         vocab, tok, eos = self.vocab_size, loaded.tokenizer, loaded.eos_token_ids
         self.grammars = GrammarCompiler(tok, vocab, eos)
         self.logits = LogitsPipeline(  # vLLM's order
@@ -190,6 +207,9 @@ class LLMEngine:
         )
         if graphs:
             self._start_graphs(num_blocks)
+        self.speculation_mode = "off"
+        if config.speculative_config is not None:
+            self.scheduler.speculator = self._speculator()
         self._fingerprints: dict[str | None, str] = {}  # by adapter name (None: the base model)
         self.reset_stats()
 
@@ -197,10 +217,9 @@ class LLMEngine:
         """Decode steps through static buffers; on CUDA their graphs captured now (the time is reported).
         A failed capture leaves every step eager and says why."""
         graphs = DecodeGraphs(
-            self.loaded.model,
+            self.runner.run_model,
             self.kv,
             self.loaded.device,
-            self.runner.use_cuda_kernels,
             self.config.max_num_seqs,
             min(self.max_model_len, GRAPH_MAX_CONTEXT),
             scratch_block,
@@ -221,6 +240,26 @@ class LLMEngine:
             f"contexts up to {graphs.max_context} tokens"
         )
 
+    def _speculator(self, cost: RowCost | None = None) -> Speculator | None:
+        """Speculation as configured, where it changes no bit (on the path the reproducibility contract
+        covers, whose rows do not depend on their neighbours); else None, with a warning saying why.
+        ``cost``: the drafted rows' cost (None: measured now on the loaded model)."""
+        spec = self.config.speculative_config
+        covered = fingerprint.reproducibility(self)
+        if not covered.covered:
+            self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
+            warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
+            return None
+        if cost is None:
+            cost = measure_row_cost(self.runner, self.pool, spec.num_speculative_tokens)
+        self.speculation_mode = f"on: {spec.method}, up to {spec.num_speculative_tokens} drafted tokens"
+        return Speculator(spec, cost)
+
+    def set_row_cost(self, cost: RowCost) -> None:
+        """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)."""
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator = self._speculator(cost)
+
     @property
     def pool(self) -> BlockPool:
         """The KV block pool (its use: ``num_used``, ``num_blocks``), the scheduler's KV-cache manager's."""
@@ -240,6 +279,7 @@ class LLMEngine:
         s = self._stats
         scheduler = self.scheduler.make_stats()
         s.counters, s.kv = scheduler.counters, scheduler.kv
+        s.speculation = scheduler.speculation
         s.structured = self.grammars.make_stats()
         if self.lora is not None:
             s.adapter_counters = self.lora.make_stats()
@@ -264,6 +304,7 @@ class LLMEngine:
             weight_bytes=self.loaded.weights.bytes,
             linear_bits_per_weight=self.loaded.weights.linear_bits_per_weight,
             cuda_graphs=self.graph_mode,
+            speculation_mode=self.speculation_mode,
             graph_capture_s=self.runner.graphs.capture_s if self.runner.graphs is not None else 0.0,
             kernel_compile_s=self.loaded.kernel_compile_s,
             lora_enabled=self.lora is not None,
@@ -351,17 +392,14 @@ class LLMEngine:
         """The forward pass, then each target's token, each beam search's candidates and each prompt
         chunk's logprobs; a logits row that gives none fails its request (`ModelOutput.failed`)."""
         out = ModelOutput()
-        # what the processors and the sampler read of each sequence that receives a token
-        every = [
-            SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens, s.logits_state, s.generator)
-            for s in (t.seq for t in (*plan.targets, *plan.beam_targets))
-        ]
+        every = _sample_rows([*plan.targets, *plan.beam_targets])
         self.logits.prepare(every)  # grammar masks, overlapping the forward pass
         rows, beam_rows = every[: len(plan.targets)], every[len(plan.targets) :]
         logits = self.runner.execute(plan.batch, plan.copies)  # [plan.num_rows, V]
         self._stats.graph_steps += self.runner.last_step_graphed
         if plan.targets:
             out.sampled = self._sample(logits, plan.targets, rows, out.failed)
+            out.verify = partial(self._verify, logits)
         if plan.beam_targets:
             out.beams = self._beam_candidates(logits, plan.beam_targets, beam_rows, out.failed)
         if plan.prompt_rows:
@@ -391,6 +429,16 @@ class LLMEngine:
                 where += f" of completion {seq.index}"
             self._fail_nonfinite(failed, req, bad.found, where, bad.controls)
         return result
+
+    def _verify(
+        self, logits: torch.Tensor, targets: list[SampleTarget]
+    ) -> tuple[SampleResult, dict[Request, str]]:
+        """The next token of sequences whose drafted tokens matched so far, each from its drafted
+        position's row (``target.row``), with its state as it is now: as without speculation."""
+        rows = _sample_rows(targets)
+        self.logits.prepare(rows)
+        failed: dict[Request, str] = {}
+        return self._sample(logits, targets, rows, failed), failed
 
     def _fail_nonfinite(
         self, failed: dict[Request, str], req: Request, found: str, where: str, controls: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
+from pagedinfer.errors import first_line
 from pagedinfer.outputs import BeamSearchOutput, RequestOutput
 
 Output = RequestOutput | BeamSearchOutput
@@ -63,12 +64,14 @@ class GenerationLoop:
         return list(self._step())
 
     def stream(
-        self, feed: Iterable[tuple[Any, EngineRequest | Rejected]], window: int | None = None
-    ) -> Iterator[Finished]:
+        self, feed: Iterable[tuple[Any, EngineRequest | Rejected | None]], window: int | None = None
+    ) -> Iterator[tuple[Any, Output | None]]:
         """Run ``feed``'s ``(tag, request)`` pairs, read lazily, at most ``window`` unfinished at once
         (default: twice ``max_num_seqs``, enough to keep every batch full, so memory does not grow with
-        the number of requests); yield ``(tag, output)`` as each finishes. The engine's figures count
-        this stream alone. Closing the generator drops the unfinished ones and frees their blocks."""
+        the number of requests); yield ``(tag, output)`` as each finishes. A pair without a request
+        (None: the caller answers it, a line that did not parse) comes back at once as ``(tag, None)``,
+        in the same stream. The engine's figures count this stream alone. Closing the generator drops
+        the unfinished ones and frees their blocks."""
         window = 2 * self.engine.config.max_num_seqs if window is None else window
         if window < 1:
             raise ValueError("the window of unfinished requests must be >= 1")
@@ -81,6 +84,8 @@ class GenerationLoop:
                     item = next(feed, None)
                     if item is None:
                         more = False
+                    elif item[1] is None:
+                        yield item
                     else:
                         yield from self.add(*item)
                 if not self._inside:
@@ -132,8 +137,9 @@ class GenerationLoop:
 
     def _failed(self, order: int, entry: tuple[Any, EngineRequest], exc: Exception) -> Finished:
         tag, prepared = entry
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = f"the engine failed on this request: {type(exc).__name__}: {text}".rstrip(": ")
+        reason = f"the engine failed on this request: {type(exc).__name__}: {first_line(exc, '')}".rstrip(
+            ": "
+        )
         params = prepared.beam if prepared.beam is not None else prepared.params
         rejected = Rejected(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, params, reason)
         return tag, self.engine.output(self.engine.add_request(rejected, order))

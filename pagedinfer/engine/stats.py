@@ -8,12 +8,14 @@ figures are read (`LLMEngine.stats`). ``to_dict`` gives the stable, documented k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedinfer.config import EngineConfig, PoolSize
 from pagedinfer.core.kv_cache_manager import KVCacheStats
 from pagedinfer.core.scheduler import SchedulerCounters, SchedulerStats
 from pagedinfer.core.sequence import Request
+from pagedinfer.core.speculative import SpeculationStats
 from pagedinfer.engine.fingerprint import Reproducibility
 from pagedinfer.logits.structured import StructuredCounters
 from pagedinfer.lora.registry import AdapterCounters, LoadedAdapter
@@ -58,6 +60,9 @@ class EngineStats:
     cuda_graphs: str = ""
     graph_capture_s: float = 0.0
     graph_steps: int = 0
+    # speculative decoding: what ran ("off", "on: ...", "off: why") and the speculator's counts
+    speculation_mode: str = "off"
+    speculation: SpeculationStats | None = None
     # per step (`record_step`)
     blocks_used: list[int] = field(default_factory=list)
     slots_filled: list[int] = field(default_factory=list)
@@ -345,6 +350,7 @@ class EngineStats:
                 "mask_share_of_wall": round(self.mask_share, 6),
             },
             "lora": self._lora_dict(),
+            "speculation": self._speculation_dict(),
             "reproducibility": {
                 "covered": self.reproducibility.covered,
                 "why": self.reproducibility.why,
@@ -363,6 +369,35 @@ class EngineStats:
                 else 0.0,
             },
         }
+
+    @property
+    def tokens_per_seq_step(self) -> float:
+        """Tokens a decoding sequence took per step it ran in (1 without speculation)."""
+        s = self.speculation
+        return s.tokens / s.seq_steps if s is not None and s.seq_steps else 0.0
+
+    def _speculation_dict(self) -> dict:
+        s = self.speculation
+        out: dict = {"mode": self.speculation_mode}
+        if s is None:
+            return out
+        out["num_speculative_tokens"] = s.num_speculative_tokens
+        # None: rows taken as free (set so, or no free block to time them on)
+        out["fixed_over_row_cost"] = round(s.fixed_over_row, 3) if math.isfinite(s.fixed_over_row) else None
+        out["sources"] = {
+            name: {
+                "drafted": c.drafted,
+                "accepted": c.accepted,
+                "acceptance_rate": round(c.accepted / c.drafted, 6) if c.drafted else 0.0,
+                "seq_steps": c.steps,
+            }
+            for name, c in s.sources.items()
+        }
+        out["gated_seq_steps"] = s.gated
+        out["seq_steps"] = s.seq_steps
+        out["tokens_per_seq_step"] = round(self.tokens_per_seq_step, 6)
+        out["tokens_per_step"] = round(self.generated_tokens / self.steps, 6) if self.steps else 0.0
+        return out
 
     def _lora_dict(self) -> dict:
         base = self.lora_usage.get(None, AdapterUse())

@@ -75,7 +75,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(so, schema))
         except ValueError as e:
-            raise GrammarError(f"structured_outputs.{kind}: {_first_line(e)}") from None
+            raise GrammarError(f"structured_outputs.{kind}: {_headline(e)}") from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(so.regex)
     if kind == "choice":
@@ -83,7 +83,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     try:
         return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise GrammarError(f"structured_outputs.grammar: {_first_line(e)}") from None
+        raise GrammarError(f"structured_outputs.grammar: {_headline(e)}") from None
 
 
 def json_options(so: StructuredOutputsParams, schema: dict) -> dict:
@@ -102,7 +102,7 @@ def json_options(so: StructuredOutputsParams, schema: dict) -> dict:
 
 def _reason(error: str) -> str:
     """llguidance's error in the user's terms, on one line (its parser-state dump left out)."""
-    text = _first_line(error)
+    text = _headline(error)
     if text.startswith("NoExtensionBias"):  # no token can extend the output, and it cannot end
         return "the grammar accepts no output: its rules only lead back to themselves"
     if "Too many items" in text and "ff_tokens" in text:  # the forced continuation never ends
@@ -124,7 +124,7 @@ def _probe(matcher) -> str | None:
     return probe.get_error() if probe.is_error() else None
 
 
-def _first_line(e: object) -> str:
+def _headline(e: object) -> str:
     """The error's first line; when that line only announces a report (`regex parse error:`),
     llguidance's reason (its `error: ...` line further down) is added, else the reason is lost."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]

@@ -3,9 +3,10 @@
 A site is one linear of the running model: a plain projection, or a fused one (our QKV and
 gate-up linears) whose projections are column ranges of its output (`Part`). For each adapter
 slot that targets it, the site keeps ``A^T`` of its projections side by side (``[in, R]``, R the sum of
-their ranks) and ``B^T`` times the scaling placed in their columns (``[R, out]``, zero elsewhere), so one
-adapter's rows cost two GEMMs per site, whatever it targets: ``y[rows] += (x[rows] @ A^T) @ B^T``.
-No weight is merged: the base weights stay shared by every row of the step.
+their ranks) and ``B^T`` placed in their columns (``[R, out]``, zero elsewhere), in float32, so one
+adapter's rows cost two products per site, whatever it targets: ``y[rows] += scaling * (x[rows] A^T)
+B^T`` (`delta`: a C kernel whose rows do not depend on each other). No weight is merged: the base
+weights stay shared by every row of the step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from pagedinfer.lora import context
 from pagedinfer.lora.adapter import LoRAWeights
+from pagedinfer.lora.delta import DeltaWeights, add_delta, padded
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,15 @@ class LoRASite:
         self,
         in_features: int,
         parts: list[Part],
-        dtype: torch.dtype,
         device: torch.device,
         logits: bool = False,
     ) -> None:
         self.in_features = in_features
         self.out_features = sum(p.width for p in parts)
         self.parts = parts
-        self.dtype, self.device = dtype, device
+        self.device = device
         self.logits = logits  # an lm_head: it sees the logits rows, not every token
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A^T [in, R], B^T [R, out])
+        self.weights: dict[int, DeltaWeights] = {}  # slot -> its A^T and B^T
 
     def install(self, slot: int, found: dict[str, LoRAWeights], scaling: float) -> None:
         """Slot ``slot``'s matrices for the parts it targets (``found``: part name -> A, B)."""
@@ -49,15 +50,17 @@ class LoRASite:
         if not targeted:
             return
         rank = sum(w.a.shape[0] for _, w in targeted)
-        a_t = torch.empty(self.in_features, rank, dtype=self.dtype)  # [in, R]
-        b_t = torch.zeros(rank, self.out_features, dtype=self.dtype)  # [R, out]
+        a_t = torch.zeros(self.in_features, padded(rank))  # [in, R padded], float32
+        b_t = torch.zeros(rank, padded(self.out_features))  # [R, out padded], float32
         at = 0
-        for part, w in targeted:
+        for part, w in targeted:  # the adapter's values as they are (float16 / bfloat16 ones exactly)
             r = w.a.shape[0]
             a_t[:, at : at + r] = w.a.t()
-            b_t[at : at + r, part.start : part.start + part.width] = w.b.t() * scaling
+            b_t[at : at + r, part.start : part.start + part.width] = w.b.t()
             at += r
-        self.weights[slot] = (a_t.to(self.device), b_t.to(self.device))
+        self.weights[slot] = DeltaWeights(
+            a_t.to(self.device), b_t.to(self.device), rank, self.out_features, scaling
+        )
 
     def uninstall(self, slot: int) -> None:
         """Drop slot ``slot``'s matrices (another adapter takes the slot)."""
@@ -79,4 +82,4 @@ class LoRASite:
         for slot, lo, hi in self._ranges(ctx):
             w = self.weights.get(slot)
             if w is not None:
-                y[lo:hi].addmm_(x[lo:hi] @ w[0], w[1])  # [n, R] then [n, out]
+                add_delta(y, x, lo, hi, w)

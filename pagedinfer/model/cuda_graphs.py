@@ -22,13 +22,15 @@ use it to check everything but the capture itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
+
+# the model over one step: (ids [T], positions [T], metadata, logits_to_keep) -> float32 logits [R, vocab]
+StepForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]
 
 GRAPH_MAX_CONTEXT = 8192  # longer contexts run eagerly (vLLM's former max_seq_len_to_capture)
 
@@ -44,17 +46,15 @@ class DecodeGraphs:
     @torch.inference_mode()
     def __init__(
         self,
-        model: torch.nn.Module,
+        forward: StepForward,
         kv: KVCache,
         device: torch.device,
-        use_cuda_kernels: bool,
         max_num_seqs: int,
         max_context: int,
         scratch_block: int,
     ) -> None:
-        self.model = model
+        self.forward = forward  # the model runner's (`ModelRunner.run_model`): it picks the step's path
         self.kv = kv
-        self.use_cuda_kernels = use_cuda_kernels
         self.buckets = batch_buckets(max_num_seqs)
         self.max_context = max_context
         self.scratch_block = scratch_block
@@ -130,17 +130,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """The model over the buffers' first ``b`` rows: float32 logits ``[b, vocab]``."""
-        attention.set_context(attention.StepContext(self.metas[b], self.kv, self.use_cuda_kernels))
-        try:
-            out = self.model(
-                input_ids=self.ids[:b].unsqueeze(0),
-                position_ids=self.positions[:b].unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=0,
-            )
-        finally:
-            attention.set_context(None)
-        return out.logits[0].float()
+        return self.forward(self.ids[:b], self.positions[:b], self.metas[b], 0)
 
     @torch.inference_mode()
     def run(self, batch: Sequence) -> torch.Tensor:

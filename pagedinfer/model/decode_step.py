@@ -1,20 +1,23 @@
 """Every layer of a decode-only CPU step, and the final norm, in one C call (kernels/cpu_decode_step.c).
 
-Per layer, our Llama-family layers make about ten Python calls into C kernels (norms, GEMMs, RoPE,
+Per layer, our dense layers (model/llama.py) make about ten Python calls into C kernels (norms, GEMMs, RoPE,
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
 for attention, walking the step's plan: Python overhead that is a large share of a small model's
 batch-1 step (docs/kernels.md). When a step only decodes (one new token per sequence) and every
 piece runs on a C kernel (weights in cpu_gemm.c's panels: float32, int8, int4 or GGUF blocks under
 float32 activations, or bfloat16; a KV pool in host memory), this module hands the whole stack of
 layers to one C function that calls the same kernels in the same order, so the outputs are the same
-bits. The layers' pointers are gathered once per KV pool; a step passes only its metadata.
-``PAGEDINFER_DECODE_STEP=0`` keeps the layer-by-layer path.
+bits. The layers' pointers are gathered once per KV pool; a step passes only its metadata. The
+layer's shape flags come from the family's declaration (`families`): its q/k norms, where it has
+them. The model runner decides which steps take it (`OneCall`); ``PAGEDINFER_DECODE_STEP=0`` keeps
+the layer-by-layer path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +26,11 @@ from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.model.families.spec import LINEAR_ROLES
 from pagedinfer.model.packed_linear import GemmSegment, PackedLinear, c_segment
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
 _ptr = ctypes.c_void_p
-
-
-LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's GEMMs, in the step's order
 
 
 MAX_QKV_SEGMENTS = 3  # a GGUF's q, k and v of three types
@@ -109,15 +110,12 @@ def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
     return f"decode_layers_{cpu_kernel.SUFFIX[act]}{kv}"
 
 
-def _addr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class DecodeStep:
     """The C description of a model's layers over one KV pool; `run` computes a decode-only step."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache) -> None:
         first = model.layers[0]
+        qk_norm = model.family.qk_norm  # the step's per-layer flag: q/k norm pointers, or NULL
         self.kv = kv  # the pool the pointers below point into (kept alive with them)
         self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
         self.hidden = model.norm.shape[0]
@@ -132,10 +130,11 @@ class DecodeStep:
             for i, seg in enumerate(qkv):
                 c_segment(seg, entry.qkv[i])
             entry.qkv_segments = len(qkv)
-            for name in LINEARS[1:]:
+            for name in LINEAR_ROLES[1:]:
                 c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            entry.q_norm, entry.k_norm = _addr(layer.q_norm), _addr(layer.k_norm)
+            if qk_norm:
+                entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
             k, v = kv.k[layer.layer_idx], kv.v[layer.layer_idx]
             assert k.shape == v.shape == (kv.num_blocks, kv.block_size, self.kv_heads, self.head_dim)
             assert k.is_contiguous() and v.is_contiguous() and layer.q_heads == self.q_heads
@@ -154,7 +153,7 @@ class DecodeStep:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]
-        linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in LINEARS]
+        linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in LINEAR_ROLES]
         if not all(isinstance(lin, PackedLinear) and lin.segments for lin in linears):
             return False
         shapes_ok = all(
@@ -244,3 +243,16 @@ class DecodeStep:
         )
         cpu_kernel.check(code, refusal, "decode step")
         return x
+
+
+@dataclass(frozen=True)
+class OneCall:
+    """The model runner's choice for one decode-only step: every layer in ``step``'s one C call, over
+    the step's metadata (handed to the model's forward, which otherwise runs its layers one by one)."""
+
+    step: DecodeStep
+    meta: AttentionMetadata
+
+    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`DecodeStep.run` over this step's metadata: the final norm of the stream ``[S, H]``."""
+        return self.step.run(residual, cos, sin, self.meta)

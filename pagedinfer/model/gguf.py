@@ -36,30 +36,18 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
+from pagedinfer.errors import one_line
 from pagedinfer.model.dtype import dtype_name
+from pagedinfer.model.families.spec import HF_LAYER, Family, Module
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.model.gguf_header import ARRAY, STRING, ArrayValue, Header, HeaderError, TensorInfo, read
-from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, one_line
+from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, sizes
 from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
 CACHE_VERSION = 2  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
-# Hugging Face names of a Llama-family layer's tensors (gguf-py's name map gives the GGUF ones)
-LAYER_TENSORS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "self_attn.q_norm",
-    "self_attn.k_norm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "input_layernorm",
-    "post_attention_layernorm",
-)
 
 
 class GGUFError(ValueError):
@@ -224,46 +212,45 @@ def _field(vtype: int, value: object) -> _Field:
     return _Field([ARRAY, value.item_type], items.reshape(-1, 1), range(len(items)))
 
 
-def hf_names(arch: str) -> Callable[[str], str | None]:
-    """GGUF tensor name -> Hugging Face name (None: not one of the Llama-family tensors of ``arch``), for
-    any layer: gguf-py's name map is built for layer 0 only (it costs 1.6 ms per layer) and the layer
-    index carried over."""
-    import gguf
+def hf_names(family: Family) -> Callable[[str], tuple[str, Module] | None]:
+    """GGUF tensor name -> its Hugging Face name and module, as ``family`` declares them, for any layer
+    (None: not one of the family's tensors, e.g. rope_freqs)."""
+    top = {m.gguf: m for m in family.top}
+    layer = {m.gguf: m for m in family.layer}
 
-    key = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
-    if key is None:
-        return lambda name: None
-    names = gguf.get_tensor_name_map(key, 1)
-    top, layer = {}, {}
-    for stem in ("model.embed_tokens", "model.norm", "lm_head"):
-        if (g := names.get_name(stem)) is not None:
-            top[g] = stem
-    for t in LAYER_TENSORS:
-        if (g := names.get_name(f"model.layers.0.{t}")) is not None:
-            layer[g.removeprefix("blk.0.")] = t
-
-    def hf(name: str) -> str | None:
+    def hf(name: str) -> tuple[str, Module] | None:
         stem, _, suffix = name.rpartition(".")
         if suffix not in ("weight", "bias"):
             return None
         if stem in top:
-            return f"{top[stem]}.{suffix}"
+            return f"{top[stem].hf}.{suffix}", top[stem]
         match = re.fullmatch(r"blk\.(\d+)\.(.+)", stem)
         if match is None or match.group(2) not in layer:
             return None
-        return f"model.layers.{int(match.group(1))}.{layer[match.group(2)]}.{suffix}"
+        module = layer[match.group(2)]
+        return f"{HF_LAYER.format(int(match.group(1)))}{module.hf}.{suffix}", module
 
     return hf
 
 
-def tensor_index(ckpt: GGUFCheckpoint) -> dict[str, Found]:
-    """The file's Llama-family tensors as `validate.check_tensors` takes them: Hugging Face name ->
+def _family_arch(ckpt: GGUFCheckpoint, family: Family) -> None:
+    """Refuse a file whose architecture is not the one ``family``'s GGUF names and row order are of."""
+    if ckpt.arch != family.gguf_arch:
+        raise ModelCheckError(
+            f"{ckpt.path}: its architecture is {ckpt.arch!r}; pagedinfer reads {family.name} GGUF files of "
+            f"architecture {family.gguf_arch!r}"
+        )
+
+
+def tensor_index(ckpt: GGUFCheckpoint, family: Family) -> dict[str, Found]:
+    """The file's tensors of ``family`` as `validate.check_tensors` takes them: Hugging Face name ->
     shape, type and GGUF name (the other tensors, e.g. rope_freqs, are not read)."""
-    hf = hf_names(ckpt.arch)
+    _family_arch(ckpt, family)
+    hf = hf_names(family)
     out = {}
     for info in ckpt.tensors.values():
-        if (name := hf(info.name)) is not None:
-            out[name] = Found(tuple(info.shape), info.kind, info.name, str(ckpt.path))
+        if (named := hf(info.name)) is not None:
+            out[named[0]] = Found(tuple(info.shape), info.kind, info.name, str(ckpt.path))
     return out
 
 
@@ -282,30 +269,29 @@ def _reverse_permute(a: np.ndarray, heads: int) -> np.ndarray:
 
 
 def state_dict(
-    ckpt: GGUFCheckpoint, config, keep_blocks: bool, dtype: torch.dtype = torch.float32
+    ckpt: GGUFCheckpoint, config, family: Family, keep_blocks: bool, dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, torch.Tensor | GGUFWeight], Counter]:
-    """The Llama-family tensors under Hugging Face names, and the types that were dequantized.
+    """The tensors of ``family`` under Hugging Face names, and the types that were dequantized.
 
     ``keep_blocks``: matrices of a type in `gguf_blocks.BLOCKS` stay as their blocks (`GGUFWeight`,
     for the panels, multiplied under ``dtype`` activations: float32 or bfloat16), the other tensors
-    are dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. Q and K rows are
-    un-permuted for llama files, as transformers does."""
+    are dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. The rows of the
+    modules the family declares permuted (llama's Q and K) are put back, as transformers does."""
     import gguf
 
-    names = hf_names(ckpt.arch)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    names = hf_names(family)
+    s = sizes(config, str(ckpt.path))
     sd: dict[str, torch.Tensor | GGUFWeight] = {}
     dequantized: Counter = Counter()
     bf16_io = dtype == torch.bfloat16  # kept blocks multiplied under bfloat16 activations
     for info in ckpt.tensors.values():
-        hf = names(info.name)
-        if hf is None:  # e.g. rope_freqs: transformers ignores it too
+        named = names(info.name)
+        if named is None:  # e.g. rope_freqs: transformers ignores it too
             continue
+        hf, module = named
         raw = ckpt.raw(info)
-        permute = None
-        if ckpt.arch == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
-            permute = heads if ".attn_q." in info.name else kv_heads
+        heads = family.gguf_permuted.get(module.hf)
+        permute = None if heads is None else getattr(s, heads)
         if keep_blocks and info.kind in BLOCKS and len(info.shape) == 2:
             data = raw if permute is None else _reverse_permute(raw, permute)
             sd[hf] = GGUFWeight(info.kind, data, info.shape[1], lambda i=info: ckpt.release(i), bf16_io)

@@ -1,4 +1,5 @@
-"""Our own Llama-family decoder (llama, mistral, qwen2, qwen3), built for the engine's packed-row step.
+"""Our own dense decoder for the families `families` declares (llama, mistral, qwen2, qwen3), built
+for the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
@@ -6,8 +7,11 @@ output, fused gate-up, down; concatenated once at load, packed for oneDNN by the
 ``nn.Linear``), three elementwise chains (`fused_ops`: residual add + RMSNorm twice, per-head norm +
 RoPE in place) and SiLU x up, and the attention call, which is the same paged attention transformers'
 layers reach (`attention.interface.attend`, behind `paged_attention`: same KV pool, kernels and
-step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. transformers
-stays the reference (the parity tests compare the two) and the path for every other family.
+step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. Which
+checkpoint modules fill which linear and norm is the family's declaration. transformers stays the
+reference (the parity tests compare the two) and the path for every other family. Which path a step
+takes (these layers one by one, or all of them in the one-call C step) is the runner's choice, passed
+to `forward`.
 """
 
 from __future__ import annotations
@@ -22,23 +26,29 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from pagedinfer.attention import interface as attention
-from pagedinfer.lora import context as lora_context
 from pagedinfer.lora.site import LoRASite
-from pagedinfer.model import fused_ops, packed_linear
-from pagedinfer.model.decode_step import DecodeStep
+from pagedinfer.model import families, fused_ops, packed_linear
+from pagedinfer.model.decode_step import OneCall
+from pagedinfer.model.families.spec import EMBED, FINAL_NORM, HF_LAYER, LINEAR_ROLES, LM_HEAD, Family, Sizes
 from pagedinfer.model.gguf_blocks import GGUFWeight
-from pagedinfer.model.validate import Found
+from pagedinfer.model.validate import Found, sizes
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # one RoPE, one layer shape (q/k norms: qwen3)
+# the kinds these layers compute (`fused_ops`): a family declaring another is served by transformers
+NORMS, ACTIVATIONS, ROPES = ("rms",), ("silu",), ("half",)
 
 
 def unsupported_reason(config) -> str | None:
     """Why this config cannot run through our implementation (None: it can)."""
     kind = getattr(config, "model_type", "?")
-    if kind not in FAMILIES:
-        return f"model family {kind!r} has no pagedinfer implementation (llama, mistral, qwen2, qwen3 do)"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (pagedinfer's implementation has silu only)"
+    family = families.find(config)
+    if family is None:
+        return f"model family {kind!r} has no pagedinfer implementation ({families.names()} do)"
+    if (act := family.activation_of(config)) not in ACTIVATIONS:
+        return f"activation {act!r} (pagedinfer's implementation has {', '.join(ACTIVATIONS)} only)"
+    if family.norm not in NORMS:
+        return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
+    if family.rope not in ROPES:
+        return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
     return None
 
 
@@ -83,11 +93,11 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, idx: int, sd: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
+    def __init__(self, config, family: Family, idx: int, sd: dict[str, torch.Tensor], s: Sizes) -> None:
         super().__init__()
-        p = f"model.layers.{idx}."
+        p = HF_LAYER.format(idx)
         self.layer_idx = idx  # the attention function finds this layer's pool tensors by it
-        self.q_heads, self.kv_heads, self.head_dim = dims["q_heads"], dims["kv_heads"], dims["head_dim"]
+        self.q_heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
         self.scaling = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         types = getattr(config, "layer_types", None)
@@ -96,23 +106,19 @@ class DecoderLayer(nn.Module):
         else:  # mistral: one window for all layers; llama: none
             window = getattr(config, "sliding_window", None)
         self.window = window or 0
-        a, m = p + "self_attn.", p + "mlp."
-        self.qkv_proj = _fused(  # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D]
-            [sd.pop(a + f"{x}_proj.weight") for x in "qkv"],
-            [sd.pop(a + f"{x}_proj.bias", None) for x in "qkv"],
+        # qkv [(Hq + 2 Hkv) * D, H] (bias [(Hq + 2 Hkv) * D]); o [H, Hq * D]; gate_up [2 I, H], giving
+        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it
+        self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = (
+            _fused(
+                [sd.pop(f"{p}{m}.weight") for m in family.linears[role]],
+                [sd.pop(f"{p}{m}.bias", None) for m in family.linears[role]],
+                fused_ops.GatedLinear if role == "gate_up" else nn.Linear,
+            )
+            for role in LINEAR_ROLES
         )
-        self.o_proj = _fused([sd.pop(a + "o_proj.weight")], [sd.pop(a + "o_proj.bias", None)])
-        self.gate_up_proj = _fused(  # [2 I, H], returns silu(gate) * up [T, I]
-            [sd.pop(m + f"{x}_proj.weight") for x in ("gate", "up")],
-            [sd.pop(m + f"{x}_proj.bias", None) for x in ("gate", "up")],
-            fused_ops.GatedLinear,
-        )
-        self.down_proj = _fused([sd.pop(m + "down_proj.weight")], [sd.pop(m + "down_proj.bias", None)])
-        self.input_norm = _param(sd.pop(p + "input_layernorm.weight"))  # [H]
-        self.post_norm = _param(sd.pop(p + "post_attention_layernorm.weight"))  # [H]
-        q_norm, k_norm = sd.pop(a + "q_norm.weight", None), sd.pop(a + "k_norm.weight", None)  # [D] (qwen3)
-        self.q_norm = None if q_norm is None else _param(q_norm)
-        self.k_norm = None if k_norm is None else _param(k_norm)
+        norms = {role: _param(sd.pop(f"{p}{m}.weight")) for role, m in family.norms.items()}
+        self.input_norm, self.post_norm = norms["input_norm"], norms["post_norm"]  # [H]
+        self.q_norm, self.k_norm = norms.get("q_norm"), norms.get("k_norm")  # [D] where the family has them
         self.lora = None  # its LoRA sites (`lora_sites.LayerSites`) once an engine enables LoRA
 
     def forward(
@@ -156,10 +162,10 @@ class DecoderLayer(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """transformers' RoPE of these four families (their ``*RotaryEmbedding`` classes are one and the same):
-    ``cos, sin`` of ``cat(freqs, freqs)`` from the same ``ROPE_INIT_FUNCTIONS`` and the same dynamic and
-    long-context updates, so the values are transformers' own, without importing its modeling code (which
-    loads torch's compiler stack: about a second of every start-up)."""
+    """transformers' RoPE of the families whose ``rope`` is "half" (their ``*RotaryEmbedding`` classes are
+    one and the same): ``cos, sin`` of ``cat(freqs, freqs)`` from the same ``ROPE_INIT_FUNCTIONS`` and the
+    same dynamic and long-context updates, so the values are transformers' own, without importing its
+    modeling code (which loads torch's compiler stack: about a second of every start-up)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -192,17 +198,13 @@ def _default_rope(config) -> tuple[torch.Tensor, float]:
 class LlamaFamilyForCausalLM(nn.Module):
     """``forward(input_ids [1, T], position_ids [1, T], logits_to_keep)`` like HF's, on the packed row."""
 
-    def __init__(self, config, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config, family: Family, sd: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.config = config
-        q_heads = config.num_attention_heads
-        dims = {
-            "q_heads": q_heads,
-            "kv_heads": getattr(config, "num_key_value_heads", None) or q_heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // q_heads,
-        }
+        self.family = family  # its declaration: the LoRA sites name the modules of each fused linear by it
+        self.sizes = sizes(config, "the config")  # checked by the loader (`validate.check_tensors`) already
         self.eps = config.rms_norm_eps
-        embed = sd.pop("model.embed_tokens.weight")  # [V, H]
+        embed = sd.pop(f"{EMBED}.weight")  # [V, H]
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
             table = packed_linear.gguf_segment(embed, None, gated=False)
@@ -210,10 +212,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         else:
             self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, sd, dims) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, family, i, sd, self.sizes) for i in range(config.num_hidden_layers)
         )
-        self.norm = _param(sd.pop("model.norm.weight"))  # [H]
-        head = sd.pop("lm_head.weight", None)
+        self.norm = _param(sd.pop(f"{FINAL_NORM}.weight"))  # [H]
+        head = sd.pop(f"{LM_HEAD}.weight", None)
         tied = head is None or getattr(config, "tie_word_embeddings", False)
         if tied and isinstance(embed, GGUFWeight):
             self.lm_head = packed_linear.PackedLinear.from_segments(
@@ -225,21 +227,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lm_head = _fused([head], [None])
         self.rotary = RotaryEmbedding(config)
         self.lora_head: LoRASite | None = None  # lm_head's LoRA site once an engine enables LoRA
-        self._decode_step_of: tuple[object, DecodeStep | None] | None = None  # (KV pool, its C step or None)
         if sd:
             raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
-
-    def _decode_step(self) -> DecodeStep | None:
-        """The C step when this step only decodes and every piece of it has a C kernel (else None)."""
-        ctx = attention.current_context()
-        if ctx is None or ctx.probe is not None or ctx.use_cuda_kernels or ctx.meta.max_query_len != 1:
-            return None
-        if lora_context.current_context() is not None:  # adapter rows: their deltas go in layer by layer
-            return None
-        if self._decode_step_of is None or self._decode_step_of[0] is not ctx.kv:  # built once per pool
-            step = DecodeStep(self, ctx.kv) if DecodeStep.serves(self, ctx.kv) else None
-            self._decode_step_of = (ctx.kv, step)
-        return self._decode_step_of[1]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -249,6 +238,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [1, T]
         position_ids: torch.Tensor,  # [1, T]
         logits_to_keep: int | torch.Tensor = 0,  # HF's meaning: 0 all rows, k the last k, or row indices
+        one_call: OneCall | None = None,  # the runner's choice: every layer in the C step (else one by one)
         **_: object,
     ) -> CausalLMOutput:
         residual = self.embed_tokens(input_ids[0])  # [T, H], the residual stream from here on
@@ -260,9 +250,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             keep = logits_to_keep
         else:
             keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        step = self._decode_step()
-        if step is not None:  # a decode-only step: all layers and the final norm in one C call
-            x = step.run(residual, cos, sin, attention.current_context().meta)[keep].contiguous()  # [R, H]
+        if one_call is not None:  # a decode-only step: all layers and the final norm in one C call
+            x = one_call.run(residual, cos, sin)[keep].contiguous()  # [R, H]
         else:
             h = None
             for layer in self.layers:
@@ -317,9 +306,11 @@ def read_weights(files: list[Path], dtype: torch.dtype, device: torch.device) ->
     return sd
 
 
-def build(config, sd: dict[str, torch.Tensor], device: torch.device) -> LlamaFamilyForCausalLM:
+def build(
+    config, family: Family, sd: dict[str, torch.Tensor], device: torch.device
+) -> LlamaFamilyForCausalLM:
     """The model from its config and the tensors of `read_weights` (checked by `validate` first)."""
-    return LlamaFamilyForCausalLM(config, sd).to(device).eval()
+    return LlamaFamilyForCausalLM(config, family, sd).to(device).eval()
 
 
 def weight_files(files: list[Path]) -> str:
@@ -327,7 +318,7 @@ def weight_files(files: list[Path]) -> str:
     return str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
 
 
-def from_gguf(config, sd: dict[str, torch.Tensor | GGUFWeight]) -> LlamaFamilyForCausalLM:
+def from_gguf(config, family: Family, sd: dict[str, torch.Tensor | GGUFWeight]) -> LlamaFamilyForCausalLM:
     """Build the model from a GGUF's tensors (`gguf.state_dict`): its blocks in panels of their own
     types as they are read, the float tensors as they are (on the CPU)."""
-    return LlamaFamilyForCausalLM(config, sd).eval()
+    return LlamaFamilyForCausalLM(config, family, sd).eval()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -15,12 +17,26 @@ from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
-from pagedinfer.config import QUANTIZATIONS
-from pagedinfer.model import decode_step, fused_ops, gguf, gguf_blocks, hub, llama, packed_linear, validate
+from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
+from pagedinfer.errors import one_line
+from pagedinfer.lora import delta
+from pagedinfer.model import (
+    decode_step,
+    families,
+    fused_ops,
+    gguf,
+    gguf_blocks,
+    hub,
+    llama,
+    packed_linear,
+    validate,
+)
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
 from pagedinfer.model.random_models import random_model
 from pagedinfer.model.weight_memory import WeightMemory, weight_memory
 from pagedinfer.terminal import note
+
+T = TypeVar("T")
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -38,8 +54,6 @@ UNSUPPORTED = {
     "llama4_text": "uses chunked attention that lives only in its mask",
 }
 HYBRID_MARKERS = ("mamba", "ssm", "linear", "conv", "recurrent", "deltanet", "rwkv")
-MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
-LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 # the files a tokenizer loads from, the one it reads first first (named when loading fails)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -135,12 +149,13 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {validate.one_line(e)}") from None
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {one_line(e)}") from None
     check_family(config, name)
+    family = families.find(config)  # the declaration our layers read, where they serve the family
     found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
-    if ckpt and config.model_type in llama.FAMILIES:  # its tensors, whoever's layers run them
-        found = gguf.tensor_index(ckpt)
-        _check(validate.check_tensors, config, found, str(ckpt.path), gguf.readable_types())
+    if ckpt and family is not None:  # its tensors, whoever's layers run them
+        found = _check(gguf.tensor_index, ckpt, family)
+        _check(validate.check_tensors, config, family, found, str(ckpt.path), gguf.readable_types())
     dev = resolve_device(device)
     try:
         choice = choose_dtype(dtype, config, dev, quant)
@@ -149,7 +164,13 @@ def load_model(
     if choice.emulated:
         note(emulated_note(choice))
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
-    sources = [cpu_kernel.SOURCE, fused_ops.SOURCE, decode_step.SOURCE, packed_linear.GEMM_SOURCE]
+    sources = [
+        cpu_kernel.SOURCE,
+        fused_ops.SOURCE,
+        decode_step.SOURCE,
+        packed_linear.GEMM_SOURCE,
+        delta.SOURCE,
+    ]
     try:
         compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
     except kernel_cache.KernelCacheError as e:
@@ -161,7 +182,14 @@ def load_model(
         own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
     if own and not ckpt:
         found = llama.tensor_index(own)
-        _check(validate.check_tensors, config, found, llama.weight_files(own), validate.SAFETENSORS_FLOATS)
+        _check(
+            validate.check_tensors,
+            config,
+            family,
+            found,
+            llama.weight_files(own),
+            validate.SAFETENSORS_FLOATS,
+        )
     keep_blocks = (  # float32 activations (auto), or bfloat16 ones (--dtype bfloat16) over the blocks
         bool(ckpt)
         and own
@@ -177,18 +205,18 @@ def load_model(
                 config, 0, load_dtype, dev, attn_implementation=attention.transformers_name()
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
-            sd, dequantized = gguf.state_dict(ckpt, config, keep_blocks, choice.dtype)
+            sd, dequantized = gguf.state_dict(ckpt, config, family, keep_blocks, choice.dtype)
             validate.check_values(sd, found)
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
                 choice = replace(choice, reason=reason or choice.reason)
-            model = llama.from_gguf(config, sd)
+            model = llama.from_gguf(config, family, sd)
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
             sd = llama.read_weights(own, load_dtype, dev)
             validate.check_values(sd, found)
-            model = llama.build(config, sd, dev)
+            model = llama.build(config, family, sd, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
@@ -210,7 +238,7 @@ def load_model(
     except gguf.GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load model {name!r}: {validate.one_line(e)}") from None
+        raise ModelLoadError(f"cannot load model {name!r}: {one_line(e)}") from None
     if not getattr(model, "_supports_attention_backend", True):
         raise ModelLoadError(f"{name}: model family {config.model_type!r} does not support custom attention")
     model.to(dev).eval()
@@ -275,10 +303,10 @@ def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwarg
     return where
 
 
-def _check(check, *args) -> None:
-    """Run a `validate` check; its refusal becomes this module's one-line error."""
+def _check(check: Callable[..., T], *args: object) -> T:
+    """Run a `validate` check (its result returned); its refusal becomes this module's one-line error."""
     try:
-        check(*args)
+        return check(*args)
     except validate.ModelCheckError as e:
         raise ModelLoadError(str(e)) from None
 
@@ -410,7 +438,7 @@ def _load_tokenizer(folder: str, kwargs: dict):
                 if isinstance(e, json.JSONDecodeError)
                 else f"missing key {e}"
                 if isinstance(e, KeyError)
-                else validate.one_line(e)
+                else one_line(e)
             )
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None

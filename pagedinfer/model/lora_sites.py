@@ -1,8 +1,9 @@
 """Where LoRA deltas enter the running model: a `LoRASite` per linear, named by the checkpoint's modules.
 
-Our Llama-family layers hold fused linears, so a site covers several checkpoint modules: the QKV
-site's parts are q_proj, k_proj, v_proj (their column ranges), the gate-up site's gate_proj and
-up_proj (of the product before ``silu(gate) * up``); the layers call their sites after each GEMM. Under
+Our layers hold fused linears, so a site covers several checkpoint modules, those the family's
+declaration fuses in it (`families`): for a Llama the QKV site's parts are q_proj, k_proj, v_proj
+(their column ranges), the gate-up site's gate_proj and up_proj (of the product before
+``silu(gate) * up``); the layers call their sites after each GEMM. Under
 transformers' modeling (any family) each ``nn.Linear`` (packed or not) is wrapped in a `LoRALinear`.
 ``lm_head`` is a site of the logits rows. Sites are made when an engine enables LoRA; until an adapter
 is installed in one it adds nothing.
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedinfer.lora.site import LoRASite, Part
+from pagedinfer.model.families.spec import HF_LAYER
 from pagedinfer.model.packed_linear import PackedLinear
 
 Sites = dict[str, tuple[LoRASite, Part]]  # checkpoint module name -> its site and part
@@ -45,7 +47,7 @@ class LoRALinear(nn.Module):
         return y
 
 
-def attach_sites(model: nn.Module, impl: str, dtype: torch.dtype, device: torch.device) -> Sites:
+def attach_sites(model: nn.Module, impl: str, device: torch.device) -> Sites:
     """Give ``model`` its LoRA sites (once); return them by checkpoint module name."""
     sites: Sites = {}
 
@@ -54,20 +56,21 @@ def attach_sites(model: nn.Module, impl: str, dtype: torch.dtype, device: torch.
         for name, width in names_widths:
             parts.append(Part(name, at, width))
             at += width
-        s = LoRASite(in_features, parts, dtype, device, logits)
+        s = LoRASite(in_features, parts, device, logits)
         sites.update({p.name: (s, p) for p in parts})
         return s
 
     if impl == "pagedinfer":
+        family, sizes = model.family, model.sizes
         for i, layer in enumerate(model.layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            hidden, hq, hkv, d = layer.qkv_proj.in_features, layer.q_heads, layer.kv_heads, layer.head_dim
-            inter = layer.down_proj.in_features
-            layer.lora = LayerSites(
-                site(hidden, [(a + "q_proj", hq * d), (a + "k_proj", hkv * d), (a + "v_proj", hkv * d)]),
-                site(hq * d, [(a + "o_proj", layer.o_proj.out_features)]),
-                site(hidden, [(m + "gate_proj", inter), (m + "up_proj", inter)]),
-                site(inter, [(m + "down_proj", layer.down_proj.out_features)]),
+            layer.lora = LayerSites(  # each site's parts: the modules the family fuses in that linear
+                **{
+                    role: site(
+                        getattr(layer, f"{role}_proj").in_features,
+                        [(HF_LAYER.format(i) + m, sizes.shape(family.module(m).shape)[0]) for m in modules],
+                    )
+                    for role, modules in family.linears.items()
+                }
             )
         head = model.lm_head
         model.lora_head = site(head.in_features, [("lm_head", head.out_features)], logits=True)

@@ -1,7 +1,13 @@
-"""One engine step = one forward pass over every scheduled token, packed in a single row without padding."""
+"""One engine step = one forward pass over every scheduled token, packed in a single row without padding.
+
+The runner chooses each step's path and hands it to the model: transformers' modules (any family), or
+pagedinfer's own layers one by one, or, for a decode-only step of our layers on the CPU kernels without
+adapter rows, all of them in the one-call C step (`decode_step.OneCall`, where every piece has a C kernel).
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -11,6 +17,7 @@ from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.lora import context as lora_context
 from pagedinfer.model.cuda_graphs import DecodeGraphs
+from pagedinfer.model.decode_step import DecodeStep, OneCall
 from pagedinfer.model.host_memory import keep_freed_memory
 
 
@@ -27,16 +34,23 @@ class ScheduledChunk(Protocol):
     start: int  # first position computed this step
     num_tokens: int
     num_logits: int  # the logits of its last num_logits positions are returned (1: the sampled one)
+    step_token_ids: list[int]  # the tokens at positions [start, start + num_tokens): drafted ones last
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVCache, device: torch.device, use_cuda_kernels: bool
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        device: torch.device,
+        use_cuda_kernels: bool,
+        impl: str,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.use_cuda_kernels = use_cuda_kernels
+        self.impl = impl  # whose layers ``model`` runs: "pagedinfer" (ours) or "transformers"
         # pure-decode steps through its static buffers (replayed graphs on CUDA); the engine sets it
         self.graphs: DecodeGraphs | None = None
         self.last_step_graphed = False  # whether the last execute went through ``graphs``
@@ -66,7 +80,7 @@ class ModelRunner:
         else:
             ids = []
             for s in batch:
-                ids += s.seq.token_ids[s.start : s.start + s.num_tokens]
+                ids += s.step_token_ids
             q_lens = torch.tensor(query_lens)  # [S]
             seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens)  # [T]
             starts = torch.tensor([s.start for s in batch])  # [S]
@@ -135,7 +149,7 @@ class ModelRunner:
         self.last_step_graphed = False
         lora_context.set_context(ctx)
         try:
-            logits = self._forward(ordered)  # [R, vocab] in the order of ``ordered``
+            logits = self._forward(ordered, lora=True)  # [R, vocab] in the order of ``ordered``
         finally:
             lora_context.set_context(None)
         if order == sorted(order):
@@ -146,8 +160,9 @@ class ModelRunner:
         rows = [r for i, s in enumerate(batch) for r in range(first[i], first[i] + s.num_logits)]
         return logits[torch.tensor(rows, device=logits.device)]  # [R, vocab]
 
-    def _forward(self, batch: list[ScheduledChunk]) -> torch.Tensor:
-        """One eager forward pass over ``batch`` packed in order: float32 logits ``[R, vocab]``."""
+    def _forward(self, batch: list[ScheduledChunk], lora: bool = False) -> torch.Tensor:
+        """One eager forward pass over ``batch`` packed in order: float32 logits ``[R, vocab]``
+        (``lora``: some rows run an adapter)."""
         ids, positions, meta = self.build_metadata(batch)
         if meta.max_query_len == 1 and all(s.num_logits for s in batch):
             keep: torch.Tensor | int = 0  # every row samples: HF's "keep all"
@@ -162,6 +177,20 @@ class ModelRunner:
                 end += s.num_tokens
                 rows += range(end - s.num_logits + 1, end + 1)
             keep = torch.tensor(rows, device=self.device)  # [R]
+        return self.run_model(ids, positions, meta, keep, lora)
+
+    def run_model(
+        self,
+        ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        keep: int | torch.Tensor,  # HF's logits_to_keep: 0 every row, or row indices [R]
+        lora: bool = False,
+    ) -> torch.Tensor:
+        """The model over one step's packed tokens, on the path `one_call` chooses: float32 logits
+        ``[R, vocab]`` (the eager steps' and the graph path's one way in)."""
+        one_call = self.one_call(meta, lora)
+        path = {} if one_call is None else {"one_call": one_call}  # (transformers' modules take none)
         attention.set_context(attention.StepContext(meta, self.kv, self.use_cuda_kernels))
         try:
             out = self.model(
@@ -169,7 +198,21 @@ class ModelRunner:
                 position_ids=positions.unsqueeze(0),
                 use_cache=False,
                 logits_to_keep=keep,
+                **path,
             )
         finally:
             attention.set_context(None)
         return out.logits[0].float()  # [R, vocab]
+
+    def one_call(self, meta: AttentionMetadata, lora: bool) -> OneCall | None:
+        """The one-call C step for a decode-only step of our layers on the CPU kernels without adapter
+        rows (their deltas go in layer by layer), where every piece has a C kernel; else None: our
+        layers one by one, or transformers' modules."""
+        if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len != 1:
+            return None
+        return None if self._decode_step is None else OneCall(self._decode_step, meta)
+
+    @functools.cached_property
+    def _decode_step(self) -> DecodeStep | None:
+        """The C step over this runner's pool (built at the first step that may take it)."""
+        return DecodeStep(self.model, self.kv) if DecodeStep.serves(self.model, self.kv) else None

@@ -7,8 +7,8 @@ loader hands this module what it knows, in order, and nothing is packed or run u
 
 - `check_metadata`: a GGUF file's size metadata (positive integers, finite positive floats), before
   transformers makes a config of it;
-- `check_tensors`: the config's own consistency, then every tensor's shape and type against it (the
-  Llama-family layers our implementation serves), which makes the vocabulary's three sizes (the
+- `check_tensors`: the config's own consistency, then every tensor's shape and type against it (as
+  the family's declaration in `families` states them), which makes the vocabulary's three sizes (the
   config's, the embedding's rows, the lm_head's rows) one; from the GGUF index or the safetensors
   headers, before a byte of weight data is read;
 - `check_values`: every weight finite (a quantized block's scales, a float tensor's values), once the
@@ -33,24 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedinfer.model import families
 from pagedinfer.model.dtype import dtype_name
+from pagedinfer.model.families.spec import HF_LAYER, Family, Module, Sizes, formula
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.model.gguf_header import ArrayValue
 
-# the families whose layers our implementation builds (llama.FAMILIES; mistral files are "llama" in GGUF)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-# GGUF size keys (after "<arch>.") that become the config's sizes; each must be a positive integer
-SIZE_KEYS = (
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "block_count",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "rope.dimension_count",
-    "vocab_size",
-)
-FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
 INTEGER_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)  # GGUF's integer value types (7 is bool)
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes our loader casts from
 # the float16 scale fields of each kept block type (byte offsets in a block): d, then m / dmin
@@ -82,35 +70,6 @@ class Found:
     file: str
 
 
-@dataclass(frozen=True)
-class Expected:
-    shape: tuple[int, ...]
-    formula: str  # the config fields it is made of, e.g. "[vocab_size, hidden_size]"
-    required: bool = True
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The sizes our Llama-family layers are built from."""
-
-    hidden: int
-    inter: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line: its first line, and the next one when the first only
-    introduces it (huggingface_hub's "Class validation error for validator ...:" then the reason)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
-
-
 def _fmt(shape: Iterable[int]) -> str:
     return "[" + ", ".join(f"{d:,}" for d in shape) + "]"
 
@@ -120,19 +79,21 @@ def _is_int(v: object) -> bool:
 
 
 def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: int, where: str) -> None:
-    """A Llama-family GGUF's size keys: each a positive integer (the layer count at most the file's
-    ``tensors``: transformers builds a list per layer), each float a finite positive number
-    (transformers divides by them, or makes a config no layer can be built from)."""
+    """The size keys of a GGUF of a family our layers serve (`families.by_gguf_arch`): each a positive
+    integer (the layer count at most the file's ``tensors``: transformers builds a list per layer),
+    each float a finite positive number (transformers divides by them, or makes a config no layer can
+    be built from)."""
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHS:
+    family = families.by_gguf_arch(arch)
+    if family is None:
         return
-    for key in (f"{arch}.{k}" for k in SIZE_KEYS if f"{arch}.{k}" in metadata):
+    for key in (f"{arch}.{k}" for k in family.gguf_size_keys if f"{arch}.{k}" in metadata):
         value = metadata[key]
         if types[key] not in INTEGER_TYPES or not _is_int(value) or value < 1:
             raise ModelCheckError(
                 f"{where}: metadata {key} is {_value(value)}; it must be a positive integer"
             )
-    for key in (f"{arch}.{k}" for k in FLOAT_KEYS):
+    for key in (f"{arch}.{k}" for k in family.gguf_float_keys):
         value = metadata.get(key, 1.0)
         if not (_finite(value) and value > 0):
             raise ModelCheckError(
@@ -211,50 +172,20 @@ def sizes(config, where: str) -> Sizes:
     )
 
 
-def _top(s: Sizes) -> dict[str, Expected]:
-    row = "[vocab_size, hidden_size]"
-    return {
-        "model.embed_tokens.weight": Expected((s.vocab, s.hidden), row),
-        "model.norm.weight": Expected((s.hidden,), "[hidden_size]"),
-        "lm_head.weight": Expected((s.vocab, s.hidden), row, required=False),  # absent: tied
-    }
-
-
-def _layer(config, s: Sizes, i: int) -> dict[str, Expected]:
-    family = getattr(config, "model_type", "")
-    q, kv, h, inter, d = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.inter, s.head_dim
-    qf, kvf = "num_attention_heads * head_dim", "num_key_value_heads * head_dim"
-    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    qkv_bias = family == "qwen2"  # HF's Qwen2 has q/k/v biases; the others only when a config says so
-    qk_norm = family == "qwen3"
-    return {
-        a + "q_proj.weight": Expected((q, h), f"[{qf}, hidden_size]"),
-        a + "k_proj.weight": Expected((kv, h), f"[{kvf}, hidden_size]"),
-        a + "v_proj.weight": Expected((kv, h), f"[{kvf}, hidden_size]"),
-        a + "o_proj.weight": Expected((h, q), f"[hidden_size, {qf}]"),
-        a + "q_proj.bias": Expected((q,), f"[{qf}]", qkv_bias),
-        a + "k_proj.bias": Expected((kv,), f"[{kvf}]", qkv_bias),
-        a + "v_proj.bias": Expected((kv,), f"[{kvf}]", qkv_bias),
-        a + "o_proj.bias": Expected((h,), "[hidden_size]", False),
-        a + "q_norm.weight": Expected((d,), "[head_dim]", qk_norm),
-        a + "k_norm.weight": Expected((d,), "[head_dim]", qk_norm),
-        m + "gate_proj.weight": Expected((inter, h), "[intermediate_size, hidden_size]"),
-        m + "up_proj.weight": Expected((inter, h), "[intermediate_size, hidden_size]"),
-        m + "down_proj.weight": Expected((h, inter), "[hidden_size, intermediate_size]"),
-        m + "gate_proj.bias": Expected((inter,), "[intermediate_size]", False),
-        m + "up_proj.bias": Expected((inter,), "[intermediate_size]", False),
-        m + "down_proj.bias": Expected((h,), "[hidden_size]", False),
-        f"model.layers.{i}.input_layernorm.weight": Expected((h,), "[hidden_size]"),
-        f"model.layers.{i}.post_attention_layernorm.weight": Expected((h,), "[hidden_size]"),
-    }
-
-
-def _expected(config, s: Sizes) -> Iterator[tuple[str, Expected]]:
-    """Every tensor the config implies, layer by layer (lazily: a config of a billion layers stops at
-    the first layer the file lacks)."""
-    yield from _top(s).items()
+def _expected(family: Family, s: Sizes) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
+    """Every tensor the config implies as ``family`` declares it (name, shape, its formula, required),
+    layer by layer (lazily: a config of a billion layers stops at the first layer the file lacks)."""
+    yield from _tensors("", family.top, s)
     for i in range(s.layers):
-        yield from _layer(config, s, i).items()
+        yield from _tensors(HF_LAYER.format(i), family.layer, s)
+
+
+def _tensors(
+    prefix: str, modules: Iterable[Module], s: Sizes
+) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
+    for m in modules:
+        for suffix, dims, required in m.tensors():
+            yield f"{prefix}{m.hf}.{suffix}", s.shape(dims), formula(dims), required
 
 
 def _named(name: str, found: Found) -> str:
@@ -262,24 +193,26 @@ def _named(name: str, found: Found) -> str:
     return repr(name) if found.stored_as == name else f"{found.stored_as!r} ({name})"
 
 
-def check_tensors(config, found: dict[str, Found], where: str, readable: Iterable[str]) -> None:
-    """The config's sizes, then each tensor against them (Hugging Face names -> what the file states):
-    every required tensor present, each present one of the expected shape and of a ``readable`` type,
-    none unexpected. ``where``: the weights' file(s), for a tensor that is missing."""
+def check_tensors(
+    config, family: Family, found: dict[str, Found], where: str, readable: Iterable[str]
+) -> None:
+    """The config's sizes, then each tensor ``family`` declares against them (Hugging Face names ->
+    what the file states): every required tensor present, each present one of the expected shape and
+    of a ``readable`` type, none unexpected. ``where``: the weights' file(s), for a tensor that is missing."""
     s = sizes(config, where)
     readable = set(readable)
     seen = set()
-    for name, want in _expected(config, s):
+    for name, shape, dims, required in _expected(family, s):
         seen.add(name)
         got = found.get(name)
         if got is None:
-            if want.required:
+            if required:
                 raise ModelCheckError(missing(name, 0, where))
             continue
-        if got.shape != want.shape:
+        if got.shape != shape:
             raise ModelCheckError(
                 f"{got.file}: tensor {_named(name, got)} has shape {_fmt(got.shape)}; the config expects "
-                f"{_fmt(want.shape)} ({want.formula[1:-1]} = {', '.join(f'{d:,}' for d in want.shape)})"
+                f"{_fmt(shape)} ({dims[1:-1]} = {', '.join(f'{d:,}' for d in shape)})"
             )
         if got.kind not in readable:
             raise ModelCheckError(

@@ -20,9 +20,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from pagedinfer.config import LLMConfig
 from pagedinfer.engine.llm_engine import StartedRequest
+from pagedinfer.errors import first_line, last_line
 from pagedinfer.lines.line import LineError, LineRequest
-from pagedinfer.ray.actor import EngineReplica, Live, Row
+from pagedinfer.lines.runner import Answer, Row
+from pagedinfer.ray.actor import EngineReplica, Live
 
 PUMP_S = 0.25  # engine time per pump call: short enough for a live progress bar and quick top-ups
 MAX_ATTEMPTS = 3  # a row held by a replica that died this many times gets an error record
@@ -37,9 +40,7 @@ class RayUnavailable(Exception):
 class ReplicaSpec:
     """What every replica loads, and how many there are."""
 
-    model: str | None
-    engine: dict  # LLM keyword arguments
-    seed: int = 0
+    llm: LLMConfig  # every replica's `LLM` (its model, seed and engine settings)
     replicas: int = 2
     address: str | None = None  # None: start a local Ray for this run and stop it after
     model_name: str = "pagedinfer-demo"
@@ -76,7 +77,7 @@ def cpu_share(cpus: float, replicas: int) -> float:
 
 @dataclass
 class _Progress:
-    """Sums of the replicas' latest `Live` figures, in the shape `cli.progress.RunProgress.on_step` reads."""
+    """Sums of the replicas' latest `Live` figures, read as one `LLM`'s (`cli.progress.RunProgress.on_step`)."""
 
     live: dict[int, Live] = field(default_factory=dict)
 
@@ -85,20 +86,13 @@ class _Progress:
         return self
 
     @property
-    def pool(self) -> _Progress:
-        return self
-
-    @property
     def generated_tokens(self) -> int:
         return sum(v.generated_tokens for v in self.live.values())
 
     @property
-    def num_used(self) -> int:
-        return sum(v.blocks_used for v in self.live.values())
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(v.num_blocks for v in self.live.values())
+    def kv_blocks(self) -> tuple[int, int]:
+        used = sum(v.kv_blocks[0] for v in self.live.values())
+        return used, sum(v.kv_blocks[1] for v in self.live.values())
 
     def started_requests(self) -> list[StartedRequest]:
         """Every replica's started unfinished requests, as of its latest reply, longest running first."""
@@ -127,7 +121,7 @@ class DataParallelEngines:
                 ray.init(address=spec.address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 where = f"the Ray cluster at {spec.address}" if spec.address else "a local Ray"
-                raise RayUnavailable(f"cannot start {where}: {str(e).splitlines()[0]}") from None
+                raise RayUnavailable(f"cannot start {where}: {first_line(e)}") from None
             self._started_ray = True
         self.startup_s = time.perf_counter() - self._t0
         self.actors: list = []
@@ -142,7 +136,7 @@ class DataParallelEngines:
             actor = ray.remote(EngineReplica).options(
                 max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD", **options
             )
-            args = (spec.model, spec.engine, spec.seed, threads, spec.model_name, spec.loras)
+            args = (spec.llm, threads, spec.model_name, spec.loras)
             self.actors = [actor.remote(*args) for _ in range(spec.replicas)]
             self.infos = ray.get([a.info.remote() for a in self.actors])
         except ray.exceptions.RayActorError as e:
@@ -150,7 +144,7 @@ class DataParallelEngines:
                 ray.kill(a)
             self.actors = []
             self.close()
-            raise RayUnavailable(f"a replica failed to start: {_first_line(e)}") from None
+            raise RayUnavailable(f"a replica failed to start: {_replica_error(e)}") from None
         except RayUnavailable:
             self.close()
             raise
@@ -161,7 +155,7 @@ class DataParallelEngines:
         resources = self.ray.cluster_resources()
         n = self.spec.replicas
         gpus = int(resources.get("GPU", 0))
-        device = self.spec.engine.get("device", "auto")
+        device = self.spec.llm.model_config.device
         if gpus and device != "cpu":
             if gpus < n:
                 raise RayUnavailable(f"--data-parallel {n} needs {n} GPUs; the Ray cluster has {gpus}")
@@ -170,35 +164,55 @@ class DataParallelEngines:
         return {"num_cpus": share}, max(1, int(share))
 
     # -- the feed --------------------------------------------------------------------------------
-    def check(self, rows: list[Row]) -> list[tuple[int, LineError]]:
+    @property
+    def context_length(self) -> int:
+        """The model's own context length (every replica loads the same model)."""
+        return self.infos[0]["context"]
+
+    def system_fingerprint(self) -> str:
+        """What decides the replicas' records (docs/reproducibility.md): theirs, one unless they differ."""
+        return ",".join(sorted({info["system_fingerprint"] for info in self.infos}))
+
+    @property
+    def dropped(self) -> list[StartedRequest]:
+        """The started rows the replicas held unfinished, as of each one's last reply."""
+        return self.progress.started_requests()
+
+    def rejected(self, rows: Iterable[tuple[int, LineRequest]]) -> list[Answer]:
         """Rows no replica could ever run (too long for the model or the pool); for ``--strict``."""
+        rows = list(rows)
         chunks = [rows[i :: len(self.actors)] for i in range(len(self.actors))]
         found = self.ray.get([a.check.remote(c) for a, c in zip(self.actors, chunks, strict=True) if c])
-        return sorted(x for part in found for x in part)
+        return sorted((x for part in found for x in part), key=lambda answer: answer.position)
 
     def run(
-        self, rows: Iterable[Row], on_progress: Callable[[int], None] | None = None
-    ) -> Iterator[tuple[int, dict | LineError]]:
-        """Yield ``(position, record or LineError)`` per row, as rows finish; pulls ``rows`` lazily.
+        self, rows: Iterable[Row], on_step: Callable[[_Progress], None] | None = None
+    ) -> Iterator[Answer]:
+        """Each row's answer as it finishes, ``rows`` pulled lazily (`lines.runner`'s rows and
+        answers: a row parsing refused comes back as it is pulled).
 
-        ``on_progress(completions)`` is called after every replica reply with the completions it finished (it
-        may raise to stop the run; closing the generator drops the replicas' unfinished work).
+        ``on_step(progress)`` is called after every replica reply with the replicas' summed figures
+        (it may raise to stop the run; closing the generator drops the replicas' unfinished work).
         """
         ray = self.ray
-        window = self.spec.window or 2 * self.spec.engine.get("max_num_seqs", 256)
+        window = self.spec.window or 2 * self.spec.llm.engine_config.max_num_seqs
         source = iter(rows)
-        retry: deque[Row] = deque()
+        retry: deque[tuple[int, LineRequest]] = deque()
+        refused: list[Answer] = []  # rows parsing refused, answered as they are pulled
         attempts: dict[int, int] = {}
         held: list[dict[int, LineRequest]] = [{} for _ in self.actors]  # rows each replica holds
         pending: dict = {}  # ref -> (replica index, "pump" or "probe")
         start = time.perf_counter()
 
-        def take(k: int) -> list[Row]:
+        def take(k: int) -> list[tuple[int, LineRequest]]:
             out = []
             while len(out) < k and retry:
                 out.append(retry.popleft())
             while len(out) < k and (row := next(source, None)) is not None:
-                out.append(row)
+                if isinstance(row[1], LineError):
+                    refused.append(Answer(row[0], row[1].key, row[1]))
+                else:
+                    out.append(row)
             return out
 
         def submit(i: int) -> None:
@@ -214,6 +228,8 @@ class DataParallelEngines:
             for i, rows_i in enumerate(held):
                 if rows_i:
                     pending[self.actors[i].pump.remote(list(rows_i.items()), PUMP_S)] = (i, "pump")
+            yield from refused
+            refused.clear()
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
                 i, kind = pending.pop(ref)
@@ -235,7 +251,7 @@ class DataParallelEngines:
                     done = reply.done
                     self.progress.live[i] = reply.live
                     self._restarted(i, reply.instance)
-                    finished = {pos for pos, _, _ in done}
+                    finished = {answer.position for answer in done}
                     lost = {
                         p: r for p, r in held[i].items() if p not in finished and p not in set(reply.running)
                     }
@@ -243,15 +259,17 @@ class DataParallelEngines:
                         done = done + self._requeue(lost, retry, attempts)
                         for p in lost:
                             del held[i][p]
-                for pos, result, _ in done:
-                    held[i].pop(pos, None)
-                    yield pos, result
-                if on_progress is not None:
-                    on_progress(sum(completions for _, _, completions in done))
+                for answer in done:
+                    held[i].pop(answer.position, None)
+                    yield answer
+                if on_step is not None:
+                    on_step(self.progress)
                 busy = {j for j, _ in pending.values()}
                 for j in range(len(self.actors)):
                     if j not in busy:
                         submit(j)
+                yield from refused
+                refused.clear()
         finally:
             for ref in pending:
                 with contextlib.suppress(Exception):  # best effort: close() ends the actors anyway
@@ -263,14 +281,16 @@ class DataParallelEngines:
             self.restarts[i] += 1
             self.infos[i]["instance"] = instance
 
-    def _requeue(self, rows: dict[int, LineRequest], retry: deque[Row], attempts: dict[int, int]) -> list:
+    def _requeue(
+        self, rows: dict[int, LineRequest], retry: deque[tuple[int, LineRequest]], attempts: dict[int, int]
+    ) -> list[Answer]:
         """A replica died holding ``rows``: queue them first; the ones that keep killing replicas fail."""
         again, failed = [], []
         for pos, item in sorted(rows.items()):
             attempts[pos] = attempts.get(pos, 0) + 1
             if attempts[pos] >= MAX_ATTEMPTS:
                 error = item.failed(f"the replica running this line died {attempts[pos]} times")
-                failed.append((pos, error, item.params.n))
+                failed.append(Answer(pos, item.key, error))
             else:
                 again.append((pos, item))
         self.rerun_rows += len(again)
@@ -338,8 +358,6 @@ class DataParallelEngines:
                 self._started_ray = False
 
 
-def _first_line(e: BaseException) -> str:
+def _replica_error(e: BaseException) -> str:
     """The replica's own error from a Ray actor error: its last line, without the exception's class path."""
-    text = str(e).strip()
-    line = text.splitlines()[-1] if text else type(e).__name__
-    return re.sub(r"^[\w.]+(Error|Exception): ", "", line)
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", last_line(e))

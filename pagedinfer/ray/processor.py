@@ -113,21 +113,20 @@ class EngineStage:
     """The ``map_batches`` callable class: one engine replica per actor of the pool."""
 
     def __init__(self, config: ProcessorConfig, threads: int) -> None:
+        from pagedinfer.config import LLMConfig
         from pagedinfer.ray.actor import EngineReplica
 
         self.config = config
         name = config.model or "pagedinfer-demo"
-        self.replica = EngineReplica(config.model, config.engine_kwargs, config.seed, threads, name)
+        llm = LLMConfig.of(config.model, seed=config.seed, **config.engine_kwargs)
+        self.replica = EngineReplica(llm, threads, name)
 
     def __call__(self, batch):
         import pyarrow as pa
 
         rows = batch.to_pylist()
         items = [row_request(row, self.config) for row in rows]
-        results: dict[int, dict | LineError] = {i: x for i, x in enumerate(items) if isinstance(x, LineError)}
-        todo = [(i, x) for i, x in enumerate(items) if isinstance(x, LineRequest)]
-        for pos, result, _ in self.replica.run_all(todo):
-            results[pos] = result
+        results = {answer.position: answer.result for answer in self.replica.run_all(list(enumerate(items)))}
         if not self.config.should_continue_on_error:
             for i in sorted(results):
                 if isinstance(results[i], LineError):

@@ -1,0 +1,31 @@
+"""The families pagedinfer's own layers serve, one declaration each (`spec.Family`).
+
+Adding a family is adding its module here and its name to `FAMILIES`; everything that knows a
+family (the loader, the GGUF reader, the validation, the layers, the C step, the LoRA sites) reads it.
+"""
+
+from __future__ import annotations
+
+from pagedinfer.model.families.llama import LLAMA
+from pagedinfer.model.families.mistral import MISTRAL
+from pagedinfer.model.families.qwen2 import QWEN2
+from pagedinfer.model.families.qwen3 import QWEN3
+from pagedinfer.model.families.spec import Family
+
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3)
+
+
+def find(config) -> Family | None:
+    """The family of a Hugging Face config (by its model_type), None when ours serve none."""
+    kind = getattr(config, "model_type", None)
+    return next((f for f in FAMILIES if kind in f.model_types), None)
+
+
+def by_gguf_arch(arch: object) -> Family | None:
+    """A family whose GGUF files have architecture ``arch`` (their size keys are what it gives)."""
+    return next((f for f in FAMILIES if f.gguf_arch == arch), None)
+
+
+def names() -> str:
+    """The served model types, for messages: "llama, mistral, qwen2, qwen3"."""
+    return ", ".join(t for f in FAMILIES for t in f.model_types)

@@ -1,0 +1,149 @@
+"""The vocabulary of a family declaration: what pagedinfer's own layers need to know of a model family.
+
+A `Family` says, in one place, which Hugging Face ``model_type`` values and which GGUF architecture
+it is; each module of its checkpoint under both names with its weight's shape as a function of the
+config (`Sizes`, by dimension names) and whether its weight and bias must, may or must not be there;
+which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
+our layers' norms (`NORM_ROLES`); which rows llama.cpp's converter permuted (undone on reading); and
+the kinds of norm, activation and RoPE the layers compute. The loader, the GGUF reader, the
+validation, the layers (and so the C step's per-layer pointers) and the LoRA sites read it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# our dense layer's linears, in the order a layer runs them: q, k and v rows fused; o; gate and up
+# rows fused (the product is act(gate) * up); down. A family names the modules that fill each.
+LINEAR_ROLES = ("qkv", "o", "gate_up", "down")
+# our dense layer's norms: before attention, before the MLP, and (optional) per head on q and k
+NORM_ROLES = ("input_norm", "post_norm", "q_norm", "k_norm")
+HF_LAYER = "model.layers.{}."  # a layer's modules' prefix in Hugging Face names (in GGUF names: "blk.{}.")
+# what each dimension name of a shape stands for, in the config's fields (messages show these)
+DIMS = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "inter": "intermediate_size",
+    "q": "num_attention_heads * head_dim",
+    "kv": "num_key_value_heads * head_dim",
+    "head_dim": "head_dim",
+}
+# llama.cpp's size keys (after "<arch>.") that become the config's sizes; each a positive integer
+GGUF_SIZE_KEYS = (
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "block_count",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.dimension_count",
+    "vocab_size",
+)
+GGUF_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")  # each finite and positive
+
+
+class Need(enum.Enum):
+    """Whether a checkpoint must hold a tensor, may, or must not."""
+
+    REQUIRED = "required"
+    OPTIONAL = "optional"  # e.g. a Llama's biases (its config's attention_bias), a tied lm_head
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a family's layers are built from (checked against each other by `validate.sizes`)."""
+
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
+        """A declared shape's sizes, e.g. ``("q", "hidden")`` -> ``(Hq * D, H)``."""
+        return tuple(getattr(self, d) for d in dims)
+
+
+def formula(dims: tuple[str, ...]) -> str:
+    """A declared shape in the config's fields, e.g. ``[num_attention_heads * head_dim, hidden_size]``."""
+    return "[" + ", ".join(DIMS[d] for d in dims) + "]"
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module of a checkpoint: its weight (and bias) under Hugging Face and GGUF names."""
+
+    hf: str  # e.g. "self_attn.q_proj" (inside layer i, after `HF_LAYER`), or a top-level name
+    gguf: str  # e.g. "attn_q" (inside layer i, after "blk.{i}."), or a top-level name
+    shape: tuple[str, ...]  # the weight's dimensions by `DIMS` names, numpy order [rows, in]
+    weight: Need = Need.REQUIRED
+    bias: Need = Need.ABSENT  # [rows]
+
+    def tensors(self) -> list[tuple[str, tuple[str, ...], bool]]:
+        """(name suffix, dims, required) of its weight and bias, where the checkpoint may hold them."""
+        out = []
+        for suffix, need, dims in (("weight", self.weight, self.shape), ("bias", self.bias, self.shape[:1])):
+            if need is not Need.ABSENT:
+                out.append((suffix, dims, need is Need.REQUIRED))
+        return out
+
+
+# the modules outside the layers, the same for every decoder family so far
+DECODER_TOP = (
+    Module("model.embed_tokens", "token_embd", ("vocab", "hidden")),
+    Module("model.norm", "output_norm", ("hidden",)),
+    Module("lm_head", "output", ("vocab", "hidden"), weight=Need.OPTIONAL),  # absent: tied to the embedding
+)
+EMBED, FINAL_NORM, LM_HEAD = (m.hf for m in DECODER_TOP)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as pagedinfer's own layers serve it (see the module docstring)."""
+
+    model_types: tuple[str, ...]  # the Hugging Face config's model_type values it serves
+    gguf_arch: str  # general.architecture of its GGUF files (mistral's are "llama")
+    layer: tuple[Module, ...]  # one layer's modules, in the order validation checks them
+    linears: dict[str, tuple[str, ...]]  # `LINEAR_ROLES` -> the modules fused in it, rows in order
+    norms: dict[str, str]  # `NORM_ROLES` -> its module (q_norm and k_norm only where the family has them)
+    # module -> the head count (`Sizes` name) whose rows llama.cpp's converter interleaved for its RoPE
+    # (as convert_hf_to_gguf.py's permute); the reader puts them back in rotate-half order
+    gguf_permuted: dict[str, str] = field(default_factory=dict)
+    top: tuple[Module, ...] = DECODER_TOP
+    norm: str = "rms"  # "rms": x / sqrt(mean(x^2) + rms_norm_eps) * weight
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the config field naming the MLP's, its default
+    # "half": dimension i rotates with i + D/2 (Hugging Face's rotate_half, llama.cpp's NEOX), by
+    # angles from the config's rope_parameters (any rope_type transformers computes) and head_dim
+    rope: str = "half"
+    gguf_size_keys: tuple[str, ...] = GGUF_SIZE_KEYS
+    gguf_float_keys: tuple[str, ...] = GGUF_FLOAT_KEYS
+
+    @property
+    def name(self) -> str:
+        return self.model_types[0]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k are normed per head before RoPE (Qwen3): the C step's q/k norm flag."""
+        return "q_norm" in self.norms
+
+    def module(self, hf: str) -> Module:
+        """The layer module of Hugging Face name ``hf`` (e.g. "self_attn.q_proj")."""
+        return next(m for m in self.layer if m.hf == hf)
+
+    def activation_of(self, config) -> str:
+        """The MLP's activation as the config names it."""
+        key, default = self.activation
+        return getattr(config, key, default)

@@ -1,0 +1,328 @@
+"""Speculative decoding changes no bit: every line's record (token ids, text, logprobs and
+prompt_logprobs as exact floats, finish and stop reasons) is the same with speculation on and off, for
+greedy and seeded sampling, n > 1, stop strings, max_tokens ending inside a draft, logit controls,
+structured outputs, a LoRA line, int8 weights, beam search and a pool small enough to preempt. Each
+speculating run asserts that drafts were accepted, so the verified path ran.
+
+Drafts are taken wherever a match exists (`RowCost(math.inf)`: rows cost nothing) so that the tests do
+not depend on this machine's timing; the gate is tested on its own. Random tiny models rarely repeat
+themselves, so the matrix tests draft from an oracle (`oracle_drafts`: the run without speculation's
+own tokens, every few drafts with its last token wrong), which exercises acceptance, rejection and
+rollback at every offset whatever the model; the n-gram sources run on the demo model, which does
+repeat itself, and the text model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from models import save_lora
+
+from pagedinfer import LLM, LoRARequest, SamplingParams
+from pagedinfer.config import EngineConfig, SpeculativeConfig
+from pagedinfer.core.block_pool import BlockPool
+from pagedinfer.core.speculative import Acceptance, Draft, NgramIndex, RowCost, Speculator
+from pagedinfer.engine.llm_engine import LLMEngine, SpeculationOff
+from pagedinfer.sampling_params import BeamSearchParams, StructuredOutputsParams
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+_spec = importlib.util.spec_from_file_location("make_golden", REPO / "scripts" / "make_golden.py")
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 3
+PROMPTS = [TEXT, "hello world, hello world, hello", TEXT + "the quick"]
+
+
+def engine_view(base: LLM, spec: dict | None, **engine) -> LLM:
+    """An `LLM` over ``base``'s loaded model with other engine settings (nothing loaded again); with
+    ``spec``, drafts are taken wherever a match exists."""
+    view = LLM.__new__(LLM)
+    first = base.engine
+    view.engine = LLMEngine(
+        first.loaded, dataclasses.replace(first.config, speculative_config=spec, **engine)
+    )
+    if spec is not None:
+        view.engine.set_row_cost(RowCost(math.inf))
+    return view
+
+
+def records(llm: LLM, prompts, params, **kw) -> list[str]:
+    return [golden.record(o) for o in llm.generate(prompts, params, use_tqdm=False, **kw)]
+
+
+def accepted(llm: LLM) -> int:
+    return sum(c.accepted for c in llm.engine.stats.speculation.sources.values())
+
+
+def oracle_drafts(monkeypatch, outputs) -> None:
+    """Draft each completion's next tokens from ``outputs`` (the run without speculation, by request
+    order and completion index); every third draft's last token is wrong (a rejection inside it)."""
+    tokens = {(i, c.index): list(c.token_ids) for i, o in enumerate(outputs) for c in o.outputs}
+
+    def lookup(self, seq, room):
+        done = seq.num_output_tokens  # the pending token included
+        draft = tokens.get((seq.request.order, seq.index), [])[done : done + room]
+        if not draft:
+            return None
+        if done % 3 == 0:
+            draft[-1] ^= 1
+        return Draft("prompt_lookup", draft)
+
+    monkeypatch.setattr(Speculator, "_lookup", lookup)
+
+
+def same_on_and_off(base: LLM, prompts, params, monkeypatch=None, **kw) -> LLM:
+    """Assert the records match with speculation off and on (with ``monkeypatch``, drafts from the
+    oracle); return the speculating `LLM` (to read its counts)."""
+    engine = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(EngineConfig)}}
+    outputs = engine_view(base, None, **engine).generate(prompts, params, use_tqdm=False, **kw)
+    off = [golden.record(o) for o in outputs]
+    if monkeypatch is not None:
+        oracle_drafts(monkeypatch, outputs)
+    on_llm = engine_view(base, SPEC, **engine)
+    on = records(on_llm, prompts, params, **kw)
+    for i, (a, b) in enumerate(zip(off, on, strict=True)):
+        assert a == b, f"line {i} differs with speculation on"
+    return on_llm
+
+
+@pytest.fixture(scope="module")
+def text_llm(text_model) -> LLM:
+    return LLM(str(text_model), device="cpu", num_blocks=128)
+
+
+def test_greedy_and_seeded_sampling_with_logprobs_are_unchanged(text_llm):
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=3, prompt_logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.7, seed=5, n=3, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=1.0, top_k=20, top_p=0.9, seed=9, n=2),
+    ]
+    llm = same_on_and_off(text_llm, PROMPTS, params)
+    stats = llm.engine.stats
+    assert accepted(llm) > 0
+    assert stats.tokens_per_seq_step > 1.0
+    assert stats.to_dict()["speculation"]["sources"]["prompt_lookup"]["accepted"] > 0
+
+
+def test_demo_model_drafts_from_its_own_text():
+    """The n-gram sources themselves on a model that repeats itself (the package's demo model)."""
+    base = LLM(None, device="cpu", num_blocks=64)
+    prompts = ["To be or not to be, that is the question. To be or not", "The king, the king, the king"]
+    params = [
+        SamplingParams(max_tokens=60),
+        SamplingParams(max_tokens=60, temperature=0.8, seed=3, n=2, logprobs=2),
+    ]
+    llm = same_on_and_off(base, prompts, params)
+    assert accepted(llm) > 0
+
+
+def test_stop_strings_and_max_tokens_inside_a_draft(text_llm, monkeypatch):
+    off = engine_view(text_llm, None).generate(PROMPTS[:1], SamplingParams(max_tokens=40), use_tqdm=False)
+    text = off[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # met mid-output: a draft may run past it
+    params = [
+        SamplingParams(max_tokens=40, stop=[stop]),
+        SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=True, seed=1, temperature=0.5),
+        *[SamplingParams(max_tokens=m) for m in (1, 2, 3, 7, 13)],  # ends at every offset of a draft
+    ]
+    llm = same_on_and_off(text_llm, [PROMPTS[0]] * len(params), params, monkeypatch)
+    assert accepted(llm) > 0
+
+
+def test_logit_controls_are_unchanged(text_llm, monkeypatch):
+    tok = text_llm.get_tokenizer()
+    banned = tok.encode(" fox")
+    params = [
+        SamplingParams(max_tokens=30, logit_bias={banned[0]: -5.0}, seed=2, temperature=0.8),
+        SamplingParams(max_tokens=30, bad_words=[" lazy"]),
+        SamplingParams(max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1),
+        SamplingParams(max_tokens=30, min_tokens=20, seed=3, temperature=0.6),
+    ]
+    llm = same_on_and_off(text_llm, [PROMPTS[0]] * len(params), params, monkeypatch)
+    assert accepted(llm) > 0
+
+
+def test_structured_outputs_are_unchanged(text_llm, monkeypatch):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    so = StructuredOutputsParams(json=schema)
+    params = [
+        SamplingParams(max_tokens=40, structured_outputs=so),
+        SamplingParams(max_tokens=40, structured_outputs=so, seed=4, temperature=0.9, n=2),
+        SamplingParams(max_tokens=40),  # a free line beside them drafts
+    ]
+    llm = same_on_and_off(text_llm, [PROMPTS[0]] * len(params), params, monkeypatch)
+    assert accepted(llm) > 0
+
+
+def test_preemption_in_a_tiny_pool(text_llm, monkeypatch):
+    params = [SamplingParams(max_tokens=40, seed=i, temperature=0.5, n=2) for i in range(4)]
+    llm = same_on_and_off(text_llm, [PROMPTS[i % 3] for i in range(4)], params, monkeypatch, num_blocks=12)
+    assert llm.engine.stats.preemptions > 0
+    assert accepted(llm) > 0
+
+
+def test_beam_search_runs_without_speculation(text_llm):
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    got = [
+        [(s.token_ids, s.cumulative_logprob, s.finish_reason) for s in o.sequences]
+        for llm in (engine_view(text_llm, None), engine_view(text_llm, SPEC))
+        for o in llm.beam_search([{"prompt": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    ]
+    assert got[:2] == got[2:]
+
+
+def test_lora_lines_beside_drafting_lines(text_model, tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.mktemp("spec-lora")
+    adapter = LoRARequest("a", 1, str(save_lora(text_model, root, "a", 4, seed=1)))
+    base = LLM(str(text_model), device="cpu", num_blocks=128, enable_lora=True)
+    params = [SamplingParams(max_tokens=30, seed=i, temperature=0.4) for i in range(3)]
+    kw = {"lora_request": [adapter, None, None]}
+    off_llm = engine_view(base, None)  # each engine attaches its adapter sites to the shared model:
+    off_llm.engine.add_lora(adapter)  # the next one is made once this one is done
+    outputs = off_llm.generate(PROMPTS, params, use_tqdm=False, **kw)
+    oracle_drafts(monkeypatch, outputs)
+    on_llm = engine_view(base, SPEC)
+    on_llm.engine.add_lora(adapter)
+    assert records(on_llm, PROMPTS, params, **kw) == [golden.record(o) for o in outputs]
+    assert accepted(on_llm) > 0
+
+
+def test_int8_weights(tiny_model, monkeypatch):
+    base = LLM(str(tiny_model("llama")), device="cpu", num_blocks=64, quantization="int8")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, {"prompt_token_ids": [9, 10] * 6}]
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, seed=3, temperature=0.6, n=2)]
+    llm = same_on_and_off(base, prompts, params, monkeypatch)
+    assert accepted(llm) > 0
+
+
+def test_no_block_holds_unverified_tokens_after_a_step(text_llm, monkeypatch):
+    params = [SamplingParams(max_tokens=40, n=2, seed=i) for i in range(len(PROMPTS))]
+    oracle_drafts(monkeypatch, engine_view(text_llm, None).generate(PROMPTS, params, use_tqdm=False))
+    llm = engine_view(text_llm, SPEC, block_size=4)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(engine.intake.prepare(p, params[i], str(i)), i)
+    pool, bs = engine.pool, 4
+    while engine.has_unfinished:
+        engine.step()
+        for req in engine.scheduler.running:
+            for seq in req.live_seqs():
+                # the table covers the verified positions exactly; no block past them is hashed
+                assert len(seq.block_table) == pool.blocks_for_tokens(seq.num_computed)
+                assert all(pool.hashes[b] is None for b in seq.block_table[seq.num_computed // bs :])
+    assert pool.num_used == 0
+    assert accepted(llm) > 0
+
+
+def test_truncate_returns_emptied_blocks():
+    pool = BlockPool(8, 4)
+    table: list[int] = []
+    pool.reserve(table, 0, 10)  # 3 blocks, the last holding 2
+    pool.truncate(table, 5)
+    assert len(table) == 2 and pool.num_free == 6
+    assert pool.filled[table[1]] == 1 and pool.num_filled_slots == 5
+
+
+def test_ngram_index_finds_the_latest_occurrence():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2]
+    index = NgramIndex(1, 3)
+    index.extend(tokens)
+    assert index.at[(1, 2)] == 6  # followed by 3 at position 6, the latest occurrence
+    assert index.at[(2, 3)] == 7
+    assert (1, 2, 3, 8) not in index.at
+
+
+def test_the_gate_drafts_only_where_rows_pay():
+    acceptance = Acceptance()
+    assert acceptance.rate == 0.5
+    for _ in range(5):
+        acceptance.record(0, True)
+    assert acceptance.rate < 0.1
+    assert RowCost(math.inf).threshold(8) == 0.0
+    assert RowCost(0.0).threshold(1) == 1.0  # rows as dear as the step: never worth it
+    assert RowCost(9.0).threshold(1) == pytest.approx(0.1)
+
+
+def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
+    spec = SpeculativeConfig.parse(SPEC)
+    engine = engine_view(text_llm, None).engine
+    req = engine.add_request(engine.intake.prepare(PROMPTS[0], SamplingParams(max_tokens=5, n=2), "x"), 0)
+    engine.step()  # the prompt; each completion holds its first token
+    s0, s1 = req.completions
+    speculator = Speculator(spec, RowCost(math.inf))
+    prompt = req.prompt_token_ids
+    assert s0.token_ids[-1] not in prompt  # so only the 1-gram below matches
+    s0.token_ids.append(prompt[3])
+    draft = speculator.propose(s0, 4, 1)
+    assert draft is not None and draft.source == "prompt_lookup"
+    at = max(i for i, t in enumerate(prompt) if t == prompt[3]) + 1
+    assert draft.token_ids == prompt[at : at + 4]  # what followed its latest earlier occurrence
+    assert Speculator(spec, RowCost(0.0)).propose(s0, 4, 1) is None  # the gate refuses
+    s1.token_ids += [40000, 40001, 40002]  # a sibling's output holding a suffix nothing else has
+    s0.token_ids += [40000]
+    draft = speculator.propose(s0, 4, 1)
+    assert draft is not None and draft.source == "siblings" and draft.token_ids == [40001, 40002]
+    engine.abort_all()
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above"),
+        ({"num_speculative_tokens": 2, "draft": 1}, "unknown key 'draft'"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_speculative_config_is_named(value, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(speculative_config=value)
+
+
+def test_prompt_lookup_defaults_follow_vllm():
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 3}).prompt_lookup_min == 5
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+
+
+def test_speculation_is_off_outside_the_contract(tiny_model):
+    with pytest.warns(SpeculationOff, match="transformers' gpt2 layers"):
+        llm = LLM(str(tiny_model("gpt2")), device="cpu", num_blocks=16, speculative_config=SPEC)
+    assert llm.engine.scheduler.speculator is None
+    assert llm.engine.stats.to_dict()["speculation"]["mode"].startswith("off: transformers' gpt2")
+
+
+def test_command_line_option(tmp_path):
+    from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": TEXT, "max_tokens": 12, "n": 2, "seed": 1}])
+    common = ["run", prompts, "--model", tiny_model(), "--quiet", "--num-blocks", "32"]
+    off = invoke(*common, "-o", tmp_path / "off.jsonl")
+    spec = json.dumps(SPEC)
+    on = invoke(
+        *common,
+        "-o",
+        tmp_path / "on.jsonl",
+        "--speculative-config",
+        spec,
+        "--report-json",
+        tmp_path / "r.json",
+    )
+    assert off.exit_code == on.exit_code == 0, on.output
+    assert read_jsonl(tmp_path / "on.jsonl") == read_jsonl(tmp_path / "off.jsonl")
+    report = json.loads((tmp_path / "r.json").read_text())["speculation"]
+    assert report["mode"] == "on: ngram, up to 4 drafted tokens" and "prompt_lookup" in report["sources"]
+    bad = invoke(
+        *common, "-o", tmp_path / "bad.jsonl", "--speculative-config", '{"num_speculative_tokens": 0}'
+    )
+    one_line_error(bad, "--speculative-config.num_speculative_tokens must be an integer >= 1, not 0")
