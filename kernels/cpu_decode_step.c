@@ -90,11 +90,9 @@ typedef struct {
 #define STEP(name) CAT(name, f32_kv_f16)
 #include "cpu_decode_step_body.h"
 #endif
-#if HAVE_BF16
 #define ELEM uint16_t
 #define FN(name) CAT(name, bf16)
 #define KV(name) CAT(name, bf16)
 #define STEP(name) CAT(name, bf16)
 #include "cpu_decode_step_body.h"
-#endif
 

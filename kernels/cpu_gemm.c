@@ -38,9 +38,10 @@
  * read back, and the SiLU costs no pass of its own. Biases are packed the same way (16 per panel)
  * and added before the activation.
  *
- * bfloat16 (CPUs with AVX512-BF16): the same panels with k in pairs (panel j, pair kp: W[16j + c,
- * 2kp + e] at 32 kp + 2c + e, one 64-byte vector), multiplied by pairs of x with vdpbf16ps into
- * float32 accumulators, 8 rows per tile; the sums are rounded once to bfloat16 as a bfloat16
+ * bfloat16: the same panels with k in pairs (panel j, pair kp: W[16j + c, 2kp + e] at 32 kp + 2c +
+ * e, one 64-byte vector), multiplied by pairs of x with vdpbf16ps into float32 accumulators, 8 rows
+ * per tile (without AVX512-BF16 the same products in the same order by fused multiply-adds, the
+ * instruction's bits: epairs_tile); the sums are rounded once to bfloat16 as a bfloat16
  * linear's output is, and the gated epilogue rounds gate and up first and silu(gate) again, as
  * cpu_llama_ops.c's bfloat16 silu_mul does. Requires an even k (x is read in pairs). With AMX, from
  * AMX_MIN_ROWS rows and k a multiple of 32, the same panels feed TDPBF16PS as its B tiles. Quantized
@@ -60,8 +61,12 @@
 #include "cpu_gemm_formats.h" /* formats, vh, NR */
 #include "cpu_vec.h"          /* v8, load8, store8 */
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* _mm_getcsr (flush_subnormals); the AVX-512 intrinsics */
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#define NATIVE_BF16 1 /* vdpbf16ps; else the pair panels' products emulated (epairs_tile) */
 
 /* Two k's 16 float32 weights (a: k, b: k + 1) as one vector of a bfloat16 pair panel: word c holds
  * (a[c], b[c]), each rounded to nearest even as torch rounds (vcvtne2ps2bf16 would flush a float32
@@ -70,6 +75,19 @@ static inline __attribute__((always_inline)) __m512bh bf16_pairs(__m512 a, __m51
     static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+#else
+#define NATIVE_BF16 0
+typedef uint32_t vhu __attribute__((vector_size(VW * 4))); /* a pair panel's words, VW at a time */
+
+/* Each lane's bfloat16, rounded to nearest even, in the lane's top half (the bottom half is garbage), as
+ * vcvtne2ps2bf16 rounds: a subnormal is flushed to a zero of its sign (checked against it lane for
+ * lane); no NaN comes here (a format's weights are finite). */
+static inline vhu bf16_round_bits(vh v) {
+    vhu b = (vhu)v;
+    const vhu subnormal = (vhu)((b & 0x7f800000u) == 0);
+    b &= ~subnormal | 0x80000000u;
+    return b + 0x7fffu + ((b >> 16) & 1u);
 }
 #endif
 
@@ -101,19 +119,37 @@ static inline int equal_blocks(int m, int most) {
     return (m + blocks - 1) / blocks;
 }
 
-/* silu(g) * u as cpu_llama_ops.c's silu_mul computes it: g / (1 + exp(-g)) * u. */
-static inline v8 silu_mul8(v8 g, v8 u) {
+/* exp(-g) lane by lane, as cpu_llama_ops.c's SiLU takes it. */
+static inline v8 exp_neg8(v8 g) {
 #if defined(__AVX2__) && defined(__FMA__)
-    const v8 e = (v8)exp_poly8((__m256)((v8){0} - g));
+    return (v8)exp_poly8((__m256)((v8){0} - g));
 #else
     v8 e;
     for (int i = 0; i < 8; i++) e[i] = exp_poly(-g[i]);
+    return e;
 #endif
-    return g / (1.0f + e) * u;
+}
+
+/* silu(g) * u as cpu_llama_ops.c's silu_mul computes it: g / (1 + exp(-g)) * u. */
+static inline v8 silu_mul8(v8 g, v8 u) { return g / (1.0f + exp_neg8(g)) * u; }
+
+/* A bfloat16 tile row's 16 float32 sums (lo: columns 0-7, hi: 8-15; + bias) out as 16 bfloat16, or 8 of
+ * silu(gate) * up when gated. Inline: called once per accumulator, as a function it had the tiles
+ * spill all of them to the stack and reload each as an argument (docs/kernels.md). */
+static inline __attribute__((always_inline)) void store_tile_bf16(uint16_t *y, v8 lo, v8 hi, const float *b,
+                                                                  int gated) {
+    if (b) lo += load8(b), hi += load8(b + 8);
+    if (!gated) {
+        store8_bf16(y, lo);
+        store8_bf16(y + 8, hi);
+        return;
+    }
+    const v8 g = round8_bf16(lo), u = round8_bf16(hi); /* the GEMM's bfloat16 outputs */
+    store8_bf16(y, round8_bf16(g / (1.0f + exp_neg8(g))) * u);
 }
 
 /* A tile's accumulators out: 16 columns plus the panel's bias (b, or NULL), or 8 columns of
- * silu(lo) * hi when gated. Inline, as store_tile_bf16 (below) says why. */
+ * silu(lo) * hi when gated. Inline, as store_tile_bf16 (above) says why. */
 static inline __attribute__((always_inline)) void store_tile(float *y, v8 lo, v8 hi, const float *b, int gated) {
     if (b) lo += load8(b), hi += load8(b + 8);
     if (gated) {
@@ -324,7 +360,7 @@ typedef void (*tiles_fn)(int rows, int np, const float *x, int64_t lda, const ui
 static const tiles_fn TILES_OF[K_COUNT] = {[K_F32] = tiles_K_F32, QUANTIZED_KINDS(TILES_ENTRY)};
 
 /* The panel at p of format f as k x 16 float32 weights into w (the values the tiles multiply by); or,
- * with pairs (AVX512-BF16 builds), as a bfloat16 pair panel there instead (K_BF16's layout: 32-bit word
+ * with pairs, as a bfloat16 pair panel there instead (K_BF16's layout: 32-bit word
  * 16 kp + c holds column c's weights at k 2 kp and 2 kp + 1, each rounded to bfloat16 as torch rounds),
  * so bfloat16 activations over a quantized weight take the products of a bfloat16 linear over the
  * dequantized weight: the same tiles over the same panel, the same bits. pf: a panel to prefetch
@@ -341,17 +377,23 @@ static inline __attribute__((always_inline)) void dequantize_panel(const int f, 
         const int direct = pairs && fmt_direct(f); /* the pairs read nibbles in registers */
         group_setup(f, direct, p, gi, g0, gl, g, scale, s, m, &q, buf);
         if (pf && f != K_I8) prefetch_group(f, pf, 1, 0, gi, g, gl);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (pairs) { /* gl is even: k is (bfloat16 x is read in pairs), and so is every group length */
             for (int kk = 0; kk < gl; kk += 2) {
                 if (pf && f == K_I8 && kk % 4 == 0) __builtin_prefetch(pf + (int64_t)(g0 + kk) * NR, 0, 2);
+#if NATIVE_BF16
                 const __m512bh w = bf16_pairs((__m512)group_weights(f, direct, s, m, q, kk, 0),
                                               (__m512)group_weights(f, direct, s, m, q, kk + 1, 0));
                 _mm512_storeu_si512(pairs + (int64_t)(g0 + kk) / 2 * NR, (__m512i)w);
+#else
+                for (int h = 0; h < PV_HALVES; h++) {
+                    const vhu w = bf16_round_bits(group_weights(f, direct, s, m, q, kk, h)) >> 16 |
+                                  (bf16_round_bits(group_weights(f, direct, s, m, q, kk + 1, h)) & 0xffff0000u);
+                    memcpy(pairs + (int64_t)(g0 + kk) / 2 * NR + h * VW, &w, sizeof w);
+                }
+#endif
             }
             continue;
         }
-#endif
         for (int kk = 0; kk < gl; kk++)
             for (int h = 0; h < PV_HALVES; h++)
                 vh_store(w + (int64_t)(g0 + kk) * NR + h * VW, group_weights(f, 0, s, m, q, kk, h));
@@ -368,36 +410,27 @@ typedef void (*dequantize_fn)(const uint8_t *p, int k, int g, const float *scale
 #define DEQUANTIZE_ENTRY(F) [F] = dequantize_##F,
 static const dequantize_fn DEQUANTIZE_OF[K_COUNT] = {QUANTIZED_KINDS(DEQUANTIZE_ENTRY)};
 
-/* The calling thread's buffer of at least n floats (kept for the thread's life: a panel's worth). */
-static float *thread_buffer(size_t n) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (n > cap) {
-        free(buf);
-        buf = malloc(n * sizeof(float));
-        cap = buf ? n : 0;
+/* The calling thread's buffers (kept for the thread's life): PANEL_BUFFER for a chunk of panels in
+ * float32 or as pairs, X_BUFFER for a block of bfloat16 x widened (widen_pairs) before the threads
+ * start, which they all read. */
+enum { PANEL_BUFFER, X_BUFFER };
+
+/* The calling thread's buffer `slot` of at least n floats. */
+static float *thread_buffer(int slot, size_t n) {
+    static __thread float *buf[2];
+    static __thread size_t cap[2];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = malloc(n * sizeof(float));
+        cap[slot] = buf[slot] ? n : 0;
     }
-    return buf;
+    return buf[slot];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if NATIVE_BF16
 #define MRB 8 /* rows per bfloat16 tile: 12, 16 and 24 ran slower at 64-2048 rows */
-
-/* A tile row's 16 float32 sums (+ bias) out as 16 bfloat16, or 8 of silu(gate) * up when gated.
- * Inline: called once per accumulator, as a function it had the tiles spill all of them to the stack
- * and reload each as an argument (docs/kernels.md). */
-static inline __attribute__((always_inline)) void store_tile_bf16(uint16_t *y, __m512 acc, const float *b, int gated) {
-    if (b) acc = _mm512_add_ps(acc, _mm512_loadu_ps(b));
-    v8 lo = (v8)_mm512_castps512_ps256(acc), hi = (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
-    if (!gated) {
-        store8_bf16(y, lo);
-        store8_bf16(y + 8, hi);
-        return;
-    }
-    const v8 g = round8_bf16(lo), u = round8_bf16(hi); /* the GEMM's bfloat16 outputs */
-    const v8 e = (v8)exp_poly8((__m256)((v8){0} - g));
-    store8_bf16(y, round8_bf16(g / (1.0f + e)) * u);
-}
+/* store_tile_bf16 of one 512-bit accumulator */
+#define STORE_ZMM_BF16(y, acc, b, gated) store_tile_bf16(y, vh_lo((vh)(acc)), vh_hi((vh)(acc)), b, gated)
 
 #define BKERNEL_STEP(ROWS, PREFETCH)                                                               \
     for (int kp = 0; kp < k / 2; kp++) {                                                           \
@@ -419,7 +452,7 @@ static inline __attribute__((always_inline)) void store_tile_bf16(uint16_t *y, _
             BKERNEL_STEP(ROWS, __builtin_prefetch(pf + (int64_t)kp * 2 * NR, 0, 2))                 \
         else                                                                                       \
             BKERNEL_STEP(ROWS, (void)0)                                                            \
-        for (int r = 0; r < ROWS; r++) store_tile_bf16(y + r * ldy, acc[r], b, gated);             \
+        for (int r = 0; r < ROWS; r++) STORE_ZMM_BF16(y + r * ldy, acc[r], b, gated);             \
     }
 BKERNEL(1)
 BKERNEL(2)
@@ -464,7 +497,7 @@ BKERNEL(8)
         }                                                                                          \
         for (int r = 0; r < ROWS; r++)                                                             \
             for (int u = 0; u < WPB; u++)                                                          \
-                store_tile_bf16(y + r * ldy + u * cols, acc[r][u], b ? b + u * NR : NULL, gated);  \
+                STORE_ZMM_BF16(y + r * ldy + u * cols, acc[r][u], b ? b + u * NR : NULL, gated);   \
     }
 BWIDE(1)
 BWIDE(2)
@@ -561,7 +594,7 @@ static inline __attribute__((always_inline)) void qtile_bf16(const int f, const 
         }
     }
     for (int r = 0; r < ROWS; r++)
-        for (int j = 0; j < NP; j++) store_tile_bf16(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
+        for (int j = 0; j < NP; j++) STORE_ZMM_BF16(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
 }
 
 /* qtiles_<format>(rows, np, ...): the in-register tile of that shape (rows <= MRB; np = tile_panels(rows),
@@ -587,12 +620,156 @@ typedef void (*qtiles_fn)(int rows, int np, const uint16_t *x, int64_t lda, cons
                           const float *scale, int gated, uint32_t *wout);
 #define QTILES_ENTRY(F) [F] = qtiles_##F,
 static const qtiles_fn QTILES_OF[K_COUNT] = {QUANTIZED_KINDS(QTILES_ENTRY)};
-#define HAVE_BF16 1
+#else /* no AVX512-BF16: the pair panels' products emulated */
+/* vdpbf16ps adds to each float32 lane x[2kp + 1] w[2kp + 1], then x[2kp] w[2kp]: each product exact
+ * (bfloat16 values have 8 significant bits), each sum rounded once, subnormal inputs and results
+ * flushed to zero whatever MXCSR says. Without it each pair's halves are widened (a mask, a shift) and
+ * taken by two fused multiply-adds in that order under MXCSR's DAZ and FTZ (flush_subnormals): the
+ * same bits, lane for lane, edge cases included (docs/kernels.md), so the products do not depend on
+ * the CPU having the instruction. x is widened once per block of rows (widen_pairs), each pair's odd
+ * value first, so that every multiply-add takes its x as a broadcast from memory, as the float32
+ * tiles do. */
+#if defined(PV_ZMM)
+#define ER 8 /* rows per tile */
+#define EP 3 /* panels per tile from 4 rows (fewer rows: tile_panels) */
 #else
-#define HAVE_BF16 0
+#define ER 6
+#define EP 1
 #endif
 
-#if HAVE_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* MXCSR with DAZ and FTZ set; returns the value to restore. (x86; elsewhere a no-op: subnormals are
+ * not flushed there.) */
+static inline unsigned flush_subnormals(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    return csr;
+#else
+    return 0;
+#endif
+}
+
+static inline void restore_csr(unsigned csr) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(csr);
+#else
+    (void)csr;
+#endif
+}
+
+/* x [m, k] bfloat16 (k even) as float32 in the calling thread's X_BUFFER, the two values of each pair
+ * swapped (out[2kp] = x[2kp + 1], out[2kp + 1] = x[2kp]): the order epairs_tile takes them in. */
+static const float *widen_pairs(const uint16_t *x, int m, int k) {
+    const int64_t n = (int64_t)m * k;
+    float *out = thread_buffer(X_BUFFER, (size_t)n);
+    if (!out) abort(); /* no way to report from here; a block of rows, about a megabyte */
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v8u w;
+        memcpy(&w, x + i, sizeof w);
+        const v8 odd = (v8)(w & 0xffff0000u), even = (v8)(w << 16);
+        store8(out + i, __builtin_shufflevector(odd, even, 0, 8, 1, 9, 2, 10, 3, 11));
+        store8(out + i + 8, __builtin_shufflevector(odd, even, 4, 12, 5, 13, 6, 14, 7, 15));
+    }
+    for (; i < n; i += 2) {
+        uint32_t w;
+        memcpy(&w, x + i, sizeof w);
+        const uint32_t odd = w & 0xffff0000u, even = w << 16;
+        memcpy(out + i, &odd, sizeof odd);
+        memcpy(out + i + 1, &even, sizeof even);
+    }
+    return out;
+}
+
+/* VW words at p, as a value: a memcpy into the tile's array of them kept its accumulators on the stack
+ * (AVX2, one row: 40% slower). */
+static inline vhu vhu_load(const uint32_t *p) {
+    vhu v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(PV_ZMM)
+#define STORE_VH_BF16(y, acc, b, gated) store_tile_bf16(y, vh_lo((acc)[0]), vh_hi((acc)[0]), b, gated)
+#else
+#define STORE_VH_BF16(y, acc, b, gated) store_tile_bf16(y, (acc)[0], (acc)[1], b, gated)
+#endif
+
+/* ROWS rows of widened x (widen_pairs; row stride lda) times NP pair panels at p (pstride words
+ * apart) into y (row stride ldy, panel j's columns at j * cols); pf: the panels to prefetch meanwhile
+ * (NULL: none), a line each per pair; b: the first panel's bias, the next ones NR floats apart. */
+static inline __attribute__((always_inline)) void epairs_tile(const int ROWS, const int NP, const float *x, int64_t lda,
+                                                              const uint32_t *p, int64_t pstride, int k, uint16_t *y,
+                                                              int64_t ldy, int cols, const uint32_t *pf,
+                                                              const float *b, int gated) {
+    vh acc[ER][4][PV_HALVES];
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < NP; j++)
+            for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] = (vh){0};
+    const unsigned csr = flush_subnormals();
+    for (int kp = 0; kp < k / 2; kp++) {
+        if (pf)
+            for (int j = 0; j < NP; j++) __builtin_prefetch(pf + j * pstride + (int64_t)kp * NR, 0, 2);
+        vhu w[4][PV_HALVES];
+        for (int j = 0; j < NP; j++)
+            for (int h = 0; h < PV_HALVES; h++) w[j][h] = vhu_load(p + j * pstride + (int64_t)kp * NR + h * VW);
+        for (int r = 0; r < ROWS; r++) { /* the odd k of the pair first, as vdpbf16ps */
+            const vh a = vh_splat(x[r * lda + 2 * kp]);
+            for (int j = 0; j < NP; j++)
+                for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] += a * (vh)(w[j][h] & 0xffff0000u);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const vh a = vh_splat(x[r * lda + 2 * kp + 1]);
+            for (int j = 0; j < NP; j++)
+                for (int h = 0; h < PV_HALVES; h++) acc[r][j][h] += a * (vh)(w[j][h] << 16);
+        }
+    }
+    restore_csr(csr); /* the epilogue rounds as the native tiles' does, under the caller's MXCSR */
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < NP; j++) STORE_VH_BF16(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
+}
+
+#define ETILE_CASE(R, NP)                                                                                  \
+    case (R) * 8 + (NP):                                                                                   \
+        epairs_tile(R, NP, x, lda, p, pstride, k, y, ldy, cols, pf, b, gated);                             \
+        return;
+#if defined(PV_ZMM)
+#define ETILE_CASES                                                                                        \
+    ETILE_CASE(1, 4) ETILE_CASE(2, 2) ETILE_CASE(3, 2) ETILE_CASE(4, 3) ETILE_CASE(5, 3) ETILE_CASE(6, 3)  \
+    ETILE_CASE(7, 3) ETILE_CASE(8, 3) ETILE_CASE(1, 1) ETILE_CASE(2, 1) ETILE_CASE(3, 1) ETILE_CASE(4, 1)  \
+    ETILE_CASE(5, 1) ETILE_CASE(6, 1) ETILE_CASE(7, 1) ETILE_CASE(8, 1)
+#else
+#define ETILE_CASES                                                                                        \
+    ETILE_CASE(1, 2) ETILE_CASE(1, 1) ETILE_CASE(2, 1) ETILE_CASE(3, 1) ETILE_CASE(4, 1) ETILE_CASE(5, 1)  \
+    ETILE_CASE(6, 1)
+#endif
+/* epairs_tile of `rows` (<= ER) rows by np panels (epanels(rows), or 1) */
+static void etiles(int rows, int np, const float *x, int64_t lda, const uint32_t *p, int64_t pstride, int k,
+                   uint16_t *y, int64_t ldy, int cols, const uint32_t *pf, const float *b, int gated) {
+    switch (rows * 8 + np) { ETILE_CASES }
+}
+
+/* Panels per emulated tile at m rows: enough independent multiply-add chains at one to three rows. */
+static inline int epanels(int m) { return m <= 3 ? tile_panels(m) : EP; }
+
+/* m rows of widened x (row stride k) times np pair panels (pstride words apart) into y: row blocks of
+ * equal rows (at most ER) over epanels(m) panels at a time, the first block prefetching the panels
+ * after them (the next tile's, or pf after the last). */
+static void rows_by_panels_bf16(const float *x, int m, int k, const uint32_t *p, int64_t pstride, int np, uint16_t *y,
+                                int64_t ldy, int cols, const uint32_t *pf, const float *b, int gated) {
+    const int per = equal_blocks(m, ER), want = epanels(m);
+    for (int t = 0; t < np;) {
+        const int n = want <= np - t ? want : 1;
+        const uint32_t *next = t + n < np ? p + (t + n) * pstride : pf;
+        for (int r = 0; r < m; r += per)
+            etiles(m - r < per ? m - r : per, n, x + (int64_t)r * k, k, p + t * pstride, pstride, k,
+                   y + (int64_t)r * ldy + t * cols, ldy, cols, r ? NULL : next, b ? b + t * NR : NULL, gated);
+        t += n;
+    }
+}
+#endif
+
+#if NATIVE_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -669,7 +846,7 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
             for (int u = 0; u <= two; u++) {
                 const float *bu = b ? b + (t + u) * NR : NULL;
                 for (int r = 0; r < rows; r++)
-                    store_tile_bf16(y + (int64_t)(r0 + r) * ldy + (t + u) * cols,
+                    STORE_ZMM_BF16(y + (int64_t)(r0 + r) * ldy + (t + u) * cols,
                                     _mm512_load_ps(c[(r >= 16) * 2 + u] + (r & 15) * 16), bu, gated);
             }
         }
@@ -680,7 +857,7 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
 #define HAVE_AMX 0
 #endif
 
-#if HAVE_BF16
+#if NATIVE_BF16
 /* m rows of bfloat16 x times np pair panels at p (pbytes apart) into y: AMX tiles where they serve,
  * else vdpbf16ps tiles; pf: the panel after them, prefetched meanwhile (NULL: none). */
 static void pair_panels(const char *x, int m, int k, const uint8_t *p, int64_t pbytes, int np, char *y, int64_t ldy,
@@ -701,8 +878,8 @@ static inline int prefetches(int kind, int rows) { return rows > 1 || kind != K_
 
 /* One run of a linear's output columns in one format (pagedinfer/model/packed_linear.py builds them):
  * panels [P][panel_bytes(kind, k, group)], bias and scale (I8) [P][16] float32 or NULL. bf16_io: x and
- * y in bfloat16 over a quantized kind (AVX512-BF16 builds): each chunk's panels are converted into
- * bfloat16 pair panels (dequantize_panel) and multiplied as K_BF16's are. */
+ * y in bfloat16 over a quantized kind: its weights are rounded to bfloat16 pairs (qtile_bf16 in
+ * registers, or dequantize_panel) and multiplied as K_BF16's are. */
 typedef struct {
     int kind, group, cols; /* cols: this segment's outputs (the gated half's for a gated one) */
     const void *panels;
@@ -735,7 +912,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
     const uint8_t *p = (const uint8_t *)s->panels + j * pbytes;
     const float *b = s->bias ? s->bias + j * NR : NULL, *sc = s->scale ? s->scale + j * NR : NULL;
-#if HAVE_BF16
+#if NATIVE_BF16
     if (s->kind == K_BF16) {
         pair_panels(x, m, k, p, pbytes, np, y, ldy, cols, b, gated, pf);
         return;
@@ -752,7 +929,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     }
     if (s->bf16_io) { /* the panels as pairs in the thread's buffer, the next chunk's fetched meanwhile */
         const int64_t pair_bytes = (int64_t)k * NR * 2;
-        uint8_t *w = (uint8_t *)thread_buffer((size_t)np * k * NR / 2);
+        uint8_t *w = (uint8_t *)thread_buffer(PANEL_BUFFER, (size_t)np * k * NR / 2);
         const int per = equal_blocks(m, WRB); /* the first block's rows: 5 to 8 */
 #if HAVE_AMX
         const int amx = m >= AMX_MIN_ROWS && k % 32 == 0 && amx_ready(); /* every row on the tiles, as BF16 */
@@ -770,6 +947,21 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
             DEQUANTIZE_OF[s->kind](p + t * pbytes, k, s->group, sc ? sc + t * NR : NULL, NULL,
                                    (uint32_t *)(w + t * pair_bytes), pf ? pf + t * pbytes : NULL);
         pair_panels(x, m, k, w, pair_bytes, np, y, ldy, cols, b, gated, NULL);
+        return;
+    }
+#else
+    if (bf16_io(s)) { /* x widened (widen_pairs); quantized panels first as pairs in the thread's buffer */
+        const uint32_t *w = (const uint32_t *)p;
+        int64_t words = pbytes / 4;
+        if (s->kind != K_BF16) {
+            uint32_t *pairs = (uint32_t *)thread_buffer(PANEL_BUFFER, (size_t)np * k * NR / 2);
+            for (int t = 0; t < np; t++)
+                DEQUANTIZE_OF[s->kind](p + t * pbytes, k, s->group, sc ? sc + t * NR : NULL, NULL,
+                                       pairs + (int64_t)t * k * NR / 2, pf ? pf + t * pbytes : NULL);
+            w = pairs, words = (int64_t)k * NR / 2, pf = NULL;
+        }
+        rows_by_panels_bf16((const float *)x, m, k, w, words, np, (uint16_t *)y, ldy, cols, (const uint32_t *)pf, b,
+                            gated);
         return;
     }
 #endif
@@ -797,7 +989,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
      * FIRST_CASES). A quantized group's first block converts its weights in registers and leaves them in the thread's
      * buffer as float32 for the other blocks (the same products: the same bits). Every block
      * prefetches its share of the next group's lines, so memory streams while the FMAs run. */
-    float *w = s->kind == K_F32 ? NULL : thread_buffer((size_t)WP * k * NR);
+    float *w = s->kind == K_F32 ? NULL : thread_buffer(PANEL_BUFFER, (size_t)WP * k * NR);
     const int passes = (m + WR - 1) / WR, per = BALANCED ? equal_blocks(m, WR) : WR; /* rows a block */
     for (int t = 0; t < np; t += WP) {
         const int n = np - t < WP ? np - t : WP;
@@ -815,15 +1007,16 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     }
 }
 
-/* Panel j (partial: only `own` of its columns are real) through a buffer, MR rows at a time. */
+/* Panel j (partial: only `own` of its columns are real) through a buffer, MR rows at a time; ex, ey:
+ * the bytes of an element of x and of y. */
 static void partial_panel(const gemm_segment *s, const char *x, int m, int k, int j, char *y, int64_t ldy,
-                          int cols, int own, int e, int gated) {
-    float tile[MR * NR]; /* MR >= the bfloat16 tile's 8 rows */
+                          int cols, int own, int ex, int ey, int gated) {
+    float tile[MR * NR];
     for (int r0 = 0; r0 < m; r0 += MR) {
         const int tr = m - r0 < MR ? m - r0 : MR;
-        rows_by_panels(s, x + (int64_t)r0 * k * e, tr, k, j, 1, (char *)tile, NR, cols, NULL, gated);
+        rows_by_panels(s, x + (int64_t)r0 * k * ex, tr, k, j, 1, (char *)tile, NR, cols, NULL, gated);
         for (int r = 0; r < tr; r++)
-            memcpy(y + ((int64_t)(r0 + r) * ldy + j * cols) * e, (char *)tile + (int64_t)r * NR * e, (size_t)own * e);
+            memcpy(y + ((int64_t)(r0 + r) * ldy + j * cols) * ey, (char *)tile + (int64_t)r * NR * ey, (size_t)own * ey);
     }
 }
 
@@ -843,10 +1036,10 @@ static inline int chunk_panels(int kind, int m) {
 #if HAVE_AMX /* AMX multiplies panels two at a time: an even chunk (4 past MR rows, as before 8 x 3) */
     if (kind == K_BF16 && amx_ready()) return m > MR ? 4 : tile_panels(m) > 2 ? tile_panels(m) : 2;
 #endif
-#if HAVE_BF16
+#if NATIVE_BF16
     if (kind == K_BF16 && m > MRB) return WPB;
 #else
-    (void)kind;
+    if (kind == K_BF16) return epanels(m) > 2 ? epanels(m) : 2;
 #endif
     return m > MR ? (WP > 2 ? WP : 2) : tile_panels(m) > 2 ? tile_panels(m) : 2;
 }
@@ -855,14 +1048,18 @@ static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int6
     const int cols = gated ? NR / 2 : NR, width = s->cols, panels = (width + cols - 1) / cols;
     const int chunk = chunk_panels(bf16_io(s) ? K_BF16 : s->kind, m);
     const int chunks = (panels + chunk - 1) / chunk;
-    const int e = bf16_io(s) ? 2 : 4, mr = bf16_io(s) ? 8 : MR;
-    const int64_t blocks = ((int64_t)m * k * e + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
+    const int ey = bf16_io(s) ? 2 : 4, mr = bf16_io(s) ? 8 : MR;
+    const int ex = NATIVE_BF16 ? ey : 4; /* the tiles' x: emulated bfloat16 reads it widened (widen_pairs) */
+    const int64_t blocks = ((int64_t)m * k * ex + MC_BYTES - 1) / MC_BYTES; /* equal blocks of x */
     const int mc = (int)((m + blocks - 1) / blocks + mr - 1) / mr * mr;
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
     for (int m0 = 0; m0 < m; m0 += mc) {
         const int rows = m - m0 < mc ? m - m0 : mc;
-        const char *xb = (const char *)x + (int64_t)m0 * k * e;
-        char *yb = (char *)y + (int64_t)m0 * ldy * e;
+        const char *xb = (const char *)x + (int64_t)m0 * k * ey;
+#if !NATIVE_BF16
+        if (bf16_io(s)) xb = (const char *)widen_pairs((const uint16_t *)xb, rows, k);
+#endif
+        char *yb = (char *)y + (int64_t)m0 * ldy * ey;
         int counter = 0;
 #pragma omp parallel if ((int64_t)rows * width * k >= MIN_PARALLEL)
         for (int c = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED); c < chunks;) {
@@ -872,16 +1069,19 @@ static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int6
             const uint8_t *next =
                 prefetches(s->kind, rows) && after < chunks ? (const uint8_t *)s->panels + after * chunk * pbytes : NULL;
             if (full > j0)
-                rows_by_panels(s, xb, rows, k, j0, full - j0, yb + (int64_t)j0 * cols * e, ldy, cols,
+                rows_by_panels(s, xb, rows, k, j0, full - j0, yb + (int64_t)j0 * cols * ey, ldy, cols,
                                full == j1 ? next : NULL, gated);
-            if (full < j1) partial_panel(s, xb, rows, k, full, yb, ldy, cols, width - full * cols, e, gated);
+            if (full < j1) partial_panel(s, xb, rows, k, full, yb, ldy, cols, width - full * cols, ex, ey, gated);
             c = after;
         }
     }
 }
 
-/* 1 where this build has the kind's kernel (bfloat16 needs AVX512-BF16), else 0. */
-int gemm_kind_available(int kind) { return kind >= 0 && kind < K_COUNT && (kind != K_BF16 || HAVE_BF16); }
+/* 1 where this build has the kind's kernel (every build has every kind's), else 0. */
+int gemm_kind_available(int kind) { return kind >= 0 && kind < K_COUNT; }
+
+/* 1 where the bfloat16 pair panels multiply with vdpbf16ps, 0 where the same products are emulated. */
+int gemm_native_bf16(void) { return NATIVE_BF16; }
 
 /* 1 where bfloat16 panels of 8 rows and more run on AMX tiles here (built for them, and Linux lets
  * this process use them), else 0. */
@@ -921,7 +1121,7 @@ int gemm_panel_rows(const gemm_segment *s, const int64_t *rows, int n, int k, fl
     const int64_t pbytes = panel_bytes(s->kind, k, s->group);
 #pragma omp parallel if ((int64_t)n * k >= MIN_PARALLEL)
     {
-        float *w = thread_buffer((size_t)k * NR);
+        float *w = thread_buffer(PANEL_BUFFER, (size_t)k * NR);
 #pragma omp for
         for (int i = 0; i < n; i++) {
             const int64_t j = rows[i] / NR, c = rows[i] % NR;

@@ -24,7 +24,7 @@
 
 #include "cpu_bounds.h" /* the entry points' index checks, refusal */
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
-#include "cpu_vec.h" /* load8_bf16, store8_bf16, round8_bf16 */
+#include "cpu_vec.h" /* load8, load8_bf16, store8_bf16, round8_bf16 */
 
 /* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even. */
 static inline uint32_t bf16_rounded_bits(float f) {
@@ -53,6 +53,7 @@ static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 #define ST(x) (x)
 #define RND(x) (x)
 #define LOAD8(p) _mm256_loadu_ps(p)
+#define LD8(p) load8(p)
 #define STORE8(p, v) _mm256_storeu_ps(p, v)
 #define RND8(v) (v)
 #define FN(name) CAT(name, f32)
@@ -63,6 +64,7 @@ static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 #define ST(x) bf16_store(x)
 #define RND(x) bf16_round(x)
 #define LOAD8(p) ((__m256)load8_bf16(p))
+#define LD8(p) load8_bf16(p)
 #define STORE8(p, v) store8_bf16(p, (v8)(v))
 #define RND8(v) ((__m256)round8_bf16((v8)(v)))
 #define FN(name) CAT(name, bf16)

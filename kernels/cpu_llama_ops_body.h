@@ -1,16 +1,30 @@
 /* The typed half of cpu_llama_ops.c, included once per element type (a C template): ELEM is the
  * element type of every row, weight and output; LD / ST widen one element to float32 / narrow one
  * back; RND rounds a float32 to ELEM's precision (where transformers' module would hold an ELEM);
- * LOAD8 / STORE8 / RND8 do the same for 8 lanes (AVX2); FN(name) names each instantiation. The
- * parameters are undefined at the end, ready for the next instantiation. */
+ * LOAD8 / STORE8 / RND8 do the same for 8 lanes (AVX2), LD8 widens 8 elements in any build; FN(name)
+ * names each instantiation. The parameters are undefined at the end, ready for the next instantiation. */
 
+/* 1 / sqrt(mean(x^2) + eps). The squares are summed in 16 lanes, lane l taking i = l (mod 16) in i
+ * order (one fused multiply-add each; a last partial chunk zero-padded, which adds nothing), and the
+ * lanes added in a fixed tree: the same bits in every build, whatever its vector width (a `simd
+ * reduction` lets the compiler pick the lanes: 16 in an AVX-512 build, 8 in an AVX2 one). */
 static inline float FN(row_inv_rms)(const ELEM *x, int dim, float eps) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < dim; i++) {
-        float v = LD(x[i]);
-        sum += v * v;
+    v8 lo = {0}, hi = {0}; /* lanes 0-7, 8-15 (a 16-float vector: GCC 12 spills it in AVX2 builds) */
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        const v8 a = LD8(x + i), b = LD8(x + i + 8);
+        lo += a * a;
+        hi += b * b;
     }
+    if (i < dim) {
+        ELEM pad[16] = {0};
+        memcpy(pad, x + i, (size_t)(dim - i) * sizeof(ELEM));
+        const v8 a = LD8(pad), b = LD8(pad + 8);
+        lo += a * a;
+        hi += b * b;
+    }
+    const v8 s = lo + hi;
+    const float sum = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
     return 1.0f / sqrtf(sum / (float)dim + eps);
 }
 
@@ -86,6 +100,7 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
 #undef ST
 #undef RND
 #undef LOAD8
+#undef LD8
 #undef STORE8
 #undef RND8
 #undef FN

@@ -282,7 +282,7 @@ class ModelConfig:
         "Weight-only quantization of a float checkpoint on the CPU: int8 = every linear's weight in "
         "int8 with a float32 scale per output channel; int4 = 4 bits per weight with a float32 scale per "
         "group of 32 inputs (-g128: of 128; -zp: with zero points). Activations float32, or bfloat16 with "
-        "--dtype bfloat16 (AVX512-BF16 CPUs); outputs close to the unquantized model's, not equal. A GGUF "
+        "--dtype bfloat16; outputs close to the unquantized model's, not equal. A GGUF "
         "file keeps its own types without it. Default: none.",
         panel="pool",
         choices=tuple(QUANTIZATIONS),

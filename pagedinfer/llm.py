@@ -45,7 +45,7 @@ class LLM:
     ``quantization``: ``None``, or (CPU, a float checkpoint) ``int8``: every linear's weight in int8
     with one float32 scale per output channel; ``int4``, ``int4-zp``, ``int4-g128``, ``int4-g128-zp``:
     4-bit weights with a float32 scale per group of 32 (or 128) inputs, symmetric or with zero
-    points; activations in float32, or bfloat16 with ``dtype="bfloat16"`` (AVX512-BF16 CPUs); a
+    points; activations in float32, or bfloat16 with ``dtype="bfloat16"``; a
     quarter or an eighth of the weight bytes per step; outputs close to, not equal to, the unquantized
     model's. A ``.gguf`` model keeps its tensors' types without it (under float32 activations, or
     bfloat16 ones with ``dtype="bfloat16"``).

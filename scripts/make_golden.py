@@ -10,13 +10,11 @@ vectorised paths on other CPUs), and a tiny Llama in a GGUF Q4_0 file kept in te
 here once from the same kind of weights); in float32 and in bfloat16. tests/test_reproducibility.py
 runs the same cases on the machine at hand and compares the records bit for bit.
 
-The records are made with the C kernels built for 256-bit vectors (``-mprefer-vector-width=256``):
-on an AVX2 machine that is the native build; on an AVX-512 one it gives the AVX2 build's float32
-bits and keeps the AVX512-BF16 panels. An AVX-512 build that vectorises at 512 bits rounds the
-RMSNorm's sum otherwise (docs/reproducibility.md, "Known gaps"); bfloat16 cases need the AVX512-BF16
-panels and are refused elsewhere. tests/golden/manifest.json keeps each case's fingerprint
-components, which the test uses to tell a known gap from a failure, and the generated weights'
-digest, which tells a change of the weights from a change of the numerics.
+The kernels' native build makes them: every build (AVX2, AVX-512, with or without AVX512-BF16)
+computes the same bits (docs/reproducibility.md), so any machine can. tests/golden/manifest.json keeps
+each case's fingerprint components, which the test uses to tell a change of the libraries from a
+failure, and the generated weights' digest, which tells a change of the weights from a change of the
+numerics.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 GGUF_FILE = GOLDEN / "tiny-llama-q4_0.gguf"
 MANIFEST = GOLDEN / "manifest.json"
-WIDTH_FLAGS = "-mprefer-vector-width=256"
 SEED = 54
 SCALE = 0.25  # weights uniform in [-SCALE, SCALE): a power of two, so the scaling is exact
 SHAPE = dict(  # the tiny models' shape (Q4_0 rows: multiples of 32)
@@ -210,22 +206,12 @@ def main() -> int:
         "--check", action="store_true", help="change nothing; exit 1 when a case would change"
     )
     args = parser.parse_args()
-    os.environ["PAGEDINFER_CC_FLAGS"] = f"{os.environ.get('PAGEDINFER_CC_FLAGS', '')} {WIDTH_FLAGS}".strip()
     sys.path.insert(0, str(ROOT))
     import tempfile
 
     import torch
 
-    from pagedinfer.model import packed_linear
-
     torch.set_num_threads(2)
-    if not packed_linear.panel_dtype(torch.bfloat16, 2):
-        print(
-            "make_golden: this CPU (or its kernel build) has no AVX512-BF16 panels: the bfloat16 cases "
-            "would record another path; run it where they are",
-            file=sys.stderr,
-        )
-        return 2
     old = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {"cases": {}}
     changed = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -51,9 +51,8 @@ def test_greedy_matches_transformers_through_the_c_step(tiny_model, steps, famil
     assert (llm.stats.preemptions > 0) == (num_blocks == 12)
 
 
-BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2) and packed_linear.can_pack(
-    torch.nn.Linear(2, 2).to(torch.bfloat16)
-)  # AVX512-BF16: bfloat16 linears in cpu_gemm.c's pair panels, so the step serves bfloat16 too
+# bfloat16 linears in the pair panels (wherever the kernel builds): the step serves them
+BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +66,7 @@ BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2) and packed_linear.can_p
             "bfloat16",
             "auto",
             None,
-            marks=pytest.mark.skipif(not BF16_STEP, reason="no bfloat16 panels here (AVX512-BF16)"),
+            marks=pytest.mark.skipif(not BF16_STEP, reason="the panel kernel did not build (no C compiler)"),
         ),
     ],
 )

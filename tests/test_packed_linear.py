@@ -1,6 +1,9 @@
 """Packed CPU linears (oneDNN's layout or cpu_gemm.c's panels): same products as nn.Linear, every Linear
 swapped, tied embeddings intact, the panel kernel chosen per CPU."""
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +15,7 @@ from pagedinfer.model import packed_linear
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import load_model
 
+REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (nothing is packed)"
 )
@@ -53,36 +57,44 @@ def test_packed_linear_matches_linear_for_any_row_count_and_layout():
 
 @pytest.mark.parametrize("flags", [[], ["avx512_bf16"]], ids=["avx2", "avx512_bf16"])
 def test_which_cpu_models_are_packed(monkeypatch, flags):
-    """float32 always; bfloat16 only where the CPU has native bfloat16 instructions; float16 never."""
+    """float32 always; bfloat16 on the panels on every CPU, and (where the panels did not build) on
+    oneDNN only where the CPU has native bfloat16 instructions; float16 never."""
     monkeypatch.setattr(packed_linear, "cpu_bf16_flags", lambda: flags)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert packed_linear.can_pack(nn.Linear(4, 4))
-    assert packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16)) == bool(flags)
+    assert packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16))
     assert not packed_linear.can_pack(nn.Linear(4, 4).to(torch.float16))
     assert not packed_linear.can_pack(nn.ReLU())  # no parameters at all
+    monkeypatch.setattr(packed_linear, "panel_dtype", lambda dtype, k: dtype == torch.float32)  # no panels
+    assert packed_linear.can_pack(nn.Linear(4, 4).to(torch.bfloat16)) == bool(flags)
 
 
-BF16_PANELS = packed_linear.panel_dtype(torch.bfloat16, 2)  # cpu_gemm.c built with AVX512-BF16 here
+def test_a_bfloat16_linear_the_panels_cannot_take_stays_with_torch_without_native_bfloat16(monkeypatch):
+    """An odd input width (the panels read x in pairs) on a CPU without native bfloat16 instructions:
+    oneDNN would emulate them, so that linear stays an nn.Linear; the others take the panels."""
+    monkeypatch.setattr(packed_linear, "cpu_bf16_flags", lambda: [])
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(37, 16)).to(torch.bfloat16)
+    assert packed_linear.pack_linears(model) == 1
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear"]
+    assert model[0].kinds == ["BF16"]
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 here")
 @pytest.mark.parametrize("panels", [False, True], ids=["onednn", "panels"])
 def test_bfloat16_packed_linear_equals_f_linear(panels):
     """A packed bfloat16 weight gives F.linear's products (float32 accumulation, one rounding), at
-    batch-1 and batch-64 rows, with a bias: in oneDNN's layout, and in cpu_gemm.c's pair panels
-    where it was built with AVX512-BF16 (oneDNN's otherwise)."""
+    batch-1 and batch-64 rows, with a bias: in oneDNN's layout, and in cpu_gemm.c's pair panels."""
     torch.manual_seed(0)
     lin = nn.Linear(320, 96).to(torch.bfloat16)
     packed = packed_linear.PackedLinear(lin, panels=panels)
-    assert (packed.segments is not None) == (panels and BF16_PANELS)
-    assert (packed.packed is None) == (panels and BF16_PANELS)
+    assert (packed.segments is not None) == panels
+    assert (packed.packed is None) == panels
     for rows in (1, 64):
         x = torch.randn(rows, 320).to(torch.bfloat16)
         want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
         torch.testing.assert_close(packed(x), want, rtol=2**-7, atol=1e-2)
 
 
-@pytest.mark.skipif(not BF16_PANELS, reason="cpu_gemm.c has no bfloat16 panels on this CPU (no AVX512-BF16)")
 @pytest.mark.parametrize(
     ("k", "n", "bias", "gated"),
     [
@@ -99,7 +111,7 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
     row tile (1-12 rows and their remainders; from 8 rows AMX tiles where the kernel has them, of up
     to 32 rows by 2 panels, except for an ``in`` not a multiple of 32: 40), row blocks (300 and 301
     rows), a partial last panel, a bias, each row with the bits it has in any other row count. An odd
-    ``in`` (x is read in pairs) stays with oneDNN."""
+    ``in`` (x is read in pairs) stays with oneDNN (or torch, `pack_linears`)."""
     torch.manual_seed(6)
     lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias).to(torch.bfloat16)
     panels = packed_linear.PackedLinear(lin, panels=True)
@@ -119,8 +131,113 @@ def test_bfloat16_panel_kernel_for_any_row_count(k, n, bias, gated):
         assert torch.equal(panels(big[rows - 1 : rows]), whole[rows - 1 : rows]), rows
     with pytest.raises(TypeError, match="input is torch.float32"):
         panels(torch.randn(2, k))  # never read as bfloat16 bits
-    odd = packed_linear.PackedLinear(nn.Linear(37, 16).to(torch.bfloat16), panels=True)
-    assert odd.segments is None and odd.packed is not None
+    assert not packed_linear.panel_dtype(torch.bfloat16, 37)
+
+
+def vdpbf16ps_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [R, K], [N, K] bfloat16 -> [R, N]
+    """x @ w.T as vdpbf16ps sums it, in torch: for each pair kp, acc += x[2kp + 1] w[2kp + 1], then
+    acc += x[2kp] w[2kp]; each product exact (so one float32 addition rounds as the fused step does,
+    for products in float32's normal range), subnormal inputs and sums flushed to zeros of their sign."""
+
+    def flush(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t.abs() < torch.finfo(torch.float32).tiny, t * 0, t)
+
+    xf, wf = flush(x.float()), flush(w.float())
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for kp in range(x.shape[1] // 2):
+        for i in (2 * kp + 1, 2 * kp):
+            acc = flush(acc + xf[:, i : i + 1] * wf[:, i])  # [R, 1] * [N] -> [R, N]
+    return acc
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_bfloat16_panels_take_the_vdpbf16ps_steps(bias):
+    """The pair panels' float32 sums are vdpbf16ps' (native, or emulated where the kernel has no
+    AVX512-BF16) on every row tile (1-13 rows, a partial last panel): the odd k of each pair first
+    (row 1 sums to 4 so, to 3 the other way round), subnormal inputs treated as zero, and a sum that
+    cancels to a subnormal flushed to zero (row 0; float32 arithmetic would keep 2^-133). k is no
+    multiple of 32, so no AMX tile takes them."""
+    torch.manual_seed(9)
+    k, n = 48, 40
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    w = lin.weight.detach()  # [N, K]
+    w.view(-1)[::29] = 1e-39  # subnormal in bfloat16 too
+    w[:, :6] = torch.tensor([2.0, 2.0**12, -(2.0**12), 1.0, 2.0**-26, -(2.0**-26)])
+    panels = packed_linear.PackedLinear(lin, panels=True)
+    assert panels.kinds == ["BF16"]
+    for rows in range(1, 14):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        x.view(-1)[::11] = -1e-39
+        x[0] = 0
+        x[0, 4:6] = torch.tensor([2.0**-100, 2.0**-100 * (1 + 2.0**-7)])  # -2^-126 (1 + 2^-7) + 2^-126
+        if rows > 1:  # 2^24 + 2, then + 1 (a tie, to 2^24 + 4), then - 2^24
+            x[1] = 0
+            x[1, :4] = torch.tensor([1.0, 2.0**12, 2.0**12, 1.0])
+        sums = vdpbf16ps_sums(x, w)
+        assert sums[0, 0] == 0 and (rows == 1 or sums[1, 0] == 4)
+        want = (sums + (lin.bias.detach().float() if bias else 0)).bfloat16()
+        assert torch.equal(panels(x), want), f"{rows} rows"
+
+
+def test_every_kernel_build_gives_the_same_bits(tmp_path):
+    """The kernels built for AVX-512 with vdpbf16ps, for AVX-512 without it and for AVX2 (on a CPU that
+    runs all three) give the same bits: bfloat16 panels (every tile shape, partial panels, bias, SiLU x
+    up), int8 and int4 panels under bfloat16 activations, and the RMSNorm chains (float32 and
+    bfloat16 rows, Qwen3's per-head norms), whose sums of squares are taken in a fixed order."""
+    builds = {"": "avx512f"}
+    if packed_linear.cpu_flags(("avx512_bf16",)):
+        builds["-mno-avx512bf16"] = "avx512_bf16"
+    if packed_linear.cpu_flags(("avx512f",)):
+        builds["-mno-avx512f"] = "avx512f"
+    if len(builds) == 1:
+        pytest.skip("this CPU has no AVX-512: the suite's kernels are the AVX2 build already")
+    script = tmp_path / "bits.py"
+    script.write_text(
+        """
+import sys, torch
+from torch import nn
+from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.model import fused_ops, packed_linear
+from pagedinfer.model.fused_ops import GatedLinear
+torch.manual_seed(5)
+out = {"native": packed_linear.native_bf16()}
+for k, n, bias, gated in ((576, 960, False, False), (64, 70, True, False), (64, 34, True, True), (40, 50, True, True)):
+    lin = (GatedLinear if gated else nn.Linear)(k, n, bias=bias)
+    linears = {"bf16": packed_linear.PackedLinear(lin.to(torch.bfloat16), panels=True)}
+    for name in ("int8", "int4"):
+        linears[name] = packed_linear.PackedLinear(
+            lin.float(), quantization=QUANTIZATIONS[name], activations=torch.bfloat16
+        )
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17, 33, 300):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        for name, linear in linears.items():
+            out[name, k, n, rows] = linear(x)
+for dtype in (torch.float32, torch.bfloat16):
+    for dim in (8, 64, 72, 576, 1000):
+        x, h = torch.randn(5, dim).to(dtype), torch.randn(5, dim).to(dtype)
+        out["norm", dtype, dim] = fused_ops.add_rms_norm(x, h, torch.rand(dim).to(dtype), 1e-6, True)
+    qkv = torch.randn(3, 6 * 64).to(dtype)
+    cos, sin = torch.rand(3, 32).to(dtype), torch.rand(3, 32).to(dtype)
+    fused_ops.qk_norm_rope_(qkv, 3, 2, 64, cos, sin, torch.rand(64).to(dtype), torch.rand(64).to(dtype), 1e-6, True)
+    out["qk_norm_rope", dtype] = qkv
+torch.save(out, sys.argv[1])
+"""
+    )
+    results = {}
+    for flags in builds:
+        path = tmp_path / f"bits{flags}.pt"
+        env = {**__import__("os").environ, "PAGEDINFER_CC_FLAGS": flags, "PYTHONPATH": str(REPO)}
+        run = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True)
+        assert run.returncode == 0, run.stderr.decode()[-2000:]
+        results[flags] = torch.load(path)
+    native = results[""]
+    assert native["native"] == bool(packed_linear.cpu_flags(("avx512_bf16",)))
+    for flags in list(builds)[1:]:
+        assert results[flags]["native"] is False  # the emulation ran
+        differ = [
+            key for key in native if key != "native" and not torch.equal(native[key], results[flags][key])
+        ]
+        assert not differ, f"{flags}: {differ[:5]}"
 
 
 # linears per layer: transformers' q k v o gate up down; ours fused qkv, o, fused gate_up, down

@@ -461,11 +461,8 @@ AVX2 = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
-# what a difference in these fingerprint components explains (docs/reproducibility.md, "Known gaps")
+# what a difference in these fingerprint components explains (docs/reproducibility.md)
 EXPLAINED = {
-    "kernel_probe": "the C RMSNorm's sum of squares is vectorized at the build's width (16 lanes in an "
-    "AVX-512 build that prefers 512-bit vectors, 8 in the AVX2 one), so its last bits differ",
-    "linears": "bfloat16 linears leave the C panels where the kernel has no AVX512-BF16",
     "libraries": "other versions of torch, transformers or tokenizers (the contract holds within one set)",
 }
 
@@ -501,8 +498,9 @@ def avx2_process(setups, text_model, model_root, tmp_path_factory) -> dict:
 
 def explain(differing: list[str], here: dict, there: dict, ignore: tuple[str, ...] = ()) -> None:
     """Records of ``differing`` lines differ between two runs with fingerprint components ``here`` and
-    ``there``: an expected failure when the components show a gap docs/reproducibility.md names,
-    else a failure (also when the fingerprints agree: they promise the same bytes)."""
+    ``there``: an expected failure when the components show other versions of the libraries (the
+    contract holds within one set), else a failure (also when the fingerprints agree: they promise the
+    same bytes)."""
     changed = sorted(k for k in here if k not in ignore and here[k] != there.get(k))
     assert changed, f"lines {differing} differ, yet the fingerprints agree"
     unexplained = {k: (here[k], there.get(k)) for k in changed if k not in EXPLAINED}
@@ -512,15 +510,15 @@ def explain(differing: list[str], here: dict, there: dict, ignore: tuple[str, ..
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_instruction_set(setups, avx2_process, name):
-    """The same lines in the AVX2 process: the same bytes, or a fingerprint that says they need not be
-    (and only for a gap docs/reproducibility.md names)."""
+    """The same lines in the AVX2 process (the kernels built without AVX-512, so bfloat16's pair products
+    emulated; torch, oneDNN and MKL held to AVX2): the same bytes, and the same fingerprint."""
     from pagedinfer.engine.fingerprint import components
 
     setup = setups(name)
     other = avx2_process[name]
+    assert json.loads(json.dumps(components(setup.base.engine))) == other["components"]
     differing = [key for key in setup.reference if other["records"][key] != setup.reference[key]]
-    if differing:
-        explain(differing, json.loads(json.dumps(components(setup.base.engine))), other["components"])
+    assert not differing, f"lines {differing} differ in the AVX2 process"
 
 
 # -- golden records: the same bits on every machine ----------------------------------------------------
@@ -541,7 +539,7 @@ def check_golden(case: str, found: dict) -> None:
 @pytest.mark.parametrize("case", list(golden.CASES))
 def test_golden_records(case, tmp_path):
     """Each case's records on this machine equal tests/golden/'s bit for bit (scripts/make_golden.py made
-    them), or differ only where the fingerprint shows a gap docs/reproducibility.md names."""
+    them), or differ only where the fingerprint shows other versions of the libraries."""
     check_golden(case, golden.run_case(case, tmp_path))
 
 

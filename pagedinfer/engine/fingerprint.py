@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # Bump when a change makes any path compute other bits for the same inputs (a kernel's order of sums or
 # its roundings, the sampler's draw, how logprobs are normalised, how a seed is derived): the records
 # made before and after it then carry different fingerprints.
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2
 # files of a checkpoint folder that decide the outputs: weights, configs, tokenizer files, templates
 DECIDING = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 PROBE_WIDTHS = (64, 256, 576, 1000)  # hidden sizes the norm probe sums over
@@ -153,8 +153,8 @@ def folder_digest(folder: Path) -> str:
 @functools.cache
 def kernel_probe() -> str | None:
     """A digest of the C RMSNorm's results on fixed inputs (None without the C kernels). Its sum of
-    squares is vectorized by the compiler at the build's preferred width, so builds for 512-bit and
-    256-bit vectors round it differently; the probe makes their fingerprints differ too."""
+    squares is taken in a fixed order, the same bits in every build; a build that rounds it otherwise
+    (a compiler that leaves its multiply-adds unfused, say) then shows in the fingerprint."""
     rows = []
     for width in PROBE_WIDTHS:
         n = torch.arange(4 * width, dtype=torch.int64)

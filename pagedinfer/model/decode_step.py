@@ -76,7 +76,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     dll = ctypes.CDLL(str(lib))
-    for name in ("f32", "bf16"):  # bfloat16: where cpu_gemm.c has its AVX512-BF16 panels
+    for name in ("f32", "bf16"):  # every build has both (bfloat16: vdpbf16ps or its emulation)
         for pool in ("", "_kv_bf16", "_kv_f16"):  # the activations' dtype, or a 16-bit pool under float32
             fn = getattr(dll, f"decode_layers_{name}{pool}", None)
             if fn is None:
@@ -144,7 +144,7 @@ class DecodeStep:
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
         """Every piece has its C kernel: panel-packed linears of one activation dtype (float32 for
-        float32, int8, int4 and GGUF panels; or, with AVX512-BF16, bfloat16), the QKV in at most three
+        float32, int8, int4 and GGUF panels; or bfloat16), the QKV in at most three
         segments and the others in one (a gate-up paired), a pool in host memory of the activations'
         dtype or 16-bit under float32, shapes within the decode kernel's limits (the step library
         holds its own copies of the decode kernel and the chains)."""

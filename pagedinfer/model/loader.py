@@ -245,9 +245,6 @@ def load_model(
     if quant and not packed_linear.panel_dtype(choice.dtype, 2):
         raise ModelLoadError(
             f"quantization {quant.name} needs the CPU panel kernel, which did not build (no C compiler?)"
-            if choice.dtype == torch.float32
-            else f"quantization {quant.name} under bfloat16 activations needs AVX512-BF16 (this CPU or its "
-            "kernel build lacks it): use --dtype float32"
         )
     if quant or (envs.pack_weights() and packed_linear.can_pack(model)):
         gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU

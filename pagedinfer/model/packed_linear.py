@@ -3,8 +3,7 @@
 A decode step multiplies a few dozen rows by each weight; MKL's sgemm re-lays the whole weight out
 per call, which costs about as much as the multiply itself at that size. oneDNN's prepacked
 weights skip that re-layout, so `pack_linears` swaps each ``nn.Linear`` of a loaded CPU float32
-model for a `PackedLinear`. bfloat16 models are packed too where the CPU has native bfloat16
-instructions (AVX512-BF16, AMX); elsewhere oneDNN would emulate them.
+or bfloat16 model for a `PackedLinear`.
 
 float32 linears go through kernels/cpu_gemm.c instead, on a weight laid out once in 16-row panels:
 at decode batch sizes a step streams every weight from memory, and oneDNN streams a packed weight
@@ -13,10 +12,12 @@ its register tiles' rows its wide tiles keep the FMA units busy. The panels are 
 one-call decode step (decode_step.py) needs. One copy of the weight either way.
 ``PAGEDINFER_CPU_GEMM=panels`` / ``=onednn`` forces one. (Measurements per CPU: docs/kernels.md.)
 
-bfloat16 linears take the same panels, with k in pairs for vdpbf16ps, where the kernel was built
-with AVX512-BF16 (and ``in`` is even): the bits equal oneDNN's bfloat16 products, and they let a
-bfloat16 decode step run in one C call. Where the CPU has AMX and the kernel was built for it, 8
-rows and more run on the tiles from the same panels.
+bfloat16 linears take the same panels, with k in pairs for vdpbf16ps (where ``in`` is even): the bits
+equal oneDNN's bfloat16 products on an AVX512-BF16 CPU, and they let a bfloat16 decode step run in
+one C call. A kernel built without AVX512-BF16 (an AVX2 or AVX-512F CPU) takes the same products in
+the same order with two fused multiply-adds per pair, lane for lane the instruction's bits, so a
+bfloat16 model computes the same bits on every CPU (docs/reproducibility.md). Where the CPU has AMX
+and the kernel was built for it, 8 rows and more run on the tiles from the same panels.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def check_panels(s: Segment) -> None:
 class PackedLinear(nn.Module):
     """``nn.Linear`` forward on a weight laid out once for a faster GEMM; inference only.
 
-    ``panels``: the weight in kernels/cpu_gemm.c's panels (float32; bfloat16 where that kernel has
-    its AVX512-BF16 half); otherwise (or for another dtype, or where that kernel did not build)
-    oneDNN's prepacked layout. ``quantization``: the weight quantized to int8 or int4 panels, under
-    ``activations`` (float32, the default, or bfloat16 where the kernel has AVX512-BF16).
+    ``panels``: the weight in kernels/cpu_gemm.c's panels (float32; bfloat16 with an even ``in``);
+    otherwise (or for another dtype, or where that kernel did not build) oneDNN's prepacked layout.
+    ``quantization``: the weight quantized to int8 or int4 panels, under ``activations`` (float32, the
+    default, or bfloat16).
     ``segments``: panels already made (a GGUF's blocks, `from_segments`). A `GatedLinear` stays
     gated: its output is ``silu(gate) * up``, computed by the panel kernel as it writes the product.
     """
@@ -128,7 +129,7 @@ class PackedLinear(nn.Module):
             need = (
                 "the panel kernel (a C compiler)"
                 if activations == torch.float32
-                else f"AVX512-BF16 and an even input width (this linear takes {self.in_features})"
+                else f"an even input width (this linear takes {self.in_features})"
             )
             raise ValueError(
                 f"{quantization.name} weights under {dtype_name(activations)} activations need {need}"
@@ -384,14 +385,21 @@ def panel_rows(segment: Segment, rows: torch.Tensor) -> torch.Tensor:
 
 
 def panel_dtype(dtype: torch.dtype, in_features: int) -> bool:
-    """The panel kernel serves this dtype here: float32, or bfloat16 with an even ``in`` where it was
-    built with AVX512-BF16."""
+    """The panel kernel serves this dtype here (where it built): float32, or bfloat16 with an even
+    ``in`` (x is read in pairs)."""
     lib = _gemm_library()
     if lib is None:
         return False
     return dtype == torch.float32 or (
         dtype == torch.bfloat16 and in_features % 2 == 0 and bool(lib.gemm_kind_available(KINDS["BF16"]))
     )
+
+
+def native_bf16() -> bool:
+    """The bfloat16 panels multiply with vdpbf16ps here (the kernel was built with AVX512-BF16); else
+    they emulate it, with the same bits."""
+    lib = _gemm_library()
+    return lib is not None and bool(lib.gemm_native_bf16())
 
 
 @functools.cache
@@ -407,6 +415,7 @@ def _gemm_library() -> ctypes.CDLL | None:
     dll.gemm_panel_bytes.argtypes = [i32, i32, i32]
     dll.gemm_panel_bytes.restype = ctypes.c_int64
     dll.gemm_kind_available.argtypes = [i32]
+    dll.gemm_native_bf16.argtypes = []
     dll.gemm_amx.argtypes = []
     return dll
 
@@ -420,16 +429,23 @@ def panels_by_default(dtype: torch.dtype) -> bool:
     return not (dtype == torch.bfloat16 and cpu_flags(("amx_bf16",)) and not (lib and lib.gemm_amx()))
 
 
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked layout serves ``dtype`` here: float32, or bfloat16 where the CPU has native
+    bfloat16 instructions (elsewhere oneDNN would emulate them)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and bool(cpu_bf16_flags()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def can_pack(model: nn.Module) -> bool:
-    """A CPU model in float32, or in bfloat16 on a CPU with native bfloat16 instructions."""
+    """A CPU model in float32 or bfloat16 that the panels (bfloat16 too on every CPU) or oneDNN serve."""
     param = next(model.parameters(), None)
-    native_bf16 = bool(cpu_bf16_flags()) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (
         param is not None
         and param.device.type == "cpu"
-        and (param.dtype == torch.float32 or (param.dtype == torch.bfloat16 and native_bf16))
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (panel_dtype(param.dtype, 2) or onednn_serves(param.dtype))
     )
 
 
@@ -462,7 +478,13 @@ def pack_linears(
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) in (nn.Linear, GatedLinear) and child.in_features * child.out_features >= min_weights
+        if type(child) in (nn.Linear, GatedLinear)
+        and child.in_features * child.out_features >= min_weights
+        and (  # a bfloat16 linear the panels cannot take stays with torch where oneDNN would emulate it
+            quantization is not None
+            or (panels and panel_dtype(child.weight.dtype, child.in_features))
+            or onednn_serves(child.weight.dtype)
+        )
     ]
     packed = {id(child) for _, _, child in targets}
     kept = {  # weights that other modules (a tied embedding) go on using

@@ -152,6 +152,14 @@ def logprob_entries(
     return out
 
 
+def softmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
+    """Each row's probabilities, exp(x - max) / sum, from ops whose bits do not depend on the CPU's
+    vector width (torch's own softmax and log_softmax sum at that width: AVX2 and AVX-512 builds round
+    them differently; its exp, sum and logsumexp are the same on both)."""
+    e = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
 def _truncates(params) -> bool:
     """Whether top-k or top-p cuts this row's distribution (its sorted logits are needed)."""
     return bool(params.top_k) or params.top_p < 1.0
@@ -169,7 +177,7 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, t
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
         top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)  # [R, 1]
         drop = torch.arange(vocab, device=dev).unsqueeze(0) >= top_k  # [R, V]
-        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        sorted_probs = softmax(sorted_logits.masked_fill(drop, float("-inf")))  # [R, V]
         top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)  # [R, 1]
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keep the token crossing top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
@@ -197,7 +205,8 @@ def beam_candidates(
     search has no candidates, only that beam's `NonFinite`.
     """
     vocab = logits.shape[1]
-    scores = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    scores = logits.float()  # [B, V] log-probabilities, as logprob_entries normalises them
+    scores = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
     if shape is not None:
         shape(scores)
     scores += torch.tensor(cumulative, dtype=torch.float32, device=logits.device).unsqueeze(1)
