@@ -38,6 +38,14 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    # a window of 16 on 3 of its 4 layers (Gemma 3's pattern, shortened), 512 positions: long windowed runs
+    "gemma3_text": lambda: tf.Gemma3TextConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 4, "max_position_embeddings": 512},
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions

@@ -17,7 +17,7 @@ TIMED = 5  # passes of each shape, alternating (the least of each kept: a loaded
 class _Probe:
     """A throwaway sequence on scratch blocks (the runner's `ScheduledChunk`)."""
 
-    block_table: list[int]
+    block_tables: list[list[int]]  # per layer group
     num_tokens: int
     token_ids: list[int] = field(default_factory=list)
     lora_slot: int = 0
@@ -42,13 +42,13 @@ class _Probe:
 def measure_row_cost(runner: ModelRunner, pool: BlockPool, k: int) -> RowCost:
     """Time steps of 1 and ``1 + k`` rows (positions from 0, on blocks taken from ``pool`` and given
     back); fit ``fixed + per_row * rows``. No free block for them: rows assumed free (always draft)."""
-    table: list[int] = []
+    tables: list[list[int]] = [[] for _ in range(pool.num_groups)]
     try:
-        pool.reserve(table, 0, 1 + k)
-    except RuntimeError:
-        return RowCost(float("inf"))
-    try:
-        one, many = [_Probe(table, 1)], [_Probe(table, 1 + k)]
+        if len(tables) * pool.blocks_for_tokens(1 + k) > pool.num_free:
+            return RowCost(float("inf"))
+        for g, table in enumerate(tables):
+            pool.reserve(table, 0, 1 + k, g)
+        one, many = [_Probe(tables, 1)], [_Probe(tables, 1 + k)]
         best = {1: float("inf"), 1 + k: float("inf")}
         for i in range(TIMED + 1):  # the first pass of each shape warms up, untimed
             for batch in (one, many):
@@ -57,6 +57,7 @@ def measure_row_cost(runner: ModelRunner, pool: BlockPool, k: int) -> RowCost:
                 if i:
                     best[batch[0].num_tokens] = min(best[batch[0].num_tokens], perf_counter() - t)
     finally:
-        pool.free(table)
+        for table in tables:
+            pool.free(table)
     per_row = max((best[1 + k] - best[1]) / k, best[1] * 1e-3)  # timing noise never makes rows free
     return RowCost(max(best[1] - per_row, 0.0) / per_row)
