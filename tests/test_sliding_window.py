@@ -7,6 +7,7 @@ layer) and a tiny mistral (a window of 8 on both layers: one windowed group).
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,10 +15,12 @@ from conftest import ENGINE
 from models import hf_greedy
 from rich.console import Console
 from test_kv_cache_manager import admit, completion_of, request, step
+from test_speculative import oracle_drafts
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
+from pagedinfer.core.speculative import RowCost
 
 WINDOW = {"gemma3_text": 16, "mistral": 8}
 MAX_TOKENS = 24
@@ -168,3 +171,23 @@ def test_records_do_not_depend_on_batch_or_pool(tiny_model, prompts):
         records.append([[(c.token_ids, c.logprobs, c.cumulative_logprob) for c in o.outputs] for o in outs])
         assert (llm.stats.preemptions > 0) == (num_blocks == 32) and llm.stats.prefix_cache_hits > 0
     assert records[0] == records[1]
+
+
+def test_speculative_rollback_keeps_windowed_tables_exact(tiny_model, monkeypatch):
+    """Drafted tokens on the windowed mistral (blocks of 4, window 8), drawn from the run without them
+    with every third draft's last token wrong: rejected ones are cut back table by table, the tokens
+    are the same, every block is back in the pool."""
+    path = str(tiny_model("mistral"))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 5}, {"prompt_token_ids": [9, 10] * 9}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    off = LLM(path, block_size=4, num_blocks=64, **ENGINE)
+    outputs = off.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in outputs]
+    oracle_drafts(monkeypatch, outputs)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    on = LLM(path, block_size=4, num_blocks=64, speculative_config=spec, **ENGINE)
+    on.engine.set_row_cost(RowCost(math.inf))  # draft wherever a match exists
+    assert [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)] == want
+    sources = on.engine.stats.speculation.sources.values()
+    assert sum(c.drafted for c in sources) > sum(c.accepted for c in sources) > 0
+    assert on.engine.pool.num_used == 0 and on.stats.kv.window_releases > 0
