@@ -22,8 +22,15 @@ from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
 
-WINDOW = {"gemma3_text": 16, "mistral": 8}
-MAX_TOKENS = 24
+MAX_TOKENS = 16
+_REFERENCE: dict[tuple, list[int]] = {}  # transformers' tokens by (model, prompt): both pools compare
+
+
+def reference(path, prompt: list[int]) -> list[int]:
+    key = (str(path), tuple(prompt))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = hf_greedy(path, prompt, MAX_TOKENS)
+    return _REFERENCE[key]
 
 
 def blocks(n: int, bs: int) -> int:
@@ -63,7 +70,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, bu
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+        assert out.outputs[0].token_ids == reference(path, prompt), f"prompt of {len(prompt)}"
     stats = llm.stats
     assert llm.engine.pool.num_used == 0 and stats.kv.window_releases > 0
     assert (stats.preemptions > 0) == (num_blocks == 24)
