@@ -94,7 +94,8 @@ def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -
 def describe_source(size: PoolSize) -> str:
     """What decided the pool's size, in the CLI's words."""
     if size.origin == "num_blocks":
-        return f"{flag_of(size.origin)} {size.num_blocks}"
+        groups = f" × {size.layer_groups} layer groups" if size.layer_groups > 1 else ""
+        return f"{flag_of(size.origin)} {size.num_blocks // size.layer_groups}{groups}"
     if size.origin == "kv_cache_memory":
         return f"{flag_of(size.origin)} ({human_bytes(size.kv_cache_memory)})"
     if size.origin == "gpu_memory_utilization":

@@ -286,6 +286,13 @@ class KVCacheManager:
         when one of them first writes it."""
         child.block_tables = [self.pool.fork(t) for t in parent.block_tables]
 
+    def num_table_blocks(self, seq: Sequence) -> int:
+        """Entries of ``seq``'s tables naming a block (the null block, standing for released ones, not)."""
+        if not self._windowed:
+            return sum(len(t) for t in seq.block_tables)
+        null = self.pool.null_block
+        return sum(len(t) - t.count(null) for t in seq.block_tables)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (its tables empty); blocks nobody references are freed or stay cached."""
         for table in seq.block_tables:

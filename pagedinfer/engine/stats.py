@@ -231,9 +231,14 @@ class EngineStats:
         return empty / allocated if allocated else 0.0
 
     @property
+    def _per_seq_slots(self) -> int:
+        """Slots a contiguous reservation of max_model_len takes per sequence: in every layer group."""
+        return self.max_model_len * max(1, len(self.layer_groups))
+
+    @property
     def naive_slots_at_peak(self) -> int:
         """Slots a contiguous max_model_len reservation per sequence holds at our peak step."""
-        return self.running_seqs[self.peak_step] * self.max_model_len if self.steps else 0
+        return self.running_seqs[self.peak_step] * self._per_seq_slots if self.steps else 0
 
     @property
     def naive_waste_at_peak(self) -> float:
@@ -242,13 +247,13 @@ class EngineStats:
 
     @property
     def naive_mean_waste(self) -> float:
-        reserved = sum(s * self.max_model_len for s in self.running_seqs)
+        reserved = sum(s * self._per_seq_slots for s in self.running_seqs)
         return (reserved - sum(self.slots_filled)) / reserved if reserved else 0.0
 
     @property
     def naive_max_seqs(self) -> int:
         """Sequences the same pool holds if each reserves max_model_len contiguous slots."""
-        return self.num_blocks * self.block_size // self.max_model_len
+        return self.num_blocks * self.block_size // self._per_seq_slots
 
     @property
     def blocks_saved_by_sharing(self) -> int:
