@@ -38,6 +38,10 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    # Qwen2's window on the layers from max_window_layers on (layer 1): two layer groups on our own layers
+    "qwen2_window": lambda: tf.Qwen2Config(
+        **COMMON, **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
     # a window of 16 on 3 of its 4 layers (Gemma 3's pattern, shortened), 512 positions: long windowed runs
     "gemma3_text": lambda: tf.Gemma3TextConfig(
         **COMMON,

@@ -2,7 +2,8 @@
 its blocks back once they leave the window, exact per-group counts, and outputs unchanged.
 
 The models: a tiny gemma3_text (a window of 16 on layers 0-2, layer 3 global: four groups of one
-layer) and a tiny mistral (a window of 8 on both layers: one windowed group).
+layer, on transformers' layers), a tiny mistral (a window of 8 on both layers: one windowed group)
+and a tiny Qwen2 with its window on layer 1 (a global and a windowed group on our own layers).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def prompts():
     return [*short, *out, out[3][:60] + out[0]]  # a 60-token prefix of the 70: prefix-cache hits
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen2_window"])
 @pytest.mark.parametrize(
     ("num_blocks", "budget"), [(256, 512), (24, 16)], ids=["roomy-pool", "preempting-pool"]
 )
@@ -66,7 +67,11 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, bu
     path = tiny_model(family)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, **ENGINE)
     groups = llm.engine.kv.groups
-    assert [g.window for g in groups] == ([0, 16, 16, 16] if family == "gemma3_text" else [8])
+    assert [g.window for g in groups] == {
+        "gemma3_text": [0, 16, 16, 16],
+        "mistral": [8],
+        "qwen2_window": [0, 8],
+    }[family]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -164,10 +169,11 @@ def test_prefix_hit_needs_only_the_window_blocks():
 
 
 def test_records_do_not_depend_on_batch_or_pool(tiny_model, prompts):
-    """Seeded sampling with logprobs on the windowed mistral (its own layers: the reproducibility
-    contract's path), n=2: every record the same one request at a time in a roomy pool and sixteen
-    sequences at a time in a pool that preempts, with prefix-cache hits in both."""
-    path = str(tiny_model("mistral"))
+    """Seeded sampling with logprobs on a windowed Qwen2 (a global and a windowed group on our own
+    layers: the reproducibility contract's path), n=2: every record the same one request at a time in
+    a roomy pool and sixteen sequences at a time in a pool that preempts, with prefix-cache hits in
+    both."""
+    path = str(tiny_model("qwen2_window"))
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, logprobs=2, n=2)
     records = []
     for seqs, num_blocks in ((2, 256), (16, 32)):
