@@ -2,27 +2,35 @@
 
 A decoding sequence may run, after its own pending token, a few drafted tokens in the same step; the
 scheduler verifies them (each drafted position's token drawn exactly as without speculation) and
-keeps them up to the first mismatch. This module only proposes:
+keeps them up to the first mismatch. Any source is therefore exact by construction; this module only
+proposes, from (first that has a draft):
 
+* ``grammar``: the tokens a structured output's grammar forces next (its fixed keys and punctuation);
 * ``prompt_lookup``: the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens (the
   longest that matches first) looked up earlier in its own prompt and output; the tokens that followed
   their latest occurrence are the draft (vLLM's ``ngram`` method, llama.cpp's lookup decoding);
-* ``siblings``: the same suffix looked up in the outputs of the request's other completions (n > 1).
+* ``siblings``: the same suffix looked up in the outputs of the request's other completions (n > 1);
+* ``finished``: the same suffix looked up in the lines finished earlier in the run (`FinishedLines`,
+  the last ``suffix_decoding_max_cached_requests`` completions, each its prompt's tail and output).
 
 The n-grams are indexed as tokens arrive (a dict per n-gram size range: the prompt's once per request,
-each completion's outputs on its own), so a proposal costs a few dict lookups, not a scan.
+each completion's outputs on its own, a finished completion's once), so a proposal costs a few dict
+lookups, not a scan.
 
 Gating: a drafted row costs the step ``per_row`` more; an accepted draft token saves the sequence's
-share of a step. With a step of R rows costing ``fixed + per_row * R`` (`RowCost`, measured by the
-engine at start-up) and B sequences decoding, the k-th draft token is worth its row when the chance
-it is accepted, ``rate ** k``, is at least ``per_row * B / (fixed + per_row * B)``. ``rate`` is each
-line's acceptance rate for the source, from decayed counts (so a line whose drafts stopped matching
-stops drafting, and one gated off drifts back to the prior and tries again where rows are cheap).
+share of a step. With a step of R rows costing ``fixed + per_row * R`` (`RowCost`, fitted by
+`StepTimes` from the run's own decode steps, seeded by a start-up measurement) and B sequences
+decoding, the k-th draft token is worth its row when the chance it is accepted, ``rate ** k``, is at
+least ``per_row * B / (fixed + per_row * B)``. ``rate`` is each line's acceptance rate for the source,
+from decayed counts (so a line whose drafts stopped matching stops drafting, and one gated off drifts
+back to the prior and tries again where rows are cheap).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import TYPE_CHECKING
 
 from pagedinfer.config import SpeculativeConfig
@@ -30,9 +38,14 @@ from pagedinfer.config import SpeculativeConfig
 if TYPE_CHECKING:
     from pagedinfer.core.sequence import Request, Sequence
 
-SOURCES = ("prompt_lookup", "siblings")
+SOURCES = ("grammar", "prompt_lookup", "siblings", "finished")
 PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0  # a line's first drafts: acceptance rate 1/2 assumed
 DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outcomes count most)
+LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
+WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
+MIN_TIMES = 3  # a row count's times needed before it counts in the fit
+FIT_EVERY = 8  # decode steps between refits of the cost line
+EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
 
 
 class NgramIndex:
@@ -52,6 +65,45 @@ class NgramIndex:
             for n in range(lo, min(self.hi, p) + 1):
                 at[tuple(tokens[p - n : p])] = p
         self.upto = max(self.upto, len(tokens))
+
+
+class FinishedLines:
+    """The n-grams of the last ``capacity`` finished completions, oldest dropped first: n-gram -> the
+    latest line holding it, whose tokens after it are a draft for another line. Memory is bounded by
+    ``capacity`` lines of at most `LINE_TOKENS` tokens, each indexed for ``hi - lo + 1`` sizes."""
+
+    def __init__(self, lo: int, hi: int, capacity: int) -> None:
+        self.lo, self.hi, self.capacity = lo, hi, capacity
+        self.lines: OrderedDict[int, tuple[list[int], NgramIndex]] = OrderedDict()  # oldest first
+        self.latest: dict[tuple[int, ...], int] = {}
+        self._next = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Index a finished completion's ``tokens``; past ``capacity`` lines, drop the oldest (and each
+        n-gram whose latest line it was: no other line held it since)."""
+        tokens = tokens[:LINE_TOKENS]
+        if self.capacity == 0 or len(tokens) <= self.lo:
+            return
+        index = NgramIndex(self.lo, self.hi)
+        index.extend(tokens)
+        line, self._next = self._next, self._next + 1
+        self.lines[line] = (tokens, index)
+        for gram in index.at:
+            self.latest[gram] = line
+        while len(self.lines) > self.capacity:
+            old, (_, old_index) = self.lines.popitem(last=False)
+            for gram in old_index.at:
+                if self.latest.get(gram) == old:
+                    del self.latest[gram]
+
+    def follow(self, gram: tuple[int, ...], room: int) -> list[int] | None:
+        """Up to ``room`` tokens that followed ``gram`` in the latest line holding it, or None."""
+        line = self.latest.get(gram)
+        if line is None:
+            return None
+        tokens, index = self.lines[line]
+        at = index.at[gram]
+        return tokens[at : at + room]
 
 
 @dataclass
@@ -88,6 +140,35 @@ class RowCost:
         return num_seqs / (self.fixed_over_row + num_seqs)
 
 
+class StepTimes:
+    """Decode steps' wall times by row count, and the `RowCost` line through them: each count's cost
+    is the median of its latest `WINDOW` times (a loaded machine's outliers do not move it), and the
+    line is their least-squares fit weighted by how many times each holds. Seeded with the start-up
+    probes' times, which the run's own steps (sampling and verification included) then replace."""
+
+    def __init__(self, seed: dict[int, list[float]] | None = None) -> None:
+        self.times: dict[int, deque[float]] = {}
+        for rows, seconds in (seed or {}).items():
+            self.times[rows] = deque(seconds, maxlen=WINDOW)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+
+    def fit(self) -> RowCost | None:
+        """The line ``fixed + per_row * rows`` through the counts with `MIN_TIMES` times; None with
+        fewer than two such counts. A slope under a thousandth of a step (noise) counts as that."""
+        points = [(r, median(t), len(t)) for r, t in self.times.items() if len(t) >= MIN_TIMES]
+        if len(points) < 2:
+            return None
+        total = sum(w for _, _, w in points)
+        mean_r = sum(r * w for r, _, w in points) / total
+        mean_t = sum(t * w for _, t, w in points) / total
+        spread = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+        slope = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread
+        per_row = max(slope, min(t for _, t, _ in points) * 1e-3)
+        return RowCost(max(mean_t - slope * mean_r, 0.0) / per_row)
+
+
 @dataclass
 class Draft:
     source: str
@@ -116,15 +197,24 @@ class SpeculationStats:
 
 
 class Speculator:
-    """Proposes each decoding sequence's draft, and learns from each verification's outcome."""
+    """Proposes each decoding sequence's draft, and learns from each verification's outcome and
+    (given `StepTimes`) from each decode step's time."""
 
-    def __init__(self, config: SpeculativeConfig, cost: RowCost) -> None:
+    def __init__(self, config: SpeculativeConfig, cost: RowCost | StepTimes) -> None:
+        """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps refit it from (until
+        they fit a line, every draft is taken)."""
         self.config = config
-        self.cost = cost
+        self.times = cost if isinstance(cost, StepTimes) else None
+        self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
+        self._steps = 0  # decode steps timed
+        self._gated = 0  # gated-off drafts (every `EXPLORE_EVERY`-th runs one token)
         self._prompts: dict[Request, NgramIndex] = {}
         self._outputs: dict[Sequence, NgramIndex] = {}
         self._acceptance: dict[tuple[Request, str], Acceptance] = {}
-        self.stats = SpeculationStats(config.num_speculative_tokens, cost.fixed_over_row)
+        self.finished = FinishedLines(
+            config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_cached_requests
+        )
+        self.stats = SpeculationStats(config.num_speculative_tokens, self.cost.fixed_over_row)
 
     def _index(self, seq: Sequence) -> NgramIndex:
         """``seq``'s index of n-grams followed by its generated tokens, brought up to date."""
@@ -146,8 +236,11 @@ class Speculator:
         return index
 
     def _lookup(self, seq: Sequence, room: int) -> Draft | None:
-        """The longest suffix of ``seq`` found earlier (own output, prompt, then siblings' outputs) and
-        up to ``room`` tokens that followed it."""
+        """The tokens ``seq``'s grammar forces next; else the longest suffix of ``seq`` found earlier
+        (own output, prompt, siblings' outputs, then finished lines) and up to ``room`` tokens that
+        followed it."""
+        if seq.logits_state is not None and (forced := seq.logits_state.forced_tokens()):
+            return Draft("grammar", forced[:room])
         tokens, req = seq.token_ids, seq.request
         siblings = [s for s in req.completions if s is not seq and s.num_output_tokens]
         own, prompt = self._index(seq), self._prompt_index(req)
@@ -164,6 +257,8 @@ class Speculator:
             for sib, index in others:
                 if (at := index.at.get(key)) is not None:
                     return Draft("siblings", sib.token_ids[at : at + room])
+            if (follow := self.finished.follow(key, room)) is not None:
+                return Draft("finished", follow)
         return None
 
     def propose(self, seq: Sequence, room: int, num_seqs: int) -> Draft | None:
@@ -183,7 +278,10 @@ class Speculator:
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
-            return None
+            self._gated += 1
+            if self.times is None or self._gated % EXPLORE_EVERY:
+                return None
+            k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
         return draft
 
@@ -196,8 +294,24 @@ class Speculator:
         counts.accepted += accepted
         counts.steps += 1
 
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows (drafted ones included) took ``seconds``: with `StepTimes`,
+        the cost line is refit from them every `FIT_EVERY` steps."""
+        if self.times is None:
+            return
+        self.times.add(rows, seconds)
+        self._steps += 1
+        if self._steps % FIT_EVERY == 0 and (cost := self.times.fit()) is not None:
+            self.cost = cost
+            self.stats.fixed_over_row = cost.fixed_over_row
+
     def forget(self, req: Request) -> None:
-        """``req`` finished: drop its indexes and acceptance counts."""
+        """``req`` finished: its completions' tokens (each its prompt's tail and output) join the
+        finished lines later lines draft from; drop its indexes and acceptance counts."""
+        tail = max(req.num_prompt_tokens - self.config.prompt_lookup_max, 0)
+        for seq in req.completions:
+            if seq.num_output_tokens:
+                self.finished.add(seq.token_ids[tail:])
         self._prompts.pop(req, None)
         for seq in [req.prompt_seq, *req.completions]:
             self._outputs.pop(seq, None)
