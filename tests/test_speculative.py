@@ -37,6 +37,7 @@ from pagedinfer.core.speculative import (
     RowCost,
     Speculator,
     StepTimes,
+    draft_length,
 )
 from pagedinfer.engine.llm_engine import LLMEngine, SpeculationOff
 from pagedinfer.sampling_params import BeamSearchParams, StructuredOutputsParams
@@ -259,9 +260,16 @@ def test_the_gate_drafts_only_where_rows_pay():
     for _ in range(5):
         acceptance.record(0, True)
     assert acceptance.rate < 0.1
-    assert RowCost(math.inf).threshold(8) == 0.0
-    assert RowCost(0.0).threshold(1) == 1.0  # rows as dear as the step: never worth it
-    assert RowCost(9.0).threshold(1) == pytest.approx(0.1)
+    assert draft_length(0.1, 4, 8, RowCost(math.inf).seconds) == 4  # rows free: all of it
+    assert draft_length(0.99, 4, 1, RowCost(0.0).seconds) == 0  # rows as dear as the step: never
+    # a step of 9 fixed + 1 a row: 1 token in 10, 1.5 in 11 with a row at 1/2, 1.75 in 12 with two;
+    # the third's 1/8 does not pay for itself
+    assert draft_length(0.5, 4, 1, RowCost(9.0).seconds) == 2
+    assert draft_length(0.5, 4, 8, RowCost(9.0).seconds) == 1  # 8.5 in 18 beats 8 in 17
+    assert draft_length(0.4, 4, 8, RowCost(9.0).seconds) == 0  # 8.4 in 18 does not
+    # a jump from 1 row to 2 (the one-row decode path) then cheap rows: a draft pays only when long
+    jump = {1: 10.0, 2: 20.0, 3: 20.5, 4: 21.0, 5: 21.5}.__getitem__
+    assert draft_length(0.9, 4, 1, jump) == 4 and draft_length(0.9, 1, 1, jump) == 0
 
 
 def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
@@ -437,6 +445,15 @@ def test_step_times_fit_a_line_through_medians():
     assert times.fit().fixed_over_row == pytest.approx(4.0)
     assert StepTimes({1: [10.0] * 3}).fit() is None  # one row count: no line
     assert StepTimes({1: [10.0] * 3, 2: [9.0] * 3}).fit().fixed_over_row > 100  # rows free
+
+
+def test_step_times_read_costs_off_the_medians():
+    times = StepTimes({1: [10.0] * 3, 3: [20.0, 21.0, 99.0], 5: [19.0] * 3, 7: [1.0, 2.0]})
+    assert times.seconds(1) == 10.0 and times.seconds(3) == 21.0
+    assert times.seconds(2) == 15.5  # between its neighbours
+    assert times.seconds(5) == 21.0  # a row more never makes a step cheaper
+    assert times.seconds(9) == 21.0  # past the last count: its neighbours' line (7 holds too few)
+    assert StepTimes({1: [10.0] * 3}).seconds(2) == math.inf  # one count timed: rows taken as free
 
 
 def test_the_gate_refits_from_the_run_and_explores(text_llm):

@@ -17,18 +17,22 @@ The n-grams are indexed as tokens arrive (a dict per n-gram size range: the prom
 each completion's outputs on its own, a finished completion's once), so a proposal costs a few dict
 lookups, not a scan.
 
-Gating: a drafted row costs the step ``per_row`` more; an accepted draft token saves the sequence's
-share of a step. With a step of R rows costing ``fixed + per_row * R`` (`RowCost`, fitted by
-`StepTimes` from the run's own decode steps, seeded by a start-up measurement) and B sequences
-decoding, the k-th draft token is worth its row when the chance it is accepted, ``rate ** k``, is at
-least ``per_row * B / (fixed + per_row * B)``. ``rate`` is each line's acceptance rate for the source,
-from decayed counts (so a line whose drafts stopped matching stops drafting, and one gated off drifts
-back to the prior and tries again where rows are cheap).
+Gating (`draft_length`): with B sequences decoding, a step of B rows gives B tokens; drafting k more
+rows for one of them makes the step cost ``seconds(B + k)`` and gives ``B + rate + ... + rate ** k``
+tokens expected, so the draft is cut to the k that gives the most tokens a second, none when no k
+beats the step without it. ``rate`` is each line's acceptance rate for the source, from decayed counts
+(so a line whose drafts stopped matching stops drafting, and one gated off drifts back to the prior
+and tries again where rows are cheap). ``seconds(R)`` is the run's own: `StepTimes` keeps the recent
+wall times of its decode steps by row count (seeded by a start-up measurement) and reads a count's
+cost off their medians, so the jump from the one-row decode path to the multi-row one, sampling and
+verification are in it; a fixed `RowCost` line stands in for it in tests.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import TYPE_CHECKING
@@ -44,7 +48,7 @@ DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outco
 LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
 WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
 MIN_TIMES = 3  # a row count's times needed before it counts in the fit
-FIT_EVERY = 8  # decode steps between refits of the cost line
+FIT_EVERY = 8  # decode steps between refits of the step costs
 EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
 
 
@@ -130,33 +134,74 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class RowCost:
-    """A step of R rows costs ``fixed + per_row * R`` (the engine's start-up measurement): only their
-    ratio matters. ``fixed_over_row`` infinite: rows are free, every draft is taken (tests)."""
+    """A step of R rows costs ``fixed + per_row * R``: only their ratio matters. ``fixed_over_row``
+    infinite: rows are free, every draft is taken (tests)."""
 
     fixed_over_row: float
 
-    def threshold(self, num_seqs: int) -> float:
-        """The acceptance chance a drafted row must have to pay, in a step of ``num_seqs`` sequences."""
-        return num_seqs / (self.fixed_over_row + num_seqs)
+    def seconds(self, rows: int) -> float:
+        """A step's cost in units of one row's."""
+        return self.fixed_over_row + rows
+
+
+def draft_length(rate: float, most: int, num_seqs: int, seconds: Callable[[int], float]) -> int:
+    """How many of ``most`` drafted tokens (each accepted with chance ``rate`` once the one before was)
+    make a step of ``num_seqs`` sequences give the most tokens a second, a step of R rows costing
+    ``seconds(R)``; 0 when none beats the step without them."""
+    base = seconds(num_seqs)
+    if math.isinf(base):  # rows are free
+        return most
+    best, k_best, expected, chance = num_seqs / base, 0, 0.0, 1.0
+    for k in range(1, most + 1):
+        chance *= rate
+        expected += chance
+        value = (num_seqs + expected) / seconds(num_seqs + k)
+        if value > best:
+            best, k_best = value, k
+    return k_best
 
 
 class StepTimes:
-    """Decode steps' wall times by row count, and the `RowCost` line through them: each count's cost
-    is the median of its latest `WINDOW` times (a loaded machine's outliers do not move it), and the
-    line is their least-squares fit weighted by how many times each holds. Seeded with the start-up
-    probes' times, which the run's own steps (sampling and verification included) then replace."""
+    """Decode steps' wall times by row count: each count's cost is the median of its latest `WINDOW`
+    times (a loaded machine's outliers do not move it), made non-decreasing in the count (a row more
+    never makes a step cheaper); a count without times is interpolated between its neighbours (or
+    extended from the nearest two). Seeded with the start-up probes' times, which the run's own steps
+    (sampling and verification included) then replace. `refit` brings the medians up to date."""
 
     def __init__(self, seed: dict[int, list[float]] | None = None) -> None:
         self.times: dict[int, deque[float]] = {}
         for rows, seconds in (seed or {}).items():
             self.times[rows] = deque(seconds, maxlen=WINDOW)
+        self.known: list[tuple[int, float]] = []  # (rows, cost), by rows
+        self.refit()
 
     def add(self, rows: int, seconds: float) -> None:
         self.times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
 
+    def refit(self) -> None:
+        known, most = [], 0.0
+        for rows, times in sorted(self.times.items()):
+            if len(times) >= MIN_TIMES:
+                most = max(most, median(times))
+                known.append((rows, most))
+        self.known = known
+
+    def seconds(self, rows: int) -> float:
+        """A step of ``rows`` rows' cost; infinite (rows free: every draft taken) with fewer than two
+        counts timed."""
+        known = self.known
+        if len(known) < 2:
+            return math.inf
+        i = next((i for i, (r, _) in enumerate(known) if r >= rows), len(known))
+        if i < len(known) and known[i][0] == rows:
+            return known[i][1]
+        (r0, t0), (r1, t1) = known[min(max(i - 1, 0), len(known) - 2) :][:2]
+        return max(t0 + (t1 - t0) / (r1 - r0) * (rows - r0), 0.0)
+
     def fit(self) -> RowCost | None:
-        """The line ``fixed + per_row * rows`` through the counts with `MIN_TIMES` times; None with
-        fewer than two such counts. A slope under a thousandth of a step (noise) counts as that."""
+        """The line ``fixed + per_row * rows`` through the counts with `MIN_TIMES` times, weighted by
+        their times (the report's summary of the costs); None with fewer than two such counts. A slope
+        under a thousandth of a step (noise) counts as that."""
         points = [(r, median(t), len(t)) for r, t in self.times.items() if len(t) >= MIN_TIMES]
         if len(points) < 2:
             return None
@@ -201,8 +246,8 @@ class Speculator:
     (given `StepTimes`) from each decode step's time."""
 
     def __init__(self, config: SpeculativeConfig, cost: RowCost | StepTimes) -> None:
-        """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps refit it from (until
-        they fit a line, every draft is taken)."""
+        """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps update (until two
+        row counts are timed, every draft is taken)."""
         self.config = config
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
@@ -271,10 +316,8 @@ class Speculator:
         if draft is None or not draft.token_ids:
             return None
         acceptance = self._acceptance.setdefault((seq.request, draft.source), Acceptance())
-        threshold, rate = self.cost.threshold(num_seqs), acceptance.rate
-        k, chance = 0, rate
-        while k < len(draft.token_ids) and chance >= threshold:  # the (k+1)-th token pays for its row
-            k, chance = k + 1, chance * rate
+        seconds = self.cost.seconds if self.times is None else self.times.seconds
+        k = draft_length(acceptance.rate, len(draft.token_ids), num_seqs, seconds)
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
@@ -301,9 +344,11 @@ class Speculator:
             return
         self.times.add(rows, seconds)
         self._steps += 1
-        if self._steps % FIT_EVERY == 0 and (cost := self.times.fit()) is not None:
-            self.cost = cost
-            self.stats.fixed_over_row = cost.fixed_over_row
+        if self._steps % FIT_EVERY == 0:
+            self.times.refit()
+            if (cost := self.times.fit()) is not None:
+                self.cost = cost
+                self.stats.fixed_over_row = cost.fixed_over_row
 
     def forget(self, req: Request) -> None:
         """``req`` finished: its completions' tokens (each its prompt's tail and output) join the
