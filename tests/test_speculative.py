@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from models import save_lora
@@ -476,3 +477,13 @@ def test_the_gate_refits_from_the_run_and_explores(text_llm):
     assert proposals[:-1] == [None] * (EXPLORE_EVERY - 1)
     assert len(proposals[-1].token_ids) == 1
     engine.abort_all()
+
+
+def test_a_new_line_starts_at_its_sources_rate():
+    speculator = Speculator(SpeculativeConfig.parse(SPEC), RowCost(math.inf))
+    line = SimpleNamespace(request="a")
+    for _ in range(3):
+        speculator.verified(line, Draft("prompt_lookup", [1, 2, 3, 4]), 4, mismatch=False)
+    speculator.verified(line, Draft("prompt_lookup", [1, 2]), 1, mismatch=True)
+    assert speculator._line_acceptance("b", "prompt_lookup").rate == pytest.approx(14 / 16)
+    assert speculator._line_acceptance("b", "siblings").rate == 0.5  # nothing drafted from it yet

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from pagedinfer.core.sequence import Request, Sequence
 
 SOURCES = ("grammar", "prompt_lookup", "siblings", "finished")
-PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0  # a line's first drafts: acceptance rate 1/2 assumed
+PRIOR_WEIGHT = 2.0  # outcomes a line's prior counts for (its source's rate in the run, 1/2 at first)
 DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outcomes count most)
 LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
 WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
@@ -112,10 +112,15 @@ class FinishedLines:
 
 @dataclass
 class Acceptance:
-    """One line's drafts from one source: decayed counts of accepted tokens and of mismatches."""
+    """One line's drafts from one source: decayed counts of accepted tokens and of mismatches, from a
+    prior rate (the source's rate over the run's earlier drafts: a new line starts where others are)."""
 
-    hits: float = PRIOR_HITS
-    misses: float = PRIOR_MISSES
+    prior: float = 0.5
+    hits: float = field(init=False)
+    misses: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits, self.misses = PRIOR_WEIGHT * self.prior, PRIOR_WEIGHT * (1 - self.prior)
 
     @property
     def rate(self) -> float:
@@ -128,8 +133,8 @@ class Acceptance:
 
     def relax(self) -> None:
         """A step the line could have drafted but was gated off: drift back toward the prior."""
-        self.hits = self.hits * DECAY + PRIOR_HITS * (1 - DECAY)
-        self.misses = self.misses * DECAY + PRIOR_MISSES * (1 - DECAY)
+        self.hits = self.hits * DECAY + PRIOR_WEIGHT * self.prior * (1 - DECAY)
+        self.misses = self.misses * DECAY + PRIOR_WEIGHT * (1 - self.prior) * (1 - DECAY)
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,7 @@ class Speculator:
         self._prompts: dict[Request, NgramIndex] = {}
         self._outputs: dict[Sequence, NgramIndex] = {}
         self._acceptance: dict[tuple[Request, str], Acceptance] = {}
+        self._totals: dict[str, list[int]] = {}  # source -> [accepted tokens, mismatches] in the run
         self.finished = FinishedLines(
             config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_cached_requests
         )
@@ -315,7 +321,7 @@ class Speculator:
         draft = self._lookup(seq, room)
         if draft is None or not draft.token_ids:
             return None
-        acceptance = self._acceptance.setdefault((seq.request, draft.source), Acceptance())
+        acceptance = self._line_acceptance(seq.request, draft.source)
         seconds = self.cost.seconds if self.times is None else self.times.seconds
         k = draft_length(acceptance.rate, len(draft.token_ids), num_seqs, seconds)
         if k == 0:
@@ -331,11 +337,23 @@ class Speculator:
     def verified(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:
         """The outcome of ``draft``: its first ``accepted`` tokens kept; ``mismatch``: a drawn token
         differed (not an end of the sequence inside the draft)."""
-        self._acceptance.setdefault((seq.request, draft.source), Acceptance()).record(accepted, mismatch)
+        self._line_acceptance(seq.request, draft.source).record(accepted, mismatch)
+        totals = self._totals.setdefault(draft.source, [0, 0])
+        totals[0] += accepted
+        totals[1] += mismatch
         counts = self.stats.sources[draft.source]
         counts.drafted += len(draft.token_ids)
         counts.accepted += accepted
         counts.steps += 1
+
+    def _line_acceptance(self, req: Request, source: str) -> Acceptance:
+        """``req``'s acceptance for ``source``; a new one starts at the source's rate in the run so far
+        (accepted tokens over accepted and mismatches, one of each assumed)."""
+        acceptance = self._acceptance.get((req, source))
+        if acceptance is None:
+            hits, misses = self._totals.get(source, (0, 0))
+            acceptance = self._acceptance[req, source] = Acceptance((hits + 1) / (hits + misses + 2))
+        return acceptance
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step of ``rows`` rows (drafted ones included) took ``seconds``: with `StepTimes`,
