@@ -25,6 +25,17 @@ from pagedinfer import LLM  # noqa: E402
 from pagedinfer.engine.row_cost import _Probe  # noqa: E402
 
 
+class _Later(_Probe):
+    """A probe whose rows sit at positions ``start`` .. ``start + num_tokens``."""
+
+    def __post_init__(self) -> None:
+        self.token_ids = [0] * (self.start + self.num_tokens)
+
+    @property
+    def step_token_ids(self) -> list[int]:
+        return self.token_ids[self.start :]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -39,9 +50,7 @@ def main() -> None:
     engine.pool.reserve(table, 0, args.context + max(counts))
 
     def probe(rows: int) -> list[_Probe]:
-        p = _Probe(table, rows)
-        p.start = args.context
-        return [p]
+        return [_Later(table, rows, start=args.context)]
 
     def timed(layered: bool) -> dict[int, float]:
         one_call = runner.one_call
