@@ -303,6 +303,10 @@ def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above"),
         ({"num_speculative_tokens": 2, "draft": 1}, "unknown key 'draft'"),
+        (
+            {"num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1},
+            "suffix_decoding_max_cached_requests must be an integer >= 0, not -1",
+        ),
         ("ngram", "must be a dict"),
     ],
 )
