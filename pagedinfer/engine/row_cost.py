@@ -43,7 +43,8 @@ class _Probe:
 
 def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTimes:
     """Time steps of 1 and ``1 + k`` rows (positions from 0, on blocks taken from ``pool`` and given
-    back). No free block for them: no times (every draft is taken until the run's steps fit a line)."""
+    back). No free block for them: no times (every draft is taken until the run's steps time two row
+    counts)."""
     table: list[int] = []
     try:
         pool.reserve(table, 0, 1 + k)
