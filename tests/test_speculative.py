@@ -266,8 +266,8 @@ def test_the_gate_drafts_only_where_rows_pay():
     # a step of 9 fixed + 1 a row: 1 token in 10, 1.5 in 11 with a row at 1/2, 1.75 in 12 with two;
     # the third's 1/8 does not pay for itself
     assert draft_length(0.5, 4, 1, RowCost(9.0).seconds) == 2
-    assert draft_length(0.5, 4, 8, RowCost(9.0).seconds) == 1  # 8.5 in 18 beats 8 in 17
-    assert draft_length(0.4, 4, 8, RowCost(9.0).seconds) == 0  # 8.4 in 18 does not
+    assert draft_length(0.9, 4, 8, RowCost(9.0).seconds) == 4  # 11.1 in 21 beats 8 in 17 by 12%
+    assert draft_length(0.5, 4, 8, RowCost(9.0).seconds) == 0  # 8.5 in 18: by 0.3%, under the margin
     # a jump from 1 row to 2 (the one-row decode path) then cheap rows: a draft pays only when long
     jump = {1: 10.0, 2: 20.0, 3: 20.5, 4: 21.0, 5: 21.5}.__getitem__
     assert draft_length(0.9, 4, 1, jump) == 4 and draft_length(0.9, 1, 1, jump) == 0

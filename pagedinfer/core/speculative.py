@@ -50,6 +50,8 @@ WINDOW = 15  # the latest step times kept per row count: their median is that co
 MIN_TIMES = 3  # a row count's times needed before it counts in the fit
 FIT_EVERY = 8  # decode steps between refits of the step costs
 EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
+MARGIN = 0.05  # a draft must promise this much more tokens a second: smaller gains are within the
+# step costs' error, and a wrong draft costs more than a missed one gains
 
 
 class NgramIndex:
@@ -152,11 +154,11 @@ class RowCost:
 def draft_length(rate: float, most: int, num_seqs: int, seconds: Callable[[int], float]) -> int:
     """How many of ``most`` drafted tokens (each accepted with chance ``rate`` once the one before was)
     make a step of ``num_seqs`` sequences give the most tokens a second, a step of R rows costing
-    ``seconds(R)``; 0 when none beats the step without them."""
+    ``seconds(R)``; 0 when none beats the step without them by `MARGIN`."""
     base = seconds(num_seqs)
     if math.isinf(base):  # rows are free
         return most
-    best, k_best, expected, chance = num_seqs / base, 0, 0.0, 1.0
+    best, k_best, expected, chance = num_seqs / base * (1 + MARGIN), 0, 0.0, 1.0
     for k in range(1, most + 1):
         chance *= rate
         expected += chance
