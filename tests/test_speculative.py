@@ -267,7 +267,7 @@ def test_the_gate_drafts_only_where_rows_pay():
     # the third's 1/8 does not pay for itself
     assert draft_length(0.5, 4, 1, RowCost(9.0).seconds) == 2
     assert draft_length(0.9, 4, 8, RowCost(9.0).seconds) == 4  # 11.1 in 21 beats 8 in 17 by 12%
-    assert draft_length(0.5, 4, 8, RowCost(9.0).seconds) == 0  # 8.5 in 18: by 0.3%, under the margin
+    assert draft_length(0.8, 4, 8, RowCost(9.0).seconds) == 0  # 10.4 in 21: by 5%, under the margin
     # a jump from 1 row to 2 (the one-row decode path) then cheap rows: a draft pays only when long
     jump = {1: 10.0, 2: 20.0, 3: 20.5, 4: 21.0, 5: 21.5}.__getitem__
     assert draft_length(0.9, 4, 1, jump) == 4 and draft_length(0.9, 1, 1, jump) == 0
@@ -453,11 +453,12 @@ def test_step_times_fit_a_line_through_medians():
 
 
 def test_step_times_read_costs_off_the_medians():
-    times = StepTimes({1: [10.0] * 3, 3: [20.0, 21.0, 99.0], 5: [19.0] * 3, 7: [1.0, 2.0]})
-    assert times.seconds(1) == 10.0 and times.seconds(3) == 21.0
-    assert times.seconds(2) == 15.5  # between its neighbours
-    assert times.seconds(5) == 21.0  # a row more never makes a step cheaper
-    assert times.seconds(9) == 21.0  # past the last count: its neighbours' line (7 holds too few)
+    times = StepTimes({1: [10.0] * 3, 3: [20.0, 21.0, 99.0], 5: [19.0] * 3, 7: [1.0, 2.0], 8: [30.0] * 3})
+    assert times.seconds(1) == 10.0 and times.seconds(8) == 30.0
+    assert times.seconds(3) == times.seconds(5) == 20.0  # out of order: pooled (a row more is never cheaper)
+    assert times.seconds(2) == 15.0  # between its neighbours
+    assert times.seconds(6) == pytest.approx(20.0 + 10 / 3)  # 7 holds too few times: between 5 and 8
+    assert times.seconds(10) == pytest.approx(30.0 + 20 / 3)  # past the last count: the last two's line
     assert StepTimes({1: [10.0] * 3}).seconds(2) == math.inf  # one count timed: rows taken as free
 
 

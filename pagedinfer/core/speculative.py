@@ -50,7 +50,7 @@ WINDOW = 15  # the latest step times kept per row count: their median is that co
 MIN_TIMES = 3  # a row count's times needed before it counts in the fit
 FIT_EVERY = 8  # decode steps between refits of the step costs
 EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
-MARGIN = 0.05  # a draft must promise this much more tokens a second: smaller gains are within the
+MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gains are within the
 # step costs' error, and a wrong draft costs more than a missed one gains
 
 
@@ -171,7 +171,7 @@ def draft_length(rate: float, most: int, num_seqs: int, seconds: Callable[[int],
 class StepTimes:
     """Decode steps' wall times by row count: each count's cost is the median of its latest `WINDOW`
     times (a loaded machine's outliers do not move it), made non-decreasing in the count (a row more
-    never makes a step cheaper); a count without times is interpolated between its neighbours (or
+    never makes a step cheaper: isotonic regression); a count without times is interpolated between its neighbours (or
     extended from the nearest two). Seeded with the start-up probes' times, which the run's own steps
     (sampling and verification included) then replace. `refit` brings the medians up to date."""
 
@@ -186,12 +186,18 @@ class StepTimes:
         self.times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
 
     def refit(self) -> None:
-        known, most = [], 0.0
+        """Each timed count's median, then the closest non-decreasing costs (neighbours out of order
+        are pooled into their weighted mean: a noisy high count does not make the rows after it free)."""
+        pools: list[list] = []  # [weighted sum, weight, row counts], costs non-decreasing
         for rows, times in sorted(self.times.items()):
             if len(times) >= MIN_TIMES:
-                most = max(most, median(times))
-                known.append((rows, most))
-        self.known = known
+                pools.append([median(times) * len(times), len(times), [rows]])
+                while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+                    total, weight, counts = pools.pop()
+                    pools[-1][0] += total
+                    pools[-1][1] += weight
+                    pools[-1][2] += counts
+        self.known = [(rows, total / weight) for total, weight, counts in pools for rows in counts]
 
     def seconds(self, rows: int) -> float:
         """A step of ``rows`` rows' cost; infinite (rows free: every draft taken) with fewer than two
