@@ -43,6 +43,8 @@ class LogitsStateLike(Protocol):
 
     def fork(self) -> LogitsStateLike: ...
 
+    def forced_tokens(self) -> list[int]: ...
+
 
 @dataclass(eq=False)
 class Sequence:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from time import monotonic
+from time import monotonic, perf_counter
 
 import torch
 
@@ -23,7 +23,7 @@ from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
 from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
-from pagedinfer.engine.row_cost import measure_row_cost
+from pagedinfer.engine.row_cost import measure_step_times
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
 from pagedinfer.logits.processor import LogitsPipeline
@@ -243,17 +243,18 @@ class LLMEngine:
     def _speculator(self, cost: RowCost | None = None) -> Speculator | None:
         """Speculation as configured, where it changes no bit (on the path the reproducibility contract
         covers, whose rows do not depend on their neighbours); else None, with a warning saying why.
-        ``cost``: the drafted rows' cost (None: measured now on the loaded model)."""
+        ``cost``: the drafted rows' cost, fixed (None: measured now on the loaded model, then refit from
+        the run's decode steps)."""
         spec = self.config.speculative_config
         covered = fingerprint.reproducibility(self)
         if not covered.covered:
             self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
             warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
             return None
-        if cost is None:
-            cost = measure_row_cost(self.runner, self.pool, spec.num_speculative_tokens)
         self.speculation_mode = f"on: {spec.method}, up to {spec.num_speculative_tokens} drafted tokens"
-        return Speculator(spec, cost)
+        return Speculator(
+            spec, cost or measure_step_times(self.runner, self.pool, spec.num_speculative_tokens)
+        )
 
     def set_row_cost(self, cost: RowCost) -> None:
         """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)."""
@@ -381,11 +382,19 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it (failed ones included)."""
+        start = perf_counter()
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
         self._stats.record_step(self.scheduler.make_stats(), plan.num_tokens)
         output = self._execute(plan) if plan.batch else ModelOutput()
         finished = self.scheduler.update_from_output(plan, output)  # computed, forks, appends, stops, frees
         self._stats.count_finished(finished)
+        speculator = self.scheduler.speculator
+        if (
+            speculator is not None
+            and plan.batch
+            and all(s.num_tokens == 1 + len(s.draft) for s in plan.batch)
+        ):
+            speculator.observe(plan.num_tokens, perf_counter() - start)  # a decode step: the gate's times
         return finished
 
     def _execute(self, plan: SchedulerOutput) -> ModelOutput:
