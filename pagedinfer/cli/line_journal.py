@@ -20,6 +20,7 @@ made durable, renamed over it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -230,7 +231,7 @@ class LineJournal:
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
-        os.lseek(fd, 0, os.SEEK_END)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)  # after a cut-back too
         self._size = os.fstat(fd).st_size
         _sync_directory(self.path.parent)
 
