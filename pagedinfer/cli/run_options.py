@@ -75,7 +75,8 @@ class RunOptions:
     )
     resume_every_seconds: float = option(
         RESUME_EVERY_SECONDS,
-        "... and at least every this many seconds.",
+        "Keep the tokens of lines still generating at least every this many seconds too (whichever of "
+        "this and --resume-every-tokens comes first).",
         panel="output",
         metavar="SECONDS",
     )
