@@ -144,8 +144,7 @@ def test_speculation_keeps_only_verified_tokens_and_resumes_the_same(text_llm, m
                 assert s.output_ids == final[s.index][: s.num_output_tokens]
             captures.append(kept_of(found))
     assert repr(on.output(req)) == reference
-    assert speculative.accepted(speculative.engine_view(text_llm, SPEC)) == 0  # (a fresh view)
-    assert on.stats.speculation.sources and sum(c.accepted for c in on.stats.speculation.sources.values()) > 0
+    assert sum(c.accepted for c in on.stats.speculation.sources.values()) > 0  # drafts were taken
     for kept in captures[:: max(1, len(captures) // 4)]:
         assert run(on, prompt, params, kept=kept)[0] == reference
 
