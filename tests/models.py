@@ -116,11 +116,12 @@ CORPUS = [
 ]
 
 
-def save_text_model(root: Path, seed: int = 0) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer trained here (EOS is ``<eos>``)."""
+def save_text_model(root: Path, seed: int = 0, positions: int | None = None) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer trained here (EOS is ``<eos>``); ``positions``: its
+    context (default `DECODER`'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    path = root / "text-llama"
+    path = root / ("text-llama" if positions is None else f"text-llama-{positions}")
     if (path / "config.json").exists():
         return path
     tok = Tokenizer(models.BPE())
@@ -134,8 +135,9 @@ def save_text_model(root: Path, seed: int = 0) -> Path:
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
     fast.save_pretrained(path)
+    decoder = DECODER if positions is None else {**DECODER, "max_position_embeddings": positions}
     config = tf.LlamaConfig(
-        **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **DECODER
+        **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **decoder
     )
     save_random_model(config, path, seed)
     return path

@@ -18,7 +18,7 @@ from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.limits import RequestLimits
 from pagedinfer.core.scheduler import ModelOutput, PromptRows, SampleTarget, Scheduler, SchedulerOutput
-from pagedinfer.core.sequence import Request, RequestState
+from pagedinfer.core.sequence import KeptCompletion, Request, RequestState
 from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
@@ -367,9 +367,33 @@ class LLMEngine:
             req.beam = BeamSearch(
                 beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
             )
+        elif prepared.kept:
+            req.kept = self._usable(prepared.kept, params)
         self._stats.count_added(req)
         self.scheduler.add(req)
         return req
+
+    def _usable(self, kept: dict[int, KeptCompletion], params: SamplingParams) -> dict | None:
+        """``kept`` when each of its completions can be replayed as this request's (an index below n,
+        token ids in the vocabulary, an entry with its own token per token where logprobs are asked
+        for); else None: the request runs from its prompt."""
+        for index, k in kept.items():
+            ok = 0 <= index < params.n and all(0 <= t < self.vocab_size for t in k.token_ids)
+            if params.logprobs is not None:
+                ok = ok and k.logprobs is not None and len(k.logprobs) == len(k.token_ids)
+                ok = ok and all(t in top for t, top in zip(k.token_ids, k.logprobs or (), strict=False))
+            if not ok:
+                return None
+        return kept
+
+    def generating(self) -> dict[int, Request]:
+        """The unfinished requests whose completions hold generated tokens, by ``order``: what
+        ``--resume`` keeps of a line mid-generation (a beam search's beams are not kept: it reruns)."""
+        return {
+            r.order: r
+            for r in (*self.scheduler.running, *self.scheduler.waiting)
+            if r.beam is None and r.error is None and r.sampled_yet
+        }
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""

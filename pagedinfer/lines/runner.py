@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from pagedinfer.core.sequence import KeptCompletion, Request, request_identity
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import Item, LineError, LineRequest
@@ -41,6 +42,15 @@ class Answer:
         return error_record(self.result) if isinstance(self.result, LineError) else self.result
 
 
+@dataclass
+class KeptLine:
+    """What an earlier run generated of a line it did not finish: its completions' tokens, for the
+    request `request_identity` names (another seed, prompt or n is not that request)."""
+
+    identity: str
+    completions: dict[int, KeptCompletion]
+
+
 class LineRunner:
     """Answers rows on one `LLM`: all at once (`run`, the command line) or pushed in and stepped
     (`add`, `step`: a Ray replica, whose engine keeps running between calls)."""
@@ -58,6 +68,7 @@ class LineRunner:
         self.model_name = model_name
         self.token_text = TokenText(llm.tokenizer)
         self._loop = llm.loop()
+        self.kept: dict[str, KeptLine] = {}  # by line key: what an earlier run generated (--resume)
 
     def run(
         self,
@@ -109,6 +120,10 @@ class LineRunner:
         """The positions of the rows inside the engine."""
         return [position for position, _ in self._loop.tags()]
 
+    def generating(self) -> list[tuple[str, Request]]:
+        """(line key, request) of the lines inside the engine that hold generated tokens now."""
+        return [(item.key, req) for (_, item), req in self._loop.generating()]
+
     def rejected(self, rows: Iterable[tuple[int, LineRequest]]) -> list[Answer]:
         """The rows the model or the pool can never run, with why (``--strict`` stops on them)."""
         checked = ((row, self._prepare(row[1])) for row in rows)
@@ -121,7 +136,13 @@ class LineRunner:
     def _prepare(
         self, item: LineRequest, interrupt: Callable[[], None] | None = None
     ) -> EngineRequest | Rejected:
-        return self.llm.prepare(item.prompt, item.params, str(item.id), item.lora, interrupt)
+        prepared = self.llm.prepare(item.prompt, item.params, str(item.id), item.lora, interrupt)
+        kept = self.kept.pop(item.key, None)
+        if isinstance(prepared, EngineRequest) and kept is not None:
+            p = prepared
+            if kept.identity == request_identity(p.seed, p.prompt_token_ids, p.params.n):
+                prepared.kept = kept.completions
+        return prepared
 
     def _answer(self, row: Row, output: RequestOutput | BeamSearchOutput | None) -> Answer:
         position, item = row
