@@ -129,6 +129,62 @@ static inline __attribute__((always_inline)) v16 FN(k_tail)(const ROW *p, int le
 #define DOT(acc, q, k) ((acc) + (q) * (k))
 #endif
 
+#if !defined(DOT_BF16) && !defined(__AVX512F__)
+// AVX2 (one head a tile): the same sums with each 16-lane chunk held as its two 8-lane halves (lo:
+// lanes 0-7, hi: 8-15), lane for lane the same multiply-adds in the same order; a 16-float vector
+// lives in memory between operations in GCC 12's AVX2 code, which had made this pass 10x slower.
+// 4 rows at a time: 8 accumulators and the query chunk's two halves in registers, K read as the
+// multiply-adds' memory operands. A last 8 values (head_dim % 16) add 0 x 0 to the hi lanes, as
+// the zero-padded chunk does.
+static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
+                                                                  int head_dim, float scale, float *li,
+                                                                  int lstride, const KROW *k, int n,
+                                                                  size_t k_row, ahead *pf) {
+  (void)G, (void)qstride, (void)lstride;  // one head
+  const int full = head_dim / 16, left = head_dim % 16, at = 16 * full;
+  const v8 zero = {0};
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    ahead_step(pf);
+    v8 s[8];
+    for (int r0 = 0; r0 < 8; r0 += 4) {
+      v8 lo[4] = {zero, zero, zero, zero}, hi[4] = {zero, zero, zero, zero};
+      const KROW *kr = k + (size_t)(t + r0) * k_row;
+      for (int c = 0; c < full; ++c) {
+        const v8 ql = load8(q + 16 * c), qh = load8(q + 16 * c + 8);
+        for (int r = 0; r < 4; ++r) {
+          lo[r] += ql * ROW_LOAD8(kr + r * k_row + 16 * c);
+          hi[r] += qh * ROW_LOAD8(kr + r * k_row + 16 * c + 8);
+        }
+      }
+      if (left) {
+        const v8 ql = load8(q + at);
+        for (int r = 0; r < 4; ++r) {
+          lo[r] += ql * ROW_LOAD8(kr + r * k_row + at);
+          hi[r] += zero * zero;
+        }
+      }
+      for (int r = 0; r < 4; ++r) s[r0 + r] = lo[r] + hi[r];
+    }
+    const v8 sums = sum_lanes8(s) * scale;
+    memcpy(li + t, &sums, sizeof sums);
+  }
+  if (t < n) ahead_step(pf);
+  for (; t < n; ++t) {
+    v8 lo = zero, hi = zero;
+    const KROW *kr = k + (size_t)t * k_row;
+    for (int c = 0; c < full; ++c) {
+      lo += load8(q + 16 * c) * ROW_LOAD8(kr + 16 * c);
+      hi += load8(q + 16 * c + 8) * ROW_LOAD8(kr + 16 * c + 8);
+    }
+    if (left) {
+      lo += load8(q + at) * ROW_LOAD8(kr + at);
+      hi += zero * zero;
+    }
+    li[t] = hsum8(lo + hi) * scale;
+  }
+}
+#else
 static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
                                                                   int head_dim, float scale, float *li,
                                                                   int lstride, const KROW *k, int n,
@@ -175,6 +231,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
     for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h])) * scale;
   }
 }
+#endif
 #undef LOGIT_CHUNK
 #undef Q_CHUNK
 #undef Q_TAIL
@@ -432,6 +489,33 @@ static void FN(shared_values)(const piece *run, int count, int rows, const uint1
 #undef DOT_MEM
 #endif
 
+#if !defined(DOT_BF16) && !defined(__AVX512F__)
+// AVX2 (one head a tile): 8 columns an accumulator, up to 8 of them in registers (64 columns) while
+// the rows stream past, then two, then one; each column the same chain over t as the tiles' below.
+static inline __attribute__((always_inline)) void FN(values_cols8)(const int VG, float *acc, const float *p,
+                                                                   const ROW *v, int n, size_t v_row) {
+  v8 o[8];
+  for (int c = 0; c < VG; ++c) o[c] = load8(acc + 8 * c);
+  for (int t = 0; t < n; ++t) {
+    const v8 pt = (v8){0} + p[t];
+    for (int c = 0; c < VG; ++c) o[c] += pt * ROW_LOAD8(v + t * v_row + 8 * c);
+  }
+  for (int c = 0; c < VG; ++c) store8(acc + 8 * c, o[c]);
+}
+
+static inline __attribute__((always_inline)) void FN(tile_values)(const int G, float *acc, int head_dim_v,
+                                                                  const float *p, int lstride,
+                                                                  const ROW *v, int n, size_t v_row,
+                                                                  ahead *pf) {
+  (void)G, (void)lstride;  // one head
+  for (int t = 0; t < n; t += 8) ahead_step(pf);
+  const int vc = head_dim_v / 8;
+  int c0 = 0;
+  for (; c0 + 8 <= vc; c0 += 8) FN(values_cols8)(8, acc + 8 * c0, p, v + 8 * c0, n, v_row);
+  for (; c0 + 2 <= vc; c0 += 2) FN(values_cols8)(2, acc + 8 * c0, p, v + 8 * c0, n, v_row);
+  for (; c0 < vc; ++c0) FN(values_cols8)(1, acc + 8 * c0, p, v + 8 * c0, n, v_row);
+}
+#else
 // Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
 // (acc_h: the head_dim_v floats at acc + h * head_dim_v), VG 16-float output chunks at a time in
 // registers, then one at a time, then a last 8 alone; each V chunk loaded once for the G heads. Each
@@ -475,6 +559,7 @@ static inline __attribute__((always_inline)) void FN(tile_values)(const int G, f
     for (int h = 0; h < G; ++h) store8(acc + h * head_dim_v + e, o[h]);
   }
 }
+#endif
 
 #ifdef DOT_BF16
 // Pass 2 with bfloat16 probabilities (p: value t of head h at p[h * pstride + t]): rows in pairs,
