@@ -373,13 +373,10 @@ static inline void ahead_step(ahead *a) {
 
 // Query heads of one KV head that share each load of a K/V row chunk (a "tile"): with AVX-512's 32
 // vector registers, 3 heads x 8 rows of logit accumulators + 3 query chunks fit, and a 16-bit pool
-// is widened in registers, once per load for all 3 heads. With AVX2's 16 registers one head at a
-// time, and 16-bit blocks are widened into a float32 buffer first (WIDEN_BLOCKS below).
-#ifdef __AVX512F__
+// is widened in registers, once per load for all 3 heads. With AVX2's 16 registers the logits take
+// the tile's heads one at a time (4 rows), pass 2 shares each V load among the 3 (32 columns), and
+// 16-bit blocks are widened into a float32 buffer first (WIDEN_BLOCKS below).
 #define HEAD_TILE 3
-#else
-#define HEAD_TILE 1
-#endif
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -396,7 +393,7 @@ static inline void ahead_step(ahead *a) {
 #undef STORE8
 #undef FN
 
-#if HEAD_TILE == 1  // the 16-bit instantiations below, one head a tile (HEAD_TILE says why)
+#ifndef __AVX512F__  // the 16-bit instantiations below (HEAD_TILE says why)
 #define WIDEN_BLOCKS
 #endif
 #define ELEM uint16_t
