@@ -374,8 +374,10 @@ static inline void ahead_step(ahead *a) {
 // Query heads of one KV head that share each load of a K/V row chunk (a "tile"): with AVX-512's 32
 // vector registers, 3 heads x 8 rows of logit accumulators + 3 query chunks fit, and a 16-bit pool
 // is widened in registers, once per load for all 3 heads. With AVX2's 16 registers the logits take
-// the tile's heads one at a time (4 rows), pass 2 shares each V load among the 3 (32 columns), and
-// 16-bit blocks are widened into a float32 buffer first (WIDEN_BLOCKS below).
+// the tile's heads one at a time (4 rows) and pass 2 shares each V load among the 3 (32 columns); a
+// float16 row is widened as it is loaded (one F16C vcvtph2ps), a bfloat16 block into a float32
+// buffer first (WIDEN_BLOCKS below: its widening is two instructions, which the logits would take
+// once per head). Each way was the faster for its type (docs/kernels.md).
 #define HEAD_TILE 3
 
 #define CAT_(a, b) a##_##b
@@ -393,7 +395,7 @@ static inline void ahead_step(ahead *a) {
 #undef STORE8
 #undef FN
 
-#ifndef __AVX512F__  // the 16-bit instantiations below (HEAD_TILE says why)
+#ifndef __AVX512F__  // the bfloat16 instantiations below (HEAD_TILE says why)
 #define WIDEN_BLOCKS
 #endif
 #define ELEM uint16_t
@@ -409,6 +411,7 @@ static inline void ahead_step(ahead *a) {
 #undef LOAD16
 #undef STORE8
 #undef FN
+#undef WIDEN_BLOCKS
 
 #ifdef __FLT16_MAX__
 #define ELEM _Float16
@@ -425,6 +428,9 @@ static inline void ahead_step(ahead *a) {
 #endif
 
 // float32 activations over a 16-bit pool (--kv-cache-dtype): paged_decode_ranges_f32_kv_bf16, _f16
+#ifndef __AVX512F__
+#define WIDEN_BLOCKS
+#endif
 #define QELEM float
 #define QLOAD8 load8
 #define QSTORE8 store8
@@ -439,6 +445,7 @@ static inline void ahead_step(ahead *a) {
 #undef LOAD16
 #undef STORE8
 #undef FN
+#undef WIDEN_BLOCKS
 
 #ifdef __FLT16_MAX__
 #define QELEM float
@@ -456,4 +463,3 @@ static inline void ahead_step(ahead *a) {
 #undef STORE8
 #undef FN
 #endif
-#undef WIDEN_BLOCKS

@@ -4,9 +4,9 @@
 // activations: ELEM's where undefined; float32 over a 16-bit pool with --kv-cache-dtype); FN(name)
 // gives each instantiation its own names. Every row is read by all the query heads of its KV head and
 // by every sequence sharing the block; so that a 16-bit row is not widened that many times, the
-// query heads of a KV head go in tiles sharing each load (TILE of them), and
-// where a tile is one head (AVX2) WIDEN_BLOCKS (16-bit elements) widens each K/V block to float32
-// once, into a per-thread buffer, before its heads read it. Logits, softmax and the output
+// query heads of a KV head go in tiles sharing each load (TILE of them), and with AVX2 a bfloat16
+// pool's instantiations (WIDEN_BLOCKS) widen each K/V block to float32 once, into a per-thread
+// buffer, before its heads read it. Logits, softmax and the output
 // accumulators are float32 in every instantiation. DOT_BF16 (bfloat16 queries and pool): the logits
 // are pair dot products of the stored values (dot_pairs), the probabilities are rounded to bfloat16
 // and pass 2 takes V's rows in pairs the same way (tile_values_bf16): products exact, every sum one
@@ -77,8 +77,8 @@ static inline void FN(touch_lines)(const ELEM *p, size_t n) {
   (void)sink;
 }
 
-// The rows the passes read (ROW): the pool's own, widened in registers as they are loaded, or with
-// one head a tile and a 16-bit pool (AVX2), the block widened to float32 once into `wide`.
+// The rows the passes read (ROW): the pool's own, widened in registers as they are loaded, or
+// (WIDEN_BLOCKS) the block widened to float32 once into `wide`.
 #ifdef WIDEN_BLOCKS
 #define ROW float
 #define ROW_LOAD8 load8
