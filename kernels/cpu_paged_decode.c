@@ -135,12 +135,11 @@ static inline v8 sum_lanes8(const v8 *a) {
 #ifndef __AVX512F__
 // AVX2: exp16_nonpos, max16 and softmax_row below in 8-lane halves, the same operations lane for lane
 // (16-float vectors live in memory between operations in GCC 12's AVX2 code: a slow pass).
-typedef int32_t v8i_ __attribute__((vector_size(32)));
 static inline v8 exp8_nonpos(v8 x) {
   const v8 lo = (v8){0} - 87.3f;
-  const v8i_ under = x < lo;
-  x = (v8)(((v8i_)x & ~under) | ((v8i_)lo & under));
-  const v8i_ n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i_);  // round to nearest, x <= 0
+  const v8i under = x < lo;
+  x = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
+  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round to nearest, x <= 0
   const v8 nf = __builtin_convertvector(n, v8);
   const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
   v8 p = (v8){0} + 1.9875691500e-4f;
@@ -151,12 +150,12 @@ static inline v8 exp8_nonpos(v8 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   const v8 scale = (v8)((n + 127) << 23);  // 2^n
-  return (v8)((v8i_)(p * scale) & ~under);
+  return (v8)((v8i)(p * scale) & ~under);
 }
 
 static inline v8 max8(v8 x, v8 m) {
-  const v8i_ gt = x > m;
-  return (v8)(((v8i_)x & gt) | ((v8i_)m & ~gt));
+  const v8i gt = x > m;
+  return (v8)(((v8i)x & gt) | ((v8i)m & ~gt));
 }
 
 // put_probs, 8 values

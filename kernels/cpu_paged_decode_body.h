@@ -107,8 +107,9 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 // 32 bfloat16 values as 16 pairs, dot_pairs), a last partial chunk zero-padded, into one 16-lane sum
 // per head; lane l sums its values of each chunk in order, the two halves are added, then the 8
 // lanes (sum_lanes8 for 8 rows at once, hsum8 for a row alone). Each K chunk is loaded once for the
-// G heads; 8 rows at a time (4 and 4 with one head a tile, for AVX2's 16 registers) are independent
-// chains per head. (Float queries come scaled: scale 1.)
+// G heads; 8 rows at a time (4 and 4 with one head a tile: the bfloat16 instantiation in AVX2's 16
+// registers) are independent chains per head; the other AVX2 instantiations take the form below.
+// (Float queries come scaled: scale 1.)
 #define LOGIT_ROWS (TILE > 1 ? 8 : 4)
 #ifdef DOT_BF16
 #define BF16_PROBS 1 /* softmax_row's probabilities in bfloat16, for tile_values_bf16 */
