@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 from conftest import ENGINE
 from gguf_models import save_gguf
-from models import COMMON, _hf_model, count_one_call_steps, hf_greedy
+from models import COMMON, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
 from safetensors.torch import load_file
 from test_quantization import dequantized_copy
 
@@ -271,4 +271,40 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tiny_model, tmp_pat
     assert str(err.value) == (
         f"{path / 'model.safetensors'}: the weights have no tensor "
         "'model.layers.1.block_sparse_moe.experts.7.w3.weight', which the config implies"
+    )
+
+
+def test_lora_on_the_attention_of_a_mixture_of_experts(tiny_model, model_root, tmp_path):
+    """An adapter on q_proj and v_proj of a qwen3_moe: greedy-identical to PEFT's on transformers'
+    model; one naming an expert's linear (which has no LoRA site) refused by name."""
+    from safetensors.torch import save_file
+
+    from pagedinfer import LoRARequest
+    from pagedinfer.lora.adapter import AdapterError
+
+    base = tiny_model("qwen3_moe")
+    adapter = save_lora(base, model_root / "moe-loras", "attn", 8, seed=3, targets=["q_proj", "v_proj"])
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    prompts = [[5, 9, 200, 3, 17, 41, 8, 99, 12], [250, 1, 33]]
+    request = LoRARequest("attn", 1, str(adapter))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=request
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, prompt, MAX_TOKENS)
+    expert = tmp_path / "expert-adapter"
+    expert.mkdir()
+    (expert / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    renamed = {
+        k.replace("layers.0.self_attn.q_proj", "layers.0.mlp.experts.0.gate_proj"): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, expert / "adapter_model.safetensors")
+    with pytest.raises(AdapterError) as err:
+        llm.engine.add_lora(LoRARequest("expert", 2, str(expert)))
+    assert str(err.value) == (
+        "adapter 'expert' targets model.layers.0.mlp.experts.0.gate_proj, which this model has no linear "
+        "layer for (LoRA serves the linear layers)"
     )
