@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 from conftest import ENGINE
 from gguf_models import save_gguf
-from models import COMMON, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
+from models import COMMON, CONFIGS, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
 from safetensors.torch import load_file
 from test_quantization import dequantized_copy
 
@@ -63,6 +63,18 @@ def test_greedy_matches_transformers(tiny_model, prompts, monkeypatch, name, num
         assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
     assert (llm.stats.preemptions > 0) == (num_blocks == 12)
     assert steps == [] and llm.engine.pool.num_used == 0
+
+
+def test_olmoe_clips_q_k_and_v_where_its_config_says(model_root, prompts):
+    """OLMoE's clip_qkv (0.5, below most normed q and k values here) clamps q, k and v after the q/k
+    norms, before RoPE, as transformers does: greedy-identical to its generate."""
+    path = model_root / "olmoe-clipped"
+    if not (path / "config.json").exists():
+        save_random_model(tf.OlmoeConfig(**{**CONFIGS["olmoe"]().to_dict(), "clip_qkv": 0.5}), path, 0)
+    llm = LLM(str(path), block_size=4, num_blocks=64, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer" and llm.engine.loaded.model.layers[0].clip_qkv == 0.5
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
 
 
 def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model):
