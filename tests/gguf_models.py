@@ -25,6 +25,7 @@ ARCHS = {
     "qwen3": "QWEN3",
     "qwen3_moe": "QWEN3MOE",
     "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
+    "olmoe": "OLMOE",
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -97,7 +98,7 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
 
 
 def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda name: "F32") -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe or mixtral model at ``model_dir`` as a GGUF file
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
     at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
     into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]."""

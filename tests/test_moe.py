@@ -165,12 +165,13 @@ def gguf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE)
 def test_a_float32_gguf_reads_back_the_checkpoint_and_runs_as_it(
     tiny_model, model_root, gguf_cache, prompts, name
 ):
     """llama.cpp's layout (3-D ffn_*_exps tensors, ffn_gate_inp; a Mixtral as a llama file with an
-    expert count, its Q/K rows permuted): read back to the checkpoint's own tensors bit for bit, the
+    expert count, its Q/K rows permuted; an OLMoE file, which transformers' GGUF reader has no config
+    mapping for, read through llama's keys): read back to the checkpoint's own tensors bit for bit, the
     config's experts from the metadata, and greedy-identical to the safetensors run."""
     path = tiny_model(name)
     out = save_gguf(path, model_root / f"{name}-moe.gguf")

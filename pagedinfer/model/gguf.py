@@ -29,7 +29,7 @@ import re
 import shutil
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +147,7 @@ def _fill_cache(path: Path, folder: Path) -> None:
     tensors = [asdict(t) for t in header.tensors]
     folder_in, kwargs = source(path)
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    with _HeaderReader.standing_in(header):
+    with _HeaderReader.standing_in(_read_as(header)):
         try:
             config = AutoConfig.from_pretrained(folder_in, **kwargs)
         except Exception as e:  # noqa: BLE001
@@ -164,6 +164,20 @@ def _fill_cache(path: Path, folder: Path) -> None:
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _read_as(header: Header) -> Header:
+    """The header as transformers' GGUF reader is to see it: a family's whose architecture it has no
+    config mapping for (`Family.gguf_read_as`: OLMoE's) under the architecture whose keys it shares, so
+    that the reader makes a config (then `_family_config`'s) and the tokenizer of it."""
+    family = families.by_gguf_arch(header.arch, header.metadata)
+    if family is None or family.gguf_read_as is None:
+        return header
+    ours, theirs = f"{header.arch}.", f"{family.gguf_read_as}."
+    renamed = {k: theirs + k[len(ours) :] if k.startswith(ours) else k for k in header.metadata}
+    metadata = {renamed[k]: v for k, v in header.metadata.items()}
+    metadata["general.architecture"] = family.gguf_read_as
+    return replace(header, metadata=metadata, types={renamed[k]: t for k, t in header.types.items()})
 
 
 def _family_config(config, metadata: dict[str, object], arch: str, path: Path):

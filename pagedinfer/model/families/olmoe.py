@@ -27,4 +27,5 @@ OLMOE = Family(
     experts=MLP_EXPERTS,
     qk_norm_over="all",
     gguf_size_keys=MOE_SIZE_KEYS,
+    gguf_read_as="llama",
 )

@@ -170,6 +170,9 @@ class Family:
     # leaves it out; and config fields llama.cpp fixes for the architecture
     gguf_config_keys: dict[str, str] = field(default_factory=dict)
     gguf_config_fixed: dict[str, object] = field(default_factory=dict)
+    # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
+    # its own (OLMoE's: llama's): the reader is shown the file under that name
+    gguf_read_as: str | None = None
 
     @property
     def name(self) -> str:
