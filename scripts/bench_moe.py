@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A mixture of experts on our own layers against transformers' modules, alternating in one process.
 
-    python scripts/bench_moe.py [--layers 2] [--dtype float32] [--quantization int8] [--gguf Q4_0]
-        [--repeats 3] [--threads 2] [--out DIR]
+    python scripts/bench_moe.py [--layers 2] [--vocab 50304] [--dtype float32] [--quantization int8]
+        [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
 
 An OLMoE-1B-7B-like shape with fewer layers (hidden 2048, 16 heads, 64 experts of 1024, 8 per token,
 vocabulary 50304; random weights from seed 0, saved once under --out), loaded twice: ``--model-impl
@@ -12,7 +12,9 @@ alternating, after a warm-up: b1 (one 32-token prompt, 64 greedy tokens) and a b
 64 tokens, 32 greedy tokens each). The fastest run of each is kept, as generated tokens per wall
 second; one JSON line per workload and path, with the CPU's name. ``--quantization`` / ``--gguf``
 apply to our path only (transformers' reads the float32 checkpoint; a GGUF is written from it with
-every matrix in that type).
+every matrix in that type). With few layers the lm_head's 50304 rows outweigh the experts a token
+runs (16 layers of 8 experts in the real model); ``--vocab`` scales it down with the layer count
+(4096 for one layer keeps about the real model's ratio of expert to lm_head bytes per token).
 """
 
 from __future__ import annotations
@@ -60,10 +62,15 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def model_dir(out: Path, layers: int) -> Path:
-    path = out / f"olmoe-like-{layers}l"
+def model_dir(out: Path, layers: int, vocab: int) -> Path:
+    path = (
+        out / f"olmoe-like-{layers}l"
+        if vocab == SHAPE["vocab_size"]
+        else out / f"olmoe-like-{layers}l-v{vocab}"
+    )
     if not (path / "config.json").exists():
-        save_random_model(tf.OlmoeConfig(**SHAPE, num_hidden_layers=layers), path, seed=0)
+        config = tf.OlmoeConfig(**{**SHAPE, "vocab_size": vocab}, num_hidden_layers=layers)
+        save_random_model(config, path, seed=0)
     return path
 
 
@@ -93,6 +100,7 @@ def run(llm: LLM, workload: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="our path's weights: int8, int4, ...")
     parser.add_argument("--gguf", default=None, help="our path on a GGUF of this type (Q4_0, Q8_0, ...)")
@@ -101,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedinfer-bench-moe"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = model_dir(args.out, args.layers)
+    path = model_dir(args.out, args.layers, args.vocab)
     engine = dict(device="cpu", kv_cache_memory="512MiB")
     own_path = gguf_file(path, args.gguf) if args.gguf else path
     own_dtype = "auto" if args.gguf else args.dtype
@@ -122,6 +130,7 @@ def main() -> None:
     weights = args.gguf or args.quantization or args.dtype
     for (workload, impl), tok_s in best.items():
         record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "layers": args.layers}
+        record["vocab"] = args.vocab
         record |= {"weights": weights if impl == "pagedinfer" else args.dtype, "threads": args.threads}
         print(json.dumps({**record, "cpu": cpu_name()}))
     for workload in WORKLOADS:
