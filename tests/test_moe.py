@@ -321,3 +321,20 @@ def test_lora_on_the_attention_of_a_mixture_of_experts(tiny_model, model_root, t
         "adapter 'expert' targets model.layers.0.mlp.experts.0.gate_proj, which this model has no linear "
         "layer for (LoRA serves the linear layers)"
     )
+
+
+def test_a_gguf_without_its_expert_size_is_refused_naming_the_key(
+    tiny_model, tmp_path, monkeypatch, gguf_cache
+):
+    """A qwen3moe file lacking expert_feed_forward_length (which transformers' GGUF reader would leave
+    at its default, 768): refused in one line naming the key, not run with experts of the wrong size."""
+    import gguf as gguf_py
+
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_expert_feed_forward_length", lambda self, n: None)
+    out = save_gguf(tiny_model("qwen3_moe"), tmp_path / "no-expert-size.gguf")
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(out), **ENGINE)
+    assert str(err.value) == (
+        f"{out}: metadata qwen3moe.expert_feed_forward_length is missing; a qwen3_moe file gives its "
+        "moe_intermediate_size"
+    )
