@@ -307,7 +307,8 @@ class ModelConfig:
     )
     model_impl: str = option(
         "auto",
-        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3), transformers', or auto "
+        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe), "
+        "transformers', or auto "
         "(pagedinfer's where it applies, on the CPU).",
         panel="pool",
         choices=MODEL_IMPLS,

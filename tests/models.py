@@ -58,6 +58,22 @@ CONFIGS = {
         pad_token_id=1,
         init_std=0.2,
     ),
+    # mixtures of experts: 8 experts of 32 rows, 2 per token (8 x 256 in the GGUF-type tests' ``in``)
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+        **COMMON,
+        **DECODER,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "mixtral": lambda: tf.MixtralConfig(
+        **COMMON, **{**DECODER, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2
+    ),
+    "olmoe": lambda: tf.OlmoeConfig(
+        **COMMON, **{**DECODER, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2
+    ),
     "gpt_oss": lambda: tf.GptOssConfig(
         **COMMON,
         **{**DECODER, "num_hidden_layers": 2},
