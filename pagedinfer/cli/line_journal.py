@@ -32,8 +32,7 @@ from pathlib import Path
 
 from pagedinfer import envs
 from pagedinfer.cli.jsonl_output import OutputWriteError, _renamed_over, _sync_directory
-from pagedinfer.core.sequence import KeptCompletion, Request, request_identity
-from pagedinfer.lines.runner import KeptLine
+from pagedinfer.core.sequence import KeptCompletion, KeptLine, Request, request_identity
 from pagedinfer.outputs import Logprob
 
 LINES_SUFFIX = ".lines"  # after the resume file's name: <output>.resume.lines

@@ -120,6 +120,15 @@ class KeptCompletion:
     logprobs: list[dict[int, Logprob]] | None = None  # one entry per token, its own token in it
 
 
+@dataclass
+class KeptLine:
+    """What an earlier run generated of a line it did not finish: its completions' tokens, for the
+    request `request_identity` names (another seed, prompt or n is not that request)."""
+
+    identity: str
+    completions: dict[int, KeptCompletion]
+
+
 def request_identity(seed: int, prompt_token_ids: list[int], n: int) -> str:
     """What kept completions belong to: a request with this seed, prompt and n (``--resume`` checks
     that the line it replays them into is still that request)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from pagedinfer.core.sequence import KeptCompletion, Request, request_identity
+from pagedinfer.core.sequence import KeptLine, Request, request_identity
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import Item, LineError, LineRequest
@@ -40,15 +40,6 @@ class Answer:
     def record(self) -> dict:
         """The output record: the success record, or the error record naming the line."""
         return error_record(self.result) if isinstance(self.result, LineError) else self.result
-
-
-@dataclass
-class KeptLine:
-    """What an earlier run generated of a line it did not finish: its completions' tokens, for the
-    request `request_identity` names (another seed, prompt or n is not that request)."""
-
-    identity: str
-    completions: dict[int, KeptCompletion]
 
 
 class LineRunner:
