@@ -20,20 +20,22 @@ from pathlib import Path
 import pytest
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel, cuda_kernels
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.attention import cuda_kernels
+from pagedinfer.kernels import abi, build, paged_decode
+from pagedinfer.kernels.sources import KERNELS_DIR, translation_units
 from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
-LIBRARIES = {  # a module's compiled library, and the source it is built from
-    "cpu_kernel": (cpu_kernel._library, cpu_kernel.SOURCE),
+LIBRARIES = {  # a module's compiled library, and the root source it is built from
+    "paged_decode": (paged_decode._library, paged_decode.SOURCE),
     "fused_ops": (fused_ops._library, fused_ops.SOURCE),
+    "fused_ops_sampling": (fused_ops._sampling_library, fused_ops.SAMPLING_SOURCE),
     "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
     "decode_step": (decode_step._library, decode_step.SOURCE),
     "lora_delta": (delta.library, delta.SOURCE),
 }
 STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
-    "refusal": (cpu_kernel.Refusal, cpu_kernel.SOURCE),
+    "refusal": (abi.Refusal, paged_decode.SOURCE),
     "gemm_segment": (packed_linear.GemmSegment, packed_linear.GEMM_SOURCE),
     "step_layer": (decode_step.StepLayer, decode_step.SOURCE),
     "step_meta": (decode_step.StepMeta, decode_step.SOURCE),
@@ -83,15 +85,17 @@ def py_kind(t) -> str:
 @cache
 def expanded(source: Path) -> str:
     compiler = shutil.which(envs.c_compiler())
-    flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")]
     cmd = [compiler, "-E", "-P", *flags, "-fopenmp", "-I", str(KERNELS_DIR), str(source)]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
 def definitions(source: Path) -> dict[str, tuple[str, list[str]]]:
-    """Every exported (not static) function defined in ``source``: name -> (result kind, argument kinds)."""
+    """Every exported (not static) function defined in the library of root ``source`` (each of its
+    translation units): name -> (result kind, argument kinds)."""
     found = {}
-    for result, name, params in _DEFINITION.findall(expanded(source)):
+    text = "".join(expanded(unit) for unit in translation_units(source))
+    for result, name, params in _DEFINITION.findall(text):
         if "static" in result or "inline" in result:
             continue
         kinds = [] if params.strip() in ("", "void") else [c_kind(p) for p in params.split(",")]
