@@ -42,10 +42,6 @@ static inline vhu bf16_round_bits(vh v) {
 }
 #endif
 
-/* X(kind) for every quantized kind: the per-kind instances of the kernels below and their tables. */
-#define QUANTIZED_KINDS(X)                                                                                   \
-    X(K_I8) X(K_I4) X(K_I4Z) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q5_0) X(K_Q5_1) X(K_Q4_K) X(K_Q5_K) X(K_Q6_K)
-
 #if defined(PV_ZMM)
 #define MR 12 /* rows per tile: 8 and 16 measured slower (docs/kernels.md) */
 #else

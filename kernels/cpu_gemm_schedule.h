@@ -22,7 +22,8 @@ static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s
 #define SPLIT_ROWS 16
 #endif
 #endif
-static const char SPLIT[K_COUNT] = {[K_I8] = 1, [K_Q8_0] = 1, [K_Q6_K] = 1, [K_Q4_0] = 1, [K_Q4_1] = 1};
+#define SPLIT_ENTRY(F) [F] = 1,
+static const char SPLIT[K_COUNT] = {AVX2_SPLIT_KINDS(SPLIT_ENTRY)};
 /* m rows of x times the full panels j .. j + np - 1 of segment s into y (panel j's first column; row
  * stride ldy); pf: the panel to prefetch meanwhile (NULL: none); one tile at a time, or past MR rows
  * row blocks over chunks of WP panels. */

@@ -21,7 +21,7 @@ import pytest
 
 from pagedinfer import envs
 from pagedinfer.attention import cuda_kernels
-from pagedinfer.kernels import abi, build, paged_decode
+from pagedinfer.kernels import abi, build, paged_decode, weight_types
 from pagedinfer.kernels.sources import KERNELS_DIR, translation_units
 from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
@@ -172,3 +172,47 @@ def test_the_check_sees_a_drift():
         (f, packed_linear.GemmSegment * 2 if f == "qkv" else t) for f, t in decode_step.StepLayer._fields_
     ]
     assert [(f, py_kind(t)) for f, t in short] != struct_fields(decode_step.SOURCE, "step_layer")
+
+
+def test_the_weight_types_header_is_the_one_generated_from_the_table():
+    """kernels/cpu_weight_types.h is what `python -m pagedinfer.kernels.weight_types` writes today."""
+    assert (KERNELS_DIR / weight_types.HEADER).read_text() == weight_types.c_header()
+
+
+def test_the_c_enum_and_traits_are_the_tables(tmp_path):
+    """Compiled, the C header's enum values and fmt_* traits are the table's, type by type."""
+    probe = tmp_path / "probe.c"
+    calls = "fmt_group(K_{0}, 128), fmt_super(K_{0}), fmt_super_bytes(K_{0}), fmt_planes(K_{0}), "
+    calls += "fmt_direct(K_{0}), fmt_zero(K_{0}), fmt_head_bytes(K_{0}), fmt_has_min(K_{0}, 0), fmt_has_min(K_{0}, 1)"
+    lines = [
+        f'    printf("{t.name} %d{" %d" * 9}\\n", K_{t.name}, {calls.format(t.name)});'
+        for t in weight_types.WEIGHT_TYPES
+    ]
+    probe.write_text(
+        '#include <stdio.h>\n#include "cpu_weight_types.h"\nint main(void) {\n' + "\n".join(lines) + "\n}\n"
+    )
+    compiler = shutil.which(envs.c_compiler())
+    if compiler is None:
+        pytest.skip("no C compiler")
+    subprocess.run([compiler, "-I", str(KERNELS_DIR), str(probe), "-o", str(tmp_path / "probe")], check=True)
+    printed = subprocess.run(
+        [tmp_path / "probe"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    expected = []
+    for t in weight_types.WEIGHT_TYPES:
+        group = 0 if t.group is None else t.group or 128  # 128: the int4 group the probe passes
+        minimum = [int(t.has_offset), int(t.has_offset or (t.direct and t.zero > 0))]  # read direct or not
+        traits = [
+            group,
+            t.super_groups,
+            t.super_bytes,
+            t.planes,
+            int(t.direct),
+            t.zero,
+            t.head_bytes,
+            *minimum,
+        ]
+        expected.append(" ".join(map(str, [t.name, t.id, *traits])))
+    assert printed == expected
+    assert [t.id for t in weight_types.WEIGHT_TYPES] == list(range(len(weight_types.WEIGHT_TYPES)))
+    assert {t.name: t.id for t in weight_types.WEIGHT_TYPES} == packed_linear.KINDS  # what the bindings pass
