@@ -117,14 +117,14 @@ def batch(lens: list[int], tables_of: list[int], kv_dtype, heads: list[int], see
 def kernel_seconds(lens, tables_of, kv_dtype, a: argparse.Namespace) -> float:
     import torch
 
-    from pagedinfer.attention import cpu_kernel
+    from pagedinfer.kernels import paged_decode
 
     q, k, v, tables, ctx, rows = batch(lens, tables_of, kv_dtype, a.heads, seed=len(lens))
     out = torch.empty(q.shape[0], q.shape[1], v.shape[3])
-    bounds = cpu_kernel.split(lens, q.shape[1] * (q.shape[2] + v.shape[3]))
+    bounds = paged_decode.split(lens, q.shape[1] * (q.shape[2] + v.shape[3]))
     scale = q.shape[2] ** -0.5
     return best_seconds(
-        lambda: cpu_kernel.paged_decode(out, q, k, v, tables, ctx, rows, bounds, scale, 0, 0.0, None),
+        lambda: paged_decode.paged_decode(out, q, k, v, tables, ctx, rows, bounds, scale, 0, 0.0, None),
         a.seconds,
         a.repeats,
     )
@@ -133,7 +133,7 @@ def kernel_seconds(lens, tables_of, kv_dtype, a: argparse.Namespace) -> float:
 def run(isa: str, a: argparse.Namespace) -> None:
     import torch
 
-    from pagedinfer.attention import cpu_kernel
+    from pagedinfer.kernels import paged_decode
 
     torch.set_num_threads(a.threads)
     CLOCK[0] = time.thread_time if a.threads == 1 else time.perf_counter
@@ -144,7 +144,7 @@ def run(isa: str, a: argparse.Namespace) -> None:
     hq, kvh, d = a.heads
     for name in a.kv_dtype.split(","):
         kv_dtype = getattr(torch, name)
-        if not cpu_kernel.available(torch.float32, kv_dtype):
+        if not paged_decode.available(torch.float32, kv_dtype):
             print(f"  float32 over a {name} pool: no kernel instantiation here")
             continue
         size = torch.finfo(kv_dtype).bits // 8

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import use_cpu_kernel
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.portable_backend import PortablePlan
+from pagedinfer.kernels import build, paged_decode
 
 
 def reference(q, keys, values, qpos, scale, window, softcap, sinks):
@@ -100,7 +100,7 @@ def check_sequences(out, q, kc, vc, meta, scale, window=0, softcap=0.0, sinks=No
     "window,softcap,with_sinks", [(0, 0.0, False), (5, 0.0, False), (0, 3.0, False), (0, 0.0, True)]
 )
 def test_paged_attention_matches_reference(use_kernel, group, window, softcap, with_sinks):
-    if use_kernel and not cpu_kernel.available():
+    if use_kernel and not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, d = 4, 2, 16
     hq = kvh * group
@@ -175,7 +175,7 @@ def test_a_prompt_row_has_the_same_bits_however_the_prompt_is_cut(window, dtype)
     """Through the C kernel a prompt row's output depends only on its own context: the same bits whole,
     in chunks of 16/16/8 or 5/30/5, one row at a time (as decode rows), or beside another sequence's
     row (SDPA gave a row other bits in a 3-row chunk than in a 16-row one on an AMD EPYC Zen 5)."""
-    if not cpu_kernel.available(dtype):
+    if not paged_decode.available(dtype):
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, hq, d, length = 8, 3, 9, 64, 40
     gen = torch.Generator().manual_seed(11)
@@ -218,7 +218,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     context_lens = [40 + 37 * i for i in range(16)]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
-    lib = cpu_kernel._library()
+    lib = paged_decode._library()
     real = lib.paged_decode_ranges_f32
 
     def spy(bounds, parts, *args):
@@ -226,7 +226,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         real(bounds, parts, *args)
 
     fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
-    monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
+    monkeypatch.setattr(paged_decode, "_library", lambda: fake())
 
     outs = []
     for use_kernel in (True, False):
@@ -241,7 +241,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
 
 def test_decode_kernel_underflowing_probabilities():
     """Scores hundreds apart: most probabilities underflow to exactly 0 in the kernel's vector exp."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     query_lens, context_lens = [1, 1, 1], [7, 16, 33]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=8, kvh=2, hq=4, d=16, seed=5)
@@ -263,14 +263,14 @@ def test_decode_kernel_underflowing_probabilities():
 def test_store_kv_writes_strided_rows_at_their_slots(dtype, pool):
     """Rows of the activations' dtype land at their slots, rounded to the pool's dtype exactly as
     torch's ``.to()`` rounds (--kv-cache-dtype: float32 rows into a 16-bit pool)."""
-    if not cpu_kernel.available(dtype, pool):
+    if not paged_decode.available(dtype, pool):
         pytest.fail(f"the CPU kernel has no {dtype} over {pool} instantiation (is a C compiler installed?)")
     kc, vc = torch.zeros(4, 8, 2, 16, dtype=pool), torch.zeros(4, 8, 2, 8, dtype=pool)
     # [5, 2, 16] strided like the model's key, values up to ~1000 (float16 rounds them coarsely)
     k = (torch.randn(1, 2, 5, 16) * 300).to(dtype)[0].transpose(0, 1)
     v = torch.randn(1, 2, 5, 8).to(dtype)[0].transpose(0, 1)  # [5, 2, 8]
     slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
-    cpu_kernel.store_kv(kc, vc, k, v, slots)
+    paged_decode.store_kv(kc, vc, k, v, slots)
     want_k, want_v = torch.zeros(32, 2, 16, dtype=pool), torch.zeros(32, 2, 8, dtype=pool)
     keep = slots >= 0
     want_k[slots[keep]], want_v[slots[keep]] = k[keep].to(pool), v[keep].to(pool)
@@ -283,7 +283,7 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
     bit for bit, and the reference. Groups here: 20 completions (more than one pass of the kernel's
     group), 3 completions whose tables diverge at different blocks, a lone sequence, and 2 completions
     sharing a block only one of them fills."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, hq, d = 4, 2, 6, 16
     gen = torch.Generator().manual_seed(7)
@@ -304,12 +304,12 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
     rows = torch.arange(s)
     together = torch.empty(s, hq, d)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one range: groups never cut
-    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    bounds = paged_decode.split(lens, hq * 2 * d)
     assert list(bounds) == [0, s]  # one thread: every group in one range
-    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
+    paged_decode.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
     for i in range(s):
         alone = torch.empty(s, hq, d)
-        cpu_kernel.paged_decode(
+        paged_decode.paged_decode(
             alone,
             q,
             kc,
@@ -317,7 +317,7 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
             bt[i : i + 1],
             ctx[i : i + 1],
             rows[i : i + 1],
-            cpu_kernel.split([lens[i]], 1),
+            paged_decode.split([lens[i]], 1),
             0.25,
             0,
             0.0,
@@ -344,7 +344,7 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
     """Realistic shapes through the kernel, two threads: the logit rows over whole contexts (the
     softmax between the two passes), groups of completions sharing prompt blocks, and groups cut short
     where the rows of one more member would not fit."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs = 16
     gen = torch.Generator().manual_seed(11)
@@ -361,9 +361,9 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
     q = torch.randn(len(lens), hq, d, generator=gen)
     out = torch.empty(len(lens), hq, d)
     torch.set_num_threads(2)
-    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    bounds = paged_decode.split(lens, hq * 2 * d)
     ctx, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
-    cpu_kernel.paged_decode(out, q, kc, vc, bt, ctx, rows, bounds, d**-0.5, window, 0.0, None)
+    paged_decode.paged_decode(out, q, kc, vc, bt, ctx, rows, bounds, d**-0.5, window, 0.0, None)
     for i, length in enumerate(lens):
         pos = torch.arange(length)
         slots = bt[i, pos // bs].long() * bs + pos % bs
@@ -375,9 +375,9 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
 
 def test_decode_kernel_shares_torchs_openmp_runtime():
     """The kernel's threads are torch's OpenMP workers: it needs libgomp, and loading it maps no second one."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
-    assert b"libgomp.so.1" in Path(cpu_kernel._library()._name).read_bytes()  # built with OpenMP
+    assert b"libgomp.so.1" in Path(paged_decode._library()._name).read_bytes()  # built with OpenMP
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
@@ -407,19 +407,19 @@ def test_importing_pagedinfer_before_torch_shortens_openmp_spinning(preset, want
 )
 def test_split_gives_each_thread_about_equal_context(monkeypatch, lens, threads, want):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)
-    assert list(cpu_kernel.split(lens, 1)) == want
+    monkeypatch.setattr(paged_decode, "MIN_WORK_PER_THREAD", 1)
+    assert list(paged_decode.split(lens, 1)) == want
 
 
 def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
     """A compiler that cannot link OpenMP still builds the kernel: ranges then run one after another."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "THREADING", (["-fno-such-option"], ["-fopenmp-simd"]))
-    cpu_kernel._library.cache_clear()
+    monkeypatch.setattr(build, "THREADING", (["-fno-such-option"], ["-fopenmp-simd"]))
+    paged_decode._library.cache_clear()
     try:
-        assert cpu_kernel.available() and len(list(tmp_path.glob("*.so"))) == 1
+        assert paged_decode.available() and len(list(tmp_path.glob("*.so"))) == 1
         torch.set_num_threads(2)
         q, k, v, kc, vc, meta = make_batch([1] * 8, [40 + 37 * i for i in range(8)], 16, 2, 8, 64, seed=4)
         outs = []
@@ -431,7 +431,7 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
             outs.append(out)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     finally:
-        cpu_kernel._library.cache_clear()
+        paged_decode._library.cache_clear()
 
 
 # (query heads, KV heads, head size): GQA ratios 3, 1, 4 and 8, the last with a head size ending in
@@ -462,7 +462,7 @@ def _rows_through_kernel(hq, kvh, d, qdt, kvdt, window, softcap, with_sinks):
     return out, q, kc, vc, meta, sinks
 
 
-@pytest.mark.skipif(not cpu_kernel.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
+@pytest.mark.skipif(not build.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
 def test_attention_builds_give_the_same_bits(monkeypatch, tmp_path):
     """The AVX-512 build serves the query heads of a KV head in tiles of 3 sharing each K/V load (16-bit
     rows widened in registers); the AVX2 build holds each 16-lane chunk as two 8-lane halves, takes
@@ -473,17 +473,17 @@ def test_attention_builds_give_the_same_bits(monkeypatch, tmp_path):
     bfloat16's pair products (vdpbf16ps where the CPU has it) equal two FMAs in the other builds."""
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
     builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
-    if cpu_kernel.cpu_flags(("avx512_bf16",)):
+    if build.cpu_flags(("avx512_bf16",)):
         builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
     features = ((0, 0.0, False), (21, 0.0, False), (0, 30.0, True))  # window, softcap, sinks
     outs = {}
     try:
         for name, flags in builds:
             monkeypatch.setenv("PAGEDINFER_CC_FLAGS", flags)
-            cpu_kernel._library.cache_clear()
+            paged_decode._library.cache_clear()
             torch.set_num_threads(2)
             for qdt, kvdt in BUILD_DTYPES:
-                assert cpu_kernel.available(qdt, kvdt), (name, qdt, kvdt)
+                assert paged_decode.available(qdt, kvdt), (name, qdt, kvdt)
                 for shape in BUILD_SHAPES:
                     for feature in features:
                         out, q, kc, vc, meta, sinks = _rows_through_kernel(*shape, qdt, kvdt, *feature)
@@ -492,7 +492,7 @@ def test_attention_builds_give_the_same_bits(monkeypatch, tmp_path):
                             window, softcap, _ = feature
                             check_sequences(out, q, kc, vc, meta, shape[2] ** -0.5, window, softcap, sinks)
     finally:
-        cpu_kernel._library.cache_clear()
+        paged_decode._library.cache_clear()
     assert len(list(tmp_path.glob("cpu_paged_decode-*.so"))) == len(builds)  # not one compared with itself
     for (name, *case), out in outs.items():
         assert torch.equal(outs[("avx512", *case)].view(torch.int16), out.view(torch.int16)), (name, *case)
@@ -502,15 +502,15 @@ def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
     """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel;
     float32, bfloat16 and float16 pools do, with queries of their own dtype or float32 ones
     (--kv-cache-dtype), never 16-bit queries over a wider or other pool."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     q, k, v = torch.empty(3, 8, 64), torch.empty(3, 2, 64), torch.empty(3, 2, 64)
     assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64))
     assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, device="meta"))
     for dtype in (torch.bfloat16, torch.float16):
         half = q.to(dtype), k.to(dtype), v.to(dtype)
-        assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(dtype)
-        assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(
+        assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == paged_decode.available(dtype)
+        assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=dtype)) == paged_decode.available(
             torch.float32, dtype
         )
         assert not use_cpu_kernel(*half, torch.empty(4, 16, 2, 64))  # 16-bit queries over float32

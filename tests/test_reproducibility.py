@@ -495,7 +495,7 @@ def records_elsewhere(args: str) -> None:
 
 @pytest.fixture(scope="module")
 def avx2_process(setups, text_model, model_root, tmp_path_factory) -> dict:
-    from pagedinfer.attention.cpu_kernel import cpu_flags
+    from pagedinfer.kernels.build import cpu_flags
 
     if not cpu_flags(("avx512f",)):
         pytest.skip("needs an AVX-512 CPU: its native build is what the AVX2 build is compared with")
@@ -589,7 +589,7 @@ def test_system_fingerprint_names_what_decides_the_bytes(setups, tmp_path, monke
 
 
 def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monkeypatch):
-    from pagedinfer.attention import cpu_kernel
+    from pagedinfer.kernels import paged_decode
     from pagedinfer.lora import delta
 
     engine = setups("qwen3-float32").llm().engine
@@ -626,7 +626,7 @@ def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monke
     assert (
         verdict("llama") == "no: linears on torch (GatedLinear, Linear), not the C panels"
     )  # small for oneDNN
-    monkeypatch.setattr(cpu_kernel, "available", lambda *dtypes: False)  # no compiler, say
+    monkeypatch.setattr(paged_decode, "available", lambda *dtypes: False)  # no compiler, say
     assert verdict("llama") == "no: attention runs on torch's path (no C kernel for this pool or shape)"
 
 

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedinfer.kernels.weight_types import (
+    GGUF_SCALE_OFFSETS,  # the float16 scale fields of each kept block type
+)
 from pagedinfer.model import families
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.families.spec import HF_LAYER, Family, Module, Sizes, formula
@@ -41,17 +44,6 @@ from pagedinfer.model.gguf_header import ArrayValue
 
 INTEGER_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)  # GGUF's integer value types (7 is bool)
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes our loader casts from
-# the float16 scale fields of each kept block type (byte offsets in a block): d, then m / dmin
-SCALE_OFFSETS = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 F16_EXPONENT = 0x7C00  # all ones: Inf or NaN
 FINITE_CHUNK = 1 << 24  # values per isfinite pass over a tensor whose sum overflowed (bounds its mask)
 
@@ -290,7 +282,7 @@ def _bad_scale(w: GGUFWeight) -> tuple[int, int] | None:
     """(row, block) of the first float16 scale that is NaN or Inf in ``w``'s blocks, else None."""
     size = BLOCKS[w.kind][1]
     blocks = w.data.reshape(w.data.shape[0], -1, size)  # [out, blocks per row, block bytes]
-    for at in SCALE_OFFSETS[w.kind]:
+    for at in GGUF_SCALE_OFFSETS[w.kind]:
         bits = blocks[:, :, at : at + 2].view("<u2")[..., 0]  # [out, blocks per row]: a view, no copy
         bad = (bits & F16_EXPONENT) == F16_EXPONENT
         if bad.any():
