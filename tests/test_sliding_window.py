@@ -2,8 +2,9 @@
 its blocks back once they leave the window, exact per-group counts, and outputs unchanged.
 
 The models: a tiny gemma3_text (a window of 16 on layers 0-2, layer 3 global: four groups of one
-layer, on transformers' layers), a tiny mistral (a window of 8 on both layers: one windowed group)
-and a tiny Qwen2 with its window on layer 1 (a global and a windowed group on our own layers).
+layer, on transformers' layers), a tiny mistral (a window of 8 on both layers: one windowed group),
+a tiny Qwen2 with its window on layer 1 (a global and a windowed group on our own layers) and a tiny
+gpt_oss (a window of 8 on layer 0, layer 1 global, attention sinks on both: transformers' layers).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def prompts():
     return [*short, *out, out[3][:60] + out[0]]  # a 60-token prefix of the 70: prefix-cache hits
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen2_window"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen2_window", "gpt_oss"])
 @pytest.mark.parametrize(
     ("num_blocks", "budget"), [(256, 512), (24, 16)], ids=["roomy-pool", "preempting-pool"]
 )
@@ -71,6 +72,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, bu
         "gemma3_text": [0, 16, 16, 16],
         "mistral": [8],
         "qwen2_window": [0, 8],
+        "gpt_oss": [0, 8],
     }[family]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
