@@ -16,10 +16,12 @@ import pytest
 from conftest import ENGINE
 from models import hf_greedy
 from rich.console import Console
+from test_beam_search import hf_beams
+from test_beam_search import prompts as beam_prompts
 from test_kv_cache_manager import admit, completion_of, request, step
 from test_speculative import oracle_drafts
 
-from pagedinfer import LLM, SamplingParams
+from pagedinfer import LLM, BeamSearchParams, SamplingParams
 from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
@@ -186,6 +188,21 @@ def test_records_do_not_depend_on_batch_or_pool(tiny_model, prompts):
         records.append([[(c.token_ids, c.logprobs, c.cumulative_logprob) for c in o.outputs] for o in outs])
         assert (llm.stats.preemptions > 0) == (num_blocks == 32) and llm.stats.prefix_cache_hits > 0
     assert records[0] == records[1]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_window"])
+def test_beams_on_windowed_layers_equal_transformers(tiny_model, family):
+    """Beam search (width 4, 20 tokens) forks, prunes and frees tables in every group; in a pool that
+    preempts, the beams are transformers' and every block is back in the pool."""
+    path = tiny_model(family)
+    params = BeamSearchParams(4, 20, early_stopping=True)
+    batch = beam_prompts(11, 3)
+    llm = LLM(str(path), block_size=4, num_blocks=30, **ENGINE)
+    out = llm.beam_search([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for prompt, got in zip(batch, out, strict=True):
+        assert [s.token_ids for s in got.sequences] == [w[0] for w in hf_beams(path, prompt, params)]
+    stats = llm.stats
+    assert stats.preemptions > 0 and stats.kv.window_releases > 0 and llm.engine.pool.num_used == 0
 
 
 def test_speculative_rollback_keeps_windowed_tables_exact(tiny_model, monkeypatch):
