@@ -9,12 +9,14 @@ gpt_oss (a window of 8 on layer 0, layer 1 global, attention sinks on both: tran
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
+import torch
 from conftest import ENGINE
-from models import hf_greedy
+from models import count_one_call_steps, hf_greedy
 from rich.console import Console
 from test_beam_search import hf_beams
 from test_beam_search import prompts as beam_prompts
@@ -25,6 +27,8 @@ from pagedinfer import LLM, BeamSearchParams, SamplingParams
 from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
+from pagedinfer.kernels.abi import IndexOutOfRange
+from pagedinfer.model import decode_step
 
 MAX_TOKENS = 16
 _REFERENCE: dict[tuple, list[int]] = {}  # transformers' tokens by (model, prompt): both pools compare
@@ -66,8 +70,11 @@ def prompts():
 @pytest.mark.parametrize(
     ("num_blocks", "budget"), [(256, 512), (24, 16)], ids=["roomy-pool", "preempting-pool"]
 )
-def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, budget):
+def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, budget, monkeypatch):
+    """Our own layers (mistral, the windowed Qwen2) decode in the one-call C step, which reads each
+    layer's group's tables."""
     path = tiny_model(family)
+    steps = count_one_call_steps(monkeypatch)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, **ENGINE)
     groups = llm.engine.kv.groups
     assert [g.window for g in groups] == {
@@ -84,6 +91,44 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, bu
     assert llm.engine.pool.num_used == 0 and stats.kv.window_releases > 0
     assert (stats.preemptions > 0) == (num_blocks == 24)
     assert stats.prefix_cache_hits > 0
+    assert bool(steps) == (family in ("mistral", "qwen2_window"))
+
+
+def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
+    """The windowed Qwen2's C step, given a windowed-group table naming a block past the pool, refuses
+    before any layer (the pool untouched); as given, it runs."""
+    steps = count_one_call_steps(monkeypatch)
+    run = decode_step.DecodeStep.run
+    refusals: list[str] = []
+
+    def probed(self, residual, cos, sin, meta):
+        windowed = meta.group_metas[1]
+        tables = windowed.block_tables.clone()
+        tables[-1, (int(windowed.context_lens[-1]) - 1) // self.kv.block_size] = self.kv.num_blocks
+        bad = dataclasses.replace(
+            meta, group_metas=[meta, dataclasses.replace(windowed, block_tables=tables)]
+        )
+        before = [self.kv.k[i].view(torch.int32).clone() for i in self.kv.k]  # bits: unwritten slots hold any
+        with pytest.raises(IndexOutOfRange) as refused:
+            run(self, residual.clone(), cos, sin, bad)
+        refusals.append(str(refused.value))
+        assert all(
+            torch.equal(a, self.kv.k[i].view(torch.int32)) for a, i in zip(before, self.kv.k, strict=True)
+        )
+        return run(self, residual, cos, sin, meta)
+
+    def generate() -> tuple[list[int], int]:
+        llm = LLM(str(tiny_model("qwen2_window")), block_size=4, num_blocks=32, **ENGINE)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert out.error is None, out.error
+        return out.outputs[0].token_ids, llm.engine.kv.num_blocks
+
+    plain, num_blocks = generate()
+    monkeypatch.setattr(decode_step.DecodeStep, "run", probed)
+    assert generate() == (plain, num_blocks) and steps  # the step ran on the tables as given
+    pool = f"block {num_blocks}, outside the KV pool's {num_blocks} blocks"
+    assert refusals == [f"decode step: sequence 0's block table names {pool}"] * 2  # both decode steps
 
 
 def test_block_counts_per_group(tiny_model):

@@ -228,8 +228,6 @@ class ModelRunner:
         our layers one by one, or transformers' modules."""
         if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len != 1:
             return None
-        if meta.group_metas:  # the C step reads one block table for every layer
-            return None
         if self.model.family.experts is not None:  # the C step runs dense layers only (no router, no
             return None  # per-expert GEMMs): a mixture of experts decodes layer by layer (`moe.ExpertMLP`)
         return None if self._decode_step is None else OneCall(self._decode_step, meta)
