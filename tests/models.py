@@ -54,6 +54,10 @@ CONFIGS = {
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
     "llama_d64_long": lambda: tf.LlamaConfig(**COMMON, **{**D64, "max_position_embeddings": 1200}),
+    # the windowed Qwen2 at head size 64: layer groups on the CUDA kernels
+    "qwen2_window_d64": lambda: tf.Qwen2Config(
+        **COMMON, **D64, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
     "gpt2": lambda: tf.GPT2Config(
         vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=None
     ),

@@ -24,6 +24,7 @@ from test_kv_cache_manager import admit, completion_of, request, step
 from test_speculative import oracle_drafts
 
 from pagedinfer import LLM, BeamSearchParams, SamplingParams
+from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
@@ -129,6 +130,27 @@ def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
     assert generate() == (plain, num_blocks) and steps  # the step ran on the tables as given
     pool = f"block {num_blocks}, outside the KV pool's {num_blocks} blocks"
     assert refusals == [f"decode step: sequence 0's block table names {pool}"] * 2  # both decode steps
+
+
+def test_cuda_kernels_read_each_groups_tables(tiny_model):
+    """The CUDA kernels (run on the CPU) on a windowed Qwen2 of head size 64: n=2 completions forking
+    the prompt's blocks in both groups, greedy-identical to transformers with and without preemption."""
+    path = tiny_model("qwen2_window_d64")
+    prompts = [list(range(3, 3 + n)) for n in (5, 12, 30)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
+    try:
+        for num_blocks in (64, 12):
+            llm = LLM(str(path), block_size=8, num_blocks=num_blocks, device="cpu", use_cuda_kernels=True)
+            assert llm.engine.runner.use_cuda_kernels and [g.window for g in llm.engine.kv.groups] == [0, 8]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for prompt, out in zip(prompts, outs, strict=True):
+                assert [c.token_ids for c in out.outputs] == [reference(path, prompt)] * 2
+            stats = llm.stats
+            assert (stats.preemptions > 0) == (num_blocks == 12) and stats.kv.window_releases > 0
+            assert stats.cow_copies > 0 and llm.engine.pool.num_used == 0
+    finally:
+        cuda_kernels.set_raw_module_factory(None)
 
 
 def test_block_counts_per_group(tiny_model):
