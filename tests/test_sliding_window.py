@@ -272,11 +272,13 @@ def test_beams_on_windowed_layers_equal_transformers(tiny_model, family):
     assert stats.preemptions > 0 and stats.kv.window_releases > 0 and llm.engine.pool.num_used == 0
 
 
-def test_speculative_rollback_keeps_windowed_tables_exact(tiny_model, monkeypatch):
-    """Drafted tokens on the windowed mistral (blocks of 4, window 8), drawn from the run without them
-    with every third draft's last token wrong: rejected ones are cut back table by table, the tokens
-    are the same, every block is back in the pool."""
-    path = str(tiny_model("mistral"))
+@pytest.mark.parametrize("family", ["mistral", "qwen2_window"])
+def test_speculative_rollback_keeps_windowed_tables_exact(tiny_model, monkeypatch, family):
+    """Drafted tokens on the windowed mistral (blocks of 4, window 8: one group) and Qwen2 (a global
+    and a windowed group), drawn from the run without them with every third draft's last token wrong:
+    rejected ones are cut back table by table, the tokens are the same, every block is back in the
+    pool."""
+    path = str(tiny_model(family))
     prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 5}, {"prompt_token_ids": [9, 10] * 9}]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     off = LLM(path, block_size=4, num_blocks=64, **ENGINE)
