@@ -158,11 +158,6 @@ class LLMEngine:
         graphs, self.graph_mode = graph_plan(
             loaded.device, kernels, config.enforce_eager, graph_buffers_on_cpu
         )
-        if graphs and len(groups) > 1:
-            graphs, self.graph_mode = (
-                False,
-                "off: the static buffers hold one block table, not a table per layer group",
-            )
         # the tensors hold the pool's blocks, then its null block (a windowed group) and, with graphs,
         # the padding rows' scratch block
         scratch = num_blocks + int(null_block is not None)
