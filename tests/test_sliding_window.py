@@ -30,6 +30,7 @@ from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
 from pagedinfer.kernels.abi import IndexOutOfRange
 from pagedinfer.model import decode_step
+from pagedinfer.ray.stats import merge
 
 MAX_TOKENS = 16
 _REFERENCE: dict[tuple, list[int]] = {}  # transformers' tokens by (model, prompt): both pools compare
@@ -191,6 +192,31 @@ def test_w7_long_prompt_peak_within_the_windows_need(tiny_model):
     render(stats, console)
     text = console.export_text()
     assert "Layer groups" in text and "window 16" in text and "fewer than keeping every block" in text
+
+
+def test_replicas_merge_per_group(tiny_model):
+    """Data-parallel replicas of a windowed model (`ray.stats.merge`): each group's blocks added step by
+    step (a replica past its last step adds nothing), the windows' releases summed, the report's group
+    peaks those of the merged series."""
+    runs = []
+    for n, max_tokens in ((90, 20), (40, 10)):  # replicas that run different numbers of steps
+        llm = LLM(str(tiny_model("gemma3_text")), block_size=4, num_blocks=64, **ENGINE)
+        prompt = {"prompt_token_ids": [random.Random(n).randrange(2, 256) for _ in range(n)]}
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        runs.append(llm.stats)
+    merged = merge(runs, 1.0)
+    a, b = (r.group_blocks_used for r in runs)
+    assert len(a) > len(b) and merged.layer_groups == runs[0].layer_groups
+    assert merged.group_blocks_used == [
+        tuple(x + y for x, y in zip(a[i], b[i] if i < len(b) else (0,) * 4, strict=True))
+        for i in range(len(a))
+    ]
+    assert merged.blocks_used == [sum(g) for g in merged.group_blocks_used]
+    assert merged.kv.window_releases == sum(r.kv.window_releases for r in runs) > 0
+    doc = report_dict(merged, {})["layer_groups"]
+    assert [g["peak_blocks_used"] for g in doc["groups"]] == [
+        max(c) for c in zip(*merged.group_blocks_used, strict=True)
+    ]
 
 
 def test_forks_release_shared_prompt_blocks_after_all_passed():
