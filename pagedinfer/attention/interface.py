@@ -91,10 +91,13 @@ def attend(
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     else:
         use_kernel = use_cpu_kernel(q, k, v, k_cache)
-        # one plan per step and layer group (two if layers differ in kernel support)
+        # one plan per step and layer group (two if layers differ in kernel support); a kernel plan
+        # built for one group serves the others with their tables
         plan = ctx._plans.get((group, use_kernel))
         if plan is None:
-            plan = ctx._plans[group, use_kernel] = PortablePlan.build(meta, use_kernel)
+            built = [p for (_, kernel), p in ctx._plans.items() if kernel == use_kernel] if use_kernel else []
+            plan = built[0].for_group(meta) if built else PortablePlan.build(meta, use_kernel)
+            ctx._plans[group, use_kernel] = plan
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out
 
