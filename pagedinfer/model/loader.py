@@ -445,7 +445,10 @@ def _load_tokenizer(folder: str, kwargs: dict, config):
     are there but do not load are refused now, naming the file, rather than failing every text line.
     Beside an `own_config.OwnConfig`, the class transformers' ``AutoTokenizer`` would choose is loaded
     without it reading config.json again through its config classes (`own_config.tokenizer_loader`)."""
-    load = own_config.tokenizer_loader(folder, config) if isinstance(config, own_config.OwnConfig) else None
+    own = isinstance(config, own_config.OwnConfig)
+    if own and not _tokenizer_files(Path(folder)):  # AutoTokenizer would find none, reading config.json
+        return None
+    load = own_config.tokenizer_loader(folder, config) if own else None
     try:
         if load is None:
             from transformers import AutoTokenizer
@@ -465,6 +468,13 @@ def _load_tokenizer(folder: str, kwargs: dict, config):
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
     return tok if getattr(tok, "is_fast", False) else None
+
+
+def _tokenizer_files(folder: Path) -> list[Path]:
+    """The files in ``folder`` a tokenizer may load from (`TOKENIZER_FILES`, vocabularies, merges, any
+    file named for tokens)."""
+    names = (*TOKENIZER_FILES, "vocab.txt", "merges.txt")
+    return [p for p in folder.iterdir() if p.name in names or "token" in p.name]
 
 
 def _set_chat_template(tokenizer, template: str, name: str) -> None:
