@@ -115,3 +115,14 @@ def test_no_file_or_broken_json_is_left_to_transformers(tmp_path):
     assert own_config.read(tmp_path) is None
     (tmp_path / "config.json").write_text('{"model_type": "llama",')
     assert own_config.read(tmp_path) is None
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_each_family_gets_the_tokenizer_class_transformers_chooses(tmp_path, family):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((DEMO_MODEL / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **BARE}))
+    ours = own_config.tokenizer_loader(tmp_path, own_config.read(tmp_path))(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ours) is type(theirs)  # Qwen2Tokenizer for qwen2: transformers overrides its files' class
+    assert ours.encode("ROMEO: O Juliet!") == theirs.encode("ROMEO: O Juliet!")
