@@ -169,7 +169,8 @@ def read(folder: str | Path) -> OwnConfig | None:
     if any(k in MODEL_FIELDS and k not in defaults for k in raw):  # a field its class does not have
         return None
     v = {**defaults, **{k: raw[k] for k in raw if k in defaults}}
-    if v["hidden_size"] % v["num_attention_heads"]:  # transformers' validate_architecture refuses it
+    heads = v["num_attention_heads"]
+    if heads <= 0 or v["hidden_size"] % heads:  # transformers' validate_architecture refuses (or fails on) it
         return None
     if v.get("head_dim") is None and "head_dim" in defaults:
         v["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
