@@ -7,6 +7,7 @@ Commands timed (each its own process, kernels already cached, output to a tempor
   blocks  pagedinfer blocks (its built-in example)
   gguf    pagedinfer run of one chat line on FILE.gguf, one new token (--max-line-tokens 1)
   help    pagedinfer --help
+Each gets its median wall time and the median CPU time (user and system) of its process.
 With several checkouts (e.g. the base commit exported into a folder, and this one) the runs alternate
 between them, so a machine that gets busier mid-run weighs on both alike. ``--llamacpp`` also times
 llama.cpp's load of the same GGUF with one token decoded (the driver scripts/bench_llamacpp.py builds).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,15 +57,19 @@ def commands(checkout: Path, tmp: Path, gguf: str | None) -> dict[str, list[str]
     return timed
 
 
-def wall(argv: list[str], cwd: Path) -> float:
-    """Seconds ``argv`` ran in ``cwd`` (its own code first on the path); raises if it failed."""
+def wall(argv: list[str], cwd: Path) -> tuple[float, float]:
+    """Seconds ``argv`` ran in ``cwd`` (its own code first on the path), and the CPU seconds (user and
+    system) it used: on a busy machine the second moves far less than the first. Raises if it failed."""
     env = dict(os.environ, PYTHONPATH=str(cwd))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     res = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed in {cwd} ({res.returncode}): {res.stderr[-400:]}")
-    return elapsed
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return elapsed, cpu
 
 
 def llamacpp_argv(gguf: str, tmp: Path) -> list[str]:
@@ -97,7 +103,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="command names to time (demo blocks gguf help)")
     args = parser.parse_args()
     checkouts = [c.resolve() for c in (args.checkout or [ROOT])]
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         timed = {c: commands(c, tmp, args.gguf) for c in checkouts}
@@ -113,8 +119,13 @@ def main() -> int:
                 if extra is not None and name == "gguf":
                     times.setdefault(("llama.cpp", "gguf load"), []).append(wall(extra, tmp))
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; median of {args.runs} runs (min-max), seconds")
-    for (where, name), values in times.items():
-        print(f"{name:10s} {statistics.median(values):6.2f}  ({min(values):.2f}-{max(values):.2f})  {where}")
+    print(f"{'command':10s} {'wall':>6s}  {'(min-max)':13s}  {'cpu':>6s}  checkout")
+    for (where, name), runs in times.items():
+        walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+        spread = f"({min(walls):.2f}-{max(walls):.2f})"
+        print(
+            f"{name:10s} {statistics.median(walls):6.2f}  {spread:13s}  {statistics.median(cpus):6.2f}  {where}"
+        )
     return 0
 
 
