@@ -6,16 +6,20 @@
  * one (so the products are the same bits): residual add + RMSNorm, the QKV panel GEMM, per-head norm
  * + RoPE, the K/V write, paged decode attention, the output GEMM, residual add + RMSNorm, the gated
  * gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM; then the model's final residual
- * add + RMSNorm, the lm_head's input. It is one translation unit with those kernels' sources, built like them (pagedinfer/model/decode_step.py).
+ * add + RMSNorm, the lm_head's input.
+ * Its library links cpu_gemm.c and cpu_llama_ops.c (the same code the layer-by-layer path calls), built
+ * like them (pagedinfer/model/decode_step.py).
  */
+#include "cpu_gemm.h"       /* gemm_segment, gemm_segments (cpu_gemm.c, linked in) */
+#include "cpu_llama_ops.h"  /* add_rms_norm, qk_norm_rope (cpu_llama_ops.c, linked in) */
+#include "cpu_paged_decode.c" /* the K/V write and decode attention: static there, so in this unit */
+
+/* Profiling clocks (built with -DSTEP_TIMERS, e.g. PAGEDINFER_CC_FLAGS=-DSTEP_TIMERS): wall seconds
+ * spent in the GEMMs, and in the K/V writes and decode attention, of decode_layers since the last
+ * read, what scripts/profile_layer_step.py splits a step by. Without it the calls run untimed. */
+#ifdef STEP_TIMERS
 #include <time.h>
 
-#include "cpu_gemm.c"
-#include "cpu_llama_ops.c"
-#include "cpu_paged_decode.c"
-
-/* Wall seconds spent in the GEMMs of decode_layers since the last read (two clock reads per GEMM,
- * negligible beside it): what scripts/profile_layer_step.py splits a step by. */
 static double gemm_seconds, attention_seconds;
 
 double decode_gemm_seconds(void) {
@@ -24,7 +28,6 @@ double decode_gemm_seconds(void) {
     return s;
 }
 
-/* The same for the K/V writes and decode attention calls. */
 double decode_attention_seconds(void) {
     const double s = attention_seconds;
     attention_seconds = 0;
@@ -37,11 +40,18 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void timed_gemm(const gemm_segment *seg, int nseg, const void *x, void *y, int m, int k, int gated) {
-    const double t = now();
-    gemm_segments(seg, nseg, x, y, m, k, gated);
-    gemm_seconds += now() - t;
-}
+#define TIMED(clock, calls)                                                                                  \
+    do {                                                                                                     \
+        const double t_ = now();                                                                             \
+        calls;                                                                                               \
+        clock += now() - t_;                                                                                 \
+    } while (0)
+#else
+#define TIMED(clock, calls)                                                                                  \
+    do {                                                                                                     \
+        calls;                                                                                               \
+    } while (0)
+#endif
 
 /* One layer's tensors, in the step's element type (float32 or bfloat16; the K/V pool in that type
  * or, under float32 activations, in bfloat16 or float16): each GEMM's weight as cpu_gemm.c segments

@@ -19,21 +19,21 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
     if (refused) return refused;
     for (int i = 0; i < s->layers; i++, layer++) {
         FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(layer->qkv, layer->qkv_segments, x, qkv, s->rows, s->hidden, 0);
+        TIMED(gemm_seconds, gemm_segments(layer->qkv, layer->qkv_segments, x, qkv, s->rows, s->hidden, 0));
         FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
-        const double t_attention = now();
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
-        KV(store_rows)(layer->k_cache, layer->v_cache, k, v, s->slots, s->rows, s->kv_heads, d, d, qkv_n, d, qkv_n,
-                       d);
-        KV(decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables, s->ctx_lens,
-                          s->query_rows, s->max_blocks, s->block_size, s->q_heads, s->kv_heads, d, d, qkv_n, d,
-                          s->scale, layer->window, 0.f, NULL);
-        attention_seconds += now() - t_attention;
-        timed_gemm(&layer->o, 1, attn, h, s->rows, qd, 0);
+        TIMED(attention_seconds, {
+            KV(store_rows)(layer->k_cache, layer->v_cache, k, v, s->slots, s->rows, s->kv_heads, d, d, qkv_n, d,
+                           qkv_n, d);
+            KV(decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
+                              s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads, s->kv_heads, d,
+                              d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
+        });
+        TIMED(gemm_seconds, gemm_segments(&layer->o, 1, attn, h, s->rows, qd, 0));
         FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
-        timed_gemm(&layer->gate_up, 1, x, act, s->rows, s->hidden, 1);
-        timed_gemm(&layer->down, 1, act, h, s->rows, s->inter, 0);
+        TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, x, act, s->rows, s->hidden, 1));
+        TIMED(gemm_seconds, gemm_segments(&layer->down, 1, act, h, s->rows, s->inter, 0));
     }
     FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
     return REFUSED_NONE;

@@ -37,68 +37,22 @@
  *   I4Z    as I4 with z[16] u8 after s (zero points)                   w = s * (q - z)
  *   I8     k x 16 int8 (one group), s[16] f32 per panel in a separate array  w = s * q
  *   F32    k x 16 float32; BF16: k in pairs for vdpbf16ps (cpu_gemm.c)
+ *
+ * The types' ids and the traits above (group, planes, fields, zero) are declared once, in
+ * pagedinfer/kernels/weight_types.py, which generates cpu_weight_types.h.
  */
 #ifndef PAGEDINFER_CPU_GEMM_FORMATS_H
 #define PAGEDINFER_CPU_GEMM_FORMATS_H
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_panel_vec.h" /* vh, PV_HALVES, VW */
+#include "cpu_panel_vec.h"    /* vh, PV_HALVES, VW */
+#include "cpu_weight_types.h" /* K_<type>, the fmt_* traits (generated) */
 
 #define NR 16 /* weight rows per panel */
 
-/* Kinds, as pagedinfer/model/panel_formats.py numbers them. */
-enum {
-    K_F32 = 0,
-    K_BF16 = 1,
-    K_I8 = 2,
-    K_I4 = 3,
-    K_I4Z = 4,
-    K_Q8_0 = 5,
-    K_Q4_0 = 6,
-    K_Q4_1 = 7,
-    K_Q5_0 = 8,
-    K_Q5_1 = 9,
-    K_Q4_K = 10,
-    K_Q5_K = 11,
-    K_Q6_K = 12,
-    K_COUNT
-};
-
 #define MAX_GROUP 128 /* the longest group (I4 at group 128) */
 
-/* The group length (the format's scale block), the groups per super-block header and its bytes. */
-static inline __attribute__((always_inline)) int fmt_group(int f, int g) {
-    return f == K_Q6_K ? 16 : (f == K_I4 || f == K_I4Z) ? g : 32;
-}
-static inline __attribute__((always_inline)) int fmt_super(int f) {
-    return f == K_Q4_K || f == K_Q5_K ? 8 : f == K_Q6_K ? 16 : 1;
-}
-static inline __attribute__((always_inline)) int fmt_super_bytes(int f) {
-    return f == K_Q4_K || f == K_Q5_K ? 64 : f == K_Q6_K ? 32 : 0;
-}
-static inline __attribute__((always_inline)) int fmt_planes(int f) { /* bits above the nibble */
-    return f == K_Q5_0 || f == K_Q5_1 || f == K_Q5_K ? 1 : f == K_Q6_K ? 2 : 0;
-}
-/* Read from the nibbles in registers (no offset to remove in int8, no bit planes). */
-static inline __attribute__((always_inline)) int fmt_direct(int f) {
-    return f == K_Q4_0 || f == K_Q4_1 || f == K_Q4_K || f == K_I4;
-}
-/* w = q * s + m (an offset, or read direct, Q4_0's and I4's -8 * s), not q * s. */
-static inline __attribute__((always_inline)) int fmt_has_min(int f, int direct) {
-    return f == K_Q4_1 || f == K_Q5_1 || f == K_Q4_K || f == K_Q5_K || (direct && (f == K_Q4_0 || f == K_I4));
-}
-/* Bytes of a group's scale fields. */
-static inline __attribute__((always_inline)) int fmt_head_bytes(int f) {
-    switch (f) {
-        case K_Q4_1: case K_Q5_1: return 64;                  /* d, m */
-        case K_Q4_K: case K_Q5_K: return 32;                  /* sc, mn */
-        case K_Q6_K: return 16;                               /* sc */
-        case K_I4: return 64;                                 /* s */
-        case K_I4Z: return 80;                                /* s, z */
-        default: return 32;                                   /* d */
-    }
-}
 /* Bytes of one group record of gl values per column (gl a multiple of 4 but for I4's last group). */
 static inline __attribute__((always_inline)) int64_t fmt_record_bytes(int f, int gl) {
     if (f == K_Q8_0) return 32 + (int64_t)gl * NR;
@@ -202,7 +156,7 @@ static inline __attribute__((always_inline)) void group_setup(int f, int direct,
             case K_Q6_K: s[h] = vh_f16((const uint16_t *)sup + c) * vh_i8((const int8_t *)r + c); break;
             default: s[h] = vh_load((const float *)r + c); break; /* I4, I4Z */
         }
-        if (direct && (f == K_Q4_0 || f == K_I4)) m[h] = vh_splat(-8.f) * s[h];
+        if (direct && fmt_zero(f)) m[h] = vh_splat(-(float)fmt_zero(f)) * s[h];
     }
     if (f == K_Q8_0) {
         *q = (const int8_t *)(r + 32);
@@ -216,8 +170,8 @@ static inline __attribute__((always_inline)) void group_setup(int f, int direct,
     static const int8_t zero[16] = {0};
     int8_t off[16];
     const int8_t *o = zero;
-    if (f == K_Q4_0 || f == K_Q5_0 || f == K_Q6_K || f == K_I4) {
-        memset(off, f == K_Q4_0 || f == K_I4 ? 8 : f == K_Q5_0 ? 16 : 32, sizeof off);
+    if (fmt_zero(f)) {
+        memset(off, fmt_zero(f), sizeof off);
         o = off;
     } else if (f == K_I4Z) {
         o = (const int8_t *)(r + 64);

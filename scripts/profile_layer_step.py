@@ -15,6 +15,7 @@ layers are there to cut. Prints medians; ratios are only meaningful within one r
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -27,6 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.model import decode_step
 from pagedinfer.model.packed_linear import PackedLinear
+
+# the C step's clocks (decode_step.gemm_seconds) are built in only on request
+os.environ["PAGEDINFER_CC_FLAGS"] = f"{os.environ.get('PAGEDINFER_CC_FLAGS', '')} {decode_step.TIMERS_FLAG}"
 
 
 class OpCounter(TorchDispatchMode):

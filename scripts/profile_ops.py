@@ -26,13 +26,13 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention import interface as attention
 from pagedinfer.bench.models import build_model
 from pagedinfer.bench.pagedinfer_system import PagedinferSystem
 from pagedinfer.bench.runner import BenchOptions, job_for, make_job
 from pagedinfer.bench.workloads import WORKLOADS
 from pagedinfer.engine import llm_engine as engine
+from pagedinfer.kernels import paged_decode
 from pagedinfer.model.packed_linear import PackedLinear
 
 
@@ -64,8 +64,8 @@ class Timers:
                 continue
             module.forward = self.wrap(name, module.forward)
         model.forward = self.wrap("model forward (all)", model.forward)
-        cpu_kernel.paged_decode = self.wrap("C decode kernel", cpu_kernel.paged_decode)
-        cpu_kernel.store_kv = self.wrap("C K/V write", cpu_kernel.store_kv)
+        paged_decode.paged_decode = self.wrap("C decode kernel", paged_decode.paged_decode)
+        paged_decode.store_kv = self.wrap("C K/V write", paged_decode.store_kv)
         attention.PortablePlan.attend = self.wrap(
             "attention (K/V write + attend)", attention.PortablePlan.attend
         )

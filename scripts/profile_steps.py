@@ -12,7 +12,7 @@ same prompts, n, temperature and seed as there). Every engine step is timed whol
 included; its FLOPs 2 x rows x in x out, so the step's GEMM rate), the GEMMs the one-call C decode
 step clocks itself, attention (the C kernel's call for every row of the step, or, without the
 kernel, SDPA over each chunk's rows: prompt attention in a step with prompt tokens, decode attention
-in a decode-only step), the K/V writes (``cpu_kernel.store_kv``) and the sampler. The
+in a decode-only step), the K/V writes (``paged_decode.store_kv``) and the sampler. The
 2048^3 GEMM rate of float32 and bfloat16 is measured first in the same process, for the GEMM rate
 to be read against. Prints one row per prompt step, one for the decode steps together, and the
 totals.
@@ -21,6 +21,7 @@ totals.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -35,12 +36,16 @@ import torch
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cpu_kernel, portable_backend
+from pagedinfer.attention import portable_backend
 from pagedinfer.bench.machine import measure_gemm
 from pagedinfer.engine import llm_engine
+from pagedinfer.kernels import paged_decode
 from pagedinfer.model import decode_step
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.packed_linear import PackedLinear
+
+# the C step's clocks (decode_step.gemm_seconds) are built in only on request
+os.environ["PAGEDINFER_CC_FLAGS"] = f"{os.environ.get('PAGEDINFER_CC_FLAGS', '')} {decode_step.TIMERS_FLAG}"
 
 PARTS = ("gemm", "prompt_attention", "kv_store", "decode_attention", "sampler")
 
@@ -119,7 +124,7 @@ def main() -> None:
     clocks.wrap(nn.Linear, "forward", "gemm", linear_flops)
     clocks.wrap(portable_backend.PortablePlan, "_chunks_sdpa", "attention")
     clocks.wrap(portable_backend.PortablePlan, "_decode_kernel", "attention")
-    clocks.wrap(cpu_kernel, "store_kv", "kv_store")
+    clocks.wrap(paged_decode, "store_kv", "kv_store")
     clocks.wrap(llm_engine, "sample", "sampler")
     engine = llm.engine
     # the decoder layers' weights (packed panels hold them outside parameters()): the one-call step's

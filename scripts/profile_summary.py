@@ -24,7 +24,7 @@ PLUMBING = ("Module._call_impl", "Module._wrapped_call_impl", "wrapped_func", "w
 
 # (category, file substring, function substring or None), tried on each Python frame, deepest first
 RULES = [
-    ("attention: decode kernel (C, cpu_kernel.paged_decode)", "pagedinfer/attention/cpu_kernel.py", None),
+    ("attention: decode kernel (C, paged_decode.paged_decode)", "pagedinfer/attention/paged_decode.py", None),
     ("attention: CUDA kernels", "pagedinfer/attention/cuda_kernels.py", None),
     (
         "metadata: per-step attention plan (PortablePlan.build/_masks)",

@@ -28,10 +28,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from pagedinfer.model.gguf_header import MAX_ARRAY_ITEMS, MAX_TOKENIZER_ITEMS, SCALARS
-from pagedinfer.model.validate import (
-    SCALE_OFFSETS as F16_SCALES,  # byte offsets of each block's float16 scales
+from pagedinfer.kernels.weight_types import (
+    GGUF_SCALE_OFFSETS as F16_SCALES,  # byte offsets of each block's float16 scales
 )
+from pagedinfer.model.gguf_header import MAX_ARRAY_ITEMS, MAX_TOKENIZER_ITEMS, SCALARS
 
 STRING, ARRAY = 8, 9
 F16_VALUES = {"nan": 0x7E00, "inf": 0x7C00, "-inf": 0xFC00, "denormal": 0x0001, "max": 0x7BFF, "zero": 0}

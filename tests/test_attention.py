@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import use_cpu_kernel
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.portable_backend import PortablePlan
+from pagedinfer.kernels import build, paged_decode
 
 
 def reference(q, keys, values, qpos, scale, window, softcap, sinks):
@@ -100,7 +100,7 @@ def check_sequences(out, q, kc, vc, meta, scale, window=0, softcap=0.0, sinks=No
     "window,softcap,with_sinks", [(0, 0.0, False), (5, 0.0, False), (0, 3.0, False), (0, 0.0, True)]
 )
 def test_paged_attention_matches_reference(use_kernel, group, window, softcap, with_sinks):
-    if use_kernel and not cpu_kernel.available():
+    if use_kernel and not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, d = 4, 2, 16
     hq = kvh * group
@@ -175,7 +175,7 @@ def test_a_prompt_row_has_the_same_bits_however_the_prompt_is_cut(window, dtype)
     """Through the C kernel a prompt row's output depends only on its own context: the same bits whole,
     in chunks of 16/16/8 or 5/30/5, one row at a time (as decode rows), or beside another sequence's
     row (SDPA gave a row other bits in a 3-row chunk than in a 16-row one on an AMD EPYC Zen 5)."""
-    if not cpu_kernel.available(dtype):
+    if not paged_decode.available(dtype):
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, hq, d, length = 8, 3, 9, 64, 40
     gen = torch.Generator().manual_seed(11)
@@ -218,7 +218,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
     context_lens = [40 + 37 * i for i in range(16)]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=16, kvh=2, hq=8, d=64, seed=3)
     splits = []
-    lib = cpu_kernel._library()
+    lib = paged_decode._library()
     real = lib.paged_decode_ranges_f32
 
     def spy(bounds, parts, *args):
@@ -226,7 +226,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
         real(bounds, parts, *args)
 
     fake = type("L", (), {"paged_decode_ranges_f32": staticmethod(spy), "store_kv_f32": lib.store_kv_f32})
-    monkeypatch.setattr(cpu_kernel, "_library", lambda: fake())
+    monkeypatch.setattr(paged_decode, "_library", lambda: fake())
 
     outs = []
     for use_kernel in (True, False):
@@ -241,7 +241,7 @@ def test_threaded_decode_kernel_equals_torch_path(monkeypatch):
 
 def test_decode_kernel_underflowing_probabilities():
     """Scores hundreds apart: most probabilities underflow to exactly 0 in the kernel's vector exp."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     query_lens, context_lens = [1, 1, 1], [7, 16, 33]
     q, k, v, kc, vc, meta = make_batch(query_lens, context_lens, bs=8, kvh=2, hq=4, d=16, seed=5)
@@ -263,14 +263,14 @@ def test_decode_kernel_underflowing_probabilities():
 def test_store_kv_writes_strided_rows_at_their_slots(dtype, pool):
     """Rows of the activations' dtype land at their slots, rounded to the pool's dtype exactly as
     torch's ``.to()`` rounds (--kv-cache-dtype: float32 rows into a 16-bit pool)."""
-    if not cpu_kernel.available(dtype, pool):
+    if not paged_decode.available(dtype, pool):
         pytest.fail(f"the CPU kernel has no {dtype} over {pool} instantiation (is a C compiler installed?)")
     kc, vc = torch.zeros(4, 8, 2, 16, dtype=pool), torch.zeros(4, 8, 2, 8, dtype=pool)
     # [5, 2, 16] strided like the model's key, values up to ~1000 (float16 rounds them coarsely)
     k = (torch.randn(1, 2, 5, 16) * 300).to(dtype)[0].transpose(0, 1)
     v = torch.randn(1, 2, 5, 8).to(dtype)[0].transpose(0, 1)  # [5, 2, 8]
     slots = torch.tensor([3, 31, -1, 8, 0])  # -1: padding, written nowhere
-    cpu_kernel.store_kv(kc, vc, k, v, slots)
+    paged_decode.store_kv(kc, vc, k, v, slots)
     want_k, want_v = torch.zeros(32, 2, 16, dtype=pool), torch.zeros(32, 2, 8, dtype=pool)
     keep = slots >= 0
     want_k[slots[keep]], want_v[slots[keep]] = k[keep].to(pool), v[keep].to(pool)
@@ -283,7 +283,7 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
     bit for bit, and the reference. Groups here: 20 completions (more than one pass of the kernel's
     group), 3 completions whose tables diverge at different blocks, a lone sequence, and 2 completions
     sharing a block only one of them fills."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs, kvh, hq, d = 4, 2, 6, 16
     gen = torch.Generator().manual_seed(7)
@@ -304,12 +304,12 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
     rows = torch.arange(s)
     together = torch.empty(s, hq, d)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one range: groups never cut
-    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    bounds = paged_decode.split(lens, hq * 2 * d)
     assert list(bounds) == [0, s]  # one thread: every group in one range
-    cpu_kernel.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
+    paged_decode.paged_decode(together, q, kc, vc, bt, ctx, rows, bounds, 0.25, 0, 0.0, None)
     for i in range(s):
         alone = torch.empty(s, hq, d)
-        cpu_kernel.paged_decode(
+        paged_decode.paged_decode(
             alone,
             q,
             kc,
@@ -317,7 +317,7 @@ def test_decode_kernel_serves_completions_sharing_prompt_blocks_together(monkeyp
             bt[i : i + 1],
             ctx[i : i + 1],
             rows[i : i + 1],
-            cpu_kernel.split([lens[i]], 1),
+            paged_decode.split([lens[i]], 1),
             0.25,
             0,
             0.0,
@@ -344,7 +344,7 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
     """Realistic shapes through the kernel, two threads: the logit rows over whole contexts (the
     softmax between the two passes), groups of completions sharing prompt blocks, and groups cut short
     where the rows of one more member would not fit."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     bs = 16
     gen = torch.Generator().manual_seed(11)
@@ -361,9 +361,9 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
     q = torch.randn(len(lens), hq, d, generator=gen)
     out = torch.empty(len(lens), hq, d)
     torch.set_num_threads(2)
-    bounds = cpu_kernel.split(lens, hq * 2 * d)
+    bounds = paged_decode.split(lens, hq * 2 * d)
     ctx, rows = torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens))
-    cpu_kernel.paged_decode(out, q, kc, vc, bt, ctx, rows, bounds, d**-0.5, window, 0.0, None)
+    paged_decode.paged_decode(out, q, kc, vc, bt, ctx, rows, bounds, d**-0.5, window, 0.0, None)
     for i, length in enumerate(lens):
         pos = torch.arange(length)
         slots = bt[i, pos // bs].long() * bs + pos % bs
@@ -375,9 +375,9 @@ def test_decode_kernel_long_contexts_and_wide_heads(monkeypatch, hq, kvh, d, len
 
 def test_decode_kernel_shares_torchs_openmp_runtime():
     """The kernel's threads are torch's OpenMP workers: it needs libgomp, and loading it maps no second one."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
-    assert b"libgomp.so.1" in Path(cpu_kernel._library()._name).read_bytes()  # built with OpenMP
+    assert b"libgomp.so.1" in Path(paged_decode._library()._name).read_bytes()  # built with OpenMP
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
@@ -407,19 +407,19 @@ def test_importing_pagedinfer_before_torch_shortens_openmp_spinning(preset, want
 )
 def test_split_gives_each_thread_about_equal_context(monkeypatch, lens, threads, want):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(cpu_kernel, "MIN_WORK_PER_THREAD", 1)
-    assert list(cpu_kernel.split(lens, 1)) == want
+    monkeypatch.setattr(paged_decode, "MIN_WORK_PER_THREAD", 1)
+    assert list(paged_decode.split(lens, 1)) == want
 
 
 def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
     """A compiler that cannot link OpenMP still builds the kernel: ranges then run one after another."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "THREADING", (["-fno-such-option"], ["-fopenmp-simd"]))
-    cpu_kernel._library.cache_clear()
+    monkeypatch.setattr(build, "THREADING", (["-fno-such-option"], ["-fopenmp-simd"]))
+    paged_decode._library.cache_clear()
     try:
-        assert cpu_kernel.available() and len(list(tmp_path.glob("*.so"))) == 1
+        assert paged_decode.available() and len(list(tmp_path.glob("*.so"))) == 1
         torch.set_num_threads(2)
         q, k, v, kc, vc, meta = make_batch([1] * 8, [40 + 37 * i for i in range(8)], 16, 2, 8, 64, seed=4)
         outs = []
@@ -431,62 +431,86 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
             outs.append(out)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     finally:
-        cpu_kernel._library.cache_clear()
+        paged_decode._library.cache_clear()
 
 
-@pytest.mark.skipif(not cpu_kernel.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_head_tiles_equal_one_head_at_a_time(monkeypatch, tmp_path, dtype):
+# (query heads, KV heads, head size): GQA ratios 3, 1, 4 and 8, the last with a head size ending in
+# a lone 8 values (72 = 4 x 16 + 8)
+BUILD_SHAPES = ((9, 3, 64), (4, 4, 80), (8, 2, 128), (8, 1, 72))
+# (queries, pool): each pool under float32 activations, and bfloat16's own pair products
+BUILD_DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+)
+
+
+def _rows_through_kernel(hq, kvh, d, qdt, kvdt, window, softcap, with_sinks):
+    """Prompt rows over their own prefixes (a whole prompt of 37, a chunk of 19 after 41 cached tokens:
+    contexts off the 8-row groups and 16-row blocks) and decode rows over 133 and 9 tokens, through the
+    engine's plan (every row a kernel row); (out, q, pool, meta, sinks)."""
+    q, _, _, kc, vc, meta = make_batch([37, 1, 1, 19], [37, 133, 9, 60], 16, kvh, hq, d, seed=hq + d)
+    q, kc, vc = q.to(qdt), kc.to(kvdt), vc.to(kvdt)
+    k = kc.view(-1, kvh, d)[meta.slot_mapping].to(qdt)  # this step's rows: what the pool holds at their slots
+    v = vc.view(-1, kvh, d)[meta.slot_mapping].to(qdt)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(d)) if with_sinks else None
+    out = torch.empty(q.shape[0], hq, d, dtype=qdt)
+    PortablePlan.build(meta, True).attend(
+        out, q, k, v, kc, vc, meta.slot_mapping, d**-0.5, window, softcap, sinks
+    )
+    return out, q, kc, vc, meta, sinks
+
+
+@pytest.mark.skipif(not build.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
+def test_attention_builds_give_the_same_bits(monkeypatch, tmp_path):
     """The AVX-512 build serves the query heads of a KV head in tiles of 3 sharing each K/V load (16-bit
-    rows widened in registers); the AVX2 build one head at a time (16-bit blocks widened into a
-    buffer first). Every product and sum is taken in the same order, so the two give the same bits:
-    groups of 3, 4 (a tile of 3 and one of 1) and 2 heads, a head size with a chunk past 8 vectors.
+    rows widened in registers); the AVX2 build holds each 16-lane chunk as two 8-lane halves, takes
+    the logits a head at a time and pass 2 three heads a tile (float16 rows widened by F16C as they
+    are loaded, bfloat16 blocks into a buffer first). Every product and sum is taken in the same
+    order, so the builds give the same bits, for prompt rows and decode rows, at every GQA ratio and
+    head size of BUILD_SHAPES, with a window, softcapping and sinks, over every pool type.
     bfloat16's pair products (vdpbf16ps where the CPU has it) equal two FMAs in the other builds."""
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
+    builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
+    if build.cpu_flags(("avx512_bf16",)):
+        builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
+    features = ((0, 0.0, False), (21, 0.0, False), (0, 30.0, True))  # window, softcap, sinks
     outs = {}
     try:
-        builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
-        if dtype == torch.bfloat16 and cpu_kernel.cpu_flags(("avx512_bf16",)):
-            builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
         for name, flags in builds:
             monkeypatch.setenv("PAGEDINFER_CC_FLAGS", flags)
-            cpu_kernel._library.cache_clear()
-            assert cpu_kernel.available(dtype)
+            paged_decode._library.cache_clear()
             torch.set_num_threads(2)
-            for hq, kvh, d in ((9, 3, 64), (8, 2, 72), (4, 2, 16)):
-                lens = [5, 40, 131, 16, 77]
-                q, k, v, kc, vc, meta = make_batch([1] * len(lens), lens, 16, kvh, hq, d, seed=hq)
-                q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
-                out = torch.empty(len(lens), hq, d, dtype=dtype)
-                bounds = cpu_kernel.split(lens, hq * 2 * d)
-                cpu_kernel.paged_decode(
-                    out, q, kc, vc, meta.block_tables, meta.context_lens, torch.arange(len(lens)), bounds,
-                    d**-0.5, 0, 0.0, None,
-                )  # fmt: skip
-                outs[name, hq] = out
-                if name == "avx2":
-                    check_sequences(out, q, kc, vc, meta, d**-0.5)
+            for qdt, kvdt in BUILD_DTYPES:
+                assert paged_decode.available(qdt, kvdt), (name, qdt, kvdt)
+                for shape in BUILD_SHAPES:
+                    for feature in features:
+                        out, q, kc, vc, meta, sinks = _rows_through_kernel(*shape, qdt, kvdt, *feature)
+                        outs[name, qdt, kvdt, shape, feature] = out
+                        if name == "avx2" and qdt == torch.float32:
+                            window, softcap, _ = feature
+                            check_sequences(out, q, kc, vc, meta, shape[2] ** -0.5, window, softcap, sinks)
     finally:
-        cpu_kernel._library.cache_clear()
+        paged_decode._library.cache_clear()
     assert len(list(tmp_path.glob("cpu_paged_decode-*.so"))) == len(builds)  # not one compared with itself
-    for name, _ in builds[1:]:
-        for hq in (9, 8, 4):
-            assert torch.equal(outs["avx512", hq], outs[name, hq]), (name, hq)
+    for (name, *case), out in outs.items():
+        assert torch.equal(outs[("avx512", *case)].view(torch.int16), out.view(torch.int16)), (name, *case)
 
 
 def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():
     """A pool on a device (a CUDA run without CuPy takes the torch path) must never reach the C kernel;
     float32, bfloat16 and float16 pools do, with queries of their own dtype or float32 ones
     (--kv-cache-dtype), never 16-bit queries over a wider or other pool."""
-    if not cpu_kernel.available():
+    if not paged_decode.available():
         pytest.fail("the CPU kernel did not build (is a C compiler installed?)")
     q, k, v = torch.empty(3, 8, 64), torch.empty(3, 2, 64), torch.empty(3, 2, 64)
     assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64))
     assert not use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, device="meta"))
     for dtype in (torch.bfloat16, torch.float16):
         half = q.to(dtype), k.to(dtype), v.to(dtype)
-        assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(dtype)
-        assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=dtype)) == cpu_kernel.available(
+        assert use_cpu_kernel(*half, torch.empty(4, 16, 2, 64, dtype=dtype)) == paged_decode.available(dtype)
+        assert use_cpu_kernel(q, k, v, torch.empty(4, 16, 2, 64, dtype=dtype)) == paged_decode.available(
             torch.float32, dtype
         )
         assert not use_cpu_kernel(*half, torch.empty(4, 16, 2, 64))  # 16-bit queries over float32

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from models import save_model
 
-from pagedinfer.attention.cpu_kernel import cpu_flags
+from pagedinfer.kernels.build import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

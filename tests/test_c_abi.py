@@ -20,20 +20,22 @@ from pathlib import Path
 import pytest
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel, cuda_kernels
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.attention import cuda_kernels
+from pagedinfer.kernels import abi, build, paged_decode, weight_types
+from pagedinfer.kernels.sources import KERNELS_DIR, library_roots, translation_units
 from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
-LIBRARIES = {  # a module's compiled library, and the source it is built from
-    "cpu_kernel": (cpu_kernel._library, cpu_kernel.SOURCE),
+LIBRARIES = {  # a module's compiled library, and the root source it is built from
+    "paged_decode": (paged_decode._library, paged_decode.SOURCE),
     "fused_ops": (fused_ops._library, fused_ops.SOURCE),
+    "fused_ops_sampling": (fused_ops._sampling_library, fused_ops.SAMPLING_SOURCE),
     "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
     "decode_step": (decode_step._library, decode_step.SOURCE),
     "lora_delta": (delta.library, delta.SOURCE),
 }
 STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
-    "refusal": (cpu_kernel.Refusal, cpu_kernel.SOURCE),
+    "refusal": (abi.Refusal, paged_decode.SOURCE),
     "gemm_segment": (packed_linear.GemmSegment, packed_linear.GEMM_SOURCE),
     "step_layer": (decode_step.StepLayer, decode_step.SOURCE),
     "step_meta": (decode_step.StepMeta, decode_step.SOURCE),
@@ -83,15 +85,17 @@ def py_kind(t) -> str:
 @cache
 def expanded(source: Path) -> str:
     compiler = shutil.which(envs.c_compiler())
-    flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in build.FLAGS if f not in ("-shared", "-fPIC")]
     cmd = [compiler, "-E", "-P", *flags, "-fopenmp", "-I", str(KERNELS_DIR), str(source)]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
 def definitions(source: Path) -> dict[str, tuple[str, list[str]]]:
-    """Every exported (not static) function defined in ``source``: name -> (result kind, argument kinds)."""
+    """Every exported (not static) function defined in the library of root ``source`` (each of its
+    translation units): name -> (result kind, argument kinds)."""
     found = {}
-    for result, name, params in _DEFINITION.findall(expanded(source)):
+    text = "".join(expanded(unit) for unit in translation_units(source))
+    for result, name, params in _DEFINITION.findall(text):
         if "static" in result or "inline" in result:
             continue
         kinds = [] if params.strip() in ("", "void") else [c_kind(p) for p in params.split(",")]
@@ -168,3 +172,58 @@ def test_the_check_sees_a_drift():
         (f, packed_linear.GemmSegment * 2 if f == "qkv" else t) for f, t in decode_step.StepLayer._fields_
     ]
     assert [(f, py_kind(t)) for f, t in short] != struct_fields(decode_step.SOURCE, "step_layer")
+
+
+def test_the_weight_types_header_is_the_one_generated_from_the_table():
+    """kernels/cpu_weight_types.h is what `python -m pagedinfer.kernels.weight_types` writes today."""
+    assert (KERNELS_DIR / weight_types.HEADER).read_text() == weight_types.c_header()
+
+
+def test_the_c_enum_and_traits_are_the_tables(tmp_path):
+    """Compiled, the C header's enum values and fmt_* traits are the table's, type by type."""
+    probe = tmp_path / "probe.c"
+    calls = "fmt_group(K_{0}, 128), fmt_super(K_{0}), fmt_super_bytes(K_{0}), fmt_planes(K_{0}), "
+    calls += "fmt_direct(K_{0}), fmt_zero(K_{0}), fmt_head_bytes(K_{0}), fmt_has_min(K_{0}, 0), fmt_has_min(K_{0}, 1)"
+    lines = [
+        f'    printf("{t.name} %d{" %d" * 9}\\n", K_{t.name}, {calls.format(t.name)});'
+        for t in weight_types.WEIGHT_TYPES
+    ]
+    probe.write_text(
+        '#include <stdio.h>\n#include "cpu_weight_types.h"\nint main(void) {\n' + "\n".join(lines) + "\n}\n"
+    )
+    compiler = shutil.which(envs.c_compiler())
+    if compiler is None:
+        pytest.skip("no C compiler")
+    subprocess.run([compiler, "-I", str(KERNELS_DIR), str(probe), "-o", str(tmp_path / "probe")], check=True)
+    printed = subprocess.run(
+        [tmp_path / "probe"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    expected = []
+    for t in weight_types.WEIGHT_TYPES:
+        group = 0 if t.group is None else t.group or 128  # 128: the int4 group the probe passes
+        minimum = [int(t.has_offset), int(t.has_offset or (t.direct and t.zero > 0))]  # read direct or not
+        traits = [
+            group,
+            t.super_groups,
+            t.super_bytes,
+            t.planes,
+            int(t.direct),
+            t.zero,
+            t.head_bytes,
+            *minimum,
+        ]
+        expected.append(" ".join(map(str, [t.name, t.id, *traits])))
+    assert printed == expected
+    assert [t.id for t in weight_types.WEIGHT_TYPES] == list(range(len(weight_types.WEIGHT_TYPES)))
+    assert {t.name: t.id for t in weight_types.WEIGHT_TYPES} == packed_linear.KINDS  # what the bindings pass
+
+
+def test_a_library_is_its_root_and_the_units_whose_headers_it_includes():
+    """The loader lists no sources: every cpu_*.c is a library's root, and the decode step's library links
+    the GEMM and the chains it calls through their headers (not the attention unit it includes)."""
+    units = [p.name for p in translation_units(decode_step.SOURCE)]
+    assert units == ["cpu_decode_step.c", "cpu_llama_ops.c", "cpu_gemm.c"]
+    assert [p.name for p in translation_units(packed_linear.GEMM_SOURCE)] == ["cpu_gemm.c"]
+    roots = {p.name for p in library_roots()}
+    assert roots == {p.name for p in KERNELS_DIR.glob("cpu_*.c")}
+    assert {s.name for _, s in LIBRARIES.values()} == roots  # each library has its binding checked above

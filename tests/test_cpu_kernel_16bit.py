@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_attention import TOLERANCE, check_sequences, make_batch, reference
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import PortablePlan
+from pagedinfer.kernels import paged_decode
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -26,7 +26,7 @@ def half_batch(dtype, *args, **kwargs):
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
-    if not cpu_kernel.available(request.param):
+    if not paged_decode.available(request.param):
         pytest.fail(f"the CPU kernel has no {request.param} instantiation (is a C compiler installed?)")
     return request.param
 
@@ -38,8 +38,8 @@ def dtype(request):
 def test_half_kernel_matches_reference(dtype, group, window, softcap, with_sinks, monkeypatch):
     """Decode rows (the kernel) mixed with prefill/extend chunks (torch, in the same dtype)."""
     calls = []
-    decode = cpu_kernel.paged_decode
-    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
+    decode = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
     bs, kvh, d = 4, 2, 16
     hq = kvh * group
     q, k, v, kc, vc, meta = half_batch(dtype, [1, 1, 5, 1, 1, 3], [3, 4, 5, 9, 17, 12], bs, kvh, hq, d)
@@ -57,11 +57,11 @@ def test_float32_queries_over_half_pool_match_reference(dtype, window, monkeypat
     """--kv-cache-dtype: float32 activations, the new K/V rounded into a 16-bit pool as they are
     written; decode rows through the kernel's float32-over-16-bit instantiation, chunks through torch
     reading the pool back, every output within float32 accuracy of attention over the rounded K/V."""
-    if not cpu_kernel.available(torch.float32, dtype):
+    if not paged_decode.available(torch.float32, dtype):
         pytest.fail(f"the CPU kernel has no float32-over-{dtype} instantiation")
     calls = []
-    decode = cpu_kernel.paged_decode
-    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
+    decode = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
     q, k, v, kc, vc, meta = make_batch([1, 1, 5, 1, 3], [3, 9, 5, 17, 12], 4, 2, 6, 16)
     kc, vc = kc.to(dtype), vc.to(dtype)
     out = torch.empty(q.shape[0], 6, 16)
@@ -107,13 +107,13 @@ def together_equals_alone(dtype, tables, lens, bs, kvh, hq, d, scale, seed, monk
     rows = torch.arange(members)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     together = torch.empty(members, hq, d, dtype=dtype)
-    cpu_kernel.paged_decode(
-        together, q, kc, vc, bt, ctx, rows, cpu_kernel.split(lens, 1), scale, 0, 0.0, None
+    paged_decode.paged_decode(
+        together, q, kc, vc, bt, ctx, rows, paged_decode.split(lens, 1), scale, 0, 0.0, None
     )
     for i in range(members):
         alone = torch.empty(members, hq, d, dtype=dtype)
-        args = (bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], cpu_kernel.split([lens[i]], 1))
-        cpu_kernel.paged_decode(alone, q, kc, vc, *args, scale, 0, 0.0, None)
+        args = (bt[i : i + 1], ctx[i : i + 1], rows[i : i + 1], paged_decode.split([lens[i]], 1))
+        paged_decode.paged_decode(alone, q, kc, vc, *args, scale, 0, 0.0, None)
         assert torch.equal(together[i], alone[i]), f"sequence {i}"
         pos = torch.arange(lens[i])
         slots = bt[i, pos // bs].long() * bs + pos % bs
@@ -133,7 +133,7 @@ def test_half_kernel_serves_completions_sharing_prompt_blocks_together(dtype, mo
 def test_bfloat16_output_rounds_to_nearest_even():
     """Two keys of equal logit (q = 0): the output is (v1 + v2) / 2, exact in float32, narrowed by the
     kernel's rounding: equal to torch's round-to-nearest-even cast, ties included."""
-    if not cpu_kernel.available(torch.bfloat16):
+    if not paged_decode.available(torch.bfloat16):
         pytest.fail("the CPU kernel has no bfloat16 instantiation")
     d, gen = 512, torch.Generator().manual_seed(0)
     vc = torch.randn(1, 2, 1, d, generator=gen).to(torch.bfloat16)  # [NB=1, bs=2, kvh=1, D]: v1, v2
@@ -145,7 +145,9 @@ def test_bfloat16_output_rounds_to_nearest_even():
         torch.tensor([2], dtype=torch.int32),
         torch.zeros(1).long(),
     )
-    cpu_kernel.paged_decode(out, q, kc, vc, table, lens, rows, cpu_kernel.split([2], 1), 1.0, 0, 0.0, None)
+    paged_decode.paged_decode(
+        out, q, kc, vc, table, lens, rows, paged_decode.split([2], 1), 1.0, 0, 0.0, None
+    )
     mean = (vc[0, 0, 0].float() + vc[0, 1, 0].float()) / 2  # [D] exact
     assert int((mean.view(torch.int32) & 0xFFFF == 0x8000).sum()) > 0, (
         "no tie among the rows: change the seed"
@@ -154,11 +156,11 @@ def test_bfloat16_output_rounds_to_nearest_even():
 
 
 def test_mismatched_dtypes_are_refused():
-    if not cpu_kernel.available(torch.bfloat16):
+    if not paged_decode.available(torch.bfloat16):
         pytest.fail("the CPU kernel has no bfloat16 instantiation")
     kc = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="share one dtype"):  # float16 queries over a bfloat16 pool
-        cpu_kernel.paged_decode(
+        paged_decode.paged_decode(
             torch.empty(1, 1, 8, dtype=torch.float16),
             torch.empty(1, 1, 8, dtype=torch.float16),
             kc,
@@ -166,7 +168,7 @@ def test_mismatched_dtypes_are_refused():
             torch.zeros(1, 1, dtype=torch.int32),
             torch.ones(1, dtype=torch.int32),
             torch.zeros(1).long(),
-            cpu_kernel.split([1], 1),
+            paged_decode.split([1], 1),
             1.0,
             0,
             0.0,

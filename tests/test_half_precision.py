@@ -16,7 +16,7 @@ import torch
 from models import _hf_model
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cpu_kernel
+from pagedinfer.kernels import paged_decode
 
 TOLERANCE = {"bfloat16": 0.5, "float16": 0.1}
 LENGTHS = (1, 5, 9, 16, 23, 30)
@@ -27,11 +27,11 @@ LENGTHS = (1, 5, 9, 16, 23, 30)
 def test_half_precision_logprobs_match_float32_transformers(
     tiny_model, family, block_size, dtype, monkeypatch
 ):
-    if not cpu_kernel.available(getattr(torch, dtype)):
+    if not paged_decode.available(getattr(torch, dtype)):
         pytest.fail(f"the CPU kernel has no {dtype} instantiation (is a C compiler installed?)")
     calls = []
-    decode = cpu_kernel.paged_decode
-    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
+    decode = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a: calls.append(a[2].dtype) or decode(*a))
     path = tiny_model(family)
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in LENGTHS]

@@ -14,9 +14,9 @@ import torch
 from conftest import DEVICE, ENGINE
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cpu_kernel
-from pagedinfer.attention.cpu_kernel import IndexOutOfRange
 from pagedinfer.config import QUANTIZATIONS
+from pagedinfer.kernels import abi, build, paged_decode
+from pagedinfer.kernels.abi import IndexOutOfRange
 from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, gguf_blocks, packed_linear
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels are the C
 
 @pytest.fixture(autouse=True)
 def kernels():
-    if not (cpu_kernel.available() and fused_ops._library() and packed_linear._gemm_library()):
+    if not (paged_decode.available() and fused_ops._library() and packed_linear._gemm_library()):
         pytest.fail("the C kernels did not build (is a C compiler installed?)")
 
 
@@ -92,9 +92,9 @@ def test_the_kv_write_refuses_a_slot_past_the_pool_and_writes_nothing():
     with pytest.raises(
         IndexOutOfRange, match=r"^store_kv: the slot 16 of new token 2 is outside the KV pool's 16 slots$"
     ):
-        cpu_kernel.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 5, 16]))
+        paged_decode.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 5, 16]))
     assert not k_cache.any() and not v_cache.any()  # not even the tokens before it
-    cpu_kernel.store_kv(k_cache, v_cache, k, v, torch.tensor([0, -1, 15]))  # -1: padding, skipped
+    paged_decode.store_kv(k_cache, v_cache, k, v, torch.tensor([0, -1, 15]))  # -1: padding, skipped
     assert k_cache.view(16, -1).any(1).nonzero().flatten().tolist() == [0, 15]
 
 
@@ -134,7 +134,7 @@ def test_decode_attention_refuses_a_table_length_or_row_outside_its_buffers(tabl
     out = torch.full((2, 4, 16), 7.0)
     k_cache, v_cache = pool()
     with pytest.raises(IndexOutOfRange) as refused:
-        cpu_kernel.paged_decode(
+        paged_decode.paged_decode(
             out,
             torch.randn(2, 4, 16),
             k_cache,
@@ -142,7 +142,7 @@ def test_decode_attention_refuses_a_table_length_or_row_outside_its_buffers(tabl
             torch.tensor(tables, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32),
             torch.tensor(rows),
-            cpu_kernel.split([max(n, 0) for n in lens], 4 * 32),
+            paged_decode.split([max(n, 0) for n in lens], 4 * 32),
             0.25,
             0,
             0.0,
@@ -157,9 +157,9 @@ def test_decode_attention_reads_a_table_only_up_to_each_context():
     k_cache, v_cache = pool()
     out = torch.empty(2, 4, 16)
     tables = torch.tensor([[2, 99], [1, -5]], dtype=torch.int32)
-    cpu_kernel.paged_decode(
+    paged_decode.paged_decode(
         out, torch.randn(2, 4, 16), k_cache, v_cache, tables, torch.tensor([4, 1], dtype=torch.int32),
-        torch.arange(2), cpu_kernel.split([4, 1], 128), 0.25, 0, 0.0, None,
+        torch.arange(2), paged_decode.split([4, 1], 128), 0.25, 0, 0.0, None,
     )  # fmt: skip
     assert torch.equal(out, torch.zeros_like(out))  # a zero pool's values, averaged
 
@@ -167,7 +167,7 @@ def test_decode_attention_reads_a_table_only_up_to_each_context():
 def test_decode_attention_refuses_thread_ranges_past_the_sequences():
     k_cache, v_cache = pool()
     with pytest.raises(IndexOutOfRange, match="thread range 0 ends at sequence 3, outside the 2 sequences"):
-        cpu_kernel.paged_decode(
+        paged_decode.paged_decode(
             torch.empty(2, 4, 16), torch.randn(2, 4, 16), k_cache, v_cache, torch.zeros(2, 2, dtype=torch.int32),
             torch.tensor([1, 1], dtype=torch.int32), torch.arange(2), (ctypes.c_int32 * 2)(0, 3), 0.25, 0, 0.0, None,
         )  # fmt: skip
@@ -178,20 +178,20 @@ def test_the_debug_build_asserts_what_callers_vouch_for(monkeypatch):
     default ``-DNDEBUG``), and the bindings assert the shapes their callers vouch for: here K rows
     narrower than the pool's, stopped before any C runs."""
     monkeypatch.delenv("PAGEDINFER_KERNEL_DEBUG", raising=False)
-    compiler = cpu_kernel._compiler()
-    assert all("-UNDEBUG" not in flags for flags, _ in cpu_kernel._targets(cpu_kernel.SOURCE, compiler))
+    compiler = build._compiler()
+    assert all("-UNDEBUG" not in flags for flags, _ in build._targets(paged_decode.SOURCE, compiler))
     monkeypatch.setenv("PAGEDINFER_KERNEL_DEBUG", "1")
-    for flags, _ in cpu_kernel._targets(cpu_kernel.SOURCE, compiler):
+    for flags, _ in build._targets(paged_decode.SOURCE, compiler):
         assert flags.index("-UNDEBUG") > flags.index("-DNDEBUG")
-    cpu_kernel.debug.cache_clear()
+    abi.debug.cache_clear()
     try:
         k_cache, v_cache = pool()
         narrow = torch.ones(2, 2, 8)
         with pytest.raises(AssertionError):
-            cpu_kernel.store_kv(k_cache, v_cache, narrow, narrow, torch.tensor([0, 1]))
+            paged_decode.store_kv(k_cache, v_cache, narrow, narrow, torch.tensor([0, 1]))
         assert not k_cache.any()
     finally:
-        cpu_kernel.debug.cache_clear()
+        abi.debug.cache_clear()
 
 
 def test_the_samplers_c_passes_refuse_a_row_past_the_logits():

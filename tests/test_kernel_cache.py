@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import invoke, one_line_error, tiny_model, write_jsonl
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel, kernel_cache
+from pagedinfer.kernels import build, kernel_cache, paged_decode
 
 
 def _mode(path: Path) -> int:
@@ -86,7 +86,7 @@ def planted(tmp_path, monkeypatch) -> Path:
     if compiler is None:
         pytest.skip("no C compiler: no library is ever loaded from the cache")
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path / "k"))
-    lib = cpu_kernel._targets(cpu_kernel.SOURCE, compiler)[0][1]
+    lib = build._targets(paged_decode.SOURCE, compiler)[0][1]
     lib.write_bytes(b"not a library")
     return lib
 
@@ -98,8 +98,8 @@ def test_a_library_others_can_write_is_refused_before_it_is_loaded(planted):
         "would run as you; delete it (it is built again), or set PAGEDINFER_CACHE to a folder of your own"
     )
     for load in (
-        lambda: cpu_kernel.compile_library(cpu_kernel.SOURCE),
-        lambda: cpu_kernel.prebuild([cpu_kernel.SOURCE]),
+        lambda: build.compile_library(paged_decode.SOURCE),
+        lambda: build.prebuild([paged_decode.SOURCE]),
     ):
         with pytest.raises(kernel_cache.KernelCacheError) as e:
             load()

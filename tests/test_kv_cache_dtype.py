@@ -13,11 +13,11 @@ from conftest import DEVICE, ENGINE
 from typer.testing import CliRunner
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.interface import select_cuda_kernels
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.cli.app import app
 from pagedinfer.config import EngineConfig
+from pagedinfer.kernels import paged_decode
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="16-bit pools under float32 are served on the CPU")
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -29,13 +29,13 @@ PROMPTS = [{"prompt_token_ids": [3 + i, 9, 27, 4 * i + 1, 5]} for i in range(5)]
 def test_half_pool_holds_twice_the_blocks_and_is_read_by_the_kernel(tiny_model, monkeypatch, kv, impl):
     """The same byte budget buys twice the blocks; every layer's decode rows reach the C kernel over
     the 16-bit pool (our layers and transformers' modules alike); the stats and the report say so."""
-    if not cpu_kernel.available(torch.float32, getattr(torch, kv)):
+    if not paged_decode.available(torch.float32, getattr(torch, kv)):
         pytest.fail(f"the CPU kernel has no float32-over-{kv} instantiation (is a C compiler installed?)")
     monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")  # layer by layer, so the spy sees every call
     calls = []
-    decode = cpu_kernel.paged_decode
+    decode = paged_decode.paged_decode
     monkeypatch.setattr(
-        cpu_kernel, "paged_decode", lambda *a: calls.append((a[1].dtype, a[2].dtype)) or decode(*a)
+        paged_decode, "paged_decode", lambda *a: calls.append((a[1].dtype, a[2].dtype)) or decode(*a)
     )
     path = str(tiny_model("llama"))
     runs = {}

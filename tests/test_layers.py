@@ -28,7 +28,7 @@ RANKS = {
     "lora": 2.5,  # LoRA adapters: loading, slots, the step's row groups, the deltas a model's linears add
     "logits": 2,  # what shapes a step's logits: the processors the sampler applies
     "attention": 1,
-    "kernels": 0,
+    "kernels": 0,  # the C kernels' build, cache and bindings: imports nothing above it
 }
 LEAVES = {
     "config",

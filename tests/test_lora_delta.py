@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedinfer.attention import cpu_kernel
+from pagedinfer.kernels import abi, build
 from pagedinfer.lora import delta
 
 # (in, out, rank): tails in every dimension (rows of 6, columns and ranks of 16), a rank above 16
@@ -97,10 +97,10 @@ def test_bfloat16_rows_are_the_float32_sums_rounded_once():
 
 def test_the_avx2_build_gives_the_same_bits(monkeypatch):
     """Built without AVX-512 (its 16-column vectors as two 8-float halves): the same bits as here."""
-    if not cpu_kernel.cpu_flags(("avx512f",)):
+    if not build.cpu_flags(("avx512f",)):
         pytest.skip("needs an AVX-512 CPU: its native build is what the AVX2 build is compared with")
     monkeypatch.setenv("PAGEDINFER_CC_FLAGS", "-mno-avx512f")
-    avx2 = delta.bind(cpu_kernel.optional_library(delta.SOURCE))
+    avx2 = delta.bind(build.optional_library(delta.SOURCE))
     for dtype in (torch.float32, torch.bfloat16):
         for seed, (inputs, out, rank) in enumerate(SHAPES):
             w = weights(inputs, out, rank, seed)
@@ -109,7 +109,7 @@ def test_the_avx2_build_gives_the_same_bits(monkeypatch):
             fn = getattr(avx2, f"lora_delta_{delta.SUFFIX[dtype]}")
             args = (inputs, out, w.a_t.data_ptr(), w.a_t.shape[1], w.b_t.data_ptr(), w.b_t.shape[1], rank)
             scratch = torch.empty(ROWS, w.a_t.shape[1])
-            refusal = cpu_kernel.Refusal()
+            refusal = abi.Refusal()
             assert (
                 fn(
                     x.data_ptr(),
@@ -135,10 +135,10 @@ def test_the_debug_build_asserts_operands_that_do_not_fit_the_weights(monkeypatc
     x, y = operands(SHAPES[1][0], SHAPES[0][1], torch.float32, seed=8)
     before = y.clone()
     monkeypatch.setenv("PAGEDINFER_KERNEL_DEBUG", "1")
-    cpu_kernel.debug.cache_clear()
+    abi.debug.cache_clear()
     try:
         with pytest.raises(AssertionError):
             delta.add_delta(y, x, 0, ROWS, w)
     finally:
-        cpu_kernel.debug.cache_clear()
+        abi.debug.cache_clear()
     assert torch.equal(y, before)

@@ -51,11 +51,12 @@ def test_wheel_carries_every_package_and_the_kernels_and_runs_them(tmp_path):
     )
     probe = (
         "import pagedinfer, torch\n"
-        "from pagedinfer.attention import cpu_kernel, cuda_kernels\n"
-        "from pagedinfer.attention.sources import KERNELS_DIR\n"
+        "from pagedinfer.attention import cuda_kernels\n"
+        "from pagedinfer.kernels import paged_decode\n"
+        "from pagedinfer.kernels.sources import KERNELS_DIR\n"
         "print(pagedinfer.__file__)\n"
         "print(KERNELS_DIR)\n"
-        "print(cpu_kernel.available())\n"
+        "print(paged_decode.available())\n"
         "print(sorted(p.name for p in KERNELS_DIR.glob('*.cu')))\n"
         "print((KERNELS_DIR / 'cpu' / 'cuda_shim.h').is_file())\n"
         "from pathlib import Path\n"
@@ -83,9 +84,7 @@ def test_wheel_carries_every_package_and_the_kernels_and_runs_them(tmp_path):
 
 def test_a_missing_compiler_is_said_once_with_its_cost(tmp_path):
     env = {**os.environ, "CC": "no-such-compiler", "PAGEDINFER_CACHE": str(tmp_path)}
-    probe = (
-        "from pagedinfer.attention import cpu_kernel\nprint(cpu_kernel.available(), cpu_kernel.available())"
-    )
+    probe = "from pagedinfer.kernels import paged_decode\nprint(paged_decode.available(), paged_decode.available())"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
     assert run.stdout.strip() == "False False"
     assert run.stderr.count("CPU decode kernel is unavailable") == 1

@@ -361,8 +361,8 @@ def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx_without_tiles(
 def test_every_c_entry_is_safe_at_zero_rows():
     """A step where nothing samples hands the kernels empty inputs: each C entry returns an empty result
     (a GEMM's row blocking divided by zero rows, SIGFPE, before)."""
-    from pagedinfer.attention import cpu_kernel
     from pagedinfer.config import QUANTIZATIONS
+    from pagedinfer.kernels import paged_decode
     from pagedinfer.model import fused_ops
 
     torch.manual_seed(0)
@@ -382,7 +382,7 @@ def test_every_c_entry_is_safe_at_zero_rows():
     fused_ops.qk_norm_rope_(qkv, 2, 1, 16, torch.empty(0, 8), torch.empty(0, 8), None, None, 1e-6, True)
     assert fused_ops.argmax(torch.empty(0, 10)).shape == (0,)
     k_cache = torch.zeros(4, 16, 1, 16)
-    cpu_kernel.store_kv(
+    paged_decode.store_kv(
         k_cache,
         k_cache.clone(),
         torch.empty(0, 1, 16),
@@ -390,9 +390,9 @@ def test_every_c_entry_is_safe_at_zero_rows():
         torch.empty(0, dtype=torch.long),
     )
     assert not k_cache.any()
-    bounds = cpu_kernel.split([], 2 * 16)
+    bounds = paged_decode.split([], 2 * 16)
     out = torch.empty(0, 2, 16)
-    cpu_kernel.paged_decode(
+    paged_decode.paged_decode(
         out,
         out,
         k_cache,

@@ -49,11 +49,11 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, impl, num_bloc
 @pytest.mark.parametrize("num_blocks", [64, 6], ids=["roomy-pool", "preempting-pool"])
 def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, num_blocks, impl, monkeypatch):
     """Head size 64 and blocks of 16: decode goes through the C kernel on the CPU, CuPy's on CUDA."""
-    from pagedinfer.attention import cpu_kernel
+    from pagedinfer.kernels import paged_decode
 
     calls = []
-    decode = cpu_kernel.paged_decode
-    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(1) or decode(*a))
+    decode = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a: calls.append(1) or decode(*a))
     path = tiny_model("llama_d64")
     llm = LLM(str(path), block_size=16, num_blocks=num_blocks, model_impl=impl, **ENGINE)
     assert llm.engine.runner.use_cuda_kernels == (DEVICE == "cuda")
@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_through_the_kernels(tiny_model, prompts, nu
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
     assert (llm.stats.preemptions > 0) == (num_blocks == 6)  # 6 requests of up to 3 blocks each
-    assert bool(calls) == (DEVICE == "cpu" and cpu_kernel.available())
+    assert bool(calls) == (DEVICE == "cpu" and paged_decode.available())
 
 
 @pytest.mark.parametrize("impl", IMPLS)

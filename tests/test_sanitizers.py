@@ -23,9 +23,7 @@ import pytest
 from conftest import DEVICE
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel, kernel_cache
-from pagedinfer.lora import delta
-from pagedinfer.model import decode_step, fused_ops, packed_linear
+from pagedinfer.kernels import build, kernel_cache
 
 REPO = Path(__file__).resolve().parents[1]
 # alignment: the kernels load and store through memcpy and unaligned intrinsics; object-size and
@@ -35,7 +33,6 @@ FLAGS = (
     "-O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined "
     "-fno-sanitize=alignment,object-size,pointer-overflow --param=asan-instrumentation-with-call-threshold=0"
 )
-SOURCES = [cpu_kernel.SOURCE, fused_ops.SOURCE, packed_linear.GEMM_SOURCE, decode_step.SOURCE, delta.SOURCE]
 # every C entry point, each dtype of it, through its Python binding: the refusals of out-of-range
 # indexes, decode attention and the K/V write, the GEMM of every panel format and the embedding
 # lookup, the elementwise chains and the sampler's C passes, the one-call decode step in engines
@@ -103,7 +100,7 @@ def sanitized() -> dict[str, str]:
     with pytest.MonkeyPatch.context() as patch:
         for name in ("PAGEDINFER_CACHE", "PAGEDINFER_CC_FLAGS", "PAGEDINFER_KERNEL_DEBUG"):
             patch.setenv(name, env[name])
-        cpu_kernel.prebuild(SOURCES)
+        build.prebuild()  # every library
     return env
 
 
@@ -121,11 +118,11 @@ def test_the_kernels_tests_pass_under_the_sanitizers(sanitized):
         sanitized,
         [
             "-c",
-            "from pagedinfer.attention import cpu_kernel\n"
+            "from pagedinfer.kernels import paged_decode\n"
             "from pagedinfer.lora import delta\n"
             "from pagedinfer.model import decode_step, fused_ops, packed_linear\n"
-            "for load in (cpu_kernel._library, fused_ops._library, packed_linear._gemm_library, decode_step._library,\n"
-            "             delta.library):\n"
+            "for load in (paged_decode._library, fused_ops._library, fused_ops._sampling_library,\n"
+            "             packed_linear._gemm_library, decode_step._library, delta.library):\n"
             "    assert hasattr(load(), '__asan_init'), f'{load.__module__}: not a sanitized build'\n",
         ],
         timeout=600,
@@ -157,8 +154,8 @@ def test_the_tier_reports_an_overflow_and_undefined_behaviour(sanitized, tmp_pat
     script = (  # the call in range, then out of it
         "import ctypes, sys\n"
         "from pathlib import Path\n"
-        "from pagedinfer.attention import cpu_kernel\n"
-        "lib = ctypes.CDLL(str(cpu_kernel.compile_library(Path(sys.argv[1]))))\n"
+        "from pagedinfer.kernels import build\n"
+        "lib = ctypes.CDLL(str(build.compile_library(Path(sys.argv[1]))))\n"
         "assert hasattr(lib, '__asan_init')\n"
         "call = getattr(lib, sys.argv[2])\n"
         "print(call(0), flush=True)\n"

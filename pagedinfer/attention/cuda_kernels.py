@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.kernels.sources import KERNELS_DIR
 
 DTYPE_NAMES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 HEAD_SIZES = (64, 80, 96, 128, 256)

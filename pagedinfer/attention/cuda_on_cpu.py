@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from pagedinfer import envs
-from pagedinfer.attention import kernel_cache
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.kernels import kernel_cache
+from pagedinfer.kernels.sources import KERNELS_DIR
 
 SHIM_DIR = KERNELS_DIR / "cpu"
 

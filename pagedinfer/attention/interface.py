@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache, LayerShape
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.attention.portable_backend import PortablePlan
+from pagedinfer.kernels import paged_decode
 
 ATTN_NAME = "pagedinfer"
 
@@ -129,8 +129,8 @@ def use_cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     return (
         k_cache.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype
-        and cpu_kernel.available(q.dtype, k_cache.dtype)
-        and cpu_kernel.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
+        and paged_decode.available(q.dtype, k_cache.dtype)
+        and paged_decode.supports(q.shape[1], k.shape[1], q.shape[2], v.shape[2], k_cache.shape[1])
     )
 
 

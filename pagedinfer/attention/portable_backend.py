@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.kernels import paged_decode
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, out_dtype) -> torch.Tensor:
@@ -192,7 +192,7 @@ class PortablePlan:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [NB * bs, kvh, D]
         v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [NB * bs, kvh, Dv]
         if self.use_kernel and k.stride(-1) == v.stride(-1) == 1:  # use_kernel: the kernel has these dtypes
-            cpu_kernel.store_kv(k_cache, v_cache, k, v, slot_mapping)
+            paged_decode.store_kv(k_cache, v_cache, k, v, slot_mapping)
         else:
             k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
             v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
@@ -210,8 +210,8 @@ class PortablePlan:
         q = q if q.stride(-1) == 1 else q.contiguous()
         per_key = q.shape[1] * (q.shape[2] + v.shape[2])  # multiply-adds per key and sequence
         if per_key not in self.ranges:
-            self.ranges[per_key] = cpu_kernel.split(self.decode_lens_host, per_key)
-        cpu_kernel.paged_decode(
+            self.ranges[per_key] = paged_decode.split(self.decode_lens_host, per_key)
+        paged_decode.paged_decode(
             out,
             q,
             k_cache,

@@ -17,7 +17,6 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from pagedinfer.attention.cpu_kernel import cpu_flags
 from pagedinfer.bench import report
 from pagedinfer.bench.gpu import measure_gpu
 from pagedinfer.bench.job import Beam, Job, RunResult, SystemUnavailable
@@ -39,6 +38,7 @@ from pagedinfer.bench.workloads import (
     make_prompts,
     quick,
 )
+from pagedinfer.kernels.build import cpu_flags
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REPORTED_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide GEMM speed

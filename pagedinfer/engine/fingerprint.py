@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedinfer.attention import cpu_kernel
+from pagedinfer.kernels import paged_decode
 from pagedinfer.lora import delta
 from pagedinfer.model import fused_ops
 from pagedinfer.model.dtype import dtype_name
@@ -187,8 +187,8 @@ def _c_attention(engine: LLMEngine) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", 0)
     return loaded.device.type == "cpu" and all(
-        cpu_kernel.available(loaded.dtype, kv.dtype)
-        and cpu_kernel.supports(heads, s.num_kv_heads, s.head_dim, s.head_dim_v, engine.pool.block_size)
+        paged_decode.available(loaded.dtype, kv.dtype)
+        and paged_decode.supports(heads, s.num_kv_heads, s.head_dim, s.head_dim_v, engine.pool.block_size)
         for s in loaded.layer_shapes.values()
     )
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedinfer.attention.cpu_kernel import Refusal, check, debug, optional_library
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.kernels.abi import Refusal, check, debug
+from pagedinfer.kernels.build import optional_library
+from pagedinfer.kernels.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_lora.c"
 LANES = 16  # the kernel's column width: A^T's and B^T's rows are padded to a multiple of it

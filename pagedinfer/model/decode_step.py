@@ -22,14 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.kernels import abi, build, paged_decode
+from pagedinfer.kernels.sources import KERNELS_DIR
 from pagedinfer.model.families.spec import LINEAR_ROLES
 from pagedinfer.model.packed_linear import GemmSegment, PackedLinear, c_segment
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
+TIMERS_FLAG = "-DSTEP_TIMERS"  # a build with the step's clocks (`gemm_seconds`): for the profiling scripts
 _ptr = ctypes.c_void_p
 
 
@@ -70,8 +71,8 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = cpu_kernel.compile_library(SOURCE)
-    except cpu_kernel.KernelUnavailable:  # the decode kernel's message already said it
+        lib = build.compile_library(SOURCE)
+    except build.KernelUnavailable:  # the decode kernel's message already said it
         return None
     if lib is None:
         return None
@@ -82,23 +83,29 @@ def _library() -> ctypes.CDLL | None:
             if fn is None:
                 continue
             fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
-            fn.argtypes += [ctypes.POINTER(cpu_kernel.Refusal)]
+            fn.argtypes += [ctypes.POINTER(abi.Refusal)]
             fn.restype = ctypes.c_int  # 0, or what was out of range
-    dll.decode_gemm_seconds.restype = ctypes.c_double
-    dll.decode_attention_seconds.restype = ctypes.c_double
+    for clock in ("decode_gemm_seconds", "decode_attention_seconds"):  # built with TIMERS_FLAG only
+        if hasattr(dll, clock):
+            getattr(dll, clock).restype = ctypes.c_double
     return dll
 
 
-def gemm_seconds() -> float:
-    """Wall seconds the C steps spent in their GEMMs since the last call (0.0 where none ran)."""
+def _clock(name: str) -> float:
     lib = _library()
-    return lib.decode_gemm_seconds() if lib is not None else 0.0
+    return getattr(lib, name)() if lib is not None and hasattr(lib, name) else 0.0
+
+
+def gemm_seconds() -> float:
+    """Wall seconds the C steps spent in their GEMMs since the last call (0.0 where none ran, or the
+    step was built without its clocks: `TIMERS_FLAG` in ``PAGEDINFER_CC_FLAGS`` builds them in)."""
+    return _clock("decode_gemm_seconds")
 
 
 def attention_seconds() -> float:
-    """Wall seconds the C steps spent writing K/V and in decode attention since the last call."""
-    lib = _library()
-    return lib.decode_attention_seconds() if lib is not None else 0.0
+    """Wall seconds the C steps spent writing K/V and in decode attention since the last call (as
+    `gemm_seconds`)."""
+    return _clock("decode_attention_seconds")
 
 
 def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
@@ -106,8 +113,8 @@ def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
     format under float32 activations), ``_bf16``, or with a 16-bit pool under float32 activations
     ``decode_layers_f32_kv_f16`` etc."""
     act = qkv.activation_dtype
-    kv = "" if pool == act else f"_kv_{cpu_kernel.SUFFIX.get(pool)}"
-    return f"decode_layers_{cpu_kernel.SUFFIX[act]}{kv}"
+    kv = "" if pool == act else f"_kv_{abi.SUFFIX.get(pool)}"
+    return f"decode_layers_{abi.SUFFIX[act]}{kv}"
 
 
 class DecodeStep:
@@ -168,7 +175,9 @@ class DecodeStep:
             and len({lin.activation_dtype for lin in linears}) == 1
             and hasattr(lib, _entry(first.qkv_proj, k.dtype))
             and model.norm.dtype == first.qkv_proj.activation_dtype
-            and cpu_kernel.supports(first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1])
+            and paged_decode.supports(
+                first.q_heads, first.kv_heads, first.head_dim, first.head_dim, k.shape[1]
+            )
         )
 
     def _scratch(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -194,7 +203,7 @@ class DecodeStep:
         meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
-        if cpu_kernel.debug():  # what the caller vouches for
+        if abi.debug():  # what the caller vouches for
             half = (rows, self.head_dim // 2)
             assert residual.shape == (rows, self.hidden) and cos.shape == half and sin.shape == half
             assert meta.slot_mapping.shape == meta.context_lens.shape == (rows,)
@@ -204,7 +213,7 @@ class DecodeStep:
         lens = meta.context_lens_host
         if lens is None:  # a step through the graph path's static buffers (padding rows included)
             lens = meta.context_lens.tolist()
-        bounds = cpu_kernel.split(lens, per_key)
+        bounds = paged_decode.split(lens, per_key)
         h, x, qkv, attn, act, query_rows = self._scratch(rows, residual)
         step = StepMeta(
             len(self.layers),
@@ -229,7 +238,7 @@ class DecodeStep:
             len(bounds) - 1,
             self.kv.num_blocks,
         )
-        refusal = cpu_kernel.Refusal()
+        refusal = abi.Refusal()
         code = self.decode_layers(
             self.layers,
             ctypes.byref(step),
@@ -241,7 +250,7 @@ class DecodeStep:
             act.data_ptr(),
             refusal,
         )
-        cpu_kernel.check(code, refusal, "decode step")
+        abi.check(code, refusal, "decode step")
         return x
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedinfer.attention.cpu_kernel import cpu_flags
 from pagedinfer.config import DTYPE_NAMES, Quantization, torch_dtype
+from pagedinfer.kernels.build import cpu_flags
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 NATIVE_CPU_FLAGS = {torch.bfloat16: BF16_CPU_FLAGS, torch.float16: ("amx_fp16", "avx512_fp16")}

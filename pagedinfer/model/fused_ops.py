@@ -1,11 +1,11 @@
 """The elementwise chains of a Llama-family layer: one C call each on CPU float32/bfloat16, torch ops elsewhere.
 
-The C loops (kernels/cpu_llama_ops.c, built like the decode kernel) replace 3-8 small torch ops per
+The C loops (kernels/cpu_llama_ops.c, built like every kernel: pagedinfer/kernels) replace 3-8 small torch ops per
 chain; at batch 1-16 those ops cost more in dispatch than in arithmetic. The bfloat16 loops compute
 in float32 and round where transformers' bfloat16 modules round. Without a compiler, off the CPU or
 in float16, the same chains run as torch ops (same results up to rounding). The sampler's argmax and
-temperature draw live here too: torch's CPU argmax is not vectorized, and its draw takes five passes
-over [R, V] tensors.
+temperature draw (kernels/cpu_sampling.c) live here too: torch's CPU argmax is not vectorized, and its
+draw takes five passes over [R, V] tensors.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import SUFFIX, Refusal, check, debug, optional_library
-from pagedinfer.attention.sources import KERNELS_DIR
+from pagedinfer.kernels.abi import SUFFIX, Refusal, check, debug
+from pagedinfer.kernels.build import optional_library
+from pagedinfer.kernels.sources import KERNELS_DIR
 
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
+SAMPLING_SOURCE = KERNELS_DIR / "cpu_sampling.c"
 DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
 
 
@@ -48,6 +50,15 @@ def _library() -> ctypes.CDLL | None:
         getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
         for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
             getattr(dll, f"{name}_{suffix}").restype = None
+    return dll
+
+
+@functools.cache
+def _sampling_library() -> ctypes.CDLL | None:
+    dll = optional_library(SAMPLING_SOURCE)  # None: the sampler runs torch ops
+    if dll is None:
+        return None
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     refusal = ctypes.POINTER(Refusal)
     dll.argmax_rows_f32.argtypes = [ptr, i32, ptr, i32, i64, ptr, i32, refusal]
     dll.argmax_rows_f32.restype = ctypes.c_int  # rows without a finite maximum, or -(a refusal's code)
@@ -64,6 +75,16 @@ def _fn(name: str, t: torch.Tensor):
 def use_c(t: torch.Tensor) -> bool:
     """The C chains serve float32 and bfloat16 tensors in host memory (when the library built)."""
     return t.device.type == "cpu" and t.dtype in DTYPES and _library() is not None
+
+
+def _sample_in_c(logits: torch.Tensor) -> bool:
+    """The C sampler serves float32 logits in host memory of unit column stride (when its library built)."""
+    return (
+        logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and logits.device.type == "cpu"
+        and _sampling_library() is not None
+    )
 
 
 def add_rms_norm(
@@ -170,7 +191,7 @@ def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tens
     """Each row's first maximum, as ``logits.argmax(dim=-1)``, of every row or of ``rows`` ``[S]``
     (int64, then ``[S]`` out, no rows copied); -1 for a row without a finite maximum (a NaN, +inf, or
     every logit -inf): no token is drawn from it. A row outside ``logits``: `IndexOutOfRange`."""
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
+    if not _sample_in_c(logits):
         picked = logits if rows is None else logits[rows]  # [S, V]
         out = picked.argmax(dim=-1)  # [S]: a NaN row names its NaN, a +inf row its +inf
         best = picked.gather(1, out.unsqueeze(1)).squeeze(1)  # [S]
@@ -178,7 +199,7 @@ def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tens
     index = None if rows is None else rows.to(torch.int64).contiguous()  # [S]
     out = torch.empty(len(logits if index is None else index), dtype=torch.int64, device=logits.device)  # [S]
     refusal = Refusal()
-    bad = _library().argmax_rows_f32(
+    bad = _sampling_library().argmax_rows_f32(
         logits.data_ptr(),
         len(out),
         None if index is None else index.data_ptr(),
@@ -199,7 +220,7 @@ def sample(
     at ``uniform[i]`` in [0, 1) (no top-k, top-p or min-p), in one C call; -1 for a row without a finite
     maximum (after its temperature). None where the C loop cannot serve (not a float32 CPU tensor of
     unit column stride, no compiler): the torch ops then run. A row outside ``logits``: `IndexOutOfRange`."""
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or not use_c(logits):
+    if not _sample_in_c(logits):
         return None
     picks = rows.to(torch.int64).contiguous()  # [R]
     temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)  # [R]
@@ -208,7 +229,7 @@ def sample(
         assert temps.shape == u.shape == picks.shape
     out = torch.empty(len(picks), dtype=torch.int64, device=logits.device)  # [R]
     refusal = Refusal()
-    bad = _library().sample_rows_f32(
+    bad = _sampling_library().sample_rows_f32(
         logits.data_ptr(),
         len(picks),
         picks.data_ptr(),

@@ -16,17 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the GGUF types the panels keep as stored: (block length, bytes per block)
-BLOCKS = {
-    "Q8_0": (32, 34),
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q5_0": (32, 22),
-    "Q5_1": (32, 24),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
+from pagedinfer.kernels.weight_types import GGUF_BLOCKS
+
+BLOCKS = GGUF_BLOCKS  # the GGUF types the panels keep as stored: (block length, bytes per block)
 
 
 @dataclass

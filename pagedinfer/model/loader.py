@@ -13,17 +13,14 @@ import torch
 from transformers.generation.configuration_utils import GenerationConfig
 
 from pagedinfer import envs
-from pagedinfer.attention import cpu_kernel, kernel_cache
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
 from pagedinfer.errors import one_line
-from pagedinfer.lora import delta
+from pagedinfer.kernels import build, kernel_cache
 from pagedinfer.model import (
-    decode_step,
     families,
-    fused_ops,
     gguf,
     gguf_blocks,
     hub,
@@ -165,15 +162,8 @@ def load_model(
     if choice.emulated:
         note(emulated_note(choice))
     # every CPU kernel built now, in parallel, before anything is timed (the first run's only wait)
-    sources = [
-        cpu_kernel.SOURCE,
-        fused_ops.SOURCE,
-        decode_step.SOURCE,
-        packed_linear.GEMM_SOURCE,
-        delta.SOURCE,
-    ]
     try:
-        compile_s = cpu_kernel.prebuild(sources) if dev.type == "cpu" else 0.0
+        compile_s = build.prebuild() if dev.type == "cpu" else 0.0
     except kernel_cache.KernelCacheError as e:
         raise ModelLoadError(str(e)) from None
     dummy = load_format == "dummy"

@@ -31,20 +31,16 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagedinfer.attention.cpu_kernel import (
-    Refusal,
-    check,
-    cpu_flags,
-    debug,
-    optional_library,
-)
-from pagedinfer.attention.sources import KERNELS_DIR
 from pagedinfer.config import Quantization
+from pagedinfer.kernels.abi import Refusal, check, debug
+from pagedinfer.kernels.build import cpu_flags, optional_library
+from pagedinfer.kernels.sources import KERNELS_DIR
+from pagedinfer.kernels.weight_types import KINDS
 from pagedinfer.model import gguf_blocks, panel_formats
 from pagedinfer.model.dtype import cpu_bf16_flags, dtype_name
 from pagedinfer.model.fused_ops import GatedLinear, gated
 from pagedinfer.model.gguf_blocks import GGUFWeight
-from pagedinfer.model.panel_formats import KINDS, Segment
+from pagedinfer.model.panel_formats import Segment
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
 GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)

@@ -4,7 +4,8 @@ A panel holds 16 weight rows (output columns) over all of ``in``, k-major. float
 weights are packed as their values (`pack_float`); int8 (per output row) and int4 (per group of 32
 or 128 inputs, float32 scales, optional zero points) are quantized here from float weights; GGUF
 block types arrive as the file's values and scale fields (`pagedinfer.model.gguf_blocks`) and are
-laid out here in records of one group each (kernels/cpu_gemm_formats.h describes the bytes). Every
+laid out here in records of one group each (kernels/cpu_gemm_formats.h describes the bytes; the
+formats themselves are declared once, in pagedinfer/kernels/weight_types.py). Every
 format keeps its quantized values as stored: 4.5-8.5 bits per weight instead of 32.
 """
 
@@ -15,58 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-PANEL_ROWS = 16  # weight rows per panel (cpu_gemm.c's NR)
-# kernels/cpu_gemm_formats.h's kinds
-KINDS = {
-    "F32": 0,
-    "BF16": 1,
-    "I8": 2,
-    "I4": 3,
-    "I4Z": 4,
-    "Q8_0": 5,
-    "Q4_0": 6,
-    "Q4_1": 7,
-    "Q5_0": 8,
-    "Q5_1": 9,
-    "Q4_K": 10,
-    "Q5_K": 11,
-    "Q6_K": 12,
-}
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """One block format's records: its group length, the fields before each group's values (name and
-    numpy dtype, 16 of each), the bits above the nibble stored as planes, and the super-block fields
-    written before every ``super_groups`` groups (K-quants)."""
-
-    group: int
-    fields: tuple[tuple[str, str], ...]
-    planes: int = 0
-    super_groups: int = 1
-    super_fields: tuple[tuple[str, str], ...] = ()
-    int8_values: bool = False  # values stored as int8 bytes (Q8_0), not nibbles
-
-
-LAYOUTS = {
-    "Q8_0": RecordLayout(32, (("d", "<u2"),), int8_values=True),
-    "Q4_0": RecordLayout(32, (("d", "<u2"),)),
-    "Q4_1": RecordLayout(32, (("d", "<u2"), ("m", "<u2"))),
-    "Q5_0": RecordLayout(32, (("d", "<u2"),), planes=1),
-    "Q5_1": RecordLayout(32, (("d", "<u2"), ("m", "<u2")), planes=1),
-    "Q4_K": RecordLayout(32, (("sc", "u1"), ("mn", "u1")), 0, 8, (("d", "<u2"), ("dmin", "<u2"))),
-    "Q5_K": RecordLayout(32, (("sc", "u1"), ("mn", "u1")), 1, 8, (("d", "<u2"), ("dmin", "<u2"))),
-    "Q6_K": RecordLayout(16, (("sc", "i1"),), 2, 16, (("d", "<u2"),)),
-    "I4": RecordLayout(0, (("s", "<f4"),)),  # group: 32 or 128, given per weight
-    "I4Z": RecordLayout(0, (("s", "<f4"), ("z", "u1"))),
-}
+from pagedinfer.kernels.weight_types import LAYOUTS, PANEL_ROWS
 
 
 @dataclass
 class Segment:
     """A run of a linear's output columns in one format: what cpu_gemm.c's gemm_segment points to."""
 
-    kind: str  # a KINDS key
+    kind: str  # a weight type's name (kernels/weight_types.py)
     cols: int  # output columns (the gated half's for a gated weight)
     panels: torch.Tensor  # [P, in, 16] float32 / int8, [P, in / 2, 32] bfloat16, or [P, bytes] uint8
     bias: torch.Tensor | None = None  # [P, 1, 16] float32, added to the sums

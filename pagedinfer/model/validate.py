@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedinfer.kernels.weight_types import (
+    GGUF_SCALE_OFFSETS,  # the float16 scale fields of each kept block type
+)
 from pagedinfer.model import families
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.families.spec import HF_LAYER, Family, Module, Sizes, formula
@@ -41,17 +44,6 @@ from pagedinfer.model.gguf_header import ArrayValue
 
 INTEGER_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)  # GGUF's integer value types (7 is bool)
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes our loader casts from
-# the float16 scale fields of each kept block type (byte offsets in a block): d, then m / dmin
-SCALE_OFFSETS = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 F16_EXPONENT = 0x7C00  # all ones: Inf or NaN
 FINITE_CHUNK = 1 << 24  # values per isfinite pass over a tensor whose sum overflowed (bounds its mask)
 
@@ -84,7 +76,7 @@ def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: 
     each float a finite positive number (transformers divides by them, or makes a config no layer can
     be built from)."""
     arch = metadata.get("general.architecture")
-    family = families.by_gguf_arch(arch)
+    family = families.by_gguf_arch(arch, metadata)
     if family is None:
         return
     for key in (f"{arch}.{k}" for k in family.gguf_size_keys if f"{arch}.{k}" in metadata):
@@ -161,6 +153,17 @@ def sizes(config, where: str) -> Sizes:
             f"{where}: the config's rope_theta is {_value(theta)}; it must be a finite positive number"
         )
     positive("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    experts = top_k = expert_inter = 0
+    count = next((k for k in ("num_experts", "num_local_experts") if hasattr(config, k)), None)
+    if count is not None:  # a mixture of experts: top-k of the experts, each of its own size
+        experts = positive(count, getattr(config, count))
+        top_k = positive("num_experts_per_tok", getattr(config, "num_experts_per_tok", None))
+        if top_k > experts:
+            raise ModelCheckError(
+                f"{where}: the config's num_experts_per_tok ({top_k}) is more than its {count} ({experts})"
+            )
+        if hasattr(config, "moe_intermediate_size"):
+            expert_inter = positive("moe_intermediate_size", config.moe_intermediate_size)
     return Sizes(
         hidden,
         positive("intermediate_size", getattr(config, "intermediate_size", None)),
@@ -169,6 +172,9 @@ def sizes(config, where: str) -> Sizes:
         kv_heads,
         head_dim,
         positive("vocab_size", getattr(config, "vocab_size", None)),
+        experts,
+        top_k,
+        expert_inter,
     )
 
 
@@ -184,8 +190,9 @@ def _tensors(
     prefix: str, modules: Iterable[Module], s: Sizes
 ) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
     for m in modules:
-        for suffix, dims, required in m.tensors():
-            yield f"{prefix}{m.hf}.{suffix}", s.shape(dims), formula(dims), required
+        for e in range(s.experts) if m.experts else (None,):  # a module per expert: each expert's
+            for suffix, dims, required in m.tensors():
+                yield f"{prefix}{m.hf_name(e)}.{suffix}", s.shape(dims), formula(dims), required
 
 
 def _named(name: str, found: Found) -> str:
@@ -275,7 +282,7 @@ def _bad_scale(w: GGUFWeight) -> tuple[int, int] | None:
     """(row, block) of the first float16 scale that is NaN or Inf in ``w``'s blocks, else None."""
     size = BLOCKS[w.kind][1]
     blocks = w.data.reshape(w.data.shape[0], -1, size)  # [out, blocks per row, block bytes]
-    for at in SCALE_OFFSETS[w.kind]:
+    for at in GGUF_SCALE_OFFSETS[w.kind]:
         bits = blocks[:, :, at : at + 2].view("<u2")[..., 0]  # [out, blocks per row]: a view, no copy
         bad = (bits & F16_EXPONENT) == F16_EXPONENT
         if bad.any():
