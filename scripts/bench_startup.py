@@ -11,6 +11,8 @@ Each gets its median wall time and the median CPU time (user and system) of its 
 With several checkouts (e.g. the base commit exported into a folder, and this one) the runs alternate
 between them, so a machine that gets busier mid-run weighs on both alike. ``--llamacpp`` also times
 llama.cpp's load of the same GGUF with one token decoded (the driver scripts/bench_llamacpp.py builds).
+``--bytecode`` runs them as an installed package runs, its modules byte-compiled once (into the temporary
+folder), where the environment sets PYTHONDONTWRITEBYTECODE and every run would compile them again.
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ def commands(checkout: Path, tmp: Path, gguf: str | None) -> dict[str, list[str]
     return timed
 
 
-def wall(argv: list[str], cwd: Path) -> tuple[float, float]:
-    """Seconds ``argv`` ran in ``cwd`` (its own code first on the path), and the CPU seconds (user and
-    system) it used: on a busy machine the second moves far less than the first. Raises if it failed."""
-    env = dict(os.environ, PYTHONPATH=str(cwd))
+def wall(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Seconds ``argv`` ran in ``cwd`` (its own code first on the path) under ``env``, and the CPU
+    seconds (user and system) it used: on a busy machine the second moves far less than the first.
+    Raises if it failed."""
+    env = dict(env, PYTHONPATH=str(cwd))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     res = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -101,24 +104,31 @@ def main() -> int:
     parser.add_argument("--gguf", help="a GGUF model for the one-line run")
     parser.add_argument("--llamacpp", action="store_true", help="also time llama.cpp's load of --gguf")
     parser.add_argument("--only", nargs="*", help="command names to time (demo blocks gguf help)")
+    parser.add_argument("--bytecode", action="store_true", help="modules byte-compiled once, as installed")
     args = parser.parse_args()
     checkouts = [c.resolve() for c in (args.checkout or [ROOT])]
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        env = dict(os.environ)
+        if args.bytecode:  # written by the untimed runs below, read by the timed ones
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(tmp / "bytecode")
         timed = {c: commands(c, tmp, args.gguf) for c in checkouts}
         names = [n for n in timed[checkouts[0]] if not args.only or n in args.only]
         for checkout in checkouts:  # one untimed run each: byte-compiled modules, kernels cached
             for name in names:
-                wall(timed[checkout][name], checkout)
+                wall(timed[checkout][name], checkout, env)
         extra = llamacpp_argv(args.gguf, tmp) if args.llamacpp and args.gguf else None
         for _ in range(args.runs):
             for name in names:
                 for checkout in checkouts:
-                    times.setdefault((str(checkout), name), []).append(wall(timed[checkout][name], checkout))
+                    run = wall(timed[checkout][name], checkout, env)
+                    times.setdefault((str(checkout), name), []).append(run)
                 if extra is not None and name == "gguf":
-                    times.setdefault(("llama.cpp", "gguf load"), []).append(wall(extra, tmp))
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; median of {args.runs} runs (min-max), seconds")
+                    times.setdefault(("llama.cpp", "gguf load"), []).append(wall(extra, tmp, env))
+    compiled = "byte-compiled modules" if args.bytecode else "modules as the environment has them"
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; {compiled}; median of {args.runs} runs (min-max), s")
     print(f"{'command':10s} {'wall':>6s}  {'(min-max)':13s}  {'cpu':>6s}  checkout")
     for (where, name), runs in times.items():
         walls, cpus = [w for w, _ in runs], [c for _, c in runs]
