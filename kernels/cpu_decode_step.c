@@ -63,19 +63,25 @@ typedef struct {
     int qkv_segments;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
     int window;              /* sliding window, 0: none */
+    int group;               /* its layer group: the slots and block tables it reads in step_meta */
 } step_layer;
 
 /* The model's sizes, its final norm and the step's attention metadata (decode only: one query row
- * per sequence). */
+ * per sequence). Slots and block tables come per layer group (layers of one attention window: a
+ * windowed group's tables name the pool's null block where the window released a block); the context
+ * lengths and the sequences' split are every group's. */
 typedef struct {
     int layers, rows, hidden, q_heads, kv_heads, head_dim, inter;
     float eps, scale;
     const void *final_norm;                    /* [H] */
     const void *cos, *sin;                     /* [rows, D / 2] */
-    const int64_t *slots;                      /* [rows] pool slot of each new token */
-    const int32_t *tables, *ctx_lens;          /* [rows, max_blocks], [rows] */
+    const int64_t *const *slots;               /* [groups] -> [rows] pool slot of each new token */
+    const int32_t *const *tables;              /* [groups] -> [rows, max_blocks[group]] */
+    const int32_t *max_blocks;                 /* [groups] */
+    int groups;
+    const int32_t *ctx_lens;                   /* [rows] */
     const int64_t *query_rows;                 /* [rows] 0 .. rows - 1 */
-    int max_blocks, block_size;
+    int block_size;
     const int32_t *bounds;                     /* [parts + 1] sequence ranges, one per thread */
     int parts;
     int64_t num_blocks;                        /* the pool's blocks (every layer's) */

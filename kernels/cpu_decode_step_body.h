@@ -6,28 +6,32 @@
 
 /* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
  * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
- * and act [rows, I] are scratch. The step's slots and sequences are checked once, before the first
- * layer (every layer reads the same ones, in pools of the same blocks): 0, or (nothing done) what was
- * out of range (cpu_bounds.h). */
+ * and act [rows, I] are scratch. Each layer group's slots and sequences are checked once, before the
+ * first layer (a group's layers read the same ones, in pools of the same blocks): 0, or (nothing done)
+ * what was out of range (cpu_bounds.h). */
 int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
                         ELEM *attn, ELEM *act, refusal *why) {
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
-    int refused = check_slots(s->slots, s->rows, s->num_blocks * s->block_size, why);
-    if (!refused)
-        refused = check_decode(s->bounds, s->parts, s->rows, s->tables, s->ctx_lens, s->query_rows, s->max_blocks,
-                               s->block_size, s->num_blocks, s->rows, why);
+    int refused = REFUSED_NONE;
+    for (int g = 0; g < s->groups && !refused; g++) {
+        refused = check_slots(s->slots[g], s->rows, s->num_blocks * s->block_size, why);
+        if (!refused)
+            refused = check_decode(s->bounds, s->parts, s->rows, s->tables[g], s->ctx_lens, s->query_rows,
+                                   s->max_blocks[g], s->block_size, s->num_blocks, s->rows, why);
+    }
     if (refused) return refused;
     for (int i = 0; i < s->layers; i++, layer++) {
+        const int g = layer->group;
         FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
         TIMED(gemm_seconds, gemm_segments(layer->qkv, layer->qkv_segments, x, qkv, s->rows, s->hidden, 0));
         FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
                          layer->k_norm, s->eps);
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
         TIMED(attention_seconds, {
-            KV(store_rows)(layer->k_cache, layer->v_cache, k, v, s->slots, s->rows, s->kv_heads, d, d, qkv_n, d,
+            KV(store_rows)(layer->k_cache, layer->v_cache, k, v, s->slots[g], s->rows, s->kv_heads, d, d, qkv_n, d,
                            qkv_n, d);
-            KV(decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables,
-                              s->ctx_lens, s->query_rows, s->max_blocks, s->block_size, s->q_heads, s->kv_heads, d,
+            KV(decode_ranges)(s->bounds, s->parts, attn, qkv, layer->k_cache, layer->v_cache, s->tables[g],
+                              s->ctx_lens, s->query_rows, s->max_blocks[g], s->block_size, s->q_heads, s->kv_heads, d,
                               d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         });
         TIMED(gemm_seconds, gemm_segments(&layer->o, 1, attn, h, s->rows, qd, 0));

@@ -49,11 +49,13 @@ class PoolSize:
     origin: Literal["num_blocks", "kv_cache_memory", "gpu_memory_utilization", "default_cpu", "default_gpu"]
     kv_cache_memory: int | None = None  # the byte budget, when it decided
     gpu_memory_utilization: float = GPU_MEMORY_FRACTION  # the share of free GPU memory, on CUDA
+    layer_groups: int = 1  # num_blocks given: the pool holds that many blocks per layer group
 
     def __str__(self) -> str:
         """The ``pool.source`` value of ``--report-json`` (documented)."""
         if self.origin == "num_blocks":
-            return f"num_blocks={self.num_blocks}"
+            groups = f" x {self.layer_groups} layer groups" if self.layer_groups > 1 else ""
+            return f"num_blocks={self.num_blocks // self.layer_groups}{groups}"
         if self.origin == "kv_cache_memory":
             return f"kv_cache_memory={self.kv_cache_memory} bytes"
         if self.origin == "gpu_memory_utilization":
@@ -345,7 +347,7 @@ class EngineConfig:
     # exact pool size; else from kv_cache_memory; else a default
     num_blocks: int | None = option(
         None,
-        "Exact number of KV blocks in the pool.",
+        "Exact number of KV blocks in the pool (with windowed layers: per layer group).",
         panel="pool",
         show_default=False,
         vllm="num_gpu_blocks_override",
@@ -571,10 +573,13 @@ class EngineConfig:
             )
         return kv
 
-    def pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
+    def pool_size(
+        self, bytes_per_block: int, device: torch.device, max_model_len: int, num_groups: int = 1
+    ) -> PoolSize:
         """Number of blocks of the pool, and what decided it; a pool the device's free memory cannot
-        hold is refused here, naming the setting, before anything is allocated."""
-        size = self._pool_size(bytes_per_block, device, max_model_len)
+        hold is refused here, naming the setting, before anything is allocated. ``num_groups``: the
+        model's layer groups, each taking its own blocks."""
+        size = self._pool_size(bytes_per_block, device, max_model_len, num_groups)
         need, free = size.num_blocks * bytes_per_block, _free_memory(device)
         if need > free:
             if size.origin == "num_blocks":
@@ -593,9 +598,11 @@ class EngineConfig:
             )
         return size
 
-    def _pool_size(self, bytes_per_block: int, device: torch.device, max_model_len: int) -> PoolSize:
-        if self.num_blocks is not None:
-            return PoolSize(self.num_blocks, "num_blocks")
+    def _pool_size(
+        self, bytes_per_block: int, device: torch.device, max_model_len: int, num_groups: int
+    ) -> PoolSize:
+        if self.num_blocks is not None:  # blocks of every layer: as many blocks of each group's layers
+            return PoolSize(self.num_blocks * num_groups, "num_blocks", layer_groups=num_groups)
         if self.kv_cache_memory is not None:
             blocks = self.kv_cache_memory // bytes_per_block
             if blocks < 1:
@@ -603,7 +610,7 @@ class EngineConfig:
                     f"kv_cache_memory={self.kv_cache_memory} bytes is smaller than one block ({bytes_per_block} bytes)"
                 )
             return PoolSize(blocks, "kv_cache_memory", self.kv_cache_memory)
-        useful = -(-max_model_len // self.block_size) * self.max_num_seqs  # more can never be used
+        useful = -(-max_model_len // self.block_size) * self.max_num_seqs * num_groups  # more is never used
         if device.type == "cuda":
             import torch
 

@@ -38,10 +38,26 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    # Qwen2's window on the layers from max_window_layers on (layer 1): two layer groups on our own layers
+    "qwen2_window": lambda: tf.Qwen2Config(
+        **COMMON, **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
+    # a window of 16 on 3 of its 4 layers (Gemma 3's pattern, shortened), 512 positions: long windowed runs
+    "gemma3_text": lambda: tf.Gemma3TextConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 4, "max_position_embeddings": 512},
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
     "llama_d64_long": lambda: tf.LlamaConfig(**COMMON, **{**D64, "max_position_embeddings": 1200}),
+    # the windowed Qwen2 at head size 64: layer groups on the CUDA kernels
+    "qwen2_window_d64": lambda: tf.Qwen2Config(
+        **COMMON, **D64, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
     "gpt2": lambda: tf.GPT2Config(
         vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=None, eos_token_id=None
     ),

@@ -160,3 +160,26 @@ def test_enforce_eager_option_reaches_the_engine(tmp_path, monkeypatch):
         assert result.exit_code == 0, result.output
         assert json.loads(report.read_text())["cuda_graphs"]["mode"] == "not applicable on the CPU"
     assert asked == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("family", "use_cuda_kernels"),
+    [("qwen2_window", None), ("gemma3_text", None), ("qwen2_window_d64", True)],
+)
+def test_static_buffers_with_layer_groups(tiny_model, loads, family, use_cuda_kernels):
+    """Windowed and global layers: each group's slots and tables in buffers of their own (a windowed
+    group's naming the null block), read by the torch path or the CUDA kernels (CPU harness); n=2
+    completions forking every group's blocks, a pool that preempts."""
+    path = tiny_model(family)
+    cuda_kernels.set_raw_module_factory(cuda_on_cpu.RawModule)
+    try:
+        llm = static_llm(path, use_cuda_kernels, block_size=8, num_blocks=16)
+        assert llm.engine.runner.use_cuda_kernels == bool(use_cuda_kernels)
+        assert len(llm.engine.runner.graphs.slots) == len(llm.engine.kv.groups) > 1
+        got = generate(llm, n=2)
+    finally:
+        cuda_kernels.set_raw_module_factory(None)
+    assert got == [[want] * 2 for want in expected(path)]
+    st = llm.stats
+    assert 0 < st.graph_steps == len(loads) and st.kv.window_releases > 0 and st.preemptions > 0
+    assert llm.engine.pool.num_used == 0

@@ -210,7 +210,7 @@ def test_the_runner_chooses_the_path_and_the_model_follows(tiny_model, monkeypat
 
     class Seq:
         def __init__(self, ids: list[int], blocks: list[int]) -> None:
-            self.token_ids, self.block_table, self.lora_slot = ids, blocks, 0
+            self.token_ids, self.block_tables, self.lora_slot = ids, [blocks], 0
 
     class Chunk:
         def __init__(self, seq: Seq, start: int, num_tokens: int) -> None:

@@ -98,7 +98,7 @@ def test_the_runner_keeps_a_mixture_of_experts_off_the_one_call_step(tiny_model)
     mixture of experts' goes layer by layer (the C step has no router)."""
 
     class Seq:
-        token_ids, block_table, lora_slot = [3, 14, 15], [0], 0
+        token_ids, block_tables, lora_slot = [3, 14, 15], [[0]], 0  # one layer group
 
     class Chunk:
         seq, start, num_tokens, num_logits, step_token_ids = Seq(), 2, 1, 1, [15]

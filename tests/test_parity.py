@@ -10,6 +10,9 @@ from pagedinfer import LLM, SamplingParams
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "opt", "gpt_oss"]
 OWN = {"llama", "qwen2", "qwen3", "mistral"}  # families pagedinfer's own modeling (the fast path) serves
+# every layer windowed (8 tokens): each sequence's table gives blocks back as it decodes, so 12 blocks
+# serve the prompts below without preempting (tests/test_sliding_window.py preempts windowed models)
+WINDOWED_ONLY = {"mistral"}
 CASES = [
     (f, impl)
     for f in FAMILIES
@@ -39,7 +42,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, impl, num_bloc
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
         assert out.outputs[0].finish_reason == "length"
     assert llm.engine.pool.num_used == 0
-    if num_blocks == 12:
+    if num_blocks == 12 and family not in WINDOWED_ONLY:
         assert llm.stats.preemptions > 0  # 6 requests of up to 42 tokens cannot share 48 slots
     else:
         assert llm.stats.preemptions == 0

@@ -353,12 +353,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(1, 12),
         policy=st.sampled_from(["fcfs", "lpm"]),
         max_loras=st.integers(1, 3),
+        windows=st.sampled_from([(0,), (0,), (2,), (0, 3), (0, 1, 5)]),  # layer groups' windows
     )
-    def setup(self, num_blocks, block_size, max_seqs, budget, policy, max_loras):
+    def setup(self, num_blocks, block_size, max_seqs, budget, policy, max_loras, windows):
         slots = FakeSlots(max_loras)
-        kv = KVCacheManager(num_blocks, block_size)
+        num_blocks *= len(windows)  # as many per layer group
+        kv = KVCacheManager(num_blocks, block_size, windows=windows)
         self.sched = Scheduler(kv, max_seqs, budget, schedule_policy=policy, adapters=slots)
-        self.limits = RequestLimits(40, max_seqs, budget, num_blocks, block_size)
+        self.limits = RequestLimits(40, max_seqs, budget, num_blocks, block_size, num_groups=len(windows))
         self.requests: list[Request] = []
         self.expected: dict[tuple[str, int], list[int]] = {}  # (request, completion) -> tokens handed out
         self.steps = 0
@@ -443,13 +445,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reference_counts_match_tables(self):
         if not hasattr(self, "sched"):
             return
-        counts = [0] * self.sched.kv_cache_manager.pool.num_blocks
+        kv = self.sched.kv_cache_manager
+        pool, null = kv.pool, kv.pool.null_block
+        counts = [0] * len(pool.ref_counts)
+        if null is not None:
+            counts[null] = 1  # the pool's own reference
         for req in self.sched.running:  # only live sequences hold blocks: finished completions free theirs
             for seq in req.live_seqs():
-                for block in seq.block_table:
-                    counts[block] += 1
-        assert counts == self.sched.kv_cache_manager.pool.ref_counts
-        assert self.sched.kv_cache_manager.pool.num_free == counts.count(0)
+                for g, table in enumerate(seq.block_tables):
+                    for block in table:
+                        counts[block] += 1
+                    # a windowed table released no block its next query's window still reads
+                    first = max(0, seq.num_computed - kv.windows[g] + 1) // pool.block_size
+                    assert null not in table[first if kv.windows[g] else 0 :]
+        assert counts == pool.ref_counts
+        assert pool.num_free == counts[: pool.num_blocks].count(0)
+        used = [0] * len(kv.windows)
+        for block in range(pool.num_blocks):
+            used[pool.group_of[block]] += counts[block] > 0
+        assert used == pool.used_by_group
 
     @invariant()
     def finished_requests_hold_nothing_and_kept_their_tokens(self):

@@ -77,11 +77,12 @@ def attend(
     if ctx is None:
         raise RuntimeError("the pagedinfer attention runs only inside a pagedinfer engine step")
     if ctx.probe is not None:
-        ctx.probe[layer] = LayerShape(k.shape[1], k.shape[2], v.shape[2])
+        ctx.probe[layer] = LayerShape(k.shape[1], k.shape[2], v.shape[2], window)
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     k_cache, v_cache = ctx.kv.k[layer], ctx.kv.v[layer]
-    meta = ctx.meta
+    group = ctx.kv.layer_group[layer] if ctx.meta.group_metas else 0
+    meta = ctx.meta.group_metas[group] if group else ctx.meta  # the layer's group's block tables
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])  # [T, Hq, Dv]
     if ctx.use_cuda_kernels:
         from pagedinfer.attention import cuda_kernels
@@ -90,9 +91,13 @@ def attend(
         cuda_kernels.paged_attention(out, q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     else:
         use_kernel = use_cpu_kernel(q, k, v, k_cache)
-        plan = ctx._plans.get(use_kernel)  # one plan per step (two if layers differ in kernel support)
+        # one plan per step and layer group (two if layers differ in kernel support); a kernel plan
+        # built for one group serves the others with their tables
+        plan = ctx._plans.get((group, use_kernel))
         if plan is None:
-            plan = ctx._plans[use_kernel] = PortablePlan.build(meta, use_kernel)
+            built = [p for (_, kernel), p in ctx._plans.items() if kernel == use_kernel] if use_kernel else []
+            plan = built[0].for_group(meta) if built else PortablePlan.build(meta, use_kernel)
+            ctx._plans[group, use_kernel] = plan
         plan.attend(out, q, k, v, k_cache, v_cache, meta.slot_mapping, scale, window, softcap, sinks)
     return out
 

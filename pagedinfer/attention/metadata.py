@@ -1,6 +1,6 @@
 """What one engine step tells every attention layer: where each token's K/V goes and what it reads.
 
-Built once per step by the model runner and shared by all layers (the torch path and the CUDA
+Built once per step by the model runner and shared by all layers of a group (the torch path and the CUDA
 kernels read the same fields). Sequences are packed in one row: sequence ``s`` owns query tokens
 ``query_start_loc[s]:query_start_loc[s+1]``; its new tokens are its last ``q_len`` context positions.
 
@@ -12,7 +12,7 @@ sequence's exact length from ``context_lens``, so it stays correct when the boun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,3 +28,6 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_context_len: int  # the longest context; in a graph step an upper bound
+    # with layer groups (`kv_cache.group_layers`): each group's metadata, this one first; the others
+    # differ in their block tables and slots only (empty: one group)
+    group_metas: list[AttentionMetadata] = field(default_factory=list)

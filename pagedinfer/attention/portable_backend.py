@@ -8,7 +8,7 @@ kernels are `cuda_kernels`.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,11 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor, softcap: float, sinks, ou
     sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
     both = torch.cat([scores, sink], dim=-1)
     return torch.softmax(both, dim=-1, dtype=torch.float32)[..., :-1].to(out_dtype)
+
+
+def _row_seqs(q_lens: torch.Tensor) -> torch.Tensor:
+    """The sequence of each packed query row, for sequences of ``q_lens`` rows each: ``[T]``."""
+    return torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)
 
 
 @dataclass
@@ -123,8 +128,7 @@ class PortablePlan:
         (SDPA's blocking varies with the chunk's length). K/V are read in place, never gathered.
         """
         dev = meta.context_lens.device
-        # [T] each row's sequence
-        seq = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens)
+        seq = _row_seqs(q_lens)  # [T] each row's sequence
         rows = torch.arange(len(seq), device=dev)  # [T] packed rows, in order
         first = meta.context_lens.to(torch.int64)[seq] - q_lens[seq]  # [T] the context before its chunk
         lens = (first + rows - starts[seq] + 1).to(torch.int32)  # [T] each row's own context length
@@ -148,6 +152,15 @@ class PortablePlan:
             prompt_runs=[],
             use_kernel=True,
         )
+
+    def for_group(self, meta: AttentionMetadata) -> PortablePlan:
+        """This kernel plan over another layer group's block tables (``meta``: that group's view of the
+        same step): the rows, context lengths and thread ranges are every group's, only the tables
+        differ, so they alone are gathered again."""
+        tables = meta.block_tables  # [S, max_blocks]
+        if len(self.decode_rows) != tables.shape[0]:  # prompt rows: each row reads its sequence's table
+            tables = tables[_row_seqs(torch.tensor(meta.query_lens, device=tables.device))]  # [T, max_blocks]
+        return replace(self, decode_tables=tables.contiguous(), masks={}, ranges=self.ranges)
 
     @staticmethod
     def _prompt_runs(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

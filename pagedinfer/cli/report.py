@@ -94,7 +94,8 @@ def bar_chart(values: list[int], width: int, top: int, rows: int = CHART_ROWS) -
 def describe_source(size: PoolSize) -> str:
     """What decided the pool's size, in the CLI's words."""
     if size.origin == "num_blocks":
-        return f"{flag_of(size.origin)} {size.num_blocks}"
+        groups = f" × {size.layer_groups} layer groups" if size.layer_groups > 1 else ""
+        return f"{flag_of(size.origin)} {size.num_blocks // size.layer_groups}{groups}"
     if size.origin == "kv_cache_memory":
         return f"{flag_of(size.origin)} ({human_bytes(size.kv_cache_memory)})"
     if size.origin == "gpu_memory_utilization":
@@ -215,6 +216,8 @@ def render(stats: EngineStats, console: Console) -> None:
             f"mean {stats.mean_blocks_used:,.1f} blocks over {_plural(stats.steps, 'step')}",
         ],
     )
+    if any(w for w, _ in stats.layer_groups):
+        _layer_group_rows(stats, rows)
     parts: list = [rows.grid, _chart(stats, console)]
 
     rows = _Rows(console)
@@ -360,6 +363,27 @@ def _speculation_parts(stats: EngineStats) -> list[str]:
     parts.append(f"[bold]{stats.tokens_per_seq_step:.2f}[/] tokens per sequence-step")
     parts.append(_plural(s.gated, "draft") + " gated off")
     return parts
+
+
+def _layer_group_rows(stats: EngineStats, rows: _Rows) -> None:
+    """Each layer group's peak, and the blocks its windows gave back (docs/report.md)."""
+    for i, ((window, layers), peak) in enumerate(zip(stats.layer_groups, stats.group_peaks(), strict=True)):
+        rows.add(
+            "Layer groups" if i == 0 else "",
+            [
+                f"window {window:,}" if window else "global",
+                f"layers {', '.join(map(str, layers))}",
+                f"peak [bold]{peak:,}[/] blocks ({human_bytes(peak * stats.bytes_per_block)})",
+            ],
+        )
+    saved = [f"windows released {_plural(stats.kv.window_releases, 'table entry', 'table entries')}"]
+    if (without := stats.blocks_without_windows_at_peak) is not None:
+        kept = stats.blocks_used[stats.peak_step]
+        saved.append(
+            f"at peak [bold green]{without - kept:,}[/] blocks "
+            f"({human_bytes((without - kept) * stats.bytes_per_block)}) fewer than keeping every block ({without:,})"
+        )
+    rows.add("", saved)
 
 
 def _prefix_cache_rows(stats: EngineStats, rows: _Rows) -> None:

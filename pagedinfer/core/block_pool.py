@@ -21,6 +21,12 @@ so stored token ids are not kept or compared.
 
 All allocation and release goes through ``_take`` / ``_release``. Which sequence gets which blocks,
 and when, is decided above the pool (`core.kv_cache_manager`).
+
+Layer groups (`attention.kv_cache.group_layers`) share the pool: each block is taken for one group
+(``group_of``, counted in ``used_by_group``), and each group's tables and hash chains are its own. A
+pool serving a windowed group has one block more, the null block (``null_block``, id ``num_blocks``):
+it stands in a table for a block the window released (`release_before`), holds one permanent
+reference (so tables fork and free it like any block, and it is never free, hashed or counted used).
 """
 
 from __future__ import annotations
@@ -72,16 +78,30 @@ class BlockPool:
     blocks_reused: int = field(init=False, default=0)  # blocks handed out by a hit
     evictions: int = field(init=False, default=0)  # cached blocks reclaimed for other contents
     events: list[BlockEvent] | None = field(init=False, default=None)  # set to [] to trace
+    num_groups: int = 1  # layer groups taking blocks from the pool
+    with_null_block: bool = False  # one block more: the null block of windowed tables
+    null_block: int | None = field(init=False, default=None)
+    group_of: list[int] = field(init=False)  # the group each block was last taken for
+    used_by_group: list[int] = field(init=False)  # referenced blocks per group
+    peak_by_group: list[int] = field(init=False)  # the most referenced at once per group (`reset_peaks`)
+    window_releases: int = field(init=False, default=0)  # references windows dropped (`release_before`)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("the KV pool needs at least one block of at least one slot")
-        self.ref_counts = [0] * self.num_blocks
-        self.filled = [0] * self.num_blocks
+        total = self.num_blocks + int(self.with_null_block)
+        self.ref_counts = [0] * total
+        self.filled = [0] * total
         self.free_ids = list(range(self.num_blocks - 1, -1, -1))  # P0 is handed out first
-        self.hashes = [None] * self.num_blocks
+        self.hashes = [None] * total
         self.cached = {}
         self.evictable = OrderedDict()
+        self.group_of = [0] * total
+        self.used_by_group = [0] * self.num_groups
+        self.peak_by_group = [0] * self.num_groups
+        if self.with_null_block:
+            self.null_block = self.num_blocks
+            self.ref_counts[self.null_block] = 1  # the pool's own: never released
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -110,7 +130,7 @@ class BlockPool:
         return max(new, 0)
 
     # -- allocation -----------------------------------------------------------------------
-    def _take(self) -> int:
+    def _take(self, group: int = 0) -> int:
         if self.free_ids:
             block = self.free_ids.pop()  # LIFO keeps the touched memory (RSS) near the peak in use
         elif self.evictable:
@@ -121,8 +141,19 @@ class BlockPool:
         else:
             raise OutOfBlocks("no free KV block")
         self.ref_counts[block] = 1
+        self.group_of[block] = group
+        self._count_used(group, 1)
         self._trace("alloc", block)
         return block
+
+    def _count_used(self, group: int, change: int) -> None:
+        used = self.used_by_group[group] = self.used_by_group[group] + change
+        if used > self.peak_by_group[group]:
+            self.peak_by_group[group] = used
+
+    def reset_peaks(self) -> None:
+        """Start each group's peak from its use now."""
+        self.peak_by_group = list(self.used_by_group)
 
     def _release(self, block: int) -> None:
         count = self.ref_counts[block]
@@ -131,6 +162,7 @@ class BlockPool:
         self.ref_counts[block] = count - 1
         if count == 1:
             self.num_filled_slots -= self.filled[block]
+            self._count_used(self.group_of[block], -1)
             digest = self.hashes[block]
             # a duplicate whose original was evicted takes over the hash
             if digest is not None and self.cached.setdefault(digest, block) == block:
@@ -157,12 +189,13 @@ class BlockPool:
         self.hashes[block] = None
         self.filled[block] = 0
 
-    def reserve(self, table: list[int], start: int, num_tokens: int) -> list[tuple[int, int]]:
+    def reserve(self, table: list[int], start: int, num_tokens: int, group: int = 0) -> list[tuple[int, int]]:
         """Make ``table`` ready for K/V at positions [start, start + num_tokens): the slots, not the K/V.
 
         Allocates missing blocks and copies a shared, partly filled first block (copy-on-write).
         Returns the (src, dst) block copies the KV tensors must perform before the write.
-        Raises OutOfBlocks, changing nothing, when the pool cannot cover the write.
+        Raises OutOfBlocks, changing nothing, when the pool cannot cover the write. New blocks are
+        ``group``'s.
         """
         if num_tokens <= 0:
             return []
@@ -174,7 +207,7 @@ class BlockPool:
         first = start // bs
         if start % bs and self.ref_counts[table[first]] > 1:
             src = table[first]
-            dst = self._take()
+            dst = self._take(group)
             self.filled[dst] = start % bs  # the copied prefix is this sequence's own K/V
             self.num_filled_slots += start % bs
             self._release(src)
@@ -185,7 +218,7 @@ class BlockPool:
         end = start + num_tokens
         last = self.blocks_for_tokens(end)
         while len(table) < last:
-            table.append(self._take())
+            table.append(self._take(group))
         for logical in range(first, last):
             block = table[logical]
             now = min(bs, end - logical * bs)
@@ -225,6 +258,18 @@ class BlockPool:
                 self.num_filled_slots -= self.filled[last] - now
                 self.filled[last] = now
 
+    def release_before(self, table: list[int], num_blocks: int) -> None:
+        """Release ``table``'s first ``num_blocks`` blocks (a window has left them): each entry becomes
+        the null block. Released from the last, stopping at one released before (they go in order)."""
+        null = self.null_block
+        i = min(num_blocks, len(table)) - 1
+        while i >= 0 and table[i] != null:
+            self._release(table[i])
+            table[i] = null
+            self.ref_counts[null] += 1
+            self.window_releases += 1
+            i -= 1
+
     # -- prefix cache ---------------------------------------------------------------------
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence with these block hashes (no change)."""
@@ -254,17 +299,30 @@ class BlockPool:
         if hashes is None:
             hashes = block_hashes(token_ids, self.block_size)
         blocks = self.cached_prefix(hashes)
+        self.acquire(blocks)
+        self.count_hit(len(token_ids), len(blocks), len(blocks), prompt)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference to each of ``blocks`` (cached ones, or the null block), reviving the
+        unreferenced from the evictable set."""
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
                 self.num_filled_slots += self.filled[block]
+                self._count_used(self.group_of[block], 1)
             self.ref_counts[block] += 1
-            self._trace("hit", block)
+            if block != self.null_block:
+                self._trace("hit", block)
+
+    def count_hit(self, num_tokens: int, num_hit_blocks: int, num_reused: int, prompt: bool = True) -> None:
+        """Count a hit of ``num_hit_blocks`` leading blocks of a sequence of ``num_tokens`` tokens, served by
+        ``num_reused`` cached blocks (fewer where a window needs not all); ``prompt=False`` (a resumed
+        completion) leaves the prompt-token counts alone. The last token is always computed."""
         if prompt:
-            self.prefix_queries += len(token_ids)
-            self.prefix_hits += min(len(blocks) * self.block_size, len(token_ids) - 1)
-        self.blocks_reused += len(blocks)
-        return blocks
+            self.prefix_queries += num_tokens
+            self.prefix_hits += min(num_hit_blocks * self.block_size, num_tokens - 1)
+        self.blocks_reused += num_reused
 
     def register_full_blocks(
         self, table: list[int], token_ids: list[int], num_computed: int, seed: bytes = b""
@@ -273,7 +331,9 @@ class BlockPool:
         chain starting from ``seed`` (`kv_cache_manager.chain_seed`).
 
         Called after each step; blocks hashed before are skipped. A block whose contents are cached
-        already in another block keeps its hash (for the chain) but stays out of the map.
+        already in another block keeps its hash (for the chain) but stays out of the map. Where the
+        last hashed block before them is a released one (the null block), the chain is lost: nothing
+        more of the table is hashed.
         """
         if not self.enable_prefix_caching:
             return
@@ -281,6 +341,8 @@ class BlockPool:
         full = min(num_computed // bs, len(table))
         first = full
         while first > 0 and self.hashes[table[first - 1]] is None:
+            if table[first - 1] == self.null_block:
+                return
             first -= 1
         parent = self.hashes[table[first - 1]] if first else seed
         for logical in range(first, full):

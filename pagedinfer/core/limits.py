@@ -21,6 +21,7 @@ class RequestLimits:
     # ``max_model_len`` was set below the model's own context, so a too-long prompt's error names that
     # setting (the one to raise), not the model
     context_set_by_option: bool = False
+    num_groups: int = 1  # layer groups (`attention.kv_cache.group_layers`), each with its own blocks
 
     def rejection_reason(self, n_prompt: int, n: int, max_tokens: int, beam: bool = False) -> str | None:
         """Why a request of ``n_prompt`` tokens and ``n`` completions (or beams) can never run here, or None."""
@@ -49,7 +50,9 @@ class RequestLimits:
         return f"the model's context {link} {self.max_model_len} tokens"
 
     def worst_case_blocks(self, n_prompt: int, max_tokens: int, n: int) -> int:
-        """Blocks a request holds at its longest: shared full prompt blocks + each completion's own."""
+        """Blocks a request holds at its longest: shared full prompt blocks + each completion's own, in
+        every layer group (a windowed group's holds fewer once its prompt is computed, but a prompt
+        computed in one chunk holds them all)."""
         shared = n_prompt // self.block_size
         per_completion = -(-(n_prompt + max_tokens - 1) // self.block_size) - shared
-        return shared + n * per_completion
+        return (shared + n * per_completion) * self.num_groups

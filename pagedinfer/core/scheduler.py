@@ -654,7 +654,9 @@ class Scheduler:
         running = self.running
         return SchedulerStats(
             running_seqs=sum(r.num_future_seqs() for r in running),
-            logical_blocks=sum(len(s.block_table) for r in running for s in r.live_seqs()),
+            logical_blocks=sum(
+                self.kv_cache_manager.num_table_blocks(s) for r in running for s in r.live_seqs()
+            ),
             counters=replace(self.counters),
             kv=self.kv_cache_manager.make_stats(),
             speculation=self.speculator.make_stats() if self.speculator is not None else None,

@@ -61,7 +61,8 @@ class Sequence:
     is_prompt: bool
     token_ids: list[int]
     num_prompt_tokens: int
-    block_table: list[int] = field(default_factory=list)
+    # per layer group (`attention.kv_cache.group_layers`; one for most models): its physical blocks
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed: int = 0
     generator: Any = None  # the sampler's random source for this completion (opaque here)
     detok: TextStream | None = None
@@ -71,6 +72,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     capped_by: str | None = None  # the request's cap when it ended it ("length")
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first layer group's block table (a global group where the model has one)."""
+        return self.block_tables[0]
 
     @property
     def num_pending(self) -> int:
@@ -160,9 +166,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_overtaken: int = 0  # later arrivals admitted before it (the ``lpm`` policy's starvation bound)
-    prompt_hashes: list[bytes] | None = (
-        None  # its full prompt blocks' chained hashes (the KV-cache manager's)
-    )
+    # per layer group, its full prompt blocks' chained hashes (the KV-cache manager's, made on demand)
+    prompt_hashes: dict[int, list[bytes]] = field(default_factory=dict)
     beam: BeamSearch | None = None  # set for beam search: ``completions`` are then the live beams, best first
     # with params.prompt_logprobs: per prompt position, the entry of its token (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

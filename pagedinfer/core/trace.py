@@ -40,8 +40,8 @@ def snapshot(step: int, plan: SchedulerOutput, pool: BlockPool, running: list[Re
         "copies": [list(c) for c in plan.copies],
         "preempted": [r.request_id for r in plan.preempted],
         "events": [asdict(e) for e in pool.events or []],
-        "ref_counts": {b: c for b, c in enumerate(pool.ref_counts) if c},
-        "filled": {b: f for b, f in enumerate(pool.filled) if pool.ref_counts[b]},
+        "ref_counts": {b: c for b, c in enumerate(pool.ref_counts[: pool.num_blocks]) if c},
+        "filled": {b: f for b, f in enumerate(pool.filled[: pool.num_blocks]) if pool.ref_counts[b]},
         "cached": list(pool.evictable),
         "tables": {s.name: list(s.block_table) for r in running for s in r.live_seqs()},
     }

@@ -11,7 +11,7 @@ from time import monotonic, perf_counter
 import torch
 
 from pagedinfer.attention.interface import select_cuda_kernels
-from pagedinfer.attention.kv_cache import KVCache, bytes_per_token
+from pagedinfer.attention.kv_cache import KVCache, bytes_per_slot, group_layers
 from pagedinfer.config import EngineConfig
 from pagedinfer.core.beam import BeamSearch, Candidate
 from pagedinfer.core.block_pool import BlockPool
@@ -143,19 +143,32 @@ class LLMEngine:
             warnings.warn(words, MaxModelLenCapped, stacklevel=3)  # at the caller of LLM(...)
         self.vocab_size: int = loaded.model.get_input_embeddings().num_embeddings
         kv_dtype = config.kv_dtype(loaded.dtype)  # [the pool's dtype]
-        per_block = bytes_per_token(loaded.layer_shapes, kv_dtype) * config.block_size
-        self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len)
+        groups = group_layers(loaded.layer_shapes, self.max_model_len)  # by attention window
+        per_block = bytes_per_slot(loaded.layer_shapes, groups, kv_dtype) * config.block_size
+        self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len, len(groups))
         num_blocks = self.pool_size.num_blocks
-        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        windows = tuple(g.window for g in groups)
+        kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, windows
+        )
+        null_block = kv_cache_manager.pool.null_block  # num_blocks, where a group is windowed
         kernels = select_cuda_kernels(
             use_cuda_kernels, loaded.device, loaded.layer_shapes, loaded.dtype, config.block_size, kv_dtype
         )
         graphs, self.graph_mode = graph_plan(
             loaded.device, kernels, config.enforce_eager, graph_buffers_on_cpu
         )
-        # with graphs the tensors hold one block more than the pool: the padding rows' scratch block
+        # the tensors hold the pool's blocks, then its null block (a windowed group) and, with graphs,
+        # the padding rows' scratch block
+        scratch = num_blocks + int(null_block is not None)
         self.kv = KVCache(
-            loaded.layer_shapes, num_blocks + int(graphs), config.block_size, kv_dtype, loaded.device
+            loaded.layer_shapes,
+            scratch + int(graphs),
+            config.block_size,
+            kv_dtype,
+            loaded.device,
+            groups,
+            null_block,
         )
         self.lora: AdapterRegistry | None = None  # the adapters, when LoRA is enabled
         if config.enable_lora:
@@ -192,6 +205,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             context_set_by_option=self.max_model_len < loaded.max_model_len,
+            num_groups=len(groups),
         )
         self.intake = Intake(
             tok,
@@ -206,7 +220,7 @@ class LLMEngine:
             seed=config.seed,
         )
         if graphs:
-            self._start_graphs(num_blocks)
+            self._start_graphs(scratch)
         self.speculation_mode = "off"
         if config.speculative_config is not None:
             self.scheduler.speculator = self._speculator()
@@ -294,6 +308,7 @@ class LLMEngine:
             block_size=self.pool.block_size,
             bytes_per_token=self.kv.bytes_per_token,
             bytes_per_block=self.kv.bytes_per_block,
+            layer_groups=tuple((g.window, g.layers) for g in self.kv.groups),
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
             prefix_caching=self.pool.enable_prefix_caching,

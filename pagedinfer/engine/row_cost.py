@@ -19,7 +19,7 @@ TIMED = 7  # passes of each shape, alternating (their median is the seed: a load
 class _Probe:
     """A throwaway sequence on scratch blocks (the runner's `ScheduledChunk`)."""
 
-    block_table: list[int]
+    block_tables: list[list[int]]  # per layer group
     num_tokens: int
     token_ids: list[int] = field(default_factory=list)
     lora_slot: int = 0
@@ -45,14 +45,14 @@ def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTime
     """Time steps of 1 and ``1 + k`` rows (positions from 0, on blocks taken from ``pool`` and given
     back). No free block for them: no times (every draft is taken until the run's steps time two row
     counts)."""
-    table: list[int] = []
+    tables: list[list[int]] = [[] for _ in range(pool.num_groups)]
     try:
-        pool.reserve(table, 0, 1 + k)
-    except RuntimeError:
-        return StepTimes()
-    times: dict[int, list[float]] = {1: [], 1 + k: []}
-    try:
-        one, many = [_Probe(table, 1)], [_Probe(table, 1 + k)]
+        if len(tables) * pool.blocks_for_tokens(1 + k) > pool.num_free:
+            return StepTimes()
+        for g, table in enumerate(tables):
+            pool.reserve(table, 0, 1 + k, g)
+        times: dict[int, list[float]] = {1: [], 1 + k: []}
+        one, many = [_Probe(tables, 1)], [_Probe(tables, 1 + k)]
         for i in range(TIMED + 1):  # the first pass of each shape warms up, untimed
             for batch in (one, many):
                 t = perf_counter()
@@ -60,5 +60,6 @@ def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTime
                 if i:
                     times[batch[0].num_tokens].append(perf_counter() - t)
     finally:
-        pool.free(table)
+        for table in tables:
+            pool.free(table)
     return StepTimes(times)

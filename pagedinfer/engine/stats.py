@@ -70,6 +70,10 @@ class EngineStats:
     running_seqs: list[int] = field(default_factory=list)
     batch_tokens: list[int] = field(default_factory=list)
     cached_blocks: list[int] = field(default_factory=list)  # cached blocks nobody references
+    group_blocks_used: list[tuple[int, ...]] = field(default_factory=list)  # per layer group
+    # the pool's layer groups (`attention.kv_cache.group_layers`): (window, layers) each; one group
+    # (window 0) where every layer keeps every block
+    layer_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # the requests given (`count_added`, `count_finished`)
     requests: int = 0
     failed_requests: int = 0
@@ -109,6 +113,7 @@ class EngineStats:
         kv = scheduler.kv
         self.cached_blocks.append(kv.num_cached_blocks)
         self.blocks_used.append(kv.num_used_blocks)
+        self.group_blocks_used.append(kv.group_used_blocks)
         self.slots_filled.append(kv.num_filled_slots)
         self.logical_blocks.append(scheduler.logical_blocks)
         self.running_seqs.append(scheduler.running_seqs)
@@ -230,9 +235,14 @@ class EngineStats:
         return empty / allocated if allocated else 0.0
 
     @property
+    def _per_seq_slots(self) -> int:
+        """Slots a contiguous reservation of max_model_len takes per sequence: in every layer group."""
+        return self.max_model_len * max(1, len(self.layer_groups))
+
+    @property
     def naive_slots_at_peak(self) -> int:
         """Slots a contiguous max_model_len reservation per sequence holds at our peak step."""
-        return self.running_seqs[self.peak_step] * self.max_model_len if self.steps else 0
+        return self.running_seqs[self.peak_step] * self._per_seq_slots if self.steps else 0
 
     @property
     def naive_waste_at_peak(self) -> float:
@@ -241,18 +251,34 @@ class EngineStats:
 
     @property
     def naive_mean_waste(self) -> float:
-        reserved = sum(s * self.max_model_len for s in self.running_seqs)
+        reserved = sum(s * self._per_seq_slots for s in self.running_seqs)
         return (reserved - sum(self.slots_filled)) / reserved if reserved else 0.0
 
     @property
     def naive_max_seqs(self) -> int:
         """Sequences the same pool holds if each reserves max_model_len contiguous slots."""
-        return self.num_blocks * self.block_size // self.max_model_len
+        return self.num_blocks * self.block_size // self._per_seq_slots
 
     @property
     def blocks_saved_by_sharing(self) -> int:
         """Peak over steps of logical blocks (table entries) minus physical blocks in use."""
         return max((lo - ph for lo, ph in zip(self.logical_blocks, self.blocks_used, strict=True)), default=0)
+
+    def group_peaks(self) -> list[int]:
+        """Each layer group's most blocks in use at one step."""
+        return [max(col, default=0) for col in zip(*self.group_blocks_used, strict=True)] or [0] * len(
+            self.layer_groups
+        )
+
+    @property
+    def blocks_without_windows_at_peak(self) -> int | None:
+        """At the peak step, the blocks the pool would hold if no layer had a window: every group as
+        many as a global group holds (the same sequences, every block kept). None without a global
+        group beside windowed ones (nothing to count it by)."""
+        windows = [w for w, _ in self.layer_groups]
+        if not self.steps or 0 not in windows or not any(windows):
+            return None
+        return len(windows) * self.group_blocks_used[self.peak_step][windows.index(0)]
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -323,6 +349,20 @@ class EngineStats:
                 "prompt_tokens_readmitted": self.prompt_tokens_readmitted,
                 "output_tokens_recomputed": self.output_tokens_recomputed,
                 "output_tokens_restored": self.output_tokens_restored,
+            },
+            "layer_groups": {
+                "groups": [
+                    {
+                        "window": w,
+                        "layers": list(layers),
+                        "peak_blocks_used": peak,
+                        "peak_kv_bytes": peak * self.bytes_per_block,
+                    }
+                    for (w, layers), peak in zip(self.layer_groups, self.group_peaks(), strict=True)
+                ],
+                "window_releases": self.kv.window_releases,
+                "blocks_without_windows_at_peak": self.blocks_without_windows_at_peak,
+                "blocks_used_per_step": [list(g) for g in self.group_blocks_used],
             },
             "prefix_cache": {
                 "enabled": self.prefix_caching,

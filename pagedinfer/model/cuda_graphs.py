@@ -4,7 +4,8 @@ On a GPU a small or medium model's decode step is mostly launch overhead (transf
 module, one kernel launch per op); replaying a captured graph launches the whole forward pass at
 once (vLLM's answer). A graph replays fixed addresses and shapes, so a pure-decode step is copied
 into static buffers sized for its bucket (1, 2, 4, ... up to ``max_num_seqs``): token ids,
-positions, slot mapping, context lengths, and block tables padded to a fixed width. Rows past the
+positions, context lengths, and each layer group's slot mapping and block tables padded to a fixed
+width (one group for most models; windowed and global layers have one each). Rows past the
 step's sequences up to the bucket are padding: token 0 at position 0, writing its K/V into a
 scratch block that no sequence owns (the pool's tensors hold one block more than the pool) and
 attending to that one slot.
@@ -63,11 +64,12 @@ class DecodeGraphs:
         b = self.buckets[-1]
         self.ids = torch.zeros(b, dtype=torch.int64, device=device)  # [B]
         self.positions = torch.zeros(b, dtype=torch.int64, device=device)  # [B]
-        self.slots = torch.full((b,), scratch_block * bs, dtype=torch.int64, device=device)  # [B]
+        g = len(kv.groups)
+        self.slots = torch.full((g, b), scratch_block * bs, dtype=torch.int64, device=device)  # [G, B]
         self.context_lens = torch.ones(b, dtype=torch.int32, device=device)  # [B]
         self.block_tables = torch.full(
-            (b, self.width), scratch_block, dtype=torch.int32, device=device
-        )  # [B, W]
+            (g, b, self.width), scratch_block, dtype=torch.int32, device=device
+        )  # [G, B, W]
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # [B + 1], never changes
         self.metas = {n: self._meta(n) for n in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -76,17 +78,23 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         """Views of the buffers' first ``b`` rows: what bucket ``b``'s graph reads on every replay."""
-        return AttentionMetadata(
-            slot_mapping=self.slots[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            context_lens=self.context_lens[:b],
-            block_tables=self.block_tables[:b],
-            query_lens=[1] * b,
-            context_lens_host=None,
-            block_size=self.kv.block_size,
-            max_query_len=1,
-            max_context_len=self.max_context,
-        )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self.slots[g, :b],
+                query_start_loc=self.query_start_loc[: b + 1],
+                context_lens=self.context_lens[:b],
+                block_tables=self.block_tables[g, :b],
+                query_lens=[1] * b,
+                context_lens_host=None,
+                block_size=self.kv.block_size,
+                max_query_len=1,
+                max_context_len=self.max_context,
+            )
+            for g in range(len(self.slots))
+        ]
+        if len(metas) > 1:  # the first group's, with every group's beside it (`ModelRunner.build_metadata`)
+            metas[0].group_metas = metas
+        return metas[0]
 
     def fits(self, batch: Sequence) -> bool:
         """A pure-decode step (one token per sequence) within the buckets and the context bound."""
@@ -94,7 +102,7 @@ class DecodeGraphs:
             len(batch) <= self.buckets[-1]
             and all(s.num_tokens == 1 for s in batch)
             and max(s.start for s in batch) < self.max_context
-            and max(len(s.seq.block_table) for s in batch) <= self.width
+            and max(len(t) for s in batch for t in s.seq.block_tables) <= self.width
         )
 
     def bucket(self, n: int) -> int:
@@ -103,29 +111,33 @@ class DecodeGraphs:
     def _load(self, batch: Sequence) -> int:
         """Copy the step's inputs into the buffers' first rows, pad up to the bucket; return the bucket."""
         bs, scratch = self.kv.block_size, self.scratch_block
-        b = self.bucket(len(batch))
-        width = max(len(s.seq.block_table) for s in batch)
+        b, groups = self.bucket(len(batch)), range(len(self.slots))
+        width = max(len(t) for s in batch for t in s.seq.block_tables)
         rows = [
             (
                 s.seq.token_ids[s.start],
                 s.start,
-                s.seq.block_table[s.start // bs] * bs + s.start % bs,
                 s.start + 1,
+                *(s.seq.block_tables[g][s.start // bs] * bs + s.start % bs for g in groups),
             )
             for s in batch
         ]
-        rows += [(0, 0, scratch * bs, 1)] * (b - len(batch))  # padding: the scratch block's first slot
-        tables = [s.seq.block_table + [scratch] * (width - len(s.seq.block_table)) for s in batch]
-        tables += [[scratch] * width] * (b - len(batch))
+        # padding: the scratch block's first slot in every group
+        rows += [(0, 0, 1, *[scratch * bs] * len(groups))] * (b - len(batch))
+        tables = [
+            [s.seq.block_tables[g] + [scratch] * (width - len(s.seq.block_tables[g])) for s in batch]
+            + [[scratch] * width] * (b - len(batch))
+            for g in groups
+        ]  # [G, b, width]
         host = torch.tensor(rows, dtype=torch.int64).to(
             self.ids.device
-        )  # [b, 4]: id, position, slot, context
+        )  # [b, 3 + G]: id, position, context, each group's slot
         self.ids[:b].copy_(host[:, 0])
         self.positions[:b].copy_(host[:, 1])
-        self.slots[:b].copy_(host[:, 2])
-        self.context_lens[:b].copy_(host[:, 3])
+        self.context_lens[:b].copy_(host[:, 2])
+        self.slots[:, :b].copy_(host[:, 3:].T)
         # entries past ``width`` keep older values: no kernel reads past a row's context length
-        self.block_tables[:b, :width].copy_(torch.tensor(tables, dtype=torch.int32))  # [b, width]
+        self.block_tables[:, :b, :width].copy_(torch.tensor(tables, dtype=torch.int32))  # [G, b, width]
         return b
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
         ("k_cache", _ptr),
         ("v_cache", _ptr),
         ("window", ctypes.c_int),
+        ("group", ctypes.c_int),
     ]
 
 
@@ -59,8 +60,9 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        *((n, _ptr) for n in ("final_norm", "cos", "sin", "slots", "tables", "ctx_lens", "query_rows")),
-        ("max_blocks", ctypes.c_int),
+        *((n, _ptr) for n in ("final_norm", "cos", "sin", "slots", "tables", "max_blocks")),
+        ("groups", ctypes.c_int),
+        *((n, _ptr) for n in ("ctx_lens", "query_rows")),
         ("block_size", ctypes.c_int),
         ("bounds", _ptr),
         ("parts", ctypes.c_int),
@@ -147,6 +149,7 @@ class DecodeStep:
             assert k.is_contiguous() and v.is_contiguous() and layer.q_heads == self.q_heads
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             entry.window = layer.window
+            entry.group = kv.layer_group[layer.layer_idx]
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
@@ -203,12 +206,18 @@ class DecodeStep:
         meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
+        groups = meta.group_metas or [meta]  # each layer group's slots and block tables
         if abi.debug():  # what the caller vouches for
             half = (rows, self.head_dim // 2)
             assert residual.shape == (rows, self.hidden) and cos.shape == half and sin.shape == half
-            assert meta.slot_mapping.shape == meta.context_lens.shape == (rows,)
-            assert meta.block_tables.shape[0] == rows and meta.block_tables.is_contiguous()
-            assert meta.slot_mapping.dtype == torch.int64 and meta.block_size == self.kv.block_size
+            assert len(groups) == len(self.kv.groups) and meta.block_size == self.kv.block_size
+            for m in groups:
+                assert m.slot_mapping.shape == m.context_lens.shape == (rows,)
+                assert m.block_tables.shape[0] == rows and m.block_tables.is_contiguous()
+                assert m.slot_mapping.dtype == torch.int64 and m.block_tables.dtype == torch.int32
+        slots = (_ptr * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
+        tables = (_ptr * len(groups))(*(m.block_tables.data_ptr() for m in groups))
+        max_blocks = (ctypes.c_int32 * len(groups))(*(m.block_tables.shape[1] for m in groups))
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
         lens = meta.context_lens_host
         if lens is None:  # a step through the graph path's static buffers (padding rows included)
@@ -228,11 +237,12 @@ class DecodeStep:
             self.final_norm.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
-            meta.slot_mapping.data_ptr(),
-            meta.block_tables.data_ptr(),
+            ctypes.addressof(slots),
+            ctypes.addressof(tables),
+            ctypes.addressof(max_blocks),
+            len(groups),
             meta.context_lens.data_ptr(),
             query_rows.data_ptr(),
-            meta.block_tables.shape[1],
             meta.block_size,
             ctypes.addressof(bounds),
             len(bounds) - 1,

@@ -7,6 +7,7 @@ adapter rows, all of them in the one-call C step (`decode_step.OneCall`, where e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Protocol
 
@@ -23,7 +24,7 @@ from pagedinfer.model.host_memory import keep_freed_memory
 
 class _Tokens(Protocol):
     token_ids: list[int]
-    block_table: list[int]
+    block_tables: list[list[int]]  # per layer group
     lora_slot: int  # its request's adapter (0: the base model)
 
 
@@ -35,6 +36,15 @@ class ScheduledChunk(Protocol):
     num_tokens: int
     num_logits: int  # the logits of its last num_logits positions are returned (1: the sampled one)
     step_token_ids: list[int]  # the tokens at positions [start, start + num_tokens): drafted ones last
+
+
+def _tables(batch: list[ScheduledChunk], group: int) -> torch.Tensor:
+    """Layer group ``group``'s block tables of ``batch``, padded with block 0: ``[S, max_blocks]`` int32."""
+    width = max(len(s.seq.block_tables[group]) for s in batch)
+    return torch.tensor(
+        [s.seq.block_tables[group] + [0] * (width - len(s.seq.block_tables[group])) for s in batch],
+        dtype=torch.int32,
+    )
 
 
 class ModelRunner:
@@ -64,18 +74,19 @@ class ModelRunner:
         bs = self.kv.block_size
         query_lens = [s.num_tokens for s in batch]
         context_lens = [s.start + s.num_tokens for s in batch]
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = torch.tensor(
-            [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in batch],
-            dtype=torch.int32,
-        )  # [S, max_blocks]
+        num_groups = len(batch[0].seq.block_tables)
+        tables = [_tables(batch, g) for g in range(num_groups)]  # per group [S, max_blocks]
         if max(query_lens) == 1:  # decode only: one token per sequence, plain lists are cheapest
             ids = [s.seq.token_ids[s.start] for s in batch]
             starts = [s.start for s in batch]
             positions = torch.tensor(starts)  # [T = S]
             # the block-table lookup: position p of a sequence -> block table[p // bs], slot p % bs
-            slots = [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(batch, starts, strict=True)]
-            slot_mapping = torch.tensor(slots)  # [T] int64
+            slot_mappings = [
+                torch.tensor(
+                    [s.seq.block_tables[g][p // bs] * bs + p % bs for s, p in zip(batch, starts, strict=True)]
+                )
+                for g in range(num_groups)
+            ]  # per group [T] int64
             query_start_loc = torch.arange(len(batch) + 1, dtype=torch.int32)  # [S + 1]
         else:
             ids = []
@@ -89,18 +100,25 @@ class ModelRunner:
             offsets = torch.arange(len(ids)) - query_start_loc[:-1].to(torch.int64)[seq_of_token]  # [T]
             positions = starts[seq_of_token] + offsets  # [T]
             # the block-table lookup, vectorised: position p of a sequence -> block table[p // bs], slot p % bs
-            slot_mapping = tables.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs  # [T]
+            slot_mappings = [
+                t.to(torch.int64)[seq_of_token, positions // bs] * bs + positions % bs for t in tables
+            ]  # per group [T]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
+            slot_mapping=slot_mappings[0].to(self.device),
             query_start_loc=query_start_loc.to(self.device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            block_tables=tables.to(self.device),
+            block_tables=tables[0].to(self.device),
             query_lens=query_lens,
             context_lens_host=context_lens,
             block_size=bs,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
         )
+        if num_groups > 1:  # the other groups differ in their tables and slots only
+            meta.group_metas = [meta] + [
+                dataclasses.replace(meta, slot_mapping=m.to(self.device), block_tables=t.to(self.device))
+                for m, t in zip(slot_mappings[1:], tables[1:], strict=True)
+            ]
         return torch.tensor(ids, device=self.device), positions.to(self.device), meta
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -52,10 +52,14 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         system_fingerprint=",".join(sorted({s.system_fingerprint for s in replicas})),
         counters=_summed(SchedulerCounters, [s.counters for s in replicas]),
         kv=_summed(KVCacheStats, [s.kv for s in replicas]),
+        layer_groups=first.layer_groups,
     )
     for name in SERIES:
         columns = zip_longest(*(getattr(s, name) for s in replicas), fillvalue=0)
         setattr(merged, name, [sum(col) for col in columns])
+    idle = (0,) * len(first.layer_groups)  # a replica past its last step
+    columns = zip_longest(*(s.group_blocks_used for s in replicas), fillvalue=idle)
+    merged.group_blocks_used = [_added(col) for col in columns]
     for name in TOTALS:
         setattr(merged, name, sum(getattr(s, name) for s in replicas))
     # every replica names the same --lora adapters at startup: the first one's list is the run's
@@ -73,7 +77,14 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
 
 def _summed(cls: type, parts: list) -> object:
     """A ``cls`` record whose every field is the sum of ``parts``' (the replicas' snapshots)."""
-    return cls(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls)})
+    return cls(**{f.name: _added([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+
+def _added(values: list) -> object:
+    """The sum of numbers, or of tuples element by element (per layer group)."""
+    if values and isinstance(values[0], tuple):
+        return tuple(sum(col) for col in zip(*values, strict=True))
+    return sum(values)
 
 
 def replica_rows(replicas: list[EngineStats], infos: list[dict], restarts: list[int]) -> list[dict]:
