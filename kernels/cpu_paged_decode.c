@@ -117,35 +117,6 @@ static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// exp(x) for x <= 0 (logit minus running maximum), 16 lanes at once: Cephes' expf polynomial after
-// x = n ln2 + r, |r| <= ln2 / 2; lanes below -87.3 (and -inf) give 0. About 1 ulp from expf.
-typedef int32_t v16i __attribute__((vector_size(64)));
-static inline v16 exp16_nonpos(v16 x) {
-  const v16 lo = (v16){0} - 87.3f;
-#ifdef __AVX512F__  // lanes below lo zeroed by the mask of the last step, 2^n applied by vscalefps
-  const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, (__m512)lo, _CMP_NLT_UQ);
-#else
-  const v16i under = x < lo;
-  x = (v16)(((v16i)x & ~under) | ((v16i)lo & under));
-#endif
-  const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round to nearest, x <= 0
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  v16 p = (v16){0} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-#ifdef __AVX512F__
-  return (v16)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);  // p 2^n: exact, as the product
-#else
-  const v16 scale = (v16)((n + 127) << 23);  // 2^n
-  return (v16)((v16i)(p * scale) & ~under);
-#endif
-}
-
 // Lane j of the result is the sum of the 8 lanes of a[j]: 8 dot products finished at once.
 static inline v8 sum_lanes8(const v8 *a) {
 #define PAIRS(x, y, i0, i1, i2, i3, i4, i5, i6, i7) \
@@ -159,6 +130,83 @@ static inline v8 sum_lanes8(const v8 *a) {
            PAIRS(p[2 * j], p[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return PAIRS(r[0], r[1], 0, 1, 2, 3, 8, 9, 10, 11) + PAIRS(r[0], r[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #undef PAIRS
+}
+
+#ifndef __AVX512F__
+// AVX2: exp16_nonpos, max16 and softmax_row below in 8-lane halves, the same operations lane for lane
+// (16-float vectors live in memory between operations in GCC 12's AVX2 code: a slow pass).
+static inline v8 exp8_nonpos(v8 x) {
+  const v8 lo = (v8){0} - 87.3f;
+  const v8i under = x < lo;
+  x = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
+  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round to nearest, x <= 0
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v8 p = (v8){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8 scale = (v8)((n + 127) << 23);  // 2^n
+  return (v8)((v8i)(p * scale) & ~under);
+}
+
+static inline v8 max8(v8 x, v8 m) {
+  const v8i gt = x > m;
+  return (v8)(((v8i)x & gt) | ((v8i)m & ~gt));
+}
+
+// put_probs, 8 values
+static inline v8 put_probs8(float *li, int t, v8 p, int bf16) {
+  if (!bf16) {
+    store8(li + t, p);
+    return p;
+  }
+  store8_bf16((uint16_t *)li + t, p);
+  return round8_bf16(p);
+}
+
+// softmax_row as below, 8 lanes at a time (the sum is taken 8 lanes at a time in t order there too)
+static float softmax_row(float *li, int n, float softcap, float *sum, int bf16) {
+  if (softcap > 0.f)
+    for (int t = 0; t < n; ++t) li[t] = softcap * tanhf(li[t] / softcap);
+  const int n8 = (n + 7) & ~7;
+  for (int t = n; t < n8; ++t) li[t] = -INFINITY;
+  v8 mx[4] = {(v8){0} - INFINITY, (v8){0} - INFINITY, (v8){0} - INFINITY, (v8){0} - INFINITY};
+  int t = 0;
+  for (; t + 32 <= n8; t += 32)
+    for (int j = 0; j < 4; ++j) mx[j] = max8(load8(li + t + 8 * j), mx[j]);
+  for (; t < n8; t += 8) mx[0] = max8(load8(li + t), mx[0]);
+  for (int j = 1; j < 4; ++j) mx[0] = max8(mx[j], mx[0]);
+  float m = mx[0][0];
+  for (int i = 1; i < 8; ++i) m = mx[0][i] > m ? mx[0][i] : m;
+  v8 sum8 = {0};
+  for (t = 0; t < n8; t += 8) sum8 += put_probs8(li, t, exp8_nonpos(load8(li + t) - m), bf16);
+  *sum = hsum8(sum8);
+  return m;
+}
+#else
+// exp(x) for x <= 0 (logit minus running maximum), 16 lanes at once: Cephes' expf polynomial after
+// x = n ln2 + r, |r| <= ln2 / 2; lanes below -87.3 (and -inf) give 0. About 1 ulp from expf.
+typedef int32_t v16i __attribute__((vector_size(64)));
+static inline v16 exp16_nonpos(v16 x) {
+  const v16 lo = (v16){0} - 87.3f;
+  // lanes below lo zeroed by the mask of the last step, 2^n applied by vscalefps (exp8_nonpos: the
+  // same values, lanes below lo clamped, then zeroed)
+  const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, (__m512)lo, _CMP_NLT_UQ);
+  const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round to nearest, x <= 0
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v16 p = (v16){0} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return (v16)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);  // p 2^n: exact, as the product
 }
 
 static inline v16 max16(v16 x, v16 m) {
@@ -223,6 +271,7 @@ static float softmax_row(float *li, int n, float softcap, float *sum, int bf16) 
   *sum = hsum8(sum8);
   return m;
 }
+#endif
 
 // One piece of a group's context: n rows of K/V at pool slot `slot`, logit position pos, read by
 // members [j0, j1) of the group.
@@ -323,13 +372,12 @@ static inline void ahead_step(ahead *a) {
 
 // Query heads of one KV head that share each load of a K/V row chunk (a "tile"): with AVX-512's 32
 // vector registers, 3 heads x 8 rows of logit accumulators + 3 query chunks fit, and a 16-bit pool
-// is widened in registers, once per load for all 3 heads. With AVX2's 16 registers one head at a
-// time, and 16-bit blocks are widened into a float32 buffer first (WIDEN_BLOCKS below).
-#ifdef __AVX512F__
+// is widened in registers, once per load for all 3 heads. With AVX2's 16 registers the logits take
+// the tile's heads one at a time (4 rows) and pass 2 shares each V load among the 3 (32 columns); a
+// float16 row is widened as it is loaded (one F16C vcvtph2ps), a bfloat16 block into a float32
+// buffer first (WIDEN_BLOCKS below: its widening is two instructions, which the logits would take
+// once per head). Each way was the faster for its type (docs/kernels.md).
 #define HEAD_TILE 3
-#else
-#define HEAD_TILE 1
-#endif
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -346,7 +394,7 @@ static inline void ahead_step(ahead *a) {
 #undef STORE8
 #undef FN
 
-#if HEAD_TILE == 1  // the 16-bit instantiations below, one head a tile (HEAD_TILE says why)
+#ifndef __AVX512F__  // the bfloat16 instantiations below (HEAD_TILE says why)
 #define WIDEN_BLOCKS
 #endif
 #define ELEM uint16_t
@@ -362,6 +410,7 @@ static inline void ahead_step(ahead *a) {
 #undef LOAD16
 #undef STORE8
 #undef FN
+#undef WIDEN_BLOCKS
 
 #ifdef __FLT16_MAX__
 #define ELEM _Float16
@@ -378,6 +427,9 @@ static inline void ahead_step(ahead *a) {
 #endif
 
 // float32 activations over a 16-bit pool (--kv-cache-dtype): paged_decode_ranges_f32_kv_bf16, _f16
+#ifndef __AVX512F__
+#define WIDEN_BLOCKS
+#endif
 #define QELEM float
 #define QLOAD8 load8
 #define QSTORE8 store8
@@ -392,6 +444,7 @@ static inline void ahead_step(ahead *a) {
 #undef LOAD16
 #undef STORE8
 #undef FN
+#undef WIDEN_BLOCKS
 
 #ifdef __FLT16_MAX__
 #define QELEM float
@@ -409,4 +462,3 @@ static inline void ahead_step(ahead *a) {
 #undef STORE8
 #undef FN
 #endif
-#undef WIDEN_BLOCKS

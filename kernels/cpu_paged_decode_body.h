@@ -4,9 +4,9 @@
 // activations: ELEM's where undefined; float32 over a 16-bit pool with --kv-cache-dtype); FN(name)
 // gives each instantiation its own names. Every row is read by all the query heads of its KV head and
 // by every sequence sharing the block; so that a 16-bit row is not widened that many times, the
-// query heads of a KV head go in tiles sharing each load (HEAD_TILE of them with AVX-512), and
-// where a tile is one head (AVX2) WIDEN_BLOCKS (16-bit elements) widens each K/V block to float32
-// once, into a per-thread buffer, before its heads read it. Logits, softmax and the output
+// query heads of a KV head go in tiles sharing each load (TILE of them), and with AVX2 a bfloat16
+// pool's instantiations (WIDEN_BLOCKS) widen each K/V block to float32 once, into a per-thread
+// buffer, before its heads read it. Logits, softmax and the output
 // accumulators are float32 in every instantiation. DOT_BF16 (bfloat16 queries and pool): the logits
 // are pair dot products of the stored values (dot_pairs), the probabilities are rounded to bfloat16
 // and pass 2 takes V's rows in pairs the same way (tile_values_bf16): products exact, every sum one
@@ -19,6 +19,14 @@
 // vectors per head and block of 16 rows) had cost more than the block's multiply-adds. Every term
 // depends only on the sequence's own context, so a sequence served together with others over shared
 // blocks gets the bits it gets alone.
+
+// Query heads a tile (HEAD_TILE), but one in the bfloat16 instantiation without AVX-512 (its 16-lane
+// chunks in AVX2 registers leave no room for more)
+#if defined(DOT_BF16) && !defined(__AVX512F__)
+#define TILE 1
+#else
+#define TILE HEAD_TILE
+#endif
 
 #ifndef QELEM
 #define QELEM ELEM
@@ -69,8 +77,8 @@ static inline void FN(touch_lines)(const ELEM *p, size_t n) {
   (void)sink;
 }
 
-// The rows the passes read (ROW): the pool's own, widened in registers as they are loaded, or with
-// one head a tile and a 16-bit pool (AVX2), the block widened to float32 once into `wide`.
+// The rows the passes read (ROW): the pool's own, widened in registers as they are loaded, or
+// (WIDEN_BLOCKS) the block widened to float32 once into `wide`.
 #ifdef WIDEN_BLOCKS
 #define ROW float
 #define ROW_LOAD8 load8
@@ -94,14 +102,15 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 }
 
 // Pass 1 over n K rows (row stride k_row, this KV head's first element at k) for G query heads of
-// that KV head (G <= HEAD_TILE, a constant once inlined): li[h * lstride + t] = (q_h . k_t) * scale,
+// that KV head (G <= TILE, a constant once inlined): li[h * lstride + t] = (q_h . k_t) * scale,
 // q_h the head_dim values at q + h * qstride. A row is read a chunk at a time (16 floats; DOT_BF16:
 // 32 bfloat16 values as 16 pairs, dot_pairs), a last partial chunk zero-padded, into one 16-lane sum
 // per head; lane l sums its values of each chunk in order, the two halves are added, then the 8
 // lanes (sum_lanes8 for 8 rows at once, hsum8 for a row alone). Each K chunk is loaded once for the
-// G heads; 8 rows at a time (4 and 4 with one head a tile, for AVX2's 16 registers) are independent
-// chains per head. (Float queries come scaled: scale 1.)
-#define LOGIT_ROWS (HEAD_TILE > 1 ? 8 : 4)
+// G heads; 8 rows at a time (4 and 4 with one head a tile: the bfloat16 instantiation in AVX2's 16
+// registers) are independent chains per head; the other AVX2 instantiations take the form below.
+// (Float queries come scaled: scale 1.)
+#define LOGIT_ROWS (TILE > 1 ? 8 : 4)
 #ifdef DOT_BF16
 #define BF16_PROBS 1 /* softmax_row's probabilities in bfloat16, for tile_values_bf16 */
 #define LOGIT_CHUNK 32
@@ -129,6 +138,69 @@ static inline __attribute__((always_inline)) v16 FN(k_tail)(const ROW *p, int le
 #define DOT(acc, q, k) ((acc) + (q) * (k))
 #endif
 
+#if !defined(DOT_BF16) && !defined(__AVX512F__)
+// AVX2: the same sums with each 16-lane chunk held as its two 8-lane halves (lo: lanes 0-7, hi:
+// 8-15), lane for lane the same multiply-adds in the same order (a 16-float vector lives in memory
+// between operations in GCC 12's AVX2 code, which had made this pass 10x slower). The tile's heads
+// one after the other over each 4 rows (8 accumulators and the query chunk's halves in registers,
+// K read as the multiply-adds' memory operands, from the cache for the heads after the first). A
+// last 8 values (head_dim % 16) add 0 x 0 to the hi lanes, as the zero-padded chunk does.
+static inline __attribute__((always_inline)) void FN(logits_row4)(const float *q, int full, int left, const KROW *kr,
+                                                                  size_t k_row, v8 *s) {
+  const v8 zero = {0};
+  v8 lo[4] = {zero, zero, zero, zero}, hi[4] = {zero, zero, zero, zero};
+  for (int c = 0; c < full; ++c) {
+    const v8 ql = load8(q + 16 * c), qh = load8(q + 16 * c + 8);
+    for (int r = 0; r < 4; ++r) {
+      lo[r] += ql * ROW_LOAD8(kr + r * k_row + 16 * c);
+      hi[r] += qh * ROW_LOAD8(kr + r * k_row + 16 * c + 8);
+    }
+  }
+  if (left) {
+    const v8 ql = load8(q + 16 * full);
+    for (int r = 0; r < 4; ++r) {
+      lo[r] += ql * ROW_LOAD8(kr + r * k_row + 16 * full);
+      hi[r] += zero * zero;
+    }
+  }
+  for (int r = 0; r < 4; ++r) s[r] = lo[r] + hi[r];
+}
+
+static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
+                                                                  int head_dim, float scale, float *li,
+                                                                  int lstride, const KROW *k, int n,
+                                                                  size_t k_row, ahead *pf) {
+  const int full = head_dim / 16, left = head_dim % 16, at = 16 * full;
+  const v8 zero = {0};
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    ahead_step(pf);
+    for (int h = 0; h < G; ++h) {
+      v8 s[8];
+      FN(logits_row4)(q + h * qstride, full, left, k + (size_t)t * k_row, k_row, s);
+      FN(logits_row4)(q + h * qstride, full, left, k + (size_t)(t + 4) * k_row, k_row, s + 4);
+      const v8 sums = sum_lanes8(s) * scale;
+      memcpy(li + (size_t)h * lstride + t, &sums, sizeof sums);
+    }
+  }
+  if (t < n) ahead_step(pf);
+  for (; t < n; ++t)
+    for (int h = 0; h < G; ++h) {
+      const float *qh = q + h * qstride;
+      const KROW *kr = k + (size_t)t * k_row;
+      v8 lo = zero, hi = zero;
+      for (int c = 0; c < full; ++c) {
+        lo += load8(qh + 16 * c) * ROW_LOAD8(kr + 16 * c);
+        hi += load8(qh + 16 * c + 8) * ROW_LOAD8(kr + 16 * c + 8);
+      }
+      if (left) {
+        lo += load8(qh + at) * ROW_LOAD8(kr + at);
+        hi += zero * zero;
+      }
+      li[(size_t)h * lstride + t] = hsum8(lo + hi) * scale;
+    }
+}
+#else
 static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, const QROW *q, size_t qstride,
                                                                   int head_dim, float scale, float *li,
                                                                   int lstride, const KROW *k, int n,
@@ -137,9 +209,9 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
   int t = 0;
   for (; t + 8 <= n; t += 8) {
     ahead_step(pf);
-    v8 s[HEAD_TILE][8];
+    v8 s[TILE][8];
     for (int r0 = 0; r0 < 8; r0 += LOGIT_ROWS) {
-      v16 d[HEAD_TILE][LOGIT_ROWS];
+      v16 d[TILE][LOGIT_ROWS];
       for (int h = 0; h < G; ++h)
         for (int r = 0; r < LOGIT_ROWS; ++r) d[h][r] = (v16){0};
       for (int c = 0; c < full; ++c)
@@ -162,7 +234,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
   }
   if (t < n) ahead_step(pf);
   for (; t < n; ++t) {
-    v16 d[HEAD_TILE];
+    v16 d[TILE];
     for (int h = 0; h < G; ++h) d[h] = (v16){0};
     for (int c = 0; c < full; ++c) {
       const FN(chunk) kr = FN(k_chunk)(k + t * k_row + LOGIT_CHUNK * c);
@@ -175,6 +247,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
     for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h])) * scale;
   }
 }
+#endif
 #undef LOGIT_CHUNK
 #undef Q_CHUNK
 #undef Q_TAIL
@@ -184,7 +257,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
 static size_t FN(pass_steps)(const piece *pieces, int np, int num_heads, int g) {
   size_t steps = 0;
   for (int e = 0; e < np; ++e)
-    steps += (size_t)(pieces[e].j1 - pieces[e].j0) * (num_heads / g) * ((g + HEAD_TILE - 1) / HEAD_TILE) *
+    steps += (size_t)(pieces[e].j1 - pieces[e].j0) * (num_heads / g) * ((g + TILE - 1) / TILE) *
              ((pieces[e].n + 7) / 8);
   return steps;
 }
@@ -374,7 +447,7 @@ SHAPE(6, 4)
 
 // Pass 1 over a run (shared_run's): per KV head, its rows transposed into kt, then every member's
 // query heads of it; the prefetch stepped as the tiles step it (one step per 8 rows of each tile of
-// HEAD_TILE heads), a member's at a time.
+// TILE heads), a member's at a time.
 static void FN(shared_logits)(const piece *run, int count, int rows, const uint16_t *cache, size_t row,
                               int num_heads, int g, int kc, int lstride, const v8 *qs, float *logits, int head_dim,
                               __m512i *kt, float scale, ahead *next) {
@@ -432,6 +505,38 @@ static void FN(shared_values)(const piece *run, int count, int rows, const uint1
 #undef DOT_MEM
 #endif
 
+#if !defined(DOT_BF16) && !defined(__AVX512F__)
+// AVX2: VG columns of 8 for the G heads of a tile in registers (4 with 3 heads: 12 accumulators, 8
+// with one) while the rows stream past, each V chunk loaded once for the G heads; each column the
+// same chain over t as the tiles' below.
+static inline __attribute__((always_inline)) void FN(values_cols8)(const int G, const int VG, float *acc,
+                                                                   int head_dim_v, const float *p, int lstride,
+                                                                   const ROW *v, int n, size_t v_row) {
+  v8 o[TILE][8];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < VG; ++c) o[h][c] = load8(acc + h * head_dim_v + 8 * c);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < VG; ++c) {
+      const v8 vv = ROW_LOAD8(v + t * v_row + 8 * c);
+      for (int h = 0; h < G; ++h) o[h][c] += p[(size_t)h * lstride + t] * vv;
+    }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < VG; ++c) store8(acc + h * head_dim_v + 8 * c, o[h][c]);
+}
+
+static inline __attribute__((always_inline)) void FN(tile_values)(const int G, float *acc, int head_dim_v,
+                                                                  const float *p, int lstride,
+                                                                  const ROW *v, int n, size_t v_row,
+                                                                  ahead *pf) {
+  for (int t = 0; t < n; t += 8) ahead_step(pf);
+  const int vc = head_dim_v / 8, wide = G == 1 ? 8 : 4;
+  int c0 = 0;
+  for (; c0 + wide <= vc; c0 += wide)
+    FN(values_cols8)(G, wide, acc + 8 * c0, head_dim_v, p, lstride, v + 8 * c0, n, v_row);
+  for (; c0 + 2 <= vc; c0 += 2) FN(values_cols8)(G, 2, acc + 8 * c0, head_dim_v, p, lstride, v + 8 * c0, n, v_row);
+  for (; c0 < vc; ++c0) FN(values_cols8)(G, 1, acc + 8 * c0, head_dim_v, p, lstride, v + 8 * c0, n, v_row);
+}
+#else
 // Pass 2 over n V rows for G query heads: acc_h += sum over the rows of p[h * lstride + t] * v_t
 // (acc_h: the head_dim_v floats at acc + h * head_dim_v), VG 16-float output chunks at a time in
 // registers, then one at a time, then a last 8 alone; each V chunk loaded once for the G heads. Each
@@ -441,7 +546,7 @@ static inline __attribute__((always_inline)) void FN(values_chunks)(const int G,
                                                                     int head_dim_v, int c0,
                                                                     const float *p, int lstride,
                                                                     const ROW *v, int n, size_t v_row) {
-  v16 o[HEAD_TILE][VG];
+  v16 o[TILE][VG];
   for (int h = 0; h < G; ++h)
     for (int c = 0; c < VG; ++c) o[h][c] = load16(acc + h * head_dim_v + 16 * (c0 + c));
   for (int t = 0; t < n; ++t)
@@ -460,13 +565,13 @@ static inline __attribute__((always_inline)) void FN(tile_values)(const int G, f
   for (int t = 0; t < n; t += 8) ahead_step(pf);
   const int vc2 = head_dim_v / 16;
   int c0 = 0;
-  for (; HEAD_TILE > 1 && c0 + 8 <= vc2; c0 += 8)
+  for (; TILE > 1 && c0 + 8 <= vc2; c0 += 8)
     FN(values_chunks)(G, 8, acc, head_dim_v, c0, p, lstride, v, n, v_row);
   for (; c0 + 4 <= vc2; c0 += 4) FN(values_chunks)(G, 4, acc, head_dim_v, c0, p, lstride, v, n, v_row);
   for (; c0 < vc2; ++c0) FN(values_chunks)(G, 1, acc, head_dim_v, c0, p, lstride, v, n, v_row);
   if (head_dim_v % 16) {  // a last 8 values
     const int e = 16 * vc2;
-    v8 o[HEAD_TILE];
+    v8 o[TILE];
     for (int h = 0; h < G; ++h) o[h] = load8(acc + h * head_dim_v + e);
     for (int t = 0; t < n; ++t) {
       const v8 vv = ROW_LOAD8(v + t * v_row + e);
@@ -475,6 +580,7 @@ static inline __attribute__((always_inline)) void FN(tile_values)(const int G, f
     for (int h = 0; h < G; ++h) store8(acc + h * head_dim_v + e, o[h]);
   }
 }
+#endif
 
 #ifdef DOT_BF16
 // Pass 2 with bfloat16 probabilities (p: value t of head h at p[h * pstride + t]): rows in pairs,
@@ -524,7 +630,7 @@ static inline __attribute__((always_inline)) void FN(values_pairs)(const int G, 
                                                                    int head_dim_v, int c, const uint16_t *p,
                                                                    size_t pstride, const uint16_t *raw, int n,
                                                                    size_t v_row) {
-  __m512 o[HEAD_TILE][2 * 2];
+  __m512 o[TILE][2 * 2];
   for (int h = 0; h < G; ++h)
     for (int x = 0; x < 2 * CB; ++x) o[h][x] = _mm512_loadu_ps(acc + h * head_dim_v + 32 * c + 16 * x);
   int t = 0;
@@ -552,7 +658,7 @@ static inline __attribute__((always_inline)) void FN(tile_values_bf16)(const int
 #endif
   (void)raw;
   for (int c = 0; c < head_dim_v / 8; ++c) {  // 8 columns at a time
-    v8 o[HEAD_TILE];
+    v8 o[TILE];
     for (int h = 0; h < G; ++h) o[h] = load8(acc + h * head_dim_v + 8 * c);
     for (int t = 0; t < n; t += 2) {
       if (t + 1 < n) {
@@ -585,7 +691,7 @@ static inline void pairs_order(float *a, int head_dim_v) {
 
 // One pass over every piece of a group's context: its K rows into the logit rows (values = 0), or
 // its V rows into the accumulators (values = 1), tile by tile (state j * num_heads + i: query head
-// i of the group's j-th member; a tile: up to HEAD_TILE heads of one KV head), stepping `next` (the
+// i of the group's j-th member; a tile: up to TILE heads of one KV head), stepping `next` (the
 // next pass's rows) as it goes. cold: nobody prefetched the first piece (the first group's K pass).
 static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache, ahead *next, int cold,
                      size_t row, int num_heads, int g, int kc, int vc, int lstride, const v8 *qs,
@@ -615,7 +721,7 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
       rows = FN(rows_of)(raw, (size_t)pc->n * row, !cold || e > 0, wide);
     for (int s = pc->j0 * num_heads; s < pc->j1 * num_heads;) {
       const int in_kv = s % num_heads % g, left = g - in_kv;
-      const int G = left < HEAD_TILE ? left : HEAD_TILE;
+      const int G = left < TILE ? left : TILE;
       const size_t at = (size_t)(s % num_heads / g) * head_dim;  // this KV head's first value in a row
       float *li = logits + (size_t)s * lstride + pc->pos;
       float *a = (float *)(acc + s * vc);
@@ -625,11 +731,11 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
 #ifdef DOT_BF16  // probabilities as bfloat16: 2 * lstride values apart
         const uint16_t *pb = (const uint16_t *)(logits + (size_t)s * lstride) + pc->pos, *vb = raw + at;
         const size_t pst = (size_t)lstride * 2;
-        if (G == HEAD_TILE) FN(tile_values_bf16)(HEAD_TILE, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
+        if (G == TILE) FN(tile_values_bf16)(TILE, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
         else if (G == 2) FN(tile_values_bf16)(2, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
         else FN(tile_values_bf16)(1, a, head_dim, pb, pst, vb, kv, pc->n, row, next);
 #else
-        if (G == HEAD_TILE) FN(tile_values)(HEAD_TILE, a, head_dim, li, lstride, kv, pc->n, row, next);
+        if (G == TILE) FN(tile_values)(TILE, a, head_dim, li, lstride, kv, pc->n, row, next);
         else if (G == 2) FN(tile_values)(2, a, head_dim, li, lstride, kv, pc->n, row, next);
         else FN(tile_values)(1, a, head_dim, li, lstride, kv, pc->n, row, next);
 #endif
@@ -646,7 +752,7 @@ static void FN(pass)(int values, const piece *pieces, int np, const ELEM *cache,
         const float sc = 1.f;
         (void)scale;
 #endif
-        if (G == HEAD_TILE) FN(tile_logits)(HEAD_TILE, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
+        if (G == TILE) FN(tile_logits)(TILE, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
         else if (G == 2) FN(tile_logits)(2, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
         else FN(tile_logits)(1, qb, qst, head_dim, sc, li, lstride, kb, pc->n, row, next);
       }
@@ -808,3 +914,4 @@ int FN(paged_decode_ranges)(const int32_t *bounds, int parts, QELEM *out, const 
 #undef KROW
 #undef QROW
 #undef BF16_PROBS
+#undef TILE

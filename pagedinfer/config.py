@@ -195,7 +195,13 @@ def torch_dtype(name: str) -> torch.dtype | None:
 
 
 SPECULATIVE_METHODS = ("ngram",)  # drafts with no second model (core/speculative.py)
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "suffix_decoding_max_cached_requests",
+)
 
 
 @dataclass(frozen=True)
@@ -203,13 +209,17 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` keys): each step, a decoding sequence may
     have up to ``num_speculative_tokens`` drafted tokens verified after its own; ``ngram`` drafts copy
     what followed the sequence's last ``prompt_lookup_min``..``prompt_lookup_max`` tokens earlier in its
-    prompt and output, or in its sibling completions (docs/speculative.md). Outputs are unchanged."""
+    prompt and output, in its sibling completions or in the lines finished earlier in the run (the last
+    ``suffix_decoding_max_cached_requests`` of them), and a grammar's forced tokens are drafts too
+    (docs/speculative.md). Outputs are unchanged."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     # vLLM's defaults: neither given, both 5; one given, the other takes its value
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # finished lines whose tokens later lines may copy (oldest dropped first; 0: none kept)
+    suffix_decoding_max_cached_requests: int = 256
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:
@@ -250,7 +260,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})"
             )
-        return cls(value["num_speculative_tokens"], method, lo, hi)
+        cached = value.get("suffix_decoding_max_cached_requests", cls.suffix_decoding_max_cached_requests)
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, not {cached!r}"
+            )
+        return cls(value["num_speculative_tokens"], method, lo, hi, cached)
 
 
 @dataclass
@@ -292,7 +307,8 @@ class ModelConfig:
     )
     model_impl: str = option(
         "auto",
-        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3), transformers', or auto "
+        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe), "
+        "transformers', or auto "
         "(pagedinfer's where it applies, on the CPU).",
         panel="pool",
         choices=MODEL_IMPLS,

@@ -86,3 +86,10 @@ def gguf_cache() -> Path:
     """``PAGEDINFER_GGUF_CACHE``: where GGUF files' converted configs and tokenizers are kept, one folder
     per file content hash (default ``~/.cache/pagedinfer/gguf``)."""
     return Path(os.environ.get("PAGEDINFER_GGUF_CACHE", Path.home() / ".cache" / "pagedinfer" / "gguf"))
+
+
+def kill_in_resume_write() -> int | None:
+    """``PAGEDINFER_TEST_KILL_IN_RESUME_WRITE=N`` (tests): the run's Nth write of unfinished lines'
+    tokens (``<output>.resume.lines``) stops half way through and the process kills itself (SIGKILL)."""
+    value = os.environ.get("PAGEDINFER_TEST_KILL_IN_RESUME_WRITE", "")
+    return int(value) if value.isdigit() else None

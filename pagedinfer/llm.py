@@ -67,9 +67,11 @@ class LLM:
     ``max_logprobs`` (vLLM's name and default, 20): the most ``logprobs`` or ``prompt_logprobs`` a
     request may ask (a request above it fails with its error); -1: no limit.
     ``speculative_config`` (vLLM's name; default None, off): ``{"method": "ngram",
-    "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``: drafted tokens
-    from the line's own prompt and output and its sibling completions, verified in the step; outputs
-    are byte-identical to a run without it (docs/speculative.md).
+    "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
+    "suffix_decoding_max_cached_requests": c}``: drafted tokens (a grammar's forced ones, or copied
+    from the line's own prompt and output, its sibling completions and the last ``c`` completions
+    finished in the run), verified in the step; outputs are byte-identical to a run without it
+    (docs/speculative.md).
     """
 
     def __init__(self, model: str | None = None, **options) -> None:

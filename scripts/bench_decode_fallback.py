@@ -1,4 +1,4 @@
-"""Decode attention with and without the C kernel, one W1-shaped call (the figure cpu_kernel quotes).
+"""Decode attention with and without the C kernel, one W1-shaped call (the figure kernels/paged_decode.py quotes).
 
 python scripts/bench_decode_fallback.py
 """

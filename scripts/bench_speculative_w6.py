@@ -1,8 +1,13 @@
 """W6 (prompts/w6.jsonl) through the API with one model load: speculation off, on with the gate
-measured at start-up, and on with the gate open (every match drafted), alternating at batch 1 and 8;
-each run's tokens compared with the run off. One torch thread (a shared machine's figures vary less).
+(seeded at start-up, refit from the run's decode steps), and on with the gate open (every match
+drafted), alternating at batch 1 and 8; each run's tokens compared with the run off. One torch thread
+(a shared machine's figures vary less).
 
-    python scripts/bench_speculative_w6.py MODEL REPEATS
+    python scripts/bench_speculative_w6.py MODEL REPEATS [w6|w1]
+
+``w1``: W1's shape instead, smaller (docs/bench.md: 8 prompts of 64-192 random token ids, n=4 at
+temperature 0.8, 32 tokens each, EOS ignored; at batch 4 and 32), where drafts rarely match: what
+speculation costs where it cannot help.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -34,6 +40,16 @@ def params(line: dict) -> SamplingParams:
     )
 
 
+def w1() -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(1)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))]}
+        for _ in range(8)
+    ]
+    params = [SamplingParams(n=4, temperature=0.8, max_tokens=32, ignore_eos=True, seed=i) for i in range(8)]
+    return prompts, params
+
+
 def view(base: LLM, spec: dict | None, batch: int, gate_open: bool) -> LLM:
     """An `LLM` over ``base``'s loaded model with other engine settings."""
     llm = LLM.__new__(LLM)
@@ -44,20 +60,25 @@ def view(base: LLM, spec: dict | None, batch: int, gate_open: bool) -> LLM:
     return llm
 
 
-def main(model: str, repeats: int) -> None:
+def main(model: str, repeats: int, workload: str = "w6") -> None:
     torch.set_num_threads(1)
     lines = [json.loads(text) for text in W6.read_text().splitlines()]
     convs, sampling = [line["messages"] for line in lines], [params(line) for line in lines]
-    base = LLM(model, num_blocks=256)
+    if workload == "w1":
+        prompts, sampling = w1()
+    base = LLM(model, num_blocks=1024 if workload == "w1" else 256)
     reference: dict[int, list[list[int]]] = {}
     for rep in range(repeats):
-        for batch in (1, 8):
+        for batch in (4, 32) if workload == "w1" else (1, 8):
             for mode in ("off", "gated", "open"):
                 llm = view(base, None if mode == "off" else SPEC, batch, mode == "open")
                 start = time.perf_counter()
-                outs = llm.chat(convs, sampling, use_tqdm=False)
+                if workload == "w1":
+                    outs = llm.generate(prompts, sampling, use_tqdm=False)
+                else:
+                    outs = llm.chat(convs, sampling, use_tqdm=False)
                 wall = time.perf_counter() - start
-                tokens = [list(o.outputs[0].token_ids) for o in outs]
+                tokens = [list(c.token_ids) for o in outs for c in o.outputs]
                 reference.setdefault(batch, tokens)
                 spec = llm.engine.stats.to_dict()["speculation"]
                 n = sum(map(len, tokens))
@@ -79,4 +100,4 @@ def main(model: str, repeats: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])

@@ -10,6 +10,7 @@ quality). Token-id prompts only (no tokenizer in the file).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,16 @@ import numpy as np
 import transformers as tf
 
 # model_type -> llama.cpp's architecture for it (its converter writes mistral checkpoints as llama)
-ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+ARCHS = {
+    "llama": "LLAMA",
+    "mistral": "LLAMA",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "qwen3_moe": "QWEN3MOE",
+    "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
+    "olmoe": "OLMOE",
+}
+EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -38,8 +48,8 @@ def _scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 
 def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
-    """``[rows, in]`` float32 (in a multiple of 256) -> GGUF ``kind`` blocks ``[rows, in / 256 * size]``."""
-    rows = w.shape[0]
+    """``[..., rows, in]`` float32 (in a multiple of 256) -> GGUF ``kind`` blocks ``[..., rows, in / 256 * size]``."""
+    rows = w.shape[:-1]
     x = w.reshape(-1, 256).astype(np.float32)  # [blocks, 256]
     if kind == "Q6_K":
         sub = x.reshape(-1, 16, 16)
@@ -61,7 +71,7 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
                     2 * j
                 )
         blocks = np.concatenate([ql, qh, sc.view(np.uint8), _f16(d)], axis=1)
-        return blocks.reshape(rows, -1)
+        return blocks.reshape(*rows, -1)
     top = 15 if kind == "Q4_K" else 31
     sub = x.reshape(-1, 8, 32)
     lo, hi = np.minimum(sub.min(axis=2), 0), np.maximum(sub.max(axis=2), 0)  # [blocks, 8]
@@ -84,17 +94,18 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
         for i in range(8):
             qh |= (q[:, i * 32 : i * 32 + 32] >> 4) << i
         parts.append(qh)
-    return np.concatenate([*parts, qs], axis=1).reshape(rows, -1)
+    return np.concatenate([*parts, qs], axis=1).reshape(*rows, -1)
 
 
 def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda name: "F32") -> Path:
-    """The saved llama, mistral, qwen2 or qwen3 model at ``model_dir`` as a GGUF file at ``out``: each 2-D weight in
-    the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
-    1-D tensors in float32."""
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
+    at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
+    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]."""
     import gguf
+    from safetensors.torch import load_file
 
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = model.config
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
@@ -108,16 +119,30 @@ def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    state = model.state_dict()
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if hasattr(cfg, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    state = {
+        k: v.float().numpy()
+        for f in sorted(Path(model_dir).glob("*.safetensors"))
+        for k, v in load_file(f).items()
+    }
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name, tensor in state.items():
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # an experts' module (no index) -> each expert's
+    for name in [n for n in state if EXPERTS.fullmatch(n)]:
+        prefix, index, module = EXPERTS.fullmatch(name).groups()
+        stacked.setdefault(f"{prefix}.{module}.weight", {})[int(index)] = state.pop(name)
+    state |= {name: np.stack([ws[e] for e in sorted(ws)]) for name, ws in stacked.items()}
+    for name, w in state.items():
         stem, _, suffix = name.rpartition(".")
         gname = f"{names.get_name(stem)}.{suffix}"
-        w = tensor.float().numpy().astype(np.float32)
         if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith(("q_proj", "k_proj")):
             w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
-        kind = kind_of(gname) if w.ndim == 2 else "F32"
+        kind = kind_of(gname) if w.ndim >= 2 else "F32"
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         if kind == "F32":
             writer.add_tensor(gname, w)

@@ -58,6 +58,22 @@ CONFIGS = {
         pad_token_id=1,
         init_std=0.2,
     ),
+    # mixtures of experts: 8 experts of 32 rows, 2 per token (8 x 256 in the GGUF-type tests' ``in``)
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+        **COMMON,
+        **DECODER,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
+    "mixtral": lambda: tf.MixtralConfig(
+        **COMMON, **{**DECODER, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2
+    ),
+    "olmoe": lambda: tf.OlmoeConfig(
+        **COMMON, **{**DECODER, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2
+    ),
     "gpt_oss": lambda: tf.GptOssConfig(
         **COMMON,
         **{**DECODER, "num_hidden_layers": 2},
@@ -116,11 +132,12 @@ CORPUS = [
 ]
 
 
-def save_text_model(root: Path, seed: int = 0) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer trained here (EOS is ``<eos>``)."""
+def save_text_model(root: Path, seed: int = 0, positions: int | None = None) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer trained here (EOS is ``<eos>``); ``positions``: its
+    context (default `DECODER`'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    path = root / "text-llama"
+    path = root / ("text-llama" if positions is None else f"text-llama-{positions}")
     if (path / "config.json").exists():
         return path
     tok = Tokenizer(models.BPE())
@@ -134,8 +151,9 @@ def save_text_model(root: Path, seed: int = 0) -> Path:
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
     fast.save_pretrained(path)
+    decoder = DECODER if positions is None else {**DECODER, "max_position_embeddings": positions}
     config = tf.LlamaConfig(
-        **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **DECODER
+        **{**COMMON, "vocab_size": len(fast), "eos_token_id": fast.eos_token_id}, **decoder
     )
     save_random_model(config, path, seed)
     return path

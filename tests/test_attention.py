@@ -434,44 +434,68 @@ def test_kernel_without_openmp_builds_serial_and_agrees(monkeypatch, tmp_path):
         paged_decode._library.cache_clear()
 
 
+# (query heads, KV heads, head size): GQA ratios 3, 1, 4 and 8, the last with a head size ending in
+# a lone 8 values (72 = 4 x 16 + 8)
+BUILD_SHAPES = ((9, 3, 64), (4, 4, 80), (8, 2, 128), (8, 1, 72))
+# (queries, pool): each pool under float32 activations, and bfloat16's own pair products
+BUILD_DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+)
+
+
+def _rows_through_kernel(hq, kvh, d, qdt, kvdt, window, softcap, with_sinks):
+    """Prompt rows over their own prefixes (a whole prompt of 37, a chunk of 19 after 41 cached tokens:
+    contexts off the 8-row groups and 16-row blocks) and decode rows over 133 and 9 tokens, through the
+    engine's plan (every row a kernel row); (out, q, pool, meta, sinks)."""
+    q, _, _, kc, vc, meta = make_batch([37, 1, 1, 19], [37, 133, 9, 60], 16, kvh, hq, d, seed=hq + d)
+    q, kc, vc = q.to(qdt), kc.to(kvdt), vc.to(kvdt)
+    k = kc.view(-1, kvh, d)[meta.slot_mapping].to(qdt)  # this step's rows: what the pool holds at their slots
+    v = vc.view(-1, kvh, d)[meta.slot_mapping].to(qdt)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(d)) if with_sinks else None
+    out = torch.empty(q.shape[0], hq, d, dtype=qdt)
+    PortablePlan.build(meta, True).attend(
+        out, q, k, v, kc, vc, meta.slot_mapping, d**-0.5, window, softcap, sinks
+    )
+    return out, q, kc, vc, meta, sinks
+
+
 @pytest.mark.skipif(not build.cpu_flags(("avx512f",)), reason="needs an AVX-512 CPU to build both")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_head_tiles_equal_one_head_at_a_time(monkeypatch, tmp_path, dtype):
+def test_attention_builds_give_the_same_bits(monkeypatch, tmp_path):
     """The AVX-512 build serves the query heads of a KV head in tiles of 3 sharing each K/V load (16-bit
-    rows widened in registers); the AVX2 build one head at a time (16-bit blocks widened into a
-    buffer first). Every product and sum is taken in the same order, so the two give the same bits:
-    groups of 3, 4 (a tile of 3 and one of 1) and 2 heads, a head size with a chunk past 8 vectors.
+    rows widened in registers); the AVX2 build holds each 16-lane chunk as two 8-lane halves, takes
+    the logits a head at a time and pass 2 three heads a tile (float16 rows widened by F16C as they
+    are loaded, bfloat16 blocks into a buffer first). Every product and sum is taken in the same
+    order, so the builds give the same bits, for prompt rows and decode rows, at every GQA ratio and
+    head size of BUILD_SHAPES, with a window, softcapping and sinks, over every pool type.
     bfloat16's pair products (vdpbf16ps where the CPU has it) equal two FMAs in the other builds."""
     monkeypatch.setenv("PAGEDINFER_CACHE", str(tmp_path))
+    builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
+    if build.cpu_flags(("avx512_bf16",)):
+        builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
+    features = ((0, 0.0, False), (21, 0.0, False), (0, 30.0, True))  # window, softcap, sinks
     outs = {}
     try:
-        builds = [("avx512", ""), ("avx2", "-mno-avx512f")]
-        if dtype == torch.bfloat16 and build.cpu_flags(("avx512_bf16",)):
-            builds.append(("avx512 without vdpbf16ps", "-mno-avx512bf16"))  # pair products by two FMAs
         for name, flags in builds:
             monkeypatch.setenv("PAGEDINFER_CC_FLAGS", flags)
             paged_decode._library.cache_clear()
-            assert paged_decode.available(dtype)
             torch.set_num_threads(2)
-            for hq, kvh, d in ((9, 3, 64), (8, 2, 72), (4, 2, 16)):
-                lens = [5, 40, 131, 16, 77]
-                q, k, v, kc, vc, meta = make_batch([1] * len(lens), lens, 16, kvh, hq, d, seed=hq)
-                q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
-                out = torch.empty(len(lens), hq, d, dtype=dtype)
-                bounds = paged_decode.split(lens, hq * 2 * d)
-                paged_decode.paged_decode(
-                    out, q, kc, vc, meta.block_tables, meta.context_lens, torch.arange(len(lens)), bounds,
-                    d**-0.5, 0, 0.0, None,
-                )  # fmt: skip
-                outs[name, hq] = out
-                if name == "avx2":
-                    check_sequences(out, q, kc, vc, meta, d**-0.5)
+            for qdt, kvdt in BUILD_DTYPES:
+                assert paged_decode.available(qdt, kvdt), (name, qdt, kvdt)
+                for shape in BUILD_SHAPES:
+                    for feature in features:
+                        out, q, kc, vc, meta, sinks = _rows_through_kernel(*shape, qdt, kvdt, *feature)
+                        outs[name, qdt, kvdt, shape, feature] = out
+                        if name == "avx2" and qdt == torch.float32:
+                            window, softcap, _ = feature
+                            check_sequences(out, q, kc, vc, meta, shape[2] ** -0.5, window, softcap, sinks)
     finally:
         paged_decode._library.cache_clear()
     assert len(list(tmp_path.glob("cpu_paged_decode-*.so"))) == len(builds)  # not one compared with itself
-    for name, _ in builds[1:]:
-        for hq in (9, 8, 4):
-            assert torch.equal(outs["avx512", hq], outs[name, hq]), (name, hq)
+    for (name, *case), out in outs.items():
+        assert torch.equal(outs[("avx512", *case)].view(torch.int16), out.view(torch.int16)), (name, *case)
 
 
 def test_cpu_kernel_only_for_pools_in_host_memory_of_the_queries_dtype():

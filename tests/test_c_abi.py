@@ -22,7 +22,7 @@ import pytest
 from pagedinfer import envs
 from pagedinfer.attention import cuda_kernels
 from pagedinfer.kernels import abi, build, paged_decode, weight_types
-from pagedinfer.kernels.sources import KERNELS_DIR, translation_units
+from pagedinfer.kernels.sources import KERNELS_DIR, library_roots, translation_units
 from pagedinfer.lora import delta
 from pagedinfer.model import decode_step, fused_ops, packed_linear
 
@@ -216,3 +216,14 @@ def test_the_c_enum_and_traits_are_the_tables(tmp_path):
     assert printed == expected
     assert [t.id for t in weight_types.WEIGHT_TYPES] == list(range(len(weight_types.WEIGHT_TYPES)))
     assert {t.name: t.id for t in weight_types.WEIGHT_TYPES} == packed_linear.KINDS  # what the bindings pass
+
+
+def test_a_library_is_its_root_and_the_units_whose_headers_it_includes():
+    """The loader lists no sources: every cpu_*.c is a library's root, and the decode step's library links
+    the GEMM and the chains it calls through their headers (not the attention unit it includes)."""
+    units = [p.name for p in translation_units(decode_step.SOURCE)]
+    assert units == ["cpu_decode_step.c", "cpu_llama_ops.c", "cpu_gemm.c"]
+    assert [p.name for p in translation_units(packed_linear.GEMM_SOURCE)] == ["cpu_gemm.c"]
+    roots = {p.name for p in library_roots()}
+    assert roots == {p.name for p in KERNELS_DIR.glob("cpu_*.c")}
+    assert {s.name for _, s in LIBRARIES.values()} == roots  # each library has its binding checked above

@@ -176,7 +176,7 @@ def test_sigterm_counts_the_line_it_interrupts_with_the_tokens_the_progress_log_
     assert 0 < tokens < 120
     s = "s" if tokens != 1 else ""
     assert (
-        f"3 lines not run: 1 interrupted mid-generation ({tokens:,} token{s} generated, not kept), 2 not started; "
+        f"3 lines not run: 1 interrupted mid-generation ({tokens:,} token{s} generated, all kept for --resume), 2 not started; "
         "run again with --resume" in summary
     ), summary
 

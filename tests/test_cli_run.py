@@ -282,8 +282,8 @@ def test_ctrl_c_then_resume_completes_exactly_the_missing_lines(model, tmp_path,
     assert "interrupted by SIGINT: 5 lines on disk in" in text
     # the signal came during step 5: the long line had its 5th token when the step finished
     assert (
-        "1 line not run: 1 interrupted mid-generation (5 tokens generated, not kept); run again with --resume"
-        in text
+        "1 line not run: 1 interrupted mid-generation (5 tokens generated, all kept for --resume); run again "
+        "with --resume" in text
     )
     first = read_jsonl(out)
     assert sorted(r["id"] for r in first) == ["bad", "s0", "s1", "s2", "s3"]
@@ -319,8 +319,8 @@ def test_a_stop_counts_the_lines_interrupted_mid_generation_apart_from_those_not
     assert result.exit_code == 143
     assert (
         "interrupted by SIGTERM: 1 line on disk in "
-        f"{tmp_path / 'i.out.jsonl'}; 4 lines not run: 1 interrupted mid-generation (4 tokens generated, not "
-        "kept), 3 not started; run again with --resume to complete them"
+        f"{tmp_path / 'i.out.jsonl'}; 4 lines not run: 1 interrupted mid-generation (4 tokens generated, all "
+        "kept for --resume), 3 not started; run again with --resume to complete them"
     ) in " ".join(result.stdout.split())
     doc = json.loads(report.read_text())["run"]
     assert (doc["interrupted"], doc["interrupted_lines"], doc["interrupted_tokens"]) == (True, 1, 4)
@@ -507,6 +507,11 @@ REPORT_KEYS = {
     "run.interrupted",
     "run.interrupted_lines",
     "run.interrupted_tokens",
+    "run.interrupted_tokens_kept",
+    "run.resumed_lines",
+    "run.resumed_tokens_recovered",
+    "run.resumed_tokens_recomputed",
+    "run.resumed_most_tokens_recomputed",
 }
 
 

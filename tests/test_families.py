@@ -24,6 +24,7 @@ from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.validate import ModelCheckError
 
 FAMILIES = {f.name: f for f in families.FAMILIES}
+DENSE = [name for name, f in FAMILIES.items() if f.experts is None]  # (mixtures of experts: test_moe.py)
 PROMPTS = [[5, 9, 200, 3, 17, 41, 8, 99, 12, 60, 2, 7], [250, 1, 33]]  # the longer one past mistral's window
 
 
@@ -54,9 +55,14 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
     family = FAMILIES[name]
     stems = [m.hf for m in family.layer]
     assert len(set(stems)) == len(stems) and len({m.gguf for m in family.layer}) == len(stems)
-    assert list(family.linears) == list(LINEAR_ROLES)  # the order a layer runs them
+    experts = family.experts
+    # the order a layer runs them (a mixture of experts: its experts in place of gate_up and down)
+    assert list(family.linears) == list(LINEAR_ROLES[: 2 if experts else 4])
     assert {"input_norm", "post_norm"} <= set(family.norms) <= set(NORM_ROLES)
     used = [m for modules in family.linears.values() for m in modules] + list(family.norms.values())
+    if experts:
+        used += [experts.router, *experts.gate_up, experts.down]
+        assert {m.hf for m in family.layer if m.experts} == {*experts.gate_up, experts.down}
     assert sorted(used) == sorted(stems)  # every module fills one role, and only one
     assert set(family.gguf_permuted) <= set(family.linears["qkv"])
     assert all(d in DIMS for m in (*family.top, *family.layer) for d in m.shape)
@@ -65,13 +71,15 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
 
 def test_each_model_type_has_one_family():
     types = [t for f in families.FAMILIES for t in f.model_types]
-    assert len(types) == len(set(types)) and families.names() == "llama, mistral, qwen2, qwen3"
+    assert len(types) == len(set(types))
+    assert families.names() == "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_gguf_names_are_llama_cpps(name):
     """Each module's GGUF name is the one gguf-py (llama.cpp's own name table) gives its Hugging Face
-    name for the family's architecture, in layer 0 and in layer 11."""
+    name for the family's architecture, in layer 0 and in layer 11 (a module per expert: the name of
+    its 3-D tensor of every expert, gguf-py's name for the module without the expert's index)."""
     family = FAMILIES[name]
     arch = next(k for k, v in gguf_py.MODEL_ARCH_NAMES.items() if v == family.gguf_arch)
     table = gguf_py.get_tensor_name_map(arch, 12)
@@ -79,10 +87,11 @@ def test_the_gguf_names_are_llama_cpps(name):
         assert table.get_name(m.hf) == m.gguf
     for i in (0, 11):
         for m in family.layer:
-            assert table.get_name(f"model.layers.{i}.{m.hf}") == f"blk.{i}.{m.gguf}", m.hf
+            hf = m.hf.replace(".{}", "")
+            assert table.get_name(f"model.layers.{i}.{hf}") == f"blk.{i}.{m.gguf}", m.hf
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE)
 def test_each_family_is_served_by_our_layers_as_transformers_generates(tiny_model, monkeypatch, name):
     """A saved model of each declared family: our layers built by its declaration, greedy-equal to
     transformers' generate, its decode-only steps through the one-call C step."""
@@ -104,11 +113,11 @@ def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
         f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'phi3' has no "
-        "pagedinfer implementation (llama, mistral, qwen2, qwen3 do)"
+        "pagedinfer implementation (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe do)"
     )
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE)
 def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, family_gguf, name):
     """A family's GGUF reads back to its checkpoint's own tensors, bit for bit: the rows llama.cpp's
     converter interleaved (Q and K of the llama architecture, mistral's included) put back by the

@@ -1,8 +1,10 @@
 """Speculative decoding changes no bit: every line's record (token ids, text, logprobs and
 prompt_logprobs as exact floats, finish and stop reasons) is the same with speculation on and off, for
 greedy and seeded sampling, n > 1, stop strings, max_tokens ending inside a draft, logit controls,
-structured outputs, a LoRA line, int8 weights, beam search and a pool small enough to preempt. Each
-speculating run asserts that drafts were accepted, so the verified path ran.
+structured outputs, a LoRA line, int8, bfloat16 and every GGUF weight type, beam search and a pool
+small enough to preempt. Each speculating run asserts that drafts were accepted, so the verified path
+ran; the sources with a test of their own (lines finished earlier, a grammar's forced tokens) assert
+that their drafts were.
 
 Drafts are taken wherever a match exists (`RowCost(math.inf)`: rows cost nothing) so that the tests do
 not depend on this machine's timing; the gate is tested on its own. Random tiny models rarely repeat
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from models import save_lora
@@ -26,7 +29,17 @@ from models import save_lora
 from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.config import EngineConfig, SpeculativeConfig
 from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.speculative import Acceptance, Draft, NgramIndex, RowCost, Speculator
+from pagedinfer.core.speculative import (
+    EXPLORE_EVERY,
+    Acceptance,
+    Draft,
+    FinishedLines,
+    NgramIndex,
+    RowCost,
+    Speculator,
+    StepTimes,
+    draft_length,
+)
 from pagedinfer.engine.llm_engine import LLMEngine, SpeculationOff
 from pagedinfer.sampling_params import BeamSearchParams, StructuredOutputsParams
 
@@ -58,8 +71,10 @@ def records(llm: LLM, prompts, params, **kw) -> list[str]:
     return [golden.record(o) for o in llm.generate(prompts, params, use_tqdm=False, **kw)]
 
 
-def accepted(llm: LLM) -> int:
-    return sum(c.accepted for c in llm.engine.stats.speculation.sources.values())
+def accepted(llm: LLM, source: str | None = None) -> int:
+    """Drafted tokens accepted (from ``source`` alone, when given)."""
+    sources = llm.engine.stats.speculation.sources
+    return sum(c.accepted for name, c in sources.items() if source in (None, name))
 
 
 def oracle_drafts(monkeypatch, outputs) -> None:
@@ -246,9 +261,16 @@ def test_the_gate_drafts_only_where_rows_pay():
     for _ in range(5):
         acceptance.record(0, True)
     assert acceptance.rate < 0.1
-    assert RowCost(math.inf).threshold(8) == 0.0
-    assert RowCost(0.0).threshold(1) == 1.0  # rows as dear as the step: never worth it
-    assert RowCost(9.0).threshold(1) == pytest.approx(0.1)
+    assert draft_length(0.1, 4, 8, RowCost(math.inf).seconds) == 4  # rows free: all of it
+    assert draft_length(0.99, 4, 1, RowCost(0.0).seconds) == 0  # rows as dear as the step: never
+    # a step of 9 fixed + 1 a row: 1 token in 10, 1.5 in 11 with a row at 1/2, 1.75 in 12 with two;
+    # the third's 1/8 does not pay for itself
+    assert draft_length(0.5, 4, 1, RowCost(9.0).seconds) == 2
+    assert draft_length(0.9, 4, 8, RowCost(9.0).seconds) == 4  # 11.1 in 21 beats 8 in 17 by 12%
+    assert draft_length(0.8, 4, 8, RowCost(9.0).seconds) == 0  # 10.4 in 21: by 5%, under the margin
+    # a jump from 1 row to 2 (the one-row decode path) then cheap rows: a draft pays only when long
+    jump = {1: 10.0, 2: 20.0, 3: 20.5, 4: 21.0, 5: 21.5}.__getitem__
+    assert draft_length(0.9, 4, 1, jump) == 4 and draft_length(0.9, 1, 1, jump) == 0
 
 
 def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
@@ -281,6 +303,10 @@ def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above"),
         ({"num_speculative_tokens": 2, "draft": 1}, "unknown key 'draft'"),
+        (
+            {"num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1},
+            "suffix_decoding_max_cached_requests must be an integer >= 0, not -1",
+        ),
         ("ngram", "must be a dict"),
     ],
 )
@@ -326,3 +352,143 @@ def test_command_line_option(tmp_path):
         *common, "-o", tmp_path / "bad.jsonl", "--speculative-config", '{"num_speculative_tokens": 0}'
     )
     one_line_error(bad, "--speculative-config.num_speculative_tokens must be an integer >= 1, not 0")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_lines_draft_from_lines_finished_earlier(text_llm):
+    """One request at a time (two sequences at most), each twice: the second copies what the first wrote (its draft from
+    the finished lines), greedy and seeded n > 1 with logprobs."""
+    params = [
+        SamplingParams(max_tokens=30, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=7, n=2, logprobs=1),
+    ]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    llm = same_on_and_off(text_llm, prompts, params * 2, max_num_seqs=2)
+    assert accepted(llm, "finished") > 0
+    assert llm.engine.stats.to_dict()["speculation"]["sources"]["finished"]["accepted"] > 0
+
+
+def test_grammar_forced_tokens_are_drafts(text_llm):
+    """A JSON schema's keys and punctuation are forced: drafted and accepted, the records unchanged."""
+    tight = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    loose = StructuredOutputsParams(json=SCHEMA)
+    params = [
+        SamplingParams(max_tokens=40, structured_outputs=tight, logprobs=2),
+        SamplingParams(max_tokens=40, structured_outputs=tight, seed=4, temperature=0.9, n=2, logprobs=1),
+        SamplingParams(max_tokens=40, structured_outputs=loose, seed=2, temperature=0.5),
+    ]
+    llm = same_on_and_off(text_llm, [PROMPTS[0]] * len(params), params)
+    assert accepted(llm, "grammar") > 0
+
+
+def test_new_sources_under_preemption(text_llm):
+    """Finished-line and grammar drafts in a pool small enough to preempt: records unchanged."""
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(max_tokens=40, seed=i % 2, temperature=0.5, n=2) for i in range(4)]
+    params += [SamplingParams(max_tokens=40, structured_outputs=so, n=2, seed=3, temperature=0.7)] * 2
+    prompts = [PROMPTS[i % 2] for i in range(4)] + [PROMPTS[2]] * 2
+    llm = same_on_and_off(text_llm, prompts, params, num_blocks=12)
+    assert llm.engine.stats.preemptions > 0
+    assert accepted(llm, "finished") > 0 and accepted(llm, "grammar") > 0
+
+
+def test_bfloat16(text_model, monkeypatch):
+    base = LLM(str(text_model), device="cpu", num_blocks=64, dtype="bfloat16")
+    params = [
+        SamplingParams(max_tokens=30, logprobs=2),
+        SamplingParams(max_tokens=30, seed=3, temperature=0.6, n=2),
+    ]
+    llm = same_on_and_off(base, PROMPTS[:2], params, monkeypatch)
+    assert accepted(llm) > 0
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_weight_types(kind, gguf_dir, monkeypatch):
+    from test_gguf_types import gguf_file
+
+    base = LLM(str(gguf_file(gguf_dir, "llama", True, lambda name: kind, kind)), num_blocks=64, dtype="auto")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 12)]
+    params = [
+        SamplingParams(max_tokens=16, logprobs=2),
+        SamplingParams(max_tokens=16, seed=5, temperature=0.9, n=2),
+    ]
+    llm = same_on_and_off(base, prompts, params, monkeypatch)
+    assert llm.engine.loaded.model.lm_head.kinds == [kind]
+    assert accepted(llm) > 0
+
+
+def test_finished_lines_keep_the_latest_and_drop_the_oldest():
+    lines = FinishedLines(1, 2, capacity=2)
+    lines.add([1, 2, 3])
+    lines.add([1, 2, 4])
+    assert lines.follow((1, 2), 5) == [4]  # the latest line holding it
+    assert lines.follow((2, 3), 5) is None  # 3 ends its line: nothing followed it
+    assert lines.follow((1,), 5) == [2, 4]
+    lines.add([7, 8, 9])  # the first line goes
+    assert len(lines.lines) == 2 and lines.follow((1, 2), 5) == [4]
+    lines.add([5, 6])  # so does the second: its n-grams no other line holds are gone
+    assert lines.follow((1, 2), 5) is None and lines.follow((1,), 5) is None
+    assert lines.follow((7, 8), 5) == [9] and set(lines.latest) == {(7,), (8,), (7, 8), (5,)}
+    off = FinishedLines(1, 2, capacity=0)
+    off.add([1, 2, 3])
+    assert off.follow((1,), 5) is None
+
+
+def test_step_times_fit_a_line_through_medians():
+    times = StepTimes({1: [10.0] * 3, 6: [20.0] * 3})
+    assert times.fit().fixed_over_row == pytest.approx(4.0)  # 8 + 2 x rows
+    for _ in range(3):
+        times.add(11, 30.0)
+    times.add(11, 900.0)  # a stalled step moves no median
+    assert times.fit().fixed_over_row == pytest.approx(4.0)
+    assert StepTimes({1: [10.0] * 3}).fit() is None  # one row count: no line
+    assert StepTimes({1: [10.0] * 3, 2: [9.0] * 3}).fit().fixed_over_row > 100  # rows free
+
+
+def test_step_times_read_costs_off_the_medians():
+    times = StepTimes({1: [10.0] * 3, 3: [20.0, 21.0, 99.0], 5: [19.0] * 3, 7: [1.0, 2.0], 8: [30.0] * 3})
+    assert times.seconds(1) == 10.0 and times.seconds(8) == 30.0
+    assert times.seconds(3) == times.seconds(5) == 20.0  # out of order: pooled (a row more is never cheaper)
+    assert times.seconds(2) == 15.0  # between its neighbours
+    assert times.seconds(6) == pytest.approx(20.0 + 10 / 3)  # 7 holds too few times: between 5 and 8
+    assert times.seconds(10) == pytest.approx(30.0 + 20 / 3)  # past the last count: the last two's line
+    assert StepTimes({1: [10.0] * 3}).seconds(2) == math.inf  # one count timed: rows taken as free
+
+
+def test_the_gate_refits_from_the_run_and_explores(text_llm):
+    """Steps that find rows dear close the gate; a gated-off draft still runs one token now and then,
+    so the times of more rows keep coming."""
+    spec = SpeculativeConfig.parse(SPEC)
+    engine = engine_view(text_llm, None).engine
+    req = engine.add_request(engine.intake.prepare(PROMPTS[0], SamplingParams(max_tokens=5), "x"), 0)
+    engine.step()
+    (seq,) = req.completions
+    seq.token_ids.append(req.prompt_token_ids[3])  # a 1-gram of the prompt: a match
+    speculator = Speculator(spec, StepTimes())
+    assert speculator.cost.fixed_over_row == math.inf  # no times yet: every draft is taken
+    assert speculator.propose(seq, 4, 1) is not None
+    for _ in range(8):  # a step costs 0.5 + 1 x rows: a row at acceptance 1/2 does not pay
+        speculator.observe(1, 1.5)
+        speculator.observe(5, 5.5)
+    assert speculator.cost.fixed_over_row == pytest.approx(0.5)
+    proposals = [speculator.propose(seq, 4, 1) for _ in range(EXPLORE_EVERY)]
+    assert proposals[:-1] == [None] * (EXPLORE_EVERY - 1)
+    assert len(proposals[-1].token_ids) == 1
+    engine.abort_all()
+
+
+def test_a_new_line_starts_at_its_sources_rate():
+    speculator = Speculator(SpeculativeConfig.parse(SPEC), RowCost(math.inf))
+    line = SimpleNamespace(request="a")
+    for _ in range(3):
+        speculator.verified(line, Draft("prompt_lookup", [1, 2, 3, 4]), 4, mismatch=False)
+    speculator.verified(line, Draft("prompt_lookup", [1, 2]), 1, mismatch=True)
+    assert speculator._line_acceptance("b", "prompt_lookup").rate == pytest.approx(14 / 16)
+    assert speculator._line_acceptance("b", "siblings").rate == 0.5  # nothing drafted from it yet

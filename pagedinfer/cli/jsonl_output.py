@@ -84,6 +84,11 @@ class Paths:
             else self.output.with_name(self.output.name + RESUME_SUFFIX)
         )
 
+    @property
+    def journal(self) -> Path | None:
+        """The unfinished lines' tokens beside a regular output (`cli.line_journal`)."""
+        return None if self.resume is None else self.resume.with_name(self.resume.name + ".lines")
+
 
 def plan_paths(output: str | None, input_path: Path, report_json: Path | None, trace: Path | None) -> Paths:
     """Resolve and check every output-side path before anything is opened or the model loads."""
@@ -100,6 +105,7 @@ def plan_paths(output: str | None, input_path: Path, report_json: Path | None, t
     named = [
         ("output file", paths.output),
         ("the output's fingerprint file", paths.resume),
+        ("the output's unfinished-lines file", paths.journal),
         ("--report-json file", paths.report_json),
         ("--trace file", paths.trace),
     ]

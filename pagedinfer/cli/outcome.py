@@ -17,6 +17,7 @@ from pagedinfer.terminal import keep, say
 
 if TYPE_CHECKING:
     from pagedinfer.cli.jsonl_output import Paths
+    from pagedinfer.cli.line_journal import Resumed
     from pagedinfer.cli.run_options import RunOptions
     from pagedinfer.engine.llm_engine import StartedRequest
 
@@ -40,6 +41,8 @@ class Outcome:
     closed: bool = False  # the output's reader went away
     capped: Counter = field(default_factory=Counter)  # lines a per-run cap ended (CAP_OPTIONS), per cap
     unfinished: list[StartedRequest] = field(default_factory=list)  # lines started, not finished, at the end
+    unfinished_kept: int | None = None  # of their tokens, those kept for --resume (None: none can be)
+    resumed: Resumed | None = None  # --resume: what an earlier run kept of lines it left unfinished
 
     def not_run(self) -> int:
         """Lines with no record from this run or an earlier one: --resume's kept records stand for
@@ -54,10 +57,14 @@ class Outcome:
         if not cut:
             return words
         tokens = sum(x.tokens for x in self.unfinished)
-        parts = [
-            f"{keep(f'{cut} interrupted')} mid-generation ({keep(f'{tokens:,} token' + ('s' if tokens != 1 else ''))} "
-            "generated, not kept)"
-        ]
+        generated = keep(f"{tokens:,} token" + ("s" if tokens != 1 else ""))
+        if self.unfinished_kept is None:
+            kept = "not kept"
+        elif self.unfinished_kept == tokens:
+            kept = "all kept for --resume"
+        else:
+            kept = f"{keep(f'{self.unfinished_kept:,} kept')} for --resume"
+        parts = [f"{keep(f'{cut} interrupted')} mid-generation ({generated} generated, {kept})"]
         if left > cut:
             parts.append(f"{keep(f'{left - cut} not')} started")
         return f"{words}: {', '.join(parts)}"
@@ -76,7 +83,7 @@ class Outcome:
             self.shown = sorted(self.shown, key=lambda e: e.line)[:SHOW_REASONS]
 
 
-def run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
+def run_summary(opts: RunOptions, outcome: Outcome, paths: Paths, stats=None) -> dict:
     """The run's own figures in ``--report-json`` (its ``run`` section)."""
     return {
         "input": str(opts.prompts),
@@ -91,6 +98,20 @@ def run_summary(opts: RunOptions, outcome: Outcome, paths: Paths) -> dict:
         "interrupted": outcome.signal is not None,
         "interrupted_lines": len(outcome.unfinished),
         "interrupted_tokens": sum(x.tokens for x in outcome.unfinished),
+        "interrupted_tokens_kept": outcome.unfinished_kept or 0,
+        **resumed_summary(outcome.resumed, stats),
+    }
+
+
+def resumed_summary(resumed: Resumed | None, stats) -> dict:
+    """``--resume`` inside a line: the lines an earlier run left mid-generation that this run went on
+    with, the tokens it took from it (replayed, not generated again) and those it generates again
+    (the earlier run had them, not yet kept), in all and in the completion that lost the most."""
+    return {
+        "resumed_lines": 0 if resumed is None else len(resumed.lines),
+        "resumed_tokens_recovered": 0 if stats is None else stats.output_tokens_kept,
+        "resumed_tokens_recomputed": 0 if resumed is None else resumed.recomputed,
+        "resumed_most_tokens_recomputed": 0 if resumed is None else resumed.most_recomputed,
     }
 
 
@@ -129,6 +150,13 @@ def summary(outcome: Outcome, where: str, stats, console: Console, on_disk: str)
         say(
             console,
             f"  … {outcome.failed - SHOW_REASONS} more; every failed line has an error record in the output",
+        )
+    if (resumed := outcome.resumed) is not None and (resumed.lines or resumed.recomputed):
+        n, got = len(resumed.lines), stats.output_tokens_kept if stats is not None else 0
+        say(
+            console,
+            f"resumed {keep(f'{n} line' + ('s' if n != 1 else ''))} mid-generation: "
+            f"{keep(f'{got:,} tokens')} recovered, {keep(f'{resumed.recomputed:,} recomputed')}",
         )
     if outcome.signal is not None:
         say(

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import signal
+import stat
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,7 @@ from pagedinfer.cli.jsonl_output import (
     StreamOutput,
     plan_paths,
 )
+from pagedinfer.cli.line_journal import LineJournal, Resumed
 from pagedinfer.cli.outcome import Outcome, run_summary, summary
 from pagedinfer.cli.resume import keep_system_fingerprint, resume, run_options
 from pagedinfer.cli.run_options import RunOptions, UsageError
@@ -95,8 +98,12 @@ class _Run:
         self.lines = None  # what answers the rows on it: a LineRunner, or the replicas
         self.parser: LineParser | None = None
         self.kept_fingerprint: str | None = None  # --resume: the system_fingerprint of the records kept
+        self.journal: LineJournal | None = None  # the unfinished lines' tokens (resume inside a line)
+        self.resumed: Resumed | None = None  # --resume: what the journal kept of unfinished lines
 
     def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         if self.output is not None:
             self.output.close()
         if self.source is not None:
@@ -134,6 +141,7 @@ class _Run:
             self._open_output()
         if isinstance(self.output, OutputFile):  # an output with no records takes this run's options
             self.output.start(truncate=not opts.resume, options=None if done else run_options(opts))
+            self._start_journal(done)
         try:
             self._generate(done)
         finally:
@@ -149,6 +157,8 @@ class _Run:
                 outcome.write_error = (
                     f"{e}; every line is on disk, out of input order: --resume puts it in order"
                 )
+            if self.journal is not None:
+                self.journal.remove()
         self._finish()
         if outcome.signal is not None:
             return 128 + outcome.signal
@@ -172,6 +182,27 @@ class _Run:
             self.config = LLMConfig.of(self.opts.model, seed=self.opts.seed, **self.opts.engine)
         except ValueError as e:
             raise UsageError(engine_option_words(str(e))) from None
+
+    def _start_journal(self, done: set[str]) -> None:
+        """Keep the unfinished lines' tokens beside the output (not with --resume-every-tokens 0, nor
+        across --data-parallel replicas); a resumed run first takes what the earlier one kept."""
+        opts = self.opts
+        if not opts.resume_every_tokens or opts.data_parallel:
+            return
+        mode = stat.S_IMODE(os.stat(self.paths.output).st_mode)
+        journal = LineJournal(self.paths.journal, opts.resume_every_tokens, opts.resume_every_seconds, mode)
+        if opts.resume:
+            self.resumed = self.outcome.resumed = journal.load(done)
+        journal.start(self.resumed)
+        self.journal = journal
+
+    def _keep_unfinished(self) -> None:
+        """A stop: keep every unfinished line's tokens now (once), and count them for the summary."""
+        if self.journal is None or self.outcome.unfinished_kept is not None:
+            return
+        lines = self.lines.generating()
+        self.journal.step(lines, force=True)
+        self.outcome.unfinished_kept = self.journal.kept_tokens({key for key, _ in lines})
 
     def _open_output(self) -> None:
         paths = self.paths
@@ -199,6 +230,8 @@ class _Run:
                 first = self._first_request(rows, progress)
                 if first is not None:
                     self._load()
+                    if self.resumed is not None:
+                        self.lines.kept = dict(self.resumed.lines)  # taken as its lines start
                     fingerprint = self.llm.system_fingerprint()
                     keep_system_fingerprint(
                         self.output, fingerprint, self.kept_fingerprint, self.paths, self.err
@@ -210,6 +243,8 @@ class _Run:
                         for answer in answers:
                             self._write(answer, progress)
                     finally:
+                        with contextlib.suppress(OutputWriteError):
+                            self._keep_unfinished()  # a failed write (a stop kept them already)
                         answers.close()  # the engine drops unfinished requests and frees their blocks
                         outcome.unfinished = self.lines.dropped  # none unless the run stopped early
         except Interrupted:
@@ -259,18 +294,27 @@ class _Run:
 
         def on_step(llm) -> None:  # after every engine step, or replica reply
             progress.on_step(llm)
+            if self.signals.requested is not None and not self.opts.data_parallel:
+                self._keep_unfinished()  # before the stop drops them
             self.signals.interrupt()
 
         if self.opts.trace is not None:
             self.llm.enable_trace()
         if self.opts.data_parallel:
             return self.lines.run(rows, on_step)
-        sync = lambda: self.output.sync(self.source.fingerprint())  # noqa: E731
-        return self.lines.run(rows, sync, on_step, self.signals.interrupt)
+
+        def before_step() -> None:  # the finished lines durable, then the unfinished ones' tokens
+            self.output.sync(self.source.fingerprint())
+            if self.journal is not None:
+                self.journal.step(self.lines.generating())
+
+        return self.lines.run(rows, before_step, on_step, self.signals.interrupt)
 
     def _write(self, answer: Answer, progress) -> None:
         """One line's record, written (counted once written: a failed write is no record)."""
         self.output.write(answer.record, answer.position, answer.key)
+        if self.journal is not None:
+            self.journal.finished(answer.key)
         if isinstance(answer.result, LineError):
             self.outcome.fail(answer.result)
         else:
@@ -290,7 +334,7 @@ class _Run:
         if opts.report_json is not None:
             import json
 
-            doc = report.report_dict(stats, run_summary(opts, outcome, self.paths))
+            doc = report.report_dict(stats, run_summary(opts, outcome, self.paths, stats))
             if opts.data_parallel and llm is not None:
                 doc["data_parallel"] = llm.report_dict()
             self.paths.report_json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -16,6 +16,9 @@ from typing import Any
 from pagedinfer.cli.progress import PROGRESS_INTERVAL_S
 from pagedinfer.config import LINE_DEFAULTS, EngineConfig, ModelConfig, option, settings
 
+RESUME_EVERY_TOKENS = 256  # the defaults of --resume-every-tokens and --resume-every-seconds
+RESUME_EVERY_SECONDS = 30.0
+
 
 class UsageError(Exception):
     """The invocation cannot run; the message is one line (exit code 2)."""
@@ -61,6 +64,21 @@ class RunOptions:
         "and append the rest. Refused when the input changed or an option that changes outputs (model, "
         "seed, sampling, dtype...) differs from the output's.",
         panel="output",
+    )
+    resume_every_tokens: int = option(
+        RESUME_EVERY_TOKENS,
+        "Keep the tokens of lines still generating beside the output at least every N tokens of any "
+        "completion, so --resume continues them there (a kill costs at most N tokens of each); 0: "
+        "keep finished lines only.",
+        panel="output",
+        metavar="N",
+    )
+    resume_every_seconds: float = option(
+        RESUME_EVERY_SECONDS,
+        "Keep the tokens of lines still generating at least every this many seconds too (whichever of "
+        "this and --resume-every-tokens comes first).",
+        panel="output",
+        metavar="SECONDS",
     )
     strict: bool = option(
         False, "Stop with the list of bad lines instead of running the good ones (exit 1).", panel="output"
@@ -123,6 +141,14 @@ def from_command_line(prompts: Path, values: dict[str, Any]) -> RunOptions:
     if not values["progress_interval"] > 0:
         raise UsageError(
             f"--progress-interval takes a number of seconds > 0, not {values['progress_interval']}"
+        )
+    if values["resume_every_tokens"] < 0:
+        raise UsageError(
+            f"--resume-every-tokens takes a number of tokens (0: off), not {values['resume_every_tokens']}"
+        )
+    if not values["resume_every_seconds"] > 0:
+        raise UsageError(
+            f"--resume-every-seconds takes a number of seconds > 0, not {values['resume_every_seconds']}"
         )
     if values["data_parallel"] < 0:
         raise UsageError(

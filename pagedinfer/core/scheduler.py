@@ -124,6 +124,7 @@ class SchedulerCounters:
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recompute included)
     output_tokens_recomputed: int = 0  # generated tokens run again after a preemption
     output_tokens_restored: int = 0  # generated tokens a resumed completion found in the prefix cache
+    output_tokens_kept: int = 0  # generated tokens an earlier run kept (--resume inside a line), replayed
     generated_tokens: int = 0
     preemptions: int = 0
     prompt_tokens_readmitted: int = 0  # prompt tokens of requests admitted again after a preemption
@@ -376,6 +377,8 @@ class Scheduler:
         if not req.completions:  # a beam search starts from one beam
             n = 1 if req.beam is not None else req.params.n
             req.completions = [self._new_completion(req, i) for i in range(n)]
+            if req.kept:
+                self._replay_kept(req)
         seq = Sequence(req, 0, True, list(req.prompt_token_ids), req.num_prompt_tokens)
         req.prompt_seq = seq
         kv.take_prefix(seq, hit)
@@ -406,6 +409,28 @@ class Scheduler:
             logits_state=state,
             logprobs=[] if req.params.logprobs is not None else None,
         )
+
+    def _replay_kept(self, req: Request) -> None:
+        """Append each completion's kept tokens as if sampled now (their random numbers were drawn when
+        its states were made): its stops, text and grammar state come out as the earlier run's. Kept
+        tokens that end every completion, or that the replay refuses (a grammar, a stop token's
+        entry missing), are dropped: the request runs from its prompt, as without them."""
+        kept, req.kept = req.kept, None
+        try:
+            for seq in req.completions:
+                k = kept.get(seq.index)
+                for j, token in enumerate(k.token_ids if k is not None else ()):
+                    if seq.finished:
+                        raise ValueError("a kept completion goes on after its end")
+                    top = None if k.logprobs is None else k.logprobs[j]
+                    self._append(seq, token, None if top is None else top[token].logprob, top, count=False)
+            if all(s.finished for s in req.completions):
+                raise ValueError("nothing left to generate")
+        except Exception:  # noqa: BLE001 - kept tokens that do not replay are dropped, never the request
+            n = len(req.completions)
+            req.completions = [self._new_completion(req, i) for i in range(n)]
+            return
+        self.counters.output_tokens_kept += req.tokens_so_far()
 
     def _preempt(self, req: Request) -> None:
         """Free every block of ``req`` and queue it first; its tokens are recomputed on return."""
@@ -571,8 +596,11 @@ class Scheduler:
         self.kv_cache_manager.free(parent)
         req.prompt_seq = None
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> None:
-        """Append one sampled token and decide whether it ends the sequence (and why)."""
+    def _append(
+        self, seq: Sequence, token: int, logprob: float | None, top: dict | None, count: bool = True
+    ) -> None:
+        """Append one sampled token and decide whether it ends the sequence (and why); ``count``: it
+        was generated in this run (a kept one replayed is not)."""
         p = seq.request.params
         seq.token_ids.append(token)
         if seq.logits_state is not None:
@@ -580,7 +608,7 @@ class Scheduler:
         if seq.logprobs is not None:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)
-        self.counters.generated_tokens += 1
+        self.counters.generated_tokens += count
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:

@@ -9,6 +9,7 @@ as opaque objects.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +43,8 @@ class LogitsStateLike(Protocol):
     def accept(self, token: int) -> None: ...
 
     def fork(self) -> LogitsStateLike: ...
+
+    def forced_tokens(self) -> list[int]: ...
 
 
 @dataclass(eq=False)
@@ -107,6 +110,32 @@ class Sequence:
         )
 
 
+@dataclass
+class KeptCompletion:
+    """What an earlier run had generated of one unfinished line's completion (``--resume`` inside a
+    line): its tokens and, when the line asks for logprobs, their entries. Replayed through the same
+    code as a fresh token (`Scheduler` appends it), so stops, text and grammar state come out the same."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None  # one entry per token, its own token in it
+
+
+@dataclass
+class KeptLine:
+    """What an earlier run generated of a line it did not finish: its completions' tokens, for the
+    request `request_identity` names (another seed, prompt or n is not that request)."""
+
+    identity: str
+    completions: dict[int, KeptCompletion]
+
+
+def request_identity(seed: int, prompt_token_ids: list[int], n: int) -> str:
+    """What kept completions belong to: a request with this seed, prompt and n (``--resume`` checks
+    that the line it replays them into is still that request)."""
+    digest = hashlib.blake2b(f"{seed}/{n}/{prompt_token_ids}".encode(), digest_size=8)
+    return digest.hexdigest()
+
+
 class CompletionStates(Protocol):
     """What a new completion starts with: its random source, detokenizer and logits state (the engine
     makes them, `engine.completion_state`; the scheduler asks when it first admits a request)."""
@@ -144,6 +173,8 @@ class Request:
     # limit) or "line_timeout" (`cap_at_next_token`); a completion it ends says so
     cap: str | None = None
     started_s: float | None = None  # the scheduler's clock when first admitted (None: never yet)
+    # by completion index: what an earlier run generated (``--resume``), replayed at first admission
+    kept: dict[int, KeptCompletion] | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -197,6 +228,11 @@ class Request:
         self.cap = cap
         if self.beam is not None:
             self.beam.max_tokens = self.max_tokens
+
+    def kept_draws(self, index: int) -> int:
+        """Random numbers completion ``index``'s kept tokens drew: one per sampled token (none greedy)."""
+        kept = self.kept.get(index) if self.kept else None
+        return 0 if kept is None or self.params.greedy else len(kept.token_ids)
 
     def tokens_so_far(self) -> int:
         """Tokens its unfinished and finished completions (or live beams) hold now."""

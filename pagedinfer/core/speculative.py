@@ -2,27 +2,39 @@
 
 A decoding sequence may run, after its own pending token, a few drafted tokens in the same step; the
 scheduler verifies them (each drafted position's token drawn exactly as without speculation) and
-keeps them up to the first mismatch. This module only proposes:
+keeps them up to the first mismatch. Any source is therefore exact by construction; this module only
+proposes, from (first that has a draft):
 
+* ``grammar``: the tokens a structured output's grammar forces next (its fixed keys and punctuation);
 * ``prompt_lookup``: the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens (the
   longest that matches first) looked up earlier in its own prompt and output; the tokens that followed
   their latest occurrence are the draft (vLLM's ``ngram`` method, llama.cpp's lookup decoding);
-* ``siblings``: the same suffix looked up in the outputs of the request's other completions (n > 1).
+* ``siblings``: the same suffix looked up in the outputs of the request's other completions (n > 1);
+* ``finished``: the same suffix looked up in the lines finished earlier in the run (`FinishedLines`,
+  the last ``suffix_decoding_max_cached_requests`` completions, each its prompt's tail and output).
 
 The n-grams are indexed as tokens arrive (a dict per n-gram size range: the prompt's once per request,
-each completion's outputs on its own), so a proposal costs a few dict lookups, not a scan.
+each completion's outputs on its own, a finished completion's once), so a proposal costs a few dict
+lookups, not a scan.
 
-Gating: a drafted row costs the step ``per_row`` more; an accepted draft token saves the sequence's
-share of a step. With a step of R rows costing ``fixed + per_row * R`` (`RowCost`, measured by the
-engine at start-up) and B sequences decoding, the k-th draft token is worth its row when the chance
-it is accepted, ``rate ** k``, is at least ``per_row * B / (fixed + per_row * B)``. ``rate`` is each
-line's acceptance rate for the source, from decayed counts (so a line whose drafts stopped matching
-stops drafting, and one gated off drifts back to the prior and tries again where rows are cheap).
+Gating (`draft_length`): with B sequences decoding, a step of B rows gives B tokens; drafting k more
+rows for one of them makes the step cost ``seconds(B + k)`` and gives ``B + rate + ... + rate ** k``
+tokens expected, so the draft is cut to the k that gives the most tokens a second, none when no k
+beats the step without it. ``rate`` is each line's acceptance rate for the source, from decayed counts
+(so a line whose drafts stopped matching stops drafting, and one gated off drifts back to the prior
+and tries again where rows are cheap). ``seconds(R)`` is the run's own: `StepTimes` keeps the recent
+wall times of its decode steps by row count (seeded by a start-up measurement) and reads a count's
+cost off their medians, so the jump from the one-row decode path to the multi-row one, sampling and
+verification are in it; a fixed `RowCost` line stands in for it in tests.
 """
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import median
 from typing import TYPE_CHECKING
 
 from pagedinfer.config import SpeculativeConfig
@@ -30,9 +42,16 @@ from pagedinfer.config import SpeculativeConfig
 if TYPE_CHECKING:
     from pagedinfer.core.sequence import Request, Sequence
 
-SOURCES = ("prompt_lookup", "siblings")
-PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0  # a line's first drafts: acceptance rate 1/2 assumed
+SOURCES = ("grammar", "prompt_lookup", "siblings", "finished")
+PRIOR_WEIGHT = 2.0  # outcomes a line's prior counts for (its source's rate in the run, 1/2 at first)
 DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outcomes count most)
+LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
+WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
+MIN_TIMES = 3  # a row count's times needed before it counts in the fit
+FIT_EVERY = 8  # decode steps between refits of the step costs
+EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
+MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gains are within the
+# step costs' error, and a wrong draft costs more than a missed one gains
 
 
 class NgramIndex:
@@ -54,12 +73,56 @@ class NgramIndex:
         self.upto = max(self.upto, len(tokens))
 
 
+class FinishedLines:
+    """The n-grams of the last ``capacity`` finished completions, oldest dropped first: n-gram -> the
+    latest line holding it, whose tokens after it are a draft for another line. Memory is bounded by
+    ``capacity`` lines of at most `LINE_TOKENS` tokens, each indexed for ``hi - lo + 1`` sizes."""
+
+    def __init__(self, lo: int, hi: int, capacity: int) -> None:
+        self.lo, self.hi, self.capacity = lo, hi, capacity
+        self.lines: OrderedDict[int, tuple[list[int], NgramIndex]] = OrderedDict()  # oldest first
+        self.latest: dict[tuple[int, ...], int] = {}
+        self._next = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Index a finished completion's ``tokens``; past ``capacity`` lines, drop the oldest (and each
+        n-gram whose latest line it was: no other line held it since)."""
+        tokens = tokens[:LINE_TOKENS]
+        if self.capacity == 0 or len(tokens) <= self.lo:
+            return
+        index = NgramIndex(self.lo, self.hi)
+        index.extend(tokens)
+        line, self._next = self._next, self._next + 1
+        self.lines[line] = (tokens, index)
+        for gram in index.at:
+            self.latest[gram] = line
+        while len(self.lines) > self.capacity:
+            old, (_, old_index) = self.lines.popitem(last=False)
+            for gram in old_index.at:
+                if self.latest.get(gram) == old:
+                    del self.latest[gram]
+
+    def follow(self, gram: tuple[int, ...], room: int) -> list[int] | None:
+        """Up to ``room`` tokens that followed ``gram`` in the latest line holding it, or None."""
+        line = self.latest.get(gram)
+        if line is None:
+            return None
+        tokens, index = self.lines[line]
+        at = index.at[gram]
+        return tokens[at : at + room]
+
+
 @dataclass
 class Acceptance:
-    """One line's drafts from one source: decayed counts of accepted tokens and of mismatches."""
+    """One line's drafts from one source: decayed counts of accepted tokens and of mismatches, from a
+    prior rate (the source's rate over the run's earlier drafts: a new line starts where others are)."""
 
-    hits: float = PRIOR_HITS
-    misses: float = PRIOR_MISSES
+    prior: float = 0.5
+    hits: float = field(init=False)
+    misses: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits, self.misses = PRIOR_WEIGHT * self.prior, PRIOR_WEIGHT * (1 - self.prior)
 
     @property
     def rate(self) -> float:
@@ -72,20 +135,96 @@ class Acceptance:
 
     def relax(self) -> None:
         """A step the line could have drafted but was gated off: drift back toward the prior."""
-        self.hits = self.hits * DECAY + PRIOR_HITS * (1 - DECAY)
-        self.misses = self.misses * DECAY + PRIOR_MISSES * (1 - DECAY)
+        self.hits = self.hits * DECAY + PRIOR_WEIGHT * self.prior * (1 - DECAY)
+        self.misses = self.misses * DECAY + PRIOR_WEIGHT * (1 - self.prior) * (1 - DECAY)
 
 
 @dataclass(frozen=True)
 class RowCost:
-    """A step of R rows costs ``fixed + per_row * R`` (the engine's start-up measurement): only their
-    ratio matters. ``fixed_over_row`` infinite: rows are free, every draft is taken (tests)."""
+    """A step of R rows costs ``fixed + per_row * R``: only their ratio matters. ``fixed_over_row``
+    infinite: rows are free, every draft is taken (tests)."""
 
     fixed_over_row: float
 
-    def threshold(self, num_seqs: int) -> float:
-        """The acceptance chance a drafted row must have to pay, in a step of ``num_seqs`` sequences."""
-        return num_seqs / (self.fixed_over_row + num_seqs)
+    def seconds(self, rows: int) -> float:
+        """A step's cost in units of one row's."""
+        return self.fixed_over_row + rows
+
+
+def draft_length(rate: float, most: int, num_seqs: int, seconds: Callable[[int], float]) -> int:
+    """How many of ``most`` drafted tokens (each accepted with chance ``rate`` once the one before was)
+    make a step of ``num_seqs`` sequences give the most tokens a second, a step of R rows costing
+    ``seconds(R)``; 0 when none beats the step without them by `MARGIN`."""
+    base = seconds(num_seqs)
+    if math.isinf(base):  # rows are free
+        return most
+    best, k_best, expected, chance = num_seqs / base * (1 + MARGIN), 0, 0.0, 1.0
+    for k in range(1, most + 1):
+        chance *= rate
+        expected += chance
+        value = (num_seqs + expected) / seconds(num_seqs + k)
+        if value > best:
+            best, k_best = value, k
+    return k_best
+
+
+class StepTimes:
+    """Decode steps' wall times by row count: each count's cost is the median of its latest `WINDOW`
+    times (a loaded machine's outliers do not move it), made non-decreasing in the count (a row more
+    never makes a step cheaper: isotonic regression); a count without times is interpolated between its neighbours (or
+    extended from the nearest two). Seeded with the start-up probes' times, which the run's own steps
+    (sampling and verification included) then replace. `refit` brings the medians up to date."""
+
+    def __init__(self, seed: dict[int, list[float]] | None = None) -> None:
+        self.times: dict[int, deque[float]] = {}
+        for rows, seconds in (seed or {}).items():
+            self.times[rows] = deque(seconds, maxlen=WINDOW)
+        self.known: list[tuple[int, float]] = []  # (rows, cost), by rows
+        self.refit()
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+
+    def refit(self) -> None:
+        """Each timed count's median, then the closest non-decreasing costs (neighbours out of order
+        are pooled into their weighted mean: a noisy high count does not make the rows after it free)."""
+        pools: list[list] = []  # [weighted sum, weight, row counts], costs non-decreasing
+        for rows, times in sorted(self.times.items()):
+            if len(times) >= MIN_TIMES:
+                pools.append([median(times) * len(times), len(times), [rows]])
+                while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+                    total, weight, counts = pools.pop()
+                    pools[-1][0] += total
+                    pools[-1][1] += weight
+                    pools[-1][2] += counts
+        self.known = [(rows, total / weight) for total, weight, counts in pools for rows in counts]
+
+    def seconds(self, rows: int) -> float:
+        """A step of ``rows`` rows' cost; infinite (rows free: every draft taken) with fewer than two
+        counts timed."""
+        known = self.known
+        if len(known) < 2:
+            return math.inf
+        i = next((i for i, (r, _) in enumerate(known) if r >= rows), len(known))
+        if i < len(known) and known[i][0] == rows:
+            return known[i][1]
+        (r0, t0), (r1, t1) = known[min(max(i - 1, 0), len(known) - 2) :][:2]
+        return max(t0 + (t1 - t0) / (r1 - r0) * (rows - r0), 0.0)
+
+    def fit(self) -> RowCost | None:
+        """The line ``fixed + per_row * rows`` through the counts with `MIN_TIMES` times, weighted by
+        their times (the report's summary of the costs); None with fewer than two such counts. A slope
+        under a thousandth of a step (noise) counts as that."""
+        points = [(r, median(t), len(t)) for r, t in self.times.items() if len(t) >= MIN_TIMES]
+        if len(points) < 2:
+            return None
+        total = sum(w for _, _, w in points)
+        mean_r = sum(r * w for r, _, w in points) / total
+        mean_t = sum(t * w for _, t, w in points) / total
+        spread = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+        slope = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread
+        per_row = max(slope, min(t for _, t, _ in points) * 1e-3)
+        return RowCost(max(mean_t - slope * mean_r, 0.0) / per_row)
 
 
 @dataclass
@@ -116,15 +255,25 @@ class SpeculationStats:
 
 
 class Speculator:
-    """Proposes each decoding sequence's draft, and learns from each verification's outcome."""
+    """Proposes each decoding sequence's draft, and learns from each verification's outcome and
+    (given `StepTimes`) from each decode step's time."""
 
-    def __init__(self, config: SpeculativeConfig, cost: RowCost) -> None:
+    def __init__(self, config: SpeculativeConfig, cost: RowCost | StepTimes) -> None:
+        """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps update (until two
+        row counts are timed, every draft is taken)."""
         self.config = config
-        self.cost = cost
+        self.times = cost if isinstance(cost, StepTimes) else None
+        self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
+        self._steps = 0  # decode steps timed
+        self._gated = 0  # gated-off drafts (every `EXPLORE_EVERY`-th runs one token)
         self._prompts: dict[Request, NgramIndex] = {}
         self._outputs: dict[Sequence, NgramIndex] = {}
         self._acceptance: dict[tuple[Request, str], Acceptance] = {}
-        self.stats = SpeculationStats(config.num_speculative_tokens, cost.fixed_over_row)
+        self._totals: dict[str, list[int]] = {}  # source -> [accepted tokens, mismatches] in the run
+        self.finished = FinishedLines(
+            config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_decoding_max_cached_requests
+        )
+        self.stats = SpeculationStats(config.num_speculative_tokens, self.cost.fixed_over_row)
 
     def _index(self, seq: Sequence) -> NgramIndex:
         """``seq``'s index of n-grams followed by its generated tokens, brought up to date."""
@@ -146,8 +295,11 @@ class Speculator:
         return index
 
     def _lookup(self, seq: Sequence, room: int) -> Draft | None:
-        """The longest suffix of ``seq`` found earlier (own output, prompt, then siblings' outputs) and
-        up to ``room`` tokens that followed it."""
+        """The tokens ``seq``'s grammar forces next; else the longest suffix of ``seq`` found earlier
+        (own output, prompt, siblings' outputs, then finished lines) and up to ``room`` tokens that
+        followed it."""
+        if seq.logits_state is not None and (forced := seq.logits_state.forced_tokens()):
+            return Draft("grammar", forced[:room])
         tokens, req = seq.token_ids, seq.request
         siblings = [s for s in req.completions if s is not seq and s.num_output_tokens]
         own, prompt = self._index(seq), self._prompt_index(req)
@@ -164,6 +316,8 @@ class Speculator:
             for sib, index in others:
                 if (at := index.at.get(key)) is not None:
                     return Draft("siblings", sib.token_ids[at : at + room])
+            if (follow := self.finished.follow(key, room)) is not None:
+                return Draft("finished", follow)
         return None
 
     def propose(self, seq: Sequence, room: int, num_seqs: int) -> Draft | None:
@@ -175,29 +329,60 @@ class Speculator:
         draft = self._lookup(seq, room)
         if draft is None or not draft.token_ids:
             return None
-        acceptance = self._acceptance.setdefault((seq.request, draft.source), Acceptance())
-        threshold, rate = self.cost.threshold(num_seqs), acceptance.rate
-        k, chance = 0, rate
-        while k < len(draft.token_ids) and chance >= threshold:  # the (k+1)-th token pays for its row
-            k, chance = k + 1, chance * rate
+        acceptance = self._line_acceptance(seq.request, draft.source)
+        seconds = self.cost.seconds if self.times is None else self.times.seconds
+        k = draft_length(acceptance.rate, len(draft.token_ids), num_seqs, seconds)
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
-            return None
+            self._gated += 1
+            if self.times is None or self._gated % EXPLORE_EVERY:
+                return None
+            k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
         return draft
 
     def verified(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:
         """The outcome of ``draft``: its first ``accepted`` tokens kept; ``mismatch``: a drawn token
         differed (not an end of the sequence inside the draft)."""
-        self._acceptance.setdefault((seq.request, draft.source), Acceptance()).record(accepted, mismatch)
+        self._line_acceptance(seq.request, draft.source).record(accepted, mismatch)
+        totals = self._totals.setdefault(draft.source, [0, 0])
+        totals[0] += accepted
+        totals[1] += mismatch
         counts = self.stats.sources[draft.source]
         counts.drafted += len(draft.token_ids)
         counts.accepted += accepted
         counts.steps += 1
 
+    def _line_acceptance(self, req: Request, source: str) -> Acceptance:
+        """``req``'s acceptance for ``source``; a new one starts at the source's rate in the run so far
+        (accepted tokens over accepted and mismatches, one of each assumed)."""
+        acceptance = self._acceptance.get((req, source))
+        if acceptance is None:
+            hits, misses = self._totals.get(source, (0, 0))
+            acceptance = self._acceptance[req, source] = Acceptance((hits + 1) / (hits + misses + 2))
+        return acceptance
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows (drafted ones included) took ``seconds``: with `StepTimes`,
+        the cost line is refit from them every `FIT_EVERY` steps."""
+        if self.times is None:
+            return
+        self.times.add(rows, seconds)
+        self._steps += 1
+        if self._steps % FIT_EVERY == 0:
+            self.times.refit()
+            if (cost := self.times.fit()) is not None:
+                self.cost = cost
+                self.stats.fixed_over_row = cost.fixed_over_row
+
     def forget(self, req: Request) -> None:
-        """``req`` finished: drop its indexes and acceptance counts."""
+        """``req`` finished: its completions' tokens (each its prompt's tail and output) join the
+        finished lines later lines draft from; drop its indexes and acceptance counts."""
+        tail = max(req.num_prompt_tokens - self.config.prompt_lookup_max, 0)
+        for seq in req.completions:
+            if seq.num_output_tokens:
+                self.finished.add(seq.token_ids[tail:])
         self._prompts.pop(req, None)
         for seq in [req.prompt_seq, *req.completions]:
             self._outputs.pop(seq, None)

@@ -22,10 +22,13 @@ class CompletionStates:
         self, req: Request, index: int
     ) -> tuple[torch.Generator, IncrementalDetokenizer | None, LogitsState | None]:
         """Completion ``index`` of ``req``: its random source (seeded from the request's base seed, the
-        index and the prompt), its detokenizer and its processors' states."""
+        index and the prompt, past the numbers its kept tokens drew: `Request.kept_draws`), its
+        detokenizer and its processors' states."""
         tok, p = self.tokenizer, req.params
         gen = torch.Generator()
         gen.manual_seed(completion_seed(req.seed, index, req.prompt_token_ids))
+        for _ in range(req.kept_draws(index)):  # the sampler draws one number per token, one at a time
+            torch.rand(1, generator=gen)
         state = self.logits.new_state(p) if p.shapes_logits else None
         if tok is None:
             return gen, None, state

@@ -31,6 +31,7 @@ from typing import Any
 
 from pagedinfer import chat_render
 from pagedinfer.core.limits import RequestLimits
+from pagedinfer.core.sequence import KeptCompletion
 from pagedinfer.errors import first_line
 from pagedinfer.logits.processor import LogitsPipeline
 from pagedinfer.lora.adapter import AdapterError
@@ -52,6 +53,8 @@ class EngineRequest:
     beam: BeamSearchParams | None = None
     lora: LoadedAdapter | None = None  # its adapter (None: the base model)
     cap: str | None = None  # "max_line_tokens" when that cap is below its own limit
+    # what an earlier run generated of it, by completion index (``--resume`` inside a line)
+    kept: dict[int, KeptCompletion] | None = None
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from time import monotonic
+from time import monotonic, perf_counter
 
 import torch
 
@@ -18,12 +18,12 @@ from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.limits import RequestLimits
 from pagedinfer.core.scheduler import ModelOutput, PromptRows, SampleTarget, Scheduler, SchedulerOutput
-from pagedinfer.core.sequence import Request, RequestState
+from pagedinfer.core.sequence import KeptCompletion, Request, RequestState
 from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
 from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
-from pagedinfer.engine.row_cost import measure_row_cost
+from pagedinfer.engine.row_cost import measure_step_times
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.logits.controls import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
 from pagedinfer.logits.processor import LogitsPipeline
@@ -243,17 +243,18 @@ class LLMEngine:
     def _speculator(self, cost: RowCost | None = None) -> Speculator | None:
         """Speculation as configured, where it changes no bit (on the path the reproducibility contract
         covers, whose rows do not depend on their neighbours); else None, with a warning saying why.
-        ``cost``: the drafted rows' cost (None: measured now on the loaded model)."""
+        ``cost``: the drafted rows' cost, fixed (None: measured now on the loaded model, then refit from
+        the run's decode steps)."""
         spec = self.config.speculative_config
         covered = fingerprint.reproducibility(self)
         if not covered.covered:
             self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
             warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
             return None
-        if cost is None:
-            cost = measure_row_cost(self.runner, self.pool, spec.num_speculative_tokens)
         self.speculation_mode = f"on: {spec.method}, up to {spec.num_speculative_tokens} drafted tokens"
-        return Speculator(spec, cost)
+        return Speculator(
+            spec, cost or measure_step_times(self.runner, self.pool, spec.num_speculative_tokens)
+        )
 
     def set_row_cost(self, cost: RowCost) -> None:
         """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)."""
@@ -366,9 +367,33 @@ class LLMEngine:
             req.beam = BeamSearch(
                 beam.beam_width, req.max_tokens, beam.length_penalty, beam.early_stopping, frozenset(stops)
             )
+        elif prepared.kept:
+            req.kept = self._usable(prepared.kept, params)
         self._stats.count_added(req)
         self.scheduler.add(req)
         return req
+
+    def _usable(self, kept: dict[int, KeptCompletion], params: SamplingParams) -> dict | None:
+        """``kept`` when each of its completions can be replayed as this request's (an index below n,
+        token ids in the vocabulary, an entry with its own token per token where logprobs are asked
+        for); else None: the request runs from its prompt."""
+        for index, k in kept.items():
+            ok = 0 <= index < params.n and all(0 <= t < self.vocab_size for t in k.token_ids)
+            if params.logprobs is not None:
+                ok = ok and k.logprobs is not None and len(k.logprobs) == len(k.token_ids)
+                ok = ok and all(t in top for t, top in zip(k.token_ids, k.logprobs or (), strict=False))
+            if not ok:
+                return None
+        return kept
+
+    def generating(self) -> dict[int, Request]:
+        """The unfinished requests whose completions hold generated tokens, by ``order``: what
+        ``--resume`` keeps of a line mid-generation (a beam search's beams are not kept: it reruns)."""
+        return {
+            r.order: r
+            for r in (*self.scheduler.running, *self.scheduler.waiting)
+            if r.beam is None and r.error is None and r.sampled_yet
+        }
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its blocks to the pool."""
@@ -381,11 +406,19 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one batch; return the requests that finished in it (failed ones included)."""
+        start = perf_counter()
         plan = self.scheduler.schedule()  # who runs, which blocks, which logits row feeds whom
         self._stats.record_step(self.scheduler.make_stats(), plan.num_tokens)
         output = self._execute(plan) if plan.batch else ModelOutput()
         finished = self.scheduler.update_from_output(plan, output)  # computed, forks, appends, stops, frees
         self._stats.count_finished(finished)
+        speculator = self.scheduler.speculator
+        if (
+            speculator is not None
+            and plan.batch
+            and all(s.num_tokens == 1 + len(s.draft) for s in plan.batch)
+        ):
+            speculator.observe(plan.num_tokens, perf_counter() - start)  # a decode step: the gate's times
         return finished
 
     def _execute(self, plan: SchedulerOutput) -> ModelOutput:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from pagedinfer.core.sequence import Request
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import LLMEngine, StartedRequest
 from pagedinfer.errors import first_line
@@ -49,6 +50,12 @@ class GenerationLoop:
     def tags(self) -> list[Any]:
         """The tags of the requests inside the engine."""
         return [tag for tag, _ in self._inside.values()]
+
+    def generating(self) -> list[tuple[Any, Request]]:
+        """(tag, request) of the requests inside the engine whose completions hold generated tokens
+        (`LLMEngine.generating`)."""
+        found = self.engine.generating()
+        return [(entry[0], found[order]) for order, entry in self._inside.items() if order in found]
 
     def add(self, tag: Any, prepared: EngineRequest | Rejected) -> list[Finished]:
         """Queue one request; a rejected one is answered at once (returned)."""

@@ -1,5 +1,6 @@
-"""What a drafted row costs: one step of 1 row and one of 1 + k rows timed on the loaded model at
-start-up (speculative decoding's gate, `core.speculative.RowCost`)."""
+"""What a drafted row costs, first guess: steps of 1 row and of 1 + k rows timed on the loaded model
+at start-up, the seed of speculative decoding's `core.speculative.StepTimes` (which the run's own
+decode steps then refit)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from pagedinfer.core.block_pool import BlockPool
-from pagedinfer.core.speculative import RowCost
+from pagedinfer.core.speculative import StepTimes
 from pagedinfer.model.runner import ModelRunner
 
-TIMED = 5  # passes of each shape, alternating (the least of each kept: a loaded machine only adds)
+TIMED = 7  # passes of each shape, alternating (their median is the seed: a loaded machine's outliers
+# do not move it)
 
 
 @dataclass
@@ -39,24 +41,24 @@ class _Probe:
         return self.token_ids
 
 
-def measure_row_cost(runner: ModelRunner, pool: BlockPool, k: int) -> RowCost:
+def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTimes:
     """Time steps of 1 and ``1 + k`` rows (positions from 0, on blocks taken from ``pool`` and given
-    back); fit ``fixed + per_row * rows``. No free block for them: rows assumed free (always draft)."""
+    back). No free block for them: no times (every draft is taken until the run's steps time two row
+    counts)."""
     table: list[int] = []
     try:
         pool.reserve(table, 0, 1 + k)
     except RuntimeError:
-        return RowCost(float("inf"))
+        return StepTimes()
+    times: dict[int, list[float]] = {1: [], 1 + k: []}
     try:
         one, many = [_Probe(table, 1)], [_Probe(table, 1 + k)]
-        best = {1: float("inf"), 1 + k: float("inf")}
         for i in range(TIMED + 1):  # the first pass of each shape warms up, untimed
             for batch in (one, many):
                 t = perf_counter()
                 runner.execute(batch, [])
                 if i:
-                    best[batch[0].num_tokens] = min(best[batch[0].num_tokens], perf_counter() - t)
+                    times[batch[0].num_tokens].append(perf_counter() - t)
     finally:
         pool.free(table)
-    per_row = max((best[1 + k] - best[1]) / k, best[1] * 1e-3)  # timing noise never makes rows free
-    return RowCost(max(best[1] - per_row, 0.0) / per_row)
+    return StepTimes(times)

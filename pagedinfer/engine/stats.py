@@ -146,6 +146,10 @@ class EngineStats:
         return self.counters.output_tokens_restored
 
     @property
+    def output_tokens_kept(self) -> int:
+        return self.counters.output_tokens_kept
+
+    @property
     def generated_tokens(self) -> int:
         return self.counters.generated_tokens
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from pagedinfer.core.sequence import KeptLine, Request, request_identity
 from pagedinfer.engine.intake import EngineRequest, Rejected
 from pagedinfer.engine.llm_engine import StartedRequest
 from pagedinfer.lines.line import Item, LineError, LineRequest
@@ -58,6 +59,7 @@ class LineRunner:
         self.model_name = model_name
         self.token_text = TokenText(llm.tokenizer)
         self._loop = llm.loop()
+        self.kept: dict[str, KeptLine] = {}  # by line key: what an earlier run generated (--resume)
 
     def run(
         self,
@@ -109,6 +111,10 @@ class LineRunner:
         """The positions of the rows inside the engine."""
         return [position for position, _ in self._loop.tags()]
 
+    def generating(self) -> list[tuple[str, Request]]:
+        """(line key, request) of the lines inside the engine that hold generated tokens now."""
+        return [(item.key, req) for (_, item), req in self._loop.generating()]
+
     def rejected(self, rows: Iterable[tuple[int, LineRequest]]) -> list[Answer]:
         """The rows the model or the pool can never run, with why (``--strict`` stops on them)."""
         checked = ((row, self._prepare(row[1])) for row in rows)
@@ -121,7 +127,13 @@ class LineRunner:
     def _prepare(
         self, item: LineRequest, interrupt: Callable[[], None] | None = None
     ) -> EngineRequest | Rejected:
-        return self.llm.prepare(item.prompt, item.params, str(item.id), item.lora, interrupt)
+        prepared = self.llm.prepare(item.prompt, item.params, str(item.id), item.lora, interrupt)
+        kept = self.kept.pop(item.key, None)
+        if isinstance(prepared, EngineRequest) and kept is not None:
+            p = prepared
+            if kept.identity == request_identity(p.seed, p.prompt_token_ids, p.params.n):
+                prepared.kept = kept.completions
+        return prepared
 
     def _answer(self, row: Row, output: RequestOutput | BeamSearchOutput | None) -> Answer:
         position, item = row

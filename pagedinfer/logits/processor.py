@@ -80,6 +80,9 @@ class SequenceState(Protocol):
 
     def fork(self) -> SequenceState: ...
 
+    # optional: ``forced_tokens() -> list[int]``, the tokens that alone may come next (a grammar's
+    # fixed text), which speculative decoding drafts
+
 
 class LogitsState:
     """A sequence's processor states by processor name: forked with the sequence, told each token."""
@@ -100,6 +103,15 @@ class LogitsState:
     @property
     def finished(self) -> bool:
         return any(s.finished for s in self.states.values())
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens a state forces next (a grammar's fixed text: speculative decoding's free drafts);
+        empty when none does."""
+        for state in self.states.values():
+            forced = getattr(state, "forced_tokens", None)
+            if forced is not None and (tokens := forced()):
+                return tokens
+        return []
 
 
 class LogitsPipeline:

@@ -223,6 +223,12 @@ class MatcherState:
         keys = None if self.keys is None else self.keys.copy()
         return MatcherState(self.matcher.deep_copy(), keys, self.guard)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens of the text the grammar forces next (llguidance's fast-forward tokens, the
+        matcher unmoved): a draft that is verified like any other, so a tokenization the model would
+        not pick costs a rejected row, never a changed token."""
+        return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
     @property
     def finished(self) -> bool:
         """Nothing can follow (the grammar is complete, or only EOS may come)."""

@@ -29,7 +29,7 @@ import re
 import shutil
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ import torch
 
 from pagedinfer import envs
 from pagedinfer.errors import one_line
+from pagedinfer.model import families
 from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.families.spec import HF_LAYER, Family, Module
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
@@ -46,7 +47,7 @@ from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 2  # bump when the cache folder's contents change
+CACHE_VERSION = 3  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 
 
@@ -146,13 +147,14 @@ def _fill_cache(path: Path, folder: Path) -> None:
     tensors = [asdict(t) for t in header.tensors]
     folder_in, kwargs = source(path)
     tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-    with _HeaderReader.standing_in(header):
+    with _HeaderReader.standing_in(_read_as(header)):
         try:
             config = AutoConfig.from_pretrained(folder_in, **kwargs)
         except Exception as e:  # noqa: BLE001
             raise GGUFError(
                 f"{path}: cannot read the model config from its metadata: {one_line(e)}"
             ) from None
+        config = _family_config(config, header.metadata, header.arch, path)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         config.save_pretrained(tmp)
@@ -162,6 +164,42 @@ def _fill_cache(path: Path, folder: Path) -> None:
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _read_as(header: Header) -> Header:
+    """The header as transformers' GGUF reader is to see it: a family's whose architecture it has no
+    config mapping for (`Family.gguf_read_as`: OLMoE's) under the architecture whose keys it shares, so
+    that the reader makes a config (then `_family_config`'s) and the tokenizer of it."""
+    family = families.by_gguf_arch(header.arch, header.metadata)
+    if family is None or family.gguf_read_as is None:
+        return header
+    ours, theirs = f"{header.arch}.", f"{family.gguf_read_as}."
+    renamed = {k: theirs + k[len(ours) :] if k.startswith(ours) else k for k in header.metadata}
+    metadata = {renamed[k]: v for k, v in header.metadata.items()}
+    metadata["general.architecture"] = family.gguf_read_as
+    return replace(header, metadata=metadata, types={renamed[k]: t for k, t in header.types.items()})
+
+
+def _family_config(config, metadata: dict[str, object], arch: str, path: Path):
+    """transformers' config of a mixture-of-experts GGUF with what its GGUF reader leaves out: the
+    experts (a llama file with an expert count is a Mixtral's, which it reads as a dense llama), the
+    family's other keys (`Family.gguf_config_keys`) and the fields llama.cpp fixes for the architecture."""
+    from transformers import AutoConfig
+
+    family = families.by_gguf_arch(arch, metadata)
+    if family is None or family.experts is None:
+        return config
+    fields = config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        fields.pop(key, None)
+    keys = {"expert_count": family.experts.count, "expert_used_count": "num_experts_per_tok"}
+    for key, name in (keys | family.gguf_config_keys).items():
+        if f"{arch}.{key}" not in metadata:
+            raise GGUFError(
+                f"{path}: metadata {arch}.{key} is missing; a {family.name} file gives its {name}"
+            )
+        fields[name] = metadata[f"{arch}.{key}"]
+    return AutoConfig.for_model(family.name, **{**fields, **family.gguf_config_fixed})
 
 
 @dataclass
@@ -214,7 +252,8 @@ def _field(vtype: int, value: object) -> _Field:
 
 def hf_names(family: Family) -> Callable[[str], tuple[str, Module] | None]:
     """GGUF tensor name -> its Hugging Face name and module, as ``family`` declares them, for any layer
-    (None: not one of the family's tensors, e.g. rope_freqs)."""
+    (None: not one of the family's tensors, e.g. rope_freqs). A module per expert's name holds "{}"
+    for the expert (its GGUF tensor holds every expert's: `experts_of`)."""
     top = {m.gguf: m for m in family.top}
     layer = {m.gguf: m for m in family.layer}
 
@@ -242,6 +281,15 @@ def _family_arch(ckpt: GGUFCheckpoint, family: Family) -> None:
         )
 
 
+def experts_of(info: TensorInfo, named: tuple[str, Module]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The Hugging Face tensors one GGUF tensor holds: (name, name in the file, shape) of each; one for
+    most, one per expert for a 3-D tensor of every expert's weight (``blk.0.ffn_up_exps.weight[2]``)."""
+    hf, module = named
+    if not module.experts or len(info.shape) < 2:  # (a 1-D "experts" tensor: refused by its shape)
+        return [(hf, info.name, tuple(info.shape))]
+    return [(hf.format(e), f"{info.name}[{e}]", tuple(info.shape[1:])) for e in range(info.shape[0])]
+
+
 def tensor_index(ckpt: GGUFCheckpoint, family: Family) -> dict[str, Found]:
     """The file's tensors of ``family`` as `validate.check_tensors` takes them: Hugging Face name ->
     shape, type and GGUF name (the other tensors, e.g. rope_freqs, are not read)."""
@@ -250,7 +298,8 @@ def tensor_index(ckpt: GGUFCheckpoint, family: Family) -> dict[str, Found]:
     out = {}
     for info in ckpt.tensors.values():
         if (named := hf(info.name)) is not None:
-            out[named[0]] = Found(tuple(info.shape), info.kind, info.name, str(ckpt.path))
+            for name, stored_as, shape in experts_of(info, named):
+                out[name] = Found(shape, info.kind, stored_as, str(ckpt.path))
     return out
 
 
@@ -288,23 +337,28 @@ def state_dict(
         named = names(info.name)
         if named is None:  # e.g. rope_freqs: transformers ignores it too
             continue
-        hf, module = named
-        raw = ckpt.raw(info)
+        module = named[1]
+        parts = experts_of(info, named)  # [(name, _, shape)]: one, or one per expert
+        stored = ckpt.raw(info)  # [rows, row bytes]: every part's rows
+        raw = stored.reshape(len(parts), -1, stored.shape[1])  # [parts, rows, row bytes]
         heads = family.gguf_permuted.get(module.hf)
         permute = None if heads is None else getattr(s, heads)
-        if keep_blocks and info.kind in BLOCKS and len(info.shape) == 2:
-            data = raw if permute is None else _reverse_permute(raw, permute)
-            sd[hf] = GGUFWeight(info.kind, data, info.shape[1], lambda i=info: ckpt.release(i), bf16_io)
+        if keep_blocks and info.kind in BLOCKS and len(parts[0][2]) == 2:
+            for e, (hf, _, shape) in enumerate(parts):  # the file's pages dropped once the last is packed
+                data = raw[e] if permute is None else _reverse_permute(raw[e], permute)
+                last = e == len(parts) - 1
+                release = (lambda i=info: ckpt.release(i)) if last else None
+                sd[hf] = GGUFWeight(info.kind, data, shape[1], release, bf16_io)
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
         kind = getattr(gguf.GGMLQuantizationType, info.kind)
         with np.errstate(all="ignore"):  # non-finite scales: refused by validate.check_values, not warned
-            values = gguf.quants.dequantize(raw.reshape(-1), kind).reshape(info.shape)
+            values = gguf.quants.dequantize(raw.reshape(-1), kind).reshape(len(parts), *parts[0][2])
         values = values.astype(np.float32, copy=False)
-        if permute is not None:
-            values = _reverse_permute(values, permute)
-        sd[hf] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        for e, (hf, _, _) in enumerate(parts):
+            part = values[e] if permute is None else _reverse_permute(values[e], permute)
+            sd[hf] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
         ckpt.release(info)
     return sd, dequantized
 

@@ -1,5 +1,6 @@
-"""Our own dense decoder for the families `families` declares (llama, mistral, qwen2, qwen3), built
-for the engine's packed-row step.
+"""Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3; and the
+mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for the engine's
+packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
@@ -27,9 +28,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.lora.site import LoRASite
-from pagedinfer.model import families, fused_ops, packed_linear
+from pagedinfer.model import families, fused_ops, moe, packed_linear
 from pagedinfer.model.decode_step import OneCall
-from pagedinfer.model.families.spec import EMBED, FINAL_NORM, HF_LAYER, LINEAR_ROLES, LM_HEAD, Family, Sizes
+from pagedinfer.model.families.spec import EMBED, FINAL_NORM, HF_LAYER, LM_HEAD, Family, Sizes
 from pagedinfer.model.gguf_blocks import GGUFWeight
 from pagedinfer.model.validate import Found, sizes
 
@@ -49,7 +50,7 @@ def unsupported_reason(config) -> str | None:
         return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
     if family.rope not in ROPES:
         return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
-    return None
+    return moe.unsupported_reason(family, config)
 
 
 @dataclass
@@ -107,18 +108,27 @@ class DecoderLayer(nn.Module):
             window = getattr(config, "sliding_window", None)
         self.window = window or 0
         # qkv [(Hq + 2 Hkv) * D, H] (bias [(Hq + 2 Hkv) * D]); o [H, Hq * D]; gate_up [2 I, H], giving
-        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it
-        self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = (
-            _fused(
-                [sd.pop(f"{p}{m}.weight") for m in family.linears[role]],
-                [sd.pop(f"{p}{m}.bias", None) for m in family.linears[role]],
+        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it (a mixture
+        # of experts: qkv and o, and the experts' MLP in place of gate_up and down)
+        linears = {
+            role: _fused(
+                [sd.pop(f"{p}{m}.weight") for m in modules],
+                [sd.pop(f"{p}{m}.bias", None) for m in modules],
                 fused_ops.GatedLinear if role == "gate_up" else nn.Linear,
             )
-            for role in LINEAR_ROLES
-        )
+            for role, modules in family.linears.items()
+        }
+        self.qkv_proj, self.o_proj = linears["qkv"], linears["o"]
+        self.mlp = None if family.experts is None else _experts(config, family, p, sd, s)
+        if self.mlp is None:
+            self.gate_up_proj, self.down_proj = linears["gate_up"], linears["down"]
         norms = {role: _param(sd.pop(f"{p}{m}.weight")) for role, m in family.norms.items()}
         self.input_norm, self.post_norm = norms["input_norm"], norms["post_norm"]  # [H]
-        self.q_norm, self.k_norm = norms.get("q_norm"), norms.get("k_norm")  # [D] where the family has them
+        # [D] where the family norms each head (the C chain's); [Hq D] and [Hkv D] where it norms all
+        # of q and all of k (`_norm_all_qk`)
+        self.q_norm, self.k_norm = norms.get("q_norm"), norms.get("k_norm")
+        self.qk_norm_all = family.qk_norm_over == "all"
+        self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE's clamp of q, k and v (None: none)
         self.lora = None  # its LoRA sites (`lora_sites.LayerSites`) once an engine enables LoRA
 
     def forward(
@@ -135,7 +145,11 @@ class DecoderLayer(nn.Module):
         lora = self.lora
         if lora is not None:
             lora.qkv.apply(qkv, x)
-        fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, self.q_norm, self.k_norm, self.eps, fast)
+        if self.qk_norm_all or self.clip_qkv is not None:
+            self._norm_all_qk(qkv, fast)
+            fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, None, None, self.eps, fast)
+        else:
+            fused_ops.qk_norm_rope_(qkv, hq, hkv, d, cos, sin, self.q_norm, self.k_norm, self.eps, fast)
         heads = qkv.view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]: q, k, v are views into it
         out = attention.attend(
             self.layer_idx,
@@ -149,6 +163,8 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.o.apply(o, out)
         x = fused_ops.add_rms_norm(residual, o, self.post_norm, self.eps, fast)
+        if self.mlp is not None:  # the experts (LoRA sites: attention's linears only)
+            return self.mlp(x)
         if lora is not None and lora.gate_up.active():  # deltas go in before silu(gate) * up
             gate_up = packed_linear.ungated(self.gate_up_proj, x)  # [T, 2 I]
             lora.gate_up.apply(gate_up, x)
@@ -159,6 +175,32 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.down.apply(down, act)
         return down
+
+    def _norm_all_qk(self, qkv: torch.Tensor, fast: bool) -> None:
+        """In place, before RoPE: OLMoE's RMSNorm over all of q's rows and all of k's (where the family
+        norms them so), then its clip of q, k and v to [-clip_qkv, clip_qkv] (where the config sets one)."""
+        q_width, kv_width = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.qk_norm_all:
+            for start, width, weight in ((0, q_width, self.q_norm), (q_width, kv_width, self.k_norm)):
+                part = qkv[:, start : start + width].contiguous()  # [T, Hq D] or [T, Hkv D]
+                qkv[:, start : start + width] = fused_ops.add_rms_norm(part, None, weight, self.eps, fast)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+
+
+def _experts(config, family: Family, prefix: str, sd: dict, s: Sizes) -> moe.ExpertMLP:
+    """A layer's mixture of experts from its tensors: the router, and each expert's gate-up (paired
+    panels) and down linears, as a dense layer's are made (float, quantized by the loader, or GGUF
+    blocks)."""
+    spec = family.experts
+    experts = []
+    for e in range(s.experts):
+        names = [f"{prefix}{m.format(e)}.weight" for m in spec.gate_up]
+        gate_up = _fused([sd.pop(n) for n in names], [None, None], fused_ops.GatedLinear)
+        down = _fused([sd.pop(f"{prefix}{spec.down.format(e)}.weight")], [None])
+        experts.append(moe.Expert(gate_up, down))
+    router = _fused([sd.pop(f"{prefix}{spec.router}.weight")], [None])  # [E, H]
+    return moe.ExpertMLP(router, experts, s, spec.renormalises(config))
 
 
 class RotaryEmbedding(nn.Module):

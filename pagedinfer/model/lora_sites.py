@@ -29,8 +29,8 @@ class LayerSites:
 
     qkv: LoRASite
     o: LoRASite
-    gate_up: LoRASite
-    down: LoRASite
+    gate_up: LoRASite | None = None  # None in a mixture-of-experts layer: its experts have no sites
+    down: LoRASite | None = None
 
 
 class LoRALinear(nn.Module):

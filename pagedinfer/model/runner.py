@@ -205,11 +205,13 @@ class ModelRunner:
         return out.logits[0].float()  # [R, vocab]
 
     def one_call(self, meta: AttentionMetadata, lora: bool) -> OneCall | None:
-        """The one-call C step for a decode-only step of our layers on the CPU kernels without adapter
-        rows (their deltas go in layer by layer), where every piece has a C kernel; else None: our
-        layers one by one, or transformers' modules."""
+        """The one-call C step for a decode-only step of our dense layers on the CPU kernels without
+        adapter rows (their deltas go in layer by layer), where every piece has a C kernel; else None:
+        our layers one by one, or transformers' modules."""
         if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len != 1:
             return None
+        if self.model.family.experts is not None:  # the C step runs dense layers only (no router, no
+            return None  # per-expert GEMMs): a mixture of experts decodes layer by layer (`moe.ExpertMLP`)
         return None if self._decode_step is None else OneCall(self._decode_step, meta)
 
     @functools.cached_property

@@ -76,7 +76,7 @@ def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: 
     each float a finite positive number (transformers divides by them, or makes a config no layer can
     be built from)."""
     arch = metadata.get("general.architecture")
-    family = families.by_gguf_arch(arch)
+    family = families.by_gguf_arch(arch, metadata)
     if family is None:
         return
     for key in (f"{arch}.{k}" for k in family.gguf_size_keys if f"{arch}.{k}" in metadata):
@@ -153,6 +153,17 @@ def sizes(config, where: str) -> Sizes:
             f"{where}: the config's rope_theta is {_value(theta)}; it must be a finite positive number"
         )
     positive("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    experts = top_k = expert_inter = 0
+    count = next((k for k in ("num_experts", "num_local_experts") if hasattr(config, k)), None)
+    if count is not None:  # a mixture of experts: top-k of the experts, each of its own size
+        experts = positive(count, getattr(config, count))
+        top_k = positive("num_experts_per_tok", getattr(config, "num_experts_per_tok", None))
+        if top_k > experts:
+            raise ModelCheckError(
+                f"{where}: the config's num_experts_per_tok ({top_k}) is more than its {count} ({experts})"
+            )
+        if hasattr(config, "moe_intermediate_size"):
+            expert_inter = positive("moe_intermediate_size", config.moe_intermediate_size)
     return Sizes(
         hidden,
         positive("intermediate_size", getattr(config, "intermediate_size", None)),
@@ -161,6 +172,9 @@ def sizes(config, where: str) -> Sizes:
         kv_heads,
         head_dim,
         positive("vocab_size", getattr(config, "vocab_size", None)),
+        experts,
+        top_k,
+        expert_inter,
     )
 
 
@@ -176,8 +190,9 @@ def _tensors(
     prefix: str, modules: Iterable[Module], s: Sizes
 ) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
     for m in modules:
-        for suffix, dims, required in m.tensors():
-            yield f"{prefix}{m.hf}.{suffix}", s.shape(dims), formula(dims), required
+        for e in range(s.experts) if m.experts else (None,):  # a module per expert: each expert's
+            for suffix, dims, required in m.tensors():
+                yield f"{prefix}{m.hf_name(e)}.{suffix}", s.shape(dims), formula(dims), required
 
 
 def _named(name: str, found: Found) -> str:

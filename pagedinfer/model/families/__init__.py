@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from pagedinfer.model.families.llama import LLAMA
 from pagedinfer.model.families.mistral import MISTRAL
+from pagedinfer.model.families.mixtral import MIXTRAL
+from pagedinfer.model.families.olmoe import OLMOE
 from pagedinfer.model.families.qwen2 import QWEN2
 from pagedinfer.model.families.qwen3 import QWEN3
+from pagedinfer.model.families.qwen3_moe import QWEN3_MOE
 from pagedinfer.model.families.spec import Family
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE)
 
 
 def find(config) -> Family | None:
@@ -21,11 +24,15 @@ def find(config) -> Family | None:
     return next((f for f in FAMILIES if kind in f.model_types), None)
 
 
-def by_gguf_arch(arch: object) -> Family | None:
-    """A family whose GGUF files have architecture ``arch`` (their size keys are what it gives)."""
-    return next((f for f in FAMILIES if f.gguf_arch == arch), None)
+def by_gguf_arch(arch: object, metadata: dict[str, object] | None = None) -> Family | None:
+    """The family of GGUF files of architecture ``arch`` (their size keys are what it gives): of two
+    sharing one (llama's files: llama, mixtral), the mixture of experts where ``metadata`` gives the
+    architecture an expert count."""
+    moe = bool((metadata or {}).get(f"{arch}.expert_count"))
+    of_arch = [f for f in FAMILIES if f.gguf_arch == arch]
+    return next((f for f in of_arch if (f.experts is not None) == moe), of_arch[0] if of_arch else None)
 
 
 def names() -> str:
-    """The served model types, for messages: "llama, mistral, qwen2, qwen3"."""
+    """The served model types, for messages: "llama, mistral, qwen2, qwen3, ..."."""
     return ", ".join(t for f in FAMILIES for t in f.model_types)

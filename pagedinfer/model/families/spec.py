@@ -5,7 +5,8 @@ it is; each module of its checkpoint under both names with its weight's shape as
 config (`Sizes`, by dimension names) and whether its weight and bias must, may or must not be there;
 which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
 our layers' norms (`NORM_ROLES`); which rows llama.cpp's converter permuted (undone on reading); and
-the kinds of norm, activation and RoPE the layers compute. The loader, the GGUF reader, the
+the kinds of norm, activation and RoPE the layers compute; and, for a mixture-of-experts family, its
+router and experts (`Experts`: which modules, how the router's scores are turned into weights). The loader, the GGUF reader, the
 validation, the layers (and so the C step's per-layer pointers) and the LoRA sites read it.
 """
 
@@ -28,6 +29,8 @@ DIMS = {
     "q": "num_attention_heads * head_dim",
     "kv": "num_key_value_heads * head_dim",
     "head_dim": "head_dim",
+    "experts": "num_experts (mixtral: num_local_experts)",
+    "expert_inter": "moe_intermediate_size",
 }
 # llama.cpp's size keys (after "<arch>.") that become the config's sizes; each a positive integer
 GGUF_SIZE_KEYS = (
@@ -62,6 +65,9 @@ class Sizes:
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0  # mixture-of-experts layers: the experts per layer (0: a dense model)
+    top_k: int = 0  # the experts each token runs
+    expert_inter: int = 0  # each expert's gate / up rows where the family sizes them apart (qwen3_moe)
 
     @property
     def q(self) -> int:
@@ -90,6 +96,13 @@ class Module:
     shape: tuple[str, ...]  # the weight's dimensions by `DIMS` names, numpy order [rows, in]
     weight: Need = Need.REQUIRED
     bias: Need = Need.ABSENT  # [rows]
+    # one module per expert: ``hf`` holds "{}" for the expert's index ("mlp.experts.{}.gate_proj"); a
+    # GGUF stores every expert's weight in one 3-D tensor [experts, rows, in] (llama.cpp's "*_exps")
+    experts: bool = False
+
+    def hf_name(self, expert: int | None = None) -> str:
+        """Its Hugging Face name, of expert ``expert`` for a module per expert."""
+        return self.hf.format(expert) if self.experts else self.hf
 
     def tensors(self) -> list[tuple[str, tuple[str, ...], bool]]:
         """(name suffix, dims, required) of its weight and bias, where the checkpoint may hold them."""
@@ -107,6 +120,26 @@ DECODER_TOP = (
     Module("lm_head", "output", ("vocab", "hidden"), weight=Need.OPTIONAL),  # absent: tied to the embedding
 )
 EMBED, FINAL_NORM, LM_HEAD = (m.hf for m in DECODER_TOP)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP in place of the dense one: a router linear scores the experts, each
+    token runs its top-k experts (each a gated MLP of its own), their outputs weighted by the scores."""
+
+    router: str  # the router module [experts, hidden] (no bias)
+    gate_up: tuple[str, str]  # each expert's modules fused in its gate-up panels: gate rows, then up
+    down: str  # each expert's down module
+    count: str  # the config field of the expert count
+    # whether the top-k scores are renormalised to sum to 1: a config field (its default), or always
+    renormalise: tuple[str, bool] | bool = True
+    scoring: str = "softmax"  # softmax over every expert's logit, then the top k
+
+    def renormalises(self, config) -> bool:
+        if isinstance(self.renormalise, bool):
+            return self.renormalise
+        key, default = self.renormalise
+        return bool(getattr(config, key, default))
 
 
 @dataclass(frozen=True)
@@ -129,6 +162,17 @@ class Family:
     rope: str = "half"
     gguf_size_keys: tuple[str, ...] = GGUF_SIZE_KEYS
     gguf_float_keys: tuple[str, ...] = GGUF_FLOAT_KEYS
+    experts: Experts | None = None  # a mixture-of-experts MLP (then ``linears`` has qkv and o only)
+    # what q_norm and k_norm normalise: each head on its own ("head", Qwen3: weights [D]) or all of q's
+    # and all of k's rows at once ("all", OLMoE: weights [Hq D] and [Hkv D])
+    qk_norm_over: str = "head"
+    # GGUF metadata (after "<arch>.") -> the config field it sets, where transformers' GGUF reader
+    # leaves it out; and config fields llama.cpp fixes for the architecture
+    gguf_config_keys: dict[str, str] = field(default_factory=dict)
+    gguf_config_fixed: dict[str, object] = field(default_factory=dict)
+    # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
+    # its own (OLMoE's: llama's): the reader is shown the file under that name
+    gguf_read_as: str | None = None
 
     @property
     def name(self) -> str:

@@ -1,0 +1,121 @@
+"""A mixture-of-experts MLP on the panels: the router, and each expert a gated MLP of its own linears.
+
+A step's rows are grouped by expert (each row's top-k choices, sorted by expert, stably: rows in step
+order within an expert), and each expert's two GEMMs (gate-up paired, then down) run once over its
+rows, through the same panels a dense layer's linears use, so its GEMM gives a row the same bits
+whatever the other rows are. A row's output is then the weighted sum of its k expert outputs in
+rank order (its highest-scored expert first), each row on its own: not an index-add in expert order,
+whose sum for a row would depend on which other rows share the step. So the reproducibility contract
+(docs/reproducibility.md) holds for these layers as for the dense ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagedinfer.model.families.spec import Family, Sizes
+
+SCORINGS = ("softmax",)  # the router scorings computed here (a family declaring another: transformers)
+
+
+class Expert(nn.Module):
+    """One expert: ``down(silu(gate(x)) * up(x))``, its gate and up rows fused (paired panels)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up, down  # [2 I, H] (giving [T, I]); [H, I]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.gate_up_proj(x))
+
+
+class ExpertMLP(nn.Module):
+    """The router (a linear ``[E, H]``), the top k experts of each row weighted by the softmax of the
+    router's logits, renormalised over the k where the family says (as transformers' routers compute
+    them; `route`), and the experts."""
+
+    def __init__(self, router: nn.Module, experts: list[Expert], s: Sizes, renormalise: bool) -> None:
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.top_k, self.renormalise = s.top_k, renormalise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        t, h, k = x.shape[0], x.shape[1], self.top_k
+        logits = self.router(x)  # [T, E]
+        weights, chosen = route(logits, k, self.renormalise)  # [T, k] each, highest first
+        weights = weights.to(logits.dtype)  # as transformers' routers hand them to the experts
+        slots = chosen.reshape(-1)  # [T k]: slot t * k + r is row t's rank-r expert
+        order = torch.argsort(slots, stable=True)  # [T k]: slots grouped by expert, rows in order
+        rows = order // k  # [T k]: each grouped slot's row
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        grouped = x.new_empty(t * k, h)  # [T k, H]: each grouped slot's expert output
+        at = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                grouped[at : at + n] = expert(x[rows[at : at + n]])  # [n, H]: its rows, one GEMM each
+                at += n
+        outs = torch.empty_like(grouped)
+        outs[order] = grouped
+        outs = outs.view(t, k, h)  # [T, k, H]: row t's rank-r expert output
+        y = outs[:, 0] * weights[:, :1]  # [T, H]
+        for r in range(1, k):  # rank order, each row on its own
+            y += outs[:, r] * weights[:, r : r + 1]
+        return y
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top ``k`` experts (highest logit first) and their softmax weights (float32, over
+    every expert, or over the k where ``renormalise``): ``[T, k]`` each.
+
+    Not torch's softmax: its sum's order follows the vector width (another on an AVX2 CPU than on an
+    AVX-512 one), and torch's elementwise exp takes a tensor's last elements through the C library's
+    expf, so an element's bits would follow the row count. Here the exponentials are `_exp`'s (float64
+    multiplies and adds, each exact IEEE arithmetic on any CPU) and the sums a fixed pairwise tree
+    (`_fixed_sum`), rounded to float32 once: the same bits for a row on every CPU and in any step."""
+    _, chosen = torch.topk(logits, k, dim=-1)  # [T, k]: softmax keeps the logits' order
+    x = logits.double()
+    e = _exp(x - x.amax(dim=-1, keepdim=True))  # [T, E] in (0, 1], the top expert's 1
+    top = e.gather(1, chosen)  # [T, k]
+    return (top / _fixed_sum(top if renormalise else e)).float(), chosen
+
+
+EXP_TERMS = 18  # Taylor terms of exp(r) for |r| <= ln 2 / 2: the next is below 1e-22
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:  # float64 [...] <= 0 -> exp(x) [...]
+    """``exp`` by range reduction (``x = n ln 2 + r``) and a Taylor polynomial in Horner form, all
+    elementwise float64 arithmetic (no library exponential), then the exact power of two from its bits;
+    below 2^-1022 (weights no float32 sum can tell from 0): 0."""
+    n = torch.round(x / math.log(2))
+    r = x - n * math.log(2)  # [...] in [-ln 2 / 2, ln 2 / 2]
+    p = torch.ones_like(r)
+    for i in range(EXP_TERMS, 0, -1):
+        p = 1 + p * r / i
+    power = ((n.clamp(min=-1022).to(torch.int64) + 1023) << 52).view(torch.float64)  # 2^n exactly
+    return torch.where(n < -1022, 0.0, p * power)
+
+
+def _fixed_sum(v: torch.Tensor) -> torch.Tensor:  # [T, n] -> [T, 1]
+    """Each row's sum by halving (column i plus column i + n/2, an odd last column carried): one order
+    of additions whatever the CPU's vector width."""
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        v = torch.cat([v[:, :half] + v[:, half : 2 * half], v[:, 2 * half :]], dim=1)
+    return v
+
+
+def unsupported_reason(family: Family, config) -> str | None:
+    """Why these layers cannot run ``config``'s experts (None: they can)."""
+    spec = family.experts
+    if spec is None:
+        return None
+    if spec.scoring not in SCORINGS:
+        return f"router scoring {spec.scoring!r} (pagedinfer's implementation has {', '.join(SCORINGS)} only)"
+    dense = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
+    if dense:  # qwen3_moe's dense layers between the sparse ones: a layer shape not declared here
+        return "dense MLP layers among its mixture-of-experts layers (mlp_only_layers / decoder_sparse_step)"
+    return None

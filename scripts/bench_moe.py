@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""A mixture of experts on our own layers against transformers' modules, alternating in one process.
+
+    python scripts/bench_moe.py [--layers 2] [--vocab 50304] [--dtype float32] [--quantization int8]
+        [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
+
+An OLMoE-1B-7B-like shape with fewer layers (hidden 2048, 16 heads, 64 experts of 1024, 8 per token,
+vocabulary 50304; random weights from seed 0, saved once under --out), loaded twice: ``--model-impl
+pagedinfer`` and ``--model-impl transformers`` (the same pagedinfer engine, paged attention and
+sampler; only the layers differ). Two workloads, each run --repeats times per path, the paths
+alternating, after a warm-up: b1 (one 32-token prompt, 64 greedy tokens) and a batch (16 prompts of
+64 tokens, 32 greedy tokens each). The fastest run of each is kept, as generated tokens per wall
+second; one JSON line per workload and path, with the CPU's name. ``--quantization`` / ``--gguf``
+apply to our path only (transformers' reads the float32 checkpoint; a GGUF is written from it with
+every matrix in that type). With few layers the lm_head's 50304 rows outweigh the experts a token
+runs (16 layers of 8 experts in the real model); ``--vocab`` scales it down with the layer count
+(4096 for one layer keeps about the real model's ratio of expert to lm_head bytes per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model.random_models import save_random_model
+
+SHAPE = dict(  # OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924), but the layer count
+    vocab_size=50304,
+    hidden_size=2048,
+    intermediate_size=1024,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    num_experts=64,
+    num_experts_per_tok=8,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=1,
+)
+WORKLOADS = {  # name -> (prompts, prompt tokens, new tokens each)
+    "b1": (1, 32, 64),
+    "batch16": (16, 64, 32),
+}
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(
+            line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")
+        )
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def model_dir(out: Path, layers: int, vocab: int) -> Path:
+    path = (
+        out / f"olmoe-like-{layers}l"
+        if vocab == SHAPE["vocab_size"]
+        else out / f"olmoe-like-{layers}l-v{vocab}"
+    )
+    if not (path / "config.json").exists():
+        config = tf.OlmoeConfig(**{**SHAPE, "vocab_size": vocab}, num_hidden_layers=layers)
+        save_random_model(config, path, seed=0)
+    return path
+
+
+def gguf_file(path: Path, kind: str) -> Path:
+    """The checkpoint as a GGUF with every matrix in ``kind`` (tests/gguf_models.py's writer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf_models import save_gguf
+
+    out = path.with_name(f"{path.name}-{kind}.gguf")
+    if not out.exists():
+        save_gguf(path, out, lambda name: kind)
+    return out
+
+
+def run(llm: LLM, workload: str) -> float:
+    """Generated tokens per wall second of one run of ``workload``."""
+    n, prompt_len, new = WORKLOADS[workload]
+    prompts = [
+        {"prompt_token_ids": [(7 * i + 13 * j) % 50000 + 2 for j in range(prompt_len)]} for i in range(n)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return n * new / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, help="our path's weights: int8, int4, ...")
+    parser.add_argument("--gguf", default=None, help="our path on a GGUF of this type (Q4_0, Q8_0, ...)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/pagedinfer-bench-moe"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = model_dir(args.out, args.layers, args.vocab)
+    engine = dict(device="cpu", kv_cache_memory="512MiB")
+    own_path = gguf_file(path, args.gguf) if args.gguf else path
+    own_dtype = "auto" if args.gguf else args.dtype
+    llms = {
+        "pagedinfer": LLM(
+            str(own_path), dtype=own_dtype, quantization=args.quantization, model_impl="pagedinfer", **engine
+        ),
+        "transformers": LLM(str(path), dtype=args.dtype, model_impl="transformers", **engine),
+    }
+    best: dict[tuple[str, str], float] = {}
+    for workload in WORKLOADS:
+        for llm in llms.values():
+            run(llm, workload)  # warm-up
+        for _ in range(args.repeats):
+            for impl, llm in llms.items():
+                key = (workload, impl)
+                best[key] = max(best.get(key, 0.0), run(llm, workload))
+    weights = args.gguf or args.quantization or args.dtype
+    for (workload, impl), tok_s in best.items():
+        record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "layers": args.layers}
+        record["vocab"] = args.vocab
+        record |= {"weights": weights if impl == "pagedinfer" else args.dtype, "threads": args.threads}
+        print(json.dumps({**record, "cpu": cpu_name()}))
+    for workload in WORKLOADS:
+        ratio = best[(workload, "pagedinfer")] / best[(workload, "transformers")]
+        print(json.dumps({"workload": workload, "speedup": round(ratio, 2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Mixture-of-experts families on our own layers (qwen3_moe, mixtral, olmoe): greedy-identical to
+transformers, with and without preemption; every weight type the dense layers take (float32,
+bfloat16, int8 / int4 panels, GGUF blocks as stored, llama.cpp's 3-D expert tensors split per
+expert); a row's output the same bits whatever rows share its step; decode steps layer by layer
+(never the one-call C step, which runs dense layers only)."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from conftest import ENGINE
+from gguf_models import save_gguf
+from models import COMMON, CONFIGS, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
+from safetensors.torch import load_file
+from test_quantization import dequantized_copy
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import families, gguf, moe, packed_linear
+from pagedinfer.model.loader import ModelLoadError
+from pagedinfer.model.random_models import save_random_model
+
+MOE = ["qwen3_moe", "mixtral", "olmoe"]
+LENGTHS = (1, 9, 23, 30)  # within a block of 4, and across several
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(2, 256) for _ in range(n)] for n in LENGTHS]
+
+
+@functools.cache
+def reference(path: Path, prompt: tuple[int, ...]) -> list[int]:
+    """transformers' greedy tokens (each pool size's run compares with the same)."""
+    return hf_greedy(path, list(prompt), MAX_TOKENS)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
+def test_greedy_matches_transformers(tiny_model, prompts, monkeypatch, name, num_blocks):
+    """Our layers by the family's declaration, token-identical to transformers' generate; no decode
+    step through the one-call C step; a pool of 12 blocks (48 slots for 4 sequences of up to 40 tokens)
+    preempts."""
+    path = tiny_model(name)
+    steps = count_one_call_steps(monkeypatch)
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer" and llm.engine.loaded.model.family.name == name
+    assert isinstance(llm.engine.loaded.model.layers[0].mlp, moe.ExpertMLP)
+    got = greedy(llm, prompts)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
+    assert (llm.stats.preemptions > 0) == (num_blocks == 12)
+    assert steps == [] and llm.engine.pool.num_used == 0
+
+
+def test_olmoe_clips_q_k_and_v_where_its_config_says(model_root, prompts):
+    """OLMoE's clip_qkv (0.5, below most normed q and k values here) clamps q, k and v after the q/k
+    norms, before RoPE, as transformers does: greedy-identical to its generate."""
+    path = model_root / "olmoe-clipped"
+    if not (path / "config.json").exists():
+        save_random_model(tf.OlmoeConfig(**{**CONFIGS["olmoe"]().to_dict(), "clip_qkv": 0.5}), path, 0)
+    llm = LLM(str(path), block_size=4, num_blocks=64, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer" and llm.engine.loaded.model.layers[0].clip_qkv == 0.5
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
+
+
+def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model):
+    """The expert MLP over 40 rows, and over each row alone and in other groups: the same bits (each
+    expert's GEMM gives a row the same bits at any row count; a row's top-k outputs summed in rank
+    order, not in the order other rows bring the experts in)."""
+    llm = LLM(str(tiny_model("qwen3_moe")), **ENGINE)
+    mlp = llm.engine.loaded.model.layers[0].mlp
+    assert all(isinstance(e.gate_up_proj, packed_linear.PackedLinear) for e in mlp.experts)
+    torch.manual_seed(0)
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        batch = mlp(x)
+        assert all(torch.equal(mlp(x[i : i + 1]), batch[i : i + 1]) for i in range(40))
+        assert torch.equal(mlp(x.flip(0)), batch.flip(0))
+        assert torch.equal(mlp(x[7:19]), batch[7:19])
+
+
+def test_the_runner_keeps_a_mixture_of_experts_off_the_one_call_step(tiny_model):
+    """A decode-only step of our layers takes the one-call C step where the layers are dense; a
+    mixture of experts' goes layer by layer (the C step has no router)."""
+
+    class Seq:
+        token_ids, block_table, lora_slot = [3, 14, 15], [0], 0
+
+    class Chunk:
+        seq, start, num_tokens, num_logits, step_token_ids = Seq(), 2, 1, 1, [15]
+
+    for name, one_call in (("qwen3", True), ("qwen3_moe", False)):
+        llm = LLM(str(tiny_model(name)), block_size=4, num_blocks=16, model_impl="pagedinfer", **ENGINE)
+        runner = llm.engine.runner
+        _, _, meta = runner.build_metadata([Chunk()])
+        assert (runner.one_call(meta, lora=False) is not None) == one_call, name
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_run_equals_float32_run_of_the_dequantized_checkpoint(tiny_model, tmp_path, name):
+    """--quantization covers the router and every expert: seeded n=2 sampling with logprobs equals the
+    float32 run of the checkpoint with those weights dequantized."""
+    path = tiny_model("qwen3_moe")
+    deq = dequantized_copy(path, tmp_path / "dequantized", name)
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=10, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17)]
+
+    def run(model: Path, **kw) -> tuple[list, LLM]:
+        llm = LLM(str(model), block_size=4, num_blocks=128, **ENGINE, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], llm
+
+    quantized, llm = run(path, quantization=name)
+    mlp = llm.engine.loaded.model.layers[1].mlp
+    kind = "I8" if name == "int8" else "I4"
+    assert mlp.router.kinds == [kind] and {k for e in mlp.experts for k in e.down_proj.kinds} == {kind}
+    assert quantized == run(deq)[0]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_bfloat16_logprobs_match_float32_transformers(tiny_model, prompts, name):
+    """bfloat16 panels for the router and the experts: each generated token's log-probability near
+    float32 transformers' (teacher-forced), as tests/test_half_precision.py checks the dense layers.
+    A router's near-tie can pick another expert under bfloat16 rounding, which moves that token by
+    up to a nat or so, and the tokens after it that attend to its K/V by less (transformers' own
+    bfloat16 run moved one of these tokens by 1.15 nats): so the median token within 0.05 nats, every
+    one within 1.5; a wrong expert, weight or row is nats off on most tokens."""
+    path = tiny_model(name)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", block_size=4, num_blocks=64)
+    assert llm.engine.loaded.model.layers[0].mlp.experts[0].gate_up_proj.kinds == ["BF16"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = _hf_model(str(path))
+    diffs = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logp = ref(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)  # [P + N, V]
+        want = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [N]
+        got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])  # [N]
+        diffs.append((got - want).abs())
+    diffs = torch.cat(diffs)  # [40]
+    assert float(diffs.median()) < 0.05 and float(diffs.max()) < 1.5, diffs.tolist()
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_a_float32_gguf_reads_back_the_checkpoint_and_runs_as_it(
+    tiny_model, model_root, gguf_cache, prompts, name
+):
+    """llama.cpp's layout (3-D ffn_*_exps tensors, ffn_gate_inp; a Mixtral as a llama file with an
+    expert count, its Q/K rows permuted; an OLMoE file, which transformers' GGUF reader has no config
+    mapping for, read through llama's keys): read back to the checkpoint's own tensors bit for bit, the
+    config's experts from the metadata, and greedy-identical to the safetensors run."""
+    path = tiny_model(name)
+    out = save_gguf(path, model_root / f"{name}-moe.gguf")
+    ckpt = gguf.open_checkpoint(out)
+    config = tf.AutoConfig.from_pretrained(ckpt.folder)
+    want_config = tf.AutoConfig.from_pretrained(path)
+    assert config.model_type == name and config.num_experts_per_tok == 2
+    count = families.find(config).experts.count
+    assert getattr(config, count) == getattr(want_config, count) == 8
+    if name == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
+        assert config.moe_intermediate_size == 32 and config.norm_topk_prob
+    sd, dequantized = gguf.state_dict(ckpt, config, families.find(config), keep_blocks=False)
+    want = load_file(path / "model.safetensors")
+    assert sorted(sd) == sorted(want) and not dequantized
+    assert all(torch.equal(sd[k], want[k]) for k in want)
+    llm = LLM(str(out), block_size=4, num_blocks=256, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    assert greedy(llm, prompts) == greedy(LLM(str(path), block_size=4, num_blocks=256, **ENGINE), prompts)
+
+
+# K-quants need rows of 256 inputs: hidden 256 and experts of 256 rows (the down projection's inputs)
+K_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, gguf_cache, kind):
+    """Every matrix in ``kind``, each expert a panel of the file's blocks: seeded sampling with
+    logprobs equals ``--dtype float32`` on the same file (gguf-py's dequantization in float32 panels)."""
+    model = gguf_dir / "qwen3_moe-256"
+    if not (model / "config.json").exists():
+        save_random_model(tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": 512}, **K_SHAPE), model, 0)
+    path = gguf_dir / f"qwen3_moe-256-{kind}.gguf"
+    if not path.exists():
+        save_gguf(model, path, lambda name: kind)
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17)]
+
+    def run(dtype: str) -> tuple[list, LLM]:
+        llm = LLM(str(path), block_size=4, num_blocks=128, device="cpu", dtype=dtype)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], llm
+
+    got, llm = run("auto")
+    mlp = llm.engine.loaded.model.layers[0].mlp
+    assert mlp.router.kinds == [kind] and {k for e in mlp.experts for k in e.gate_up_proj.kinds} == {kind}
+    assert all(e.gate_up_proj.paired for e in mlp.experts)
+    assert (
+        llm.engine.loaded.dtype_reason == f"float32 activations; weights as stored in the GGUF ({kind} x18)"
+    )
+    want, ref = run("float32")
+    assert ref.engine.loaded.model.layers[0].mlp.router.kinds == ["F32"]
+    assert got == want
+
+
+# -- what stays with transformers ----------------------------------------------------------------
+
+
+def test_qwen3_moe_with_dense_layers_is_left_to_transformers(model_root):
+    """qwen3_moe's dense layers among the sparse ones (mlp_only_layers) are no layer shape declared
+    here: transformers serves the model, and our layers, asked for, say why in one line."""
+    path = model_root / "qwen3_moe-dense-layer"
+    if not (path / "config.json").exists():
+        config = tf.Qwen3MoeConfig(
+            **COMMON,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        )
+        save_random_model(config, path, 0)
+    assert LLM(str(path), **ENGINE).engine.loaded.impl == "transformers"
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), model_impl="pagedinfer", **ENGINE)
+    assert str(err.value) == (
+        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: dense MLP layers among its "
+        "mixture-of-experts layers (mlp_only_layers / decoder_sparse_step)"
+    )
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tiny_model, tmp_path):
+    """Each expert's tensors are checked against the config like any other: one missing is named."""
+    from cli_helpers import with_weights
+
+    path = with_weights(
+        tiny_model("mixtral"),
+        tmp_path / "mixtral-short",
+        lambda sd: sd.pop("model.layers.1.block_sparse_moe.experts.7.w3.weight"),
+    )
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), model_impl="pagedinfer", **ENGINE)
+    assert str(err.value) == (
+        f"{path / 'model.safetensors'}: the weights have no tensor "
+        "'model.layers.1.block_sparse_moe.experts.7.w3.weight', which the config implies"
+    )
+
+
+def test_lora_on_the_attention_of_a_mixture_of_experts(tiny_model, model_root, tmp_path):
+    """An adapter on q_proj and v_proj of a qwen3_moe: greedy-identical to PEFT's on transformers'
+    model; one naming an expert's linear (which has no LoRA site) refused by name."""
+    from safetensors.torch import save_file
+
+    from pagedinfer import LoRARequest
+    from pagedinfer.lora.adapter import AdapterError
+
+    base = tiny_model("qwen3_moe")
+    adapter = save_lora(base, model_root / "moe-loras", "attn", 8, seed=3, targets=["q_proj", "v_proj"])
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    prompts = [[5, 9, 200, 3, 17, 41, 8, 99, 12], [250, 1, 33]]
+    request = LoRARequest("attn", 1, str(adapter))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=request
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, prompt, MAX_TOKENS)
+    expert = tmp_path / "expert-adapter"
+    expert.mkdir()
+    (expert / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    renamed = {
+        k.replace("layers.0.self_attn.q_proj", "layers.0.mlp.experts.0.gate_proj"): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, expert / "adapter_model.safetensors")
+    with pytest.raises(AdapterError) as err:
+        llm.engine.add_lora(LoRARequest("expert", 2, str(expert)))
+    assert str(err.value) == (
+        "adapter 'expert' targets model.layers.0.mlp.experts.0.gate_proj, which this model has no linear "
+        "layer for (LoRA serves the linear layers)"
+    )
+
+
+def test_a_gguf_without_its_expert_size_is_refused_naming_the_key(
+    tiny_model, tmp_path, monkeypatch, gguf_cache
+):
+    """A qwen3moe file lacking expert_feed_forward_length (which transformers' GGUF reader would leave
+    at its default, 768): refused in one line naming the key, not run with experts of the wrong size."""
+    import gguf as gguf_py
+
+    monkeypatch.setattr(gguf_py.GGUFWriter, "add_expert_feed_forward_length", lambda self, n: None)
+    out = save_gguf(tiny_model("qwen3_moe"), tmp_path / "no-expert-size.gguf")
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(out), **ENGINE)
+    assert str(err.value) == (
+        f"{out}: metadata qwen3moe.expert_feed_forward_length is missing; a qwen3_moe file gives its "
+        "moe_intermediate_size"
+    )
