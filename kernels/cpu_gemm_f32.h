@@ -137,8 +137,10 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
 TILES(K_F32)
 QUANTIZED_KINDS(TILES)
 #if !defined(PV_ZMM)
-#define HR 12 /* rows of a half tile: HR accumulators, one weight vector and one broadcast of 16 registers */
-/* AVX2, more than MR rows: ROWS rows (up to HR) by half h of one quantized panel (8 columns), the half's
+/* most rows of a half tile (HR accumulators, a weight vector and a broadcast of the 16 registers):
+ * 12 rows gained nothing on two blocks of MR rows, and two half tiles lost to them (docs/kernels.md) */
+#define HR 11
+/* AVX2, MR + 1 to HR rows: ROWS rows by half h of one quantized panel (8 columns), the half's
  * weights formed once for all the rows (where two MR-row blocks each formed the whole panel's): one
  * pass per half, the group set up again for the second half (a widening of bytes, no conversion to
  * float32 wasted). The same weights, x and fma(x, w, acc) in k order as tile(): the same bits. Gated:
@@ -187,13 +189,12 @@ static inline __attribute__((always_inline)) void half_tile(const int f, const i
 
 #define HALF_CASE(F, R)                                                                                     \
     case R: half_tile(F, R, x, lda, p, k, g, y, ldy, pf, b, scale, gated); return;
-/* halves_<format>(rows, ...): the half tiles of 6 to HR rows (MR < m <= 2 HR rows cut into equal blocks). */
+/* halves_<format>(rows, ...): the half tiles of MR + 1 to HR rows. */
 #define HALVES(F)                                                                                            \
     static void halves_##F(int rows, const float *x, int64_t lda, const uint8_t *p, int k, int g, float *y,   \
                            int64_t ldy, const uint8_t *pf, const float *b, const float *scale, int gated) {  \
         switch (rows) {                                                                                      \
-            HALF_CASE(F, 6) HALF_CASE(F, 7) HALF_CASE(F, 8) HALF_CASE(F, 9) HALF_CASE(F, 10) HALF_CASE(F, 11) \
-            HALF_CASE(F, 12)                                                                                 \
+            HALF_CASE(F, 7) HALF_CASE(F, 8) HALF_CASE(F, 9) HALF_CASE(F, 10) HALF_CASE(F, 11)                 \
         }                                                                                                    \
     }
 AVX2_SPLIT_KINDS(HALVES)

@@ -10,20 +10,18 @@ static inline int prefetches(int kind, int rows) { return rows > 1 || kind != K_
 static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s->bf16_io; }
 
 /* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). In
- * the AVX2 build, up to SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of 6 to HR rows through
- * the half tiles (each half panel formed once in registers for the block's rows; the same products,
- * so the same bits) are faster: its buffer path has only MR x 1 tiles. The AVX-512 build's 8 x 3
- * wide tiles in blocks of equal rows are as fast or faster through the buffer, so that build does
- * not split. int4 and Q4_K never paid split (docs/kernels.md). */
+ * the AVX2 build, for the kinds in SPLIT, up to HR rows the half tiles (each half panel formed once
+ * in registers for all the rows), then up to SPLIT_ROWS rows blocks of at most MR rows through the
+ * tiles that convert in registers, are faster (the same products, so the same bits): its buffer
+ * path has only MR x 1 tiles. The AVX-512 build's 8 x 3 wide tiles in blocks of equal rows are as
+ * fast or faster through the buffer, so that build does not split. int4 and Q4_K never paid split
+ * (docs/kernels.md). */
 #ifndef SPLIT_ROWS
 #if defined(PV_ZMM)
 #define SPLIT_ROWS MR /* none */
 #else
 #define SPLIT_ROWS 16
 #endif
-#endif
-#if !defined(PV_ZMM) && SPLIT_ROWS > 2 * HR
-#error "SPLIT_ROWS: at most two half tiles of rows (2 * HR), whose blocks have 6 rows or more"
 #endif
 #define SPLIT_ENTRY(F) [F] = 1,
 static const char SPLIT[K_COUNT] = {AVX2_SPLIT_KINDS(SPLIT_ENTRY)};
@@ -89,15 +87,18 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     }
 #endif
 #if !defined(PV_ZMM)
-    if (m > MR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* row blocks of half tiles, each panel's halves formed once */
-        const int per = equal_blocks(m, HR);
-        for (int r = 0; r < m; r += per) {
-            const int rows = m - r < per ? m - r : per;
-            for (int t = 0; t < np; t++)
-                HALVES_OF[s->kind](rows, (const float *)x + (int64_t)r * k, k, p + t * pbytes, k, s->group,
-                                   (float *)y + r * ldy + t * cols, ldy, r ? NULL : t + 1 < np ? p + (t + 1) * pbytes : pf,
-                                   b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);
-        }
+    if (m > MR && m <= HR && SPLIT[s->kind]) { /* half tiles of all m rows, each half formed once */
+        for (int t = 0; t < np; t++)
+            HALVES_OF[s->kind](m, (const float *)x, k, p + t * pbytes, k, s->group, (float *)y + t * cols, ldy,
+                               t + 1 < np ? p + (t + 1) * pbytes : pf, b ? b + t * NR : NULL, sc ? sc + t * NR : NULL,
+                               gated);
+        return;
+    }
+    if (m > MR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* row blocks of in-register tiles */
+        const int per = equal_blocks(m, MR);
+        for (int r = 0; r < m; r += per)
+            rows_by_panels(s, x + (int64_t)r * k * 4, m - r < per ? m - r : per, k, j, np, y + (int64_t)r * ldy * 4,
+                           ldy, cols, r ? NULL : pf, gated);
         return;
     }
 #endif
