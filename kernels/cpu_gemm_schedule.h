@@ -15,7 +15,7 @@ static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s
  * tiles that convert in registers, are faster (the same products, so the same bits): its buffer
  * path has only MR x 1 tiles. The AVX-512 build's 8 x 3 wide tiles in blocks of equal rows are as
  * fast or faster through the buffer, so that build does not split. int4 and Q4_K never paid split
- * (docs/kernels.md). */
+ * (docs/kernels.md). -DSPLIT_ROWS=6 (MR) builds the AVX2 kernel with every kind through the buffer. */
 #ifndef SPLIT_ROWS
 #if defined(PV_ZMM)
 #define SPLIT_ROWS MR /* none */
@@ -87,7 +87,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
     }
 #endif
 #if !defined(PV_ZMM)
-    if (m > MR && m <= HR && SPLIT[s->kind]) { /* half tiles of all m rows, each half formed once */
+    if (m > MR && m <= HR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* all m rows, each half panel formed once */
         for (int t = 0; t < np; t++)
             HALVES_OF[s->kind](m, (const float *)x, k, p + t * pbytes, k, s->group, (float *)y + t * cols, ldy,
                                t + 1 < np ? p + (t + 1) * pbytes : pf, b ? b + t * NR : NULL, sc ? sc + t * NR : NULL,
