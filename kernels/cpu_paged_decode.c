@@ -132,6 +132,20 @@ static inline v8 sum_lanes8(const v8 *a) {
 #undef PAIRS
 }
 
+// exp's reduction and polynomial, shared by the 8- and 16-lane forms (the same operations lane for
+// lane): declares n (x / ln2 rounded to nearest, x <= 0), nf (n as floats) and p (exp(x - n ln2)).
+#define EXP_NONPOS_POLY(VI, V, x, n, nf, p)                                 \
+  const VI n = __builtin_convertvector(x * 1.44269504f - 0.5f, VI);         \
+  const V nf = __builtin_convertvector(n, V);                               \
+  const V r_##p = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;            \
+  V p = (V){0} + 1.9875691500e-4f;                                          \
+  p = p * r_##p + 1.3981999507e-3f;                                         \
+  p = p * r_##p + 8.3334519073e-3f;                                         \
+  p = p * r_##p + 4.1665795894e-2f;                                         \
+  p = p * r_##p + 1.6666665459e-1f;                                         \
+  p = p * r_##p + 5.0000001201e-1f;                                         \
+  p = p * r_##p * r_##p + r_##p + 1.f
+
 #ifndef __AVX512F__
 // AVX2: exp16_nonpos, max16 and softmax_row below in 8-lane halves, the same operations lane for lane
 // (16-float vectors live in memory between operations in GCC 12's AVX2 code: a slow pass).
@@ -139,16 +153,7 @@ static inline v8 exp8_nonpos(v8 x) {
   const v8 lo = (v8){0} - 87.3f;
   const v8i under = x < lo;
   x = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
-  const v8i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v8i);  // round to nearest, x <= 0
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  v8 p = (v8){0} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  EXP_NONPOS_POLY(v8i, v8, x, n, nf, p);
   const v8 scale = (v8)((n + 127) << 23);  // 2^n
   return (v8)((v8i)(p * scale) & ~under);
 }
@@ -196,16 +201,7 @@ static inline v16 exp16_nonpos(v16 x) {
   // lanes below lo zeroed by the mask of the last step, 2^n applied by vscalefps (exp8_nonpos: the
   // same values, lanes below lo clamped, then zeroed)
   const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, (__m512)lo, _CMP_NLT_UQ);
-  const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round to nearest, x <= 0
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  v16 p = (v16){0} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  EXP_NONPOS_POLY(v16i, v16, x, n, nf, p);
   return (v16)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)nf);  // p 2^n: exact, as the product
 }
 

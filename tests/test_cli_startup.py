@@ -4,6 +4,7 @@ torch and no transformers (the seconds they take to import are what made `--help
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,14 +20,15 @@ from pagedinfer.cli.app import app
 HEAVY = ("torch", "transformers")
 
 
-def imported_modules(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Run ``python -X importtime -m pagedinfer ARGS``: the result and every module it imported."""
+def imported_modules(args: list[str], cwd, **env: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime -m pagedinfer ARGS`` (``env`` added to the environment): the result
+    and every module it imported."""
     run = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "pagedinfer", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**os.environ, "COLUMNS": "80"},
+        env={**os.environ, "COLUMNS": "80", **env},
     )
     modules = {
         line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")
@@ -110,3 +112,43 @@ def test_run_help_hides_the_old_names_and_keeps_the_ray_hint():
     for old in ("--kv-memory", "--max-batched-tokens"):
         assert not re.search(rf"{old}(?![\w-])", text), old
     assert "--prefix-caching /" in text and "--no-prefix-caching" in text  # the pair, on two lines
+
+
+# what the own layers' path never needs: transformers' model registry and config classes (which bring
+# its weight-loading machinery, accelerate, and torch.distributed's tensor package with sympy)
+NOT_ON_THE_OWN_PATH = (
+    "transformers.models",
+    "transformers.modeling_utils",
+    "torch.distributed.tensor",
+    "accelerate",
+)
+
+
+def test_the_own_layers_run_without_transformers_model_code(tmp_path, tiny_model):
+    """The demo model's run, `blocks`, and a GGUF file's (once its cache folder is filled) import none of
+    `NOT_ON_THE_OWN_PATH`, and still answer: the run's tokens are the demo model's."""
+    from gguf_models import save_gguf
+
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"id": "a", "prompt": "ROMEO:", "max_tokens": 3}\n')
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"id": "b", "prompt_token_ids": [5, 6], "max_tokens": 3}\n')
+    gguf_file = save_gguf(tiny_model("llama"), tmp_path / "tiny-llama.gguf")
+    gguf_run = ["run", str(ids), "-o", str(tmp_path / "gguf.jsonl"), "--model", str(gguf_file), "--quiet"]
+    runs = {
+        "gguf-first": gguf_run,  # fills the GGUF's cache folder (transformers reads its metadata once)
+        "demo": ["run", str(text), "-o", str(tmp_path / "demo.jsonl"), "--quiet"],
+        "blocks": ["blocks"],
+        "gguf": gguf_run,
+    }
+    cache = str(tmp_path / "gguf-cache")
+    for name, args in runs.items():
+        run, modules = imported_modules(args, tmp_path, PAGEDINFER_GGUF_CACHE=cache)
+        assert run.returncode == 0, (name, run.stderr[-2000:])
+        if name != "gguf-first":
+            assert "pagedinfer.model.llama" in modules, name  # the own layers ran
+            assert sorted(m for m in modules if m.startswith(NOT_ON_THE_OWN_PATH)) == [], name
+    demo = json.loads((tmp_path / "demo.jsonl").read_text())
+    assert demo["outputs"][0]["token_ids"] == [204, 3749, 380]  # as before the own config reader
+    gguf = json.loads((tmp_path / "gguf.jsonl").read_text())
+    assert gguf["error"] is None and len(gguf["outputs"][0]["token_ids"]) == 3

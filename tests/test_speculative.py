@@ -39,6 +39,7 @@ from pagedinfer.core.speculative import (
     Speculator,
     StepTimes,
     draft_length,
+    expected_tokens,
 )
 from pagedinfer.engine.llm_engine import LLMEngine, SpeculationOff
 from pagedinfer.sampling_params import BeamSearchParams, StructuredOutputsParams
@@ -271,6 +272,23 @@ def test_the_gate_drafts_only_where_rows_pay():
     # a jump from 1 row to 2 (the one-row decode path) then cheap rows: a draft pays only when long
     jump = {1: 10.0, 2: 20.0, 3: 20.5, 4: 21.0, 5: 21.5}.__getitem__
     assert draft_length(0.9, 4, 1, jump) == 4 and draft_length(0.9, 1, 1, jump) == 0
+    # eight sequences' drafts granted one after another (as the scheduler does), each judged against
+    # the step as the drafts before it grew it: rows cheap up to 13, then each row dearer than a
+    # token is worth: the first draft is taken whole, the second in part, the rest refused (judged
+    # each against the bare step, every one would take 4: 8 rows + 32 drafted)
+    steep = lambda r: 10.0 + r if r <= 13 else 23.0 + 3 * (r - 13)  # noqa: E731
+    assert draft_length(0.9, 4, 8, steep) == 4
+    rows, tokens, taken = 8, 8.0, []
+    for _ in range(8):
+        taken.append(draft_length(0.9, 4, 8, steep, rows, tokens))
+        rows, tokens = rows + taken[-1], tokens + expected_tokens(0.9, taken[-1])
+    assert taken == [4, 1, 0, 0, 0, 0, 0, 0]
+    # with every row as cheap as the first (9 fixed + 1 a row), each still pays: the last ones less
+    rows, tokens, taken = 8, 8.0, []
+    for _ in range(8):
+        taken.append(draft_length(0.9, 4, 8, RowCost(9.0).seconds, rows, tokens))
+        rows, tokens = rows + taken[-1], tokens + expected_tokens(0.9, taken[-1])
+    assert taken == [4, 4, 4, 4, 4, 4, 3, 3]
 
 
 def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):

@@ -184,7 +184,9 @@ class Scheduler:
         self.line_timeout = line_timeout
         self.clock = clock
         self.speculator = speculator
-        self._num_seqs = 0  # sequences running when the step being scheduled began (the gate's B)
+        # the step being scheduled, for the gate: its sequences when it began, its rows (one a sequence)
+        # grown by the drafts granted so far, and the tokens they are expected to give
+        self._num_seqs, self._step_rows, self._step_tokens = 0, 0, 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.counters = SchedulerCounters()
@@ -227,7 +229,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._logit_rows_left = MAX_PROMPT_LOGPROB_ROWS
         now = self.clock()
-        self._num_seqs = sum(len(r.live_seqs()) for r in self.running)
+        self._num_seqs = self._step_rows = sum(len(r.live_seqs()) for r in self.running)
+        self._step_tokens = float(self._num_seqs)
         for req in list(self.running):
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
@@ -258,6 +261,9 @@ class Scheduler:
             if draft is not None:  # only where free blocks cover it: a draft never preempts
                 blocks = self.kv_cache_manager.allocate(seq, n + len(draft.token_ids))
                 draft = draft if blocks is not None else None
+            if draft is not None:
+                self._step_rows += len(draft.token_ids)
+                self._step_tokens += draft.expected
             if blocks is None:
                 blocks = self._allocate(seq, n, req, out)
             if blocks is None:
@@ -277,7 +283,7 @@ class Scheduler:
         if req.lora is not None:  # an adapter's deltas are torch GEMMs whose bits vary with the rows
             return None
         room = min(budget - 1, req.max_tokens - seq.num_output_tokens - 1)
-        return self.speculator.propose(seq, room, self._num_seqs)
+        return self.speculator.propose(seq, room, self._num_seqs, self._step_rows, self._step_tokens)
 
     def _allocate(self, seq: Sequence, n: int, req: Request, out: SchedulerOutput) -> KVCacheBlocks | None:
         """Slots for ``seq``'s next ``n`` tokens, preempting the latest admitted requests while the free

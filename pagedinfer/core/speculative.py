@@ -151,21 +151,37 @@ class RowCost:
         return self.fixed_over_row + rows
 
 
-def draft_length(rate: float, most: int, num_seqs: int, seconds: Callable[[int], float]) -> int:
+def draft_length(
+    rate: float,
+    most: int,
+    seqs: int,
+    seconds: Callable[[int], float],
+    rows: int | None = None,
+    tokens: float | None = None,
+) -> int:
     """How many of ``most`` drafted tokens (each accepted with chance ``rate`` once the one before was)
-    make a step of ``num_seqs`` sequences give the most tokens a second, a step of R rows costing
-    ``seconds(R)``; 0 when none beats the step without them by `MARGIN`."""
-    base = seconds(num_seqs)
+    to add to a step of ``seqs`` decoding sequences that has grown to ``rows`` rows, expected to give
+    ``tokens`` tokens, by the drafts granted before (both ``seqs`` by default: no drafts yet), a step
+    of R rows costing ``seconds(R)``: the count that gives the step the most tokens a second, if that
+    beats the step as it is and the step without drafts by `MARGIN`; else 0. Each draft is judged
+    against the step as it has grown, so eight sequences' drafts are not each priced as if it were
+    the only one (a step's cost past a few rows is what stops them)."""
+    rows = seqs if rows is None else rows
+    tokens = seqs if tokens is None else tokens
+    base = seconds(rows)
     if math.isinf(base):  # rows are free
         return most
-    best, k_best, expected, chance = num_seqs / base * (1 + MARGIN), 0, 0.0, 1.0
+    best, k_best = max(tokens / base, seqs / seconds(seqs) * (1 + MARGIN)), 0
     for k in range(1, most + 1):
-        chance *= rate
-        expected += chance
-        value = (num_seqs + expected) / seconds(num_seqs + k)
+        value = (tokens + expected_tokens(rate, k)) / seconds(rows + k)
         if value > best:
             best, k_best = value, k
     return k_best
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """The drafted tokens a draft of ``k`` is expected to keep: the i-th is kept with chance rate^i."""
+    return sum(rate**i for i in range(1, k + 1))
 
 
 class StepTimes:
@@ -231,6 +247,9 @@ class StepTimes:
 class Draft:
     source: str
     token_ids: list[int]
+    expected: float = (
+        0.0  # of its tokens, those the gate expects kept (the step's expected tokens grow by it)
+    )
 
 
 @dataclass
@@ -320,9 +339,12 @@ class Speculator:
                 return Draft("finished", follow)
         return None
 
-    def propose(self, seq: Sequence, room: int, num_seqs: int) -> Draft | None:
+    def propose(
+        self, seq: Sequence, room: int, seqs: int, rows: int | None = None, tokens: float | None = None
+    ) -> Draft | None:
         """A draft of at most ``room`` tokens for ``seq`` (decoding: one token pending) in a step of
-        ``num_seqs`` sequences, or None (no match, or the gate finds it would not pay)."""
+        ``seqs`` sequences grown to ``rows`` rows and ``tokens`` expected tokens by the drafts granted
+        before (`draft_length`), or None (no match, or the gate finds it would not pay)."""
         room = min(room, self.config.num_speculative_tokens)
         if room <= 0:
             return None
@@ -331,7 +353,7 @@ class Speculator:
             return None
         acceptance = self._line_acceptance(seq.request, draft.source)
         seconds = self.cost.seconds if self.times is None else self.times.seconds
-        k = draft_length(acceptance.rate, len(draft.token_ids), num_seqs, seconds)
+        k = draft_length(acceptance.rate, len(draft.token_ids), seqs, seconds, rows, tokens)
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
@@ -340,6 +362,7 @@ class Speculator:
                 return None
             k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
+        draft.expected = expected_tokens(acceptance.rate, k)
         return draft
 
     def verified(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:

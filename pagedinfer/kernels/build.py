@@ -70,16 +70,15 @@ def _compiler() -> str | None:
 def _fused_flags(compiler: str) -> list[str]:
     """``-mtune-ctrl`` turning off each of `FMA_CHAIN_TUNINGS` this compiler knows (GCC 8-14 know
     some of them; Clang has none and fuses within each expression)."""
-    known = [
-        name
-        for name in FMA_CHAIN_TUNINGS
-        if subprocess.run(
+    probes = {  # all at once: each is a compiler start, paid by every process that loads a model
+        name: subprocess.Popen(
             [compiler, f"-mtune-ctrl=^{name}", "-E", "-x", "c", os.devnull, "-o", os.devnull],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        ).returncode
-        == 0
-    ]
+        )
+        for name in FMA_CHAIN_TUNINGS
+    }
+    known = [name for name, probe in probes.items() if probe.wait() == 0]
     return [f"-mtune-ctrl={','.join('^' + name for name in known)}"] if known else []
 
 

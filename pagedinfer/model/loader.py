@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.configuration_utils import GenerationConfig
 
 from pagedinfer import envs
 from pagedinfer.attention import interface as attention
@@ -25,6 +25,7 @@ from pagedinfer.model import (
     gguf_blocks,
     hub,
     llama,
+    own_config,
     packed_linear,
     validate,
 )
@@ -143,10 +144,10 @@ def load_model(
     ckpt = _open_gguf(name)
     folder, kwargs = (str(ckpt.folder), {}) if ckpt else _source(name)
     cache_only = _cache_only(name) if not (kwargs or ckpt) else {}
-    try:
-        config = AutoConfig.from_pretrained(folder, **kwargs, **cache_only)
-    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise ModelLoadError(f"cannot load the model config from {name!r}: {one_line(e)}") from None
+    # our own layers' families read without transformers' config classes (`own_config`); the
+    # transformers path, and whatever that reader leaves, gets transformers' config
+    ours = model_impl != "transformers" and load_format != "dummy" and not (kwargs or cache_only)
+    config = (ours and own_config.read(folder)) or _hf_config(name, folder, {**kwargs, **cache_only})
     check_family(config, name)
     family = families.find(config)  # the declaration our layers read, where they serve the family
     found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
@@ -170,6 +171,8 @@ def load_model(
         own = _own_gguf(name, config, model_impl, dev)
     else:
         own = [] if kwargs or dummy else own_implementation_files(name, config, model_impl, dev, cache_only)
+    if not own and isinstance(config, own_config.OwnConfig):  # transformers' layers: their config
+        config = _hf_config(name, folder, {**kwargs, **cache_only})
     if own and not ckpt:
         found = llama.tensor_index(own)
         _check(
@@ -209,6 +212,8 @@ def load_model(
             model = llama.build(config, family, sd, dev)
             model.generation_config = _generation_config(folder, config, cache_only)  # as HF's models carry
         else:
+            from transformers import AutoModelForCausalLM
+
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
             model, info = AutoModelForCausalLM.from_pretrained(
                 src,
@@ -257,7 +262,7 @@ def load_model(
             f"{name}: model family {config.model_type!r} is not supported: its attention does not go through "
             "the transformers attention interface"
         )
-    tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only})
+    tokenizer = _load_tokenizer(folder, {**kwargs, **cache_only}, config)
     if words := validate.vocabulary_note(tokenizer, model.get_input_embeddings().num_embeddings):
         note(f"pagedinfer: {name}: {words}")
     if chat_template is not None:
@@ -415,11 +420,31 @@ def probe_layers(model: torch.nn.Module, device: torch.device) -> tuple[dict[int
     return shapes, logits
 
 
-def _load_tokenizer(folder: str, kwargs: dict):
-    """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
-    are there but do not load are refused now, naming the file, rather than failing every text line."""
+def _hf_config(name: str, folder: str, kwargs: dict):
+    """transformers' config of the model (its class chosen by model_type); refused in one line."""
+    from transformers import AutoConfig
+
     try:
-        tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        return AutoConfig.from_pretrained(folder, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
+        raise ModelLoadError(f"cannot load the model config from {name!r}: {one_line(e)}") from None
+
+
+def _load_tokenizer(folder: str, kwargs: dict, config):
+    """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
+    are there but do not load are refused now, naming the file, rather than failing every text line.
+    Beside an `own_config.OwnConfig`, the class transformers' ``AutoTokenizer`` would choose is loaded
+    without it reading config.json again through its config classes (`own_config.tokenizer_loader`)."""
+    own = isinstance(config, own_config.OwnConfig)
+    if own and not _tokenizer_files(Path(folder)):  # AutoTokenizer would find none, reading config.json
+        return None
+    load = own_config.tokenizer_loader(folder, config) if own else None
+    try:
+        if load is None:
+            from transformers import AutoTokenizer
+
+            load = AutoTokenizer.from_pretrained
+        tok = load(folder, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure: missing files (fine) or broken ones (refused)
         present = [Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
         if present:
@@ -433,6 +458,13 @@ def _load_tokenizer(folder: str, kwargs: dict):
             raise ModelLoadError(f"cannot load the tokenizer of {folder!r}: {present[0]}: {reason}") from None
         return None
     return tok if getattr(tok, "is_fast", False) else None
+
+
+def _tokenizer_files(folder: Path) -> list[Path]:
+    """The files in ``folder`` a tokenizer may load from (`TOKENIZER_FILES`, vocabularies, merges, any
+    file named for tokens)."""
+    names = (*TOKENIZER_FILES, "vocab.txt", "merges.txt")
+    return [p for p in folder.iterdir() if p.name in names or "token" in p.name]
 
 
 def _set_chat_template(tokenizer, template: str, name: str) -> None:

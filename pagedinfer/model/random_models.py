@@ -8,9 +8,12 @@ handing over the module) keeps the real loading code on the path.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+
+if TYPE_CHECKING:  # transformers' model registry is imported where a model is built, not on import
+    from transformers import PretrainedConfig
 
 
 def save_random_model(
@@ -33,6 +36,8 @@ def random_model(
 ) -> torch.nn.Module:
     """``config``'s model with its own initialisation drawn from ``seed``, built directly on ``device``
     (on a GPU in seconds, where saving and loading an 8B checkpoint takes minutes)."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
