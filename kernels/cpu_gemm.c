@@ -23,7 +23,8 @@
  * per-thread buffer, which the float32 tiles of the other rows then read from cache (a separate pass
  * that dequantized the chunk before the tiles waited on memory with nothing to overlap it). Every row
  * block prefetches its share of the next chunk's lines. AVX2 builds keep MR x 1 tiles (WR = MR,
- * WP = 1).
+ * WP = 1), and multiply 7 to 11 rows of the quantized kinds in SPLIT by half tiles: the rows by 8
+ * columns, each half panel formed once for all of them.
  *
  * Threads take panels a chunk at a time (dynamically: on a shared machine one core is often slower
  * than the other, and a static split left the faster one waiting); each panel is read once per block

@@ -136,6 +136,73 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
     }
 TILES(K_F32)
 QUANTIZED_KINDS(TILES)
+#if !defined(PV_ZMM)
+/* most rows of a half tile (HR accumulators, a weight vector and a broadcast of the 16 registers):
+ * 12 rows gained nothing on two blocks of MR rows, and two half tiles lost to them (docs/kernels.md) */
+#define HR 11
+/* AVX2, MR + 1 to HR rows: ROWS rows by half h of one quantized panel (8 columns), the half's
+ * weights formed once for all the rows (where two MR-row blocks each formed the whole panel's): one
+ * pass per half, the group set up again for the second half (a widening of bytes, no conversion to
+ * float32 wasted). The same weights, x and fma(x, w, acc) in k order as tile(): the same bits. Gated:
+ * half 0 leaves gate + bias in y, half 1 reads it back and writes silu(gate) * up there, as store_tile
+ * does in registers. pf: the next panel, prefetched in the first pass. */
+static inline __attribute__((always_inline)) void half_pass(const int f, const int ROWS, const int h, const float *x,
+                                                            int64_t lda, const uint8_t *p, int k, int g, float *y,
+                                                            int64_t ldy, const uint8_t *pf, const float *b,
+                                                            const float *scale, int gated) {
+    vh acc[HR];
+    for (int r = 0; r < ROWS; r++) acc[r] = (vh){0};
+    const int G = f == K_I8 ? k : fmt_group(f, g);
+    int8_t buf[MAX_GROUP * NR];
+    for (int g0 = 0, gi = 0; g0 < k; g0 += G, gi++) {
+        const int gl = k - g0 < G ? k - g0 : G;
+        vh s[PV_HALVES], m[PV_HALVES];
+        const int8_t *q;
+        group_setup(f, 0, p, gi, g0, gl, g, scale, s, m, &q, buf);
+        if (pf && f != K_I8) prefetch_group(f, pf, 1, 0, gi, g, gl);
+        for (int kk = 0; kk < gl; kk++) {
+            if (pf && f == K_I8 && (g0 + kk) % 4 == 0) __builtin_prefetch(pf + (int64_t)(g0 + kk) * NR, 0, 2);
+            const vh w = group_weights(f, 0, s, m, q, kk, h);
+            for (int r = 0; r < ROWS; r++) acc[r] += vh_splat(x[r * lda + g0 + kk]) * w;
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        float *yr = y + r * ldy;
+        vh v = acc[r];
+        if (b) v += load8(b + h * VW);
+        if (!gated)
+            store8(yr + h * VW, v);
+        else if (h == 0)
+            store8(yr, v); /* gate + bias, until half 1 */
+        else
+            store8(yr, silu_mul8(load8(yr), v));
+    }
+}
+
+static inline __attribute__((always_inline)) void half_tile(const int f, const int ROWS, const float *x, int64_t lda,
+                                                            const uint8_t *p, int k, int g, float *y, int64_t ldy,
+                                                            const uint8_t *pf, const float *b, const float *scale,
+                                                            int gated) {
+    half_pass(f, ROWS, 0, x, lda, p, k, g, y, ldy, pf, b, scale, gated);
+    half_pass(f, ROWS, 1, x, lda, p, k, g, y, ldy, NULL, b, scale, gated);
+}
+
+#define HALF_CASE(F, R)                                                                                     \
+    case R: half_tile(F, R, x, lda, p, k, g, y, ldy, pf, b, scale, gated); return;
+/* halves_<format>(rows, ...): the half tiles of MR + 1 to HR rows. */
+#define HALVES(F)                                                                                            \
+    static void halves_##F(int rows, const float *x, int64_t lda, const uint8_t *p, int k, int g, float *y,   \
+                           int64_t ldy, const uint8_t *pf, const float *b, const float *scale, int gated) {  \
+        switch (rows) {                                                                                      \
+            HALF_CASE(F, 7) HALF_CASE(F, 8) HALF_CASE(F, 9) HALF_CASE(F, 10) HALF_CASE(F, 11)                 \
+        }                                                                                                    \
+    }
+AVX2_SPLIT_KINDS(HALVES)
+typedef void (*halves_fn)(int rows, const float *x, int64_t lda, const uint8_t *p, int k, int g, float *y,
+                          int64_t ldy, const uint8_t *pf, const float *b, const float *scale, int gated);
+#define HALVES_ENTRY(F) [F] = halves_##F,
+static const halves_fn HALVES_OF[K_COUNT] = {AVX2_SPLIT_KINDS(HALVES_ENTRY)};
+#endif
 #if defined(PV_ZMM)
 #ifndef WR
 #define WR 8 /* past MR rows: tiles of WR rows by WP float32 panels, 24 accumulators */

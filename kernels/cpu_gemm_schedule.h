@@ -10,11 +10,12 @@ static inline int prefetches(int kind, int rows) { return rows > 1 || kind != K_
 static inline int bf16_io(const gemm_segment *s) { return s->kind == K_BF16 || s->bf16_io; }
 
 /* Past MR rows the quantized panels go through the wide tiles and their buffer (rows_by_panels). In
- * the AVX2 build, up to SPLIT_ROWS rows, for the kinds in SPLIT, row blocks of at most MR rows through
- * the tiles that convert in registers are faster (the same products, so the same bits): its buffer
+ * the AVX2 build, for the kinds in SPLIT, up to HR rows the half tiles (each half panel formed once
+ * in registers for all the rows), then up to SPLIT_ROWS rows blocks of at most MR rows through the
+ * tiles that convert in registers, are faster (the same products, so the same bits): its buffer
  * path has only MR x 1 tiles. The AVX-512 build's 8 x 3 wide tiles in blocks of equal rows are as
  * fast or faster through the buffer, so that build does not split. int4 and Q4_K never paid split
- * (docs/kernels.md). */
+ * (docs/kernels.md). -DSPLIT_ROWS=6 (MR) builds the AVX2 kernel with every kind through the buffer. */
 #ifndef SPLIT_ROWS
 #if defined(PV_ZMM)
 #define SPLIT_ROWS MR /* none */
@@ -85,6 +86,14 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
         return;
     }
 #endif
+#if !defined(PV_ZMM)
+    if (m > MR && m <= HR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* all m rows, each half panel formed once */
+        for (int t = 0; t < np; t++)
+            HALVES_OF[s->kind](m, (const float *)x, k, p + t * pbytes, k, s->group, (float *)y + t * cols, ldy,
+                               t + 1 < np ? p + (t + 1) * pbytes : pf, b ? b + t * NR : NULL, sc ? sc + t * NR : NULL,
+                               gated);
+        return;
+    }
     if (m > MR && m <= SPLIT_ROWS && SPLIT[s->kind]) { /* row blocks of in-register tiles */
         const int per = equal_blocks(m, MR);
         for (int r = 0; r < m; r += per)
@@ -92,6 +101,7 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
                            ldy, cols, r ? NULL : pf, gated);
         return;
     }
+#endif
     const float *xf = (const float *)x;
     float *yf = (float *)y;
     if (m <= MR) { /* in registers: tiles of tile_panels(m) panels */

@@ -23,7 +23,7 @@ enum {
 
 /* X(kind) for every quantized kind: the per-kind instances of the tiles and their tables. */
 #define QUANTIZED_KINDS(X) X(K_I8) X(K_I4) X(K_I4Z) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q5_0) X(K_Q5_1) X(K_Q4_K) X(K_Q5_K) X(K_Q6_K)
-/* The kinds the AVX2 build splits into MR-row blocks through the in-register tiles (SPLIT_ROWS). */
+/* The kinds the AVX2 build multiplies past MR rows by half tiles, then MR-row blocks (SPLIT_ROWS). */
 #define AVX2_SPLIT_KINDS(X) X(K_I8) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q6_K)
 
 /* The group length (the format's scale block; g: int4's, given per weight); 0 without groups. */

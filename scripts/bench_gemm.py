@@ -3,13 +3,14 @@
 each weight format (float32, bfloat16, int8 / int4 weight-only, GGUF block types kept as stored).
 
     python scripts/bench_gemm.py [--rows 1,4,8,16,64,256,2048] [--threads 2] [--repeats 3]
-        [--paths onednn,mkl,f32,int8,int4,Q4_1,Q8_0,...] [--dtype bfloat16]
+        [--paths onednn,mkl,f32,int8,int4,Q4_1,Q8_0,...] [--dtype bfloat16] [--cpu-time]
 
 A SmolLM2-135M-shaped stack of linears (30 layers of fused QKV, output, fused gate-up and down,
 then the 49152-wide lm_head: 538 MB of float32) is run through once per measurement, so every
 weight comes from memory as in a real step, not from a cache warmed by the previous call. The
 paths take turns within each repeat; the best repeat of each is printed, in ms per pass, with the
 weight bytes streamed per second (each path's own bytes) and the GFLOP/s. Compare within one run.
+On a shared, loaded machine ``--cpu-time`` (with ``--threads 1``) times the process's CPU time.
 Quantized paths: ``int8``, ``int4`` (``int4-g128``, ``-zp``: `packed_linear.QUANTIZATIONS`), and
 GGUF types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 quantized by gguf-py; Q4_K, Q5_K, Q6_K random blocks, with
 llama-quantize's fallback types for the 576-wide linears: only the 1536-wide down projections are K-quants).
@@ -92,7 +93,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--paths", help="default: onednn,mkl,f32,int8 (float32); onednn,mkl,bf16 (bfloat16)")
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="time CPU time, not the wall clock (a loaded machine)"
+    )
     args = ap.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     names = (args.paths or ("onednn,mkl,f32,int8" if dtype == torch.float32 else "onednn,mkl,bf16")).split(
@@ -120,10 +125,10 @@ def main() -> None:
             best = dict.fromkeys(paths, float("inf"))
             for _ in range(args.repeats):
                 for name, linears in paths.items():
-                    t = time.perf_counter()
+                    t = clock()
                     for lin, (k, _) in zip(linears, SHAPES, strict=True):
                         lin(xs[k])
-                    best[name] = min(best[name], time.perf_counter() - t)
+                    best[name] = min(best[name], clock() - t)
             gflop = weights * 2 * rows / 1e9
             cells = [f"{s * 1e3:.1f} ({bytes_of[n] / s / 1e9:.1f}, {gflop / s:.0f})" for n, s in best.items()]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)

@@ -128,7 +128,8 @@ def test_mixed_parts_become_segments():
 
 def test_the_avx2_build_gives_the_same_bits(tmp_path):
     """The kernels built without AVX-512 (two 8-float halves per panel row) give the AVX-512 build's
-    products bit for bit for every type and tile shape (each lane computes the same float32 steps)."""
+    products bit for bit for every type and tile shape (each lane computes the same float32 steps), plain
+    and gated with a bias (the AVX2 half tiles of 7 to 11 rows leave the gate in y between halves)."""
     if not packed_linear.cpu_flags(("avx512f",)):
         pytest.skip("this CPU has no AVX-512: the suite's kernels are the AVX2 build already")
     script = tmp_path / "products.py"
@@ -139,18 +140,24 @@ sys.path.insert(0, {str(REPO / "tests")!r})
 from test_gguf_types import TYPES, blocks
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import gguf_blocks, packed_linear
+from pagedinfer.model.fused_ops import GatedLinear
 out = {{}}
 rng = np.random.default_rng(11)
 for kind in TYPES + ["int8", "int4", "int4-g128-zp"]:
-    w = torch.from_numpy(rng.standard_normal((40, 512)).astype(np.float32))
-    if kind.startswith("int"):
-        lin = torch.nn.Linear(512, 40, bias=False)
-        lin.weight.data = w
-        q = packed_linear.PackedLinear(lin, quantization=QUANTIZATIONS[kind])
-    else:
-        q = packed_linear.gguf_linear([gguf_blocks.GGUFWeight(kind, blocks(w.numpy(), kind), 512)], [None], False)
-    torch.manual_seed(0)
-    out[kind] = [q(torch.randn(rows, 512)) for rows in (1, 2, 3, 5, 8, 12, 13, 16, 20, 40)]
+    for gated in (False, True):  # gated: paired gate-up panels with a bias, silu(gate) * up
+        w = torch.from_numpy(rng.standard_normal((40, 512)).astype(np.float32))
+        bias = torch.from_numpy(rng.standard_normal(40).astype(np.float32)) if gated else None
+        if kind.startswith("int"):
+            lin = (GatedLinear if gated else torch.nn.Linear)(512, 40, bias=gated)
+            lin.weight.data = w
+            if gated:
+                lin.bias.data = bias
+            q = packed_linear.PackedLinear(lin, quantization=QUANTIZATIONS[kind])
+        else:
+            parts = [gguf_blocks.GGUFWeight(kind, blocks(h.numpy(), kind), 512) for h in w.split(20 if gated else 40)]
+            q = packed_linear.gguf_linear(parts, list(bias.split(20)) if gated else [None], gated)
+        torch.manual_seed(0)
+        out[kind, gated] = [q(torch.randn(rows, 512)) for rows in (1, 2, 3, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 20, 40)]
 torch.save(out, sys.argv[1])
 """
     )

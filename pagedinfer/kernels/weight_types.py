@@ -42,9 +42,11 @@ class WeightType:
     """One panel format. ``group``: k values per scale group (0: given per weight, int4's 32 or 128;
     None: no records, the values as they are: F32, BF16, I8). ``zero``: subtracted from every stored
     value (w = s * (q - zero)); ``direct``: the tiles read it from its nibbles in registers at one and
-    two rows; ``avx2_split``: the AVX2 build cuts its rows into MR-row blocks through those tiles
-    (cpu_gemm_schedule.h). ``gguf_block``/``gguf_bytes``: a GGUF type kept as stored, values and bytes
-    per block; ``gguf_f16_scales``: the byte offsets of its float16 scale fields in a block."""
+    two rows; ``avx2_split``: the AVX2 build multiplies MR + 1 to HR rows by half tiles that form
+    each half panel once for all of them, then up to SPLIT_ROWS rows by blocks of MR rows through the
+    in-register tiles (cpu_gemm_schedule.h), not through the buffer.
+    ``gguf_block``/``gguf_bytes``: a GGUF type kept as stored, values and bytes per block;
+    ``gguf_f16_scales``: the byte offsets of its float16 scale fields in a block."""
 
     id: int
     name: str
@@ -161,7 +163,7 @@ def c_header() -> str:
         "",
         "/* X(kind) for every quantized kind: the per-kind instances of the tiles and their tables. */",
         f"#define QUANTIZED_KINDS(X) {_kinds(lambda t: t.quantized)}",
-        "/* The kinds the AVX2 build splits into MR-row blocks through the in-register tiles (SPLIT_ROWS). */",
+        "/* The kinds the AVX2 build multiplies past MR rows by half tiles, then MR-row blocks (SPLIT_ROWS). */",
         f"#define AVX2_SPLIT_KINDS(X) {_kinds(lambda t: t.avx2_split)}",
         "",
         "/* The group length (the format's scale block; g: int4's, given per weight); 0 without groups. */",
