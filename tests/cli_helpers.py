@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -167,3 +170,20 @@ def with_weights(base: Path, out: Path, change) -> Path:
         change(tensors)
         save_file(tensors, file, metadata={"format": "pt"})
     return out
+
+
+def run_script(name: str, args: str, **env: str) -> str:
+    """``scripts/<name> <args>`` run from the checkout in its own interpreter (its imports, its
+    argument parsing and its exit code, as a user runs it), with ``env`` added; its stdout, once it
+    has exited 0."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, f"scripts/{name}", *args.split()],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout

@@ -3,13 +3,12 @@ tiny shapes, one line per shape and pool type."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from cli_helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -31,19 +30,9 @@ def test_prompt_batch_gives_each_row_its_sequences_blocks():
 
 
 def test_runs_end_to_end_on_tiny_shapes():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_ATTENTION_CHILD": "1"}
     args = "--isa native --no-machine --prompt-contexts 20 --prompt-batches 1 --decode-contexts 33"
     args += " --decode-batches 2 --seconds 0.001 --repeats 1 --kv-dtype float32,float16"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_attention.py", *args.split()],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+    lines = run_script("bench_attention.py", args, BENCH_ATTENTION_CHILD="1").splitlines()
     assert lines[0].startswith("CPU: ") and "1 thread(s), thread CPU time" in lines[0]
     rates = [
         re.fullmatch(

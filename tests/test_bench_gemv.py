@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from cli_helpers import run_script
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,18 +29,8 @@ def test_copies_give_the_original_products_in_memory_of_their_own():
 
 
 def test_runs_end_to_end_on_tiny_shapes():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = "--rows 1,3 --threads 1 --repeats 1 --mb 1 --paths f32,int8 --shapes 64x48,96x32 --cpu-time"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_gemv.py", *args.split()],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+    lines = run_script("bench_gemv.py", args).splitlines()
     assert re.fullmatch(r"read rate \(sum of 4 MB float32, 1 threads\): [\d.]+ GB/s", lines[0])
     cell = r"[\d.]+ \([\d.]+, ([\d.]+)\)"
     rows = [

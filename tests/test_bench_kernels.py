@@ -3,11 +3,10 @@ script the GPU run depends on is known to work before a GPU is available."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from cli_helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,17 +19,7 @@ def table_rows(output: str, title: str) -> list[list[str]]:
 
 
 def test_bench_kernels_smoke_prints_both_tables():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_kernels.py", "--smoke"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = run_script("bench_kernels.py", "--smoke")
     assert "WRONG" not in out
     decode = table_rows(out, "decode:")
     # 2 dtypes x batch {1, 3} x context {40, 300}, less batch 3 x context 300 over the memory budget
