@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from pagedinfer.outputs import Logprob
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_seed(adapter_digest: bytes) -> bytes:
     """The parent of a sequence's first block hash: K/V computed under an adapter is that adapter's own,
     so each adapter starts its own chains from its digest (what it computes with, not the slot it
@@ -107,8 +108,11 @@ class KVCacheStats:
 COUNTS = ("cow_copies", "prefix_queries", "prefix_hits", "blocks_reused", "evictions", "window_releases")
 
 
+@functools.lru_cache(maxsize=4096)
 def _group_seed(seed: bytes, group: int) -> bytes:
-    """The hash-chain seed of layer group ``group``: the first group's is ``seed`` itself."""
+    """The hash-chain seed of layer group ``group``: the first group's is ``seed`` itself. Cached with
+    `chain_seed`: `cache_blocks` asks for every sequence's seeds in every group after every step, from
+    a handful of adapters and groups."""
     return seed if not group else hashlib.blake2b(b"group:%d:" % group + seed, digest_size=32).digest()
 
 
