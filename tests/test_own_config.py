@@ -6,6 +6,7 @@ scaling, sizes transformers refuses) give None."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -15,6 +16,7 @@ from models import CONFIGS
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from pagedinfer.model import own_config
+from pagedinfer.model.families import FAMILIES
 from pagedinfer.model.loader import DEMO_MODEL
 
 COMPARED = [f.name for f in fields(own_config.OwnConfig) if f.name not in ("raw", "dtype")]
@@ -56,6 +58,15 @@ def test_family_configs_read_as_transformers_reads_them(tmp_path, variant):
     same_as_transformers(tmp_path)
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_each_familys_declared_defaults_are_its_transformers_class_defaults(family):
+    """The registry's `config_defaults` are the class's own declared defaults, field for field; a family
+    declaring none (the mixtures of experts) is not read here."""
+    declared = {f.name: f.default for f in dataclasses.fields(type(AutoConfig.for_model(family.name)))}
+    assert {k: declared.get(k, "not a field") for k in family.config_defaults} == family.config_defaults
+    assert (family.name in own_config.DEFAULTS) == bool(family.config_defaults)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_bare_files_take_the_class_defaults(tmp_path, family):
     extra = {"rope_theta": 5e5, "torch_dtype": "bfloat16", "eos_token_id": [3, 4]}
@@ -79,6 +90,7 @@ def test_the_demo_model_and_its_tokenizer(tmp_path):
     "doc",
     [
         {"model_type": "gemma2", **BARE},
+        {"model_type": "qwen3_moe", **BARE},
         {"model_type": "llama", **BARE, "some_new_switch": 1},
         {"model_type": "llama", **BARE, "hidden_size": 64.0},
         {"model_type": "llama", **BARE, "num_hidden_layers": True},
@@ -94,6 +106,7 @@ def test_the_demo_model_and_its_tokenizer(tmp_path):
     ],
     ids=[
         "family",
+        "family-without-defaults",
         "unknown-key",
         "float-size",
         "bool-size",

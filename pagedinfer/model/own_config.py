@@ -18,51 +18,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-# transformers' class defaults of the fields our layers, the validation and the loader read
-_LLAMA = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=None,
-    head_dim=None,
-    hidden_act="silu",
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    pad_token_id=None,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    mlp_bias=False,
-)
-_QWEN = dict(
-    {k: v for k, v in _LLAMA.items() if k not in ("head_dim", "attention_bias", "mlp_bias")},
-    vocab_size=151936,
-    intermediate_size=22016,
-    num_key_value_heads=32,
-    max_position_embeddings=32768,
-    bos_token_id=None,
-    eos_token_id=None,
-    use_sliding_window=False,
-    sliding_window=4096,
-    max_window_layers=28,
-    layer_types=None,
-)
-# each family's fields (a key of another family's is refused: transformers keeps it as an attribute)
-DEFAULTS = {
-    "llama": _LLAMA,
-    "mistral": dict(
-        {k: v for k, v in _LLAMA.items() if k not in ("attention_bias", "mlp_bias")},
-        intermediate_size=14336,
-        num_key_value_heads=8,
-        max_position_embeddings=4096 * 32,
-        sliding_window=4096,
-    ),
-    "qwen2": _QWEN,  # no head_dim field (hidden // heads) and no bias switches: q, k, v always biased
-    "qwen3": dict(_QWEN, head_dim=128, attention_bias=False),
-}
+from pagedinfer.model.families import FAMILIES  # the declarations only: no torch, no transformers
+
+# each family's fields with its class's defaults, by model_type (`spec.Family.config_defaults`); a key
+# of another family's is refused: transformers keeps it as an attribute
+DEFAULTS = {t: f.config_defaults for f in FAMILIES if f.config_defaults for t in f.model_types}
+# model_types whose declared tokenizer class AutoTokenizer keeps (`spec.Family.keeps_declared_tokenizer`)
+KEEPS_DECLARED_TOKENIZER = {t for f in FAMILIES if f.keeps_declared_tokenizer for t in f.model_types}
 _INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
 # every key a config may hold and still be read here: its type as transformers' classes declare it
 # ("?" after a type: null allowed); keys a family's class does not have are refused per family below
@@ -102,7 +64,7 @@ KEYS = {
     "unk_token_id": _INT + "?",
     "_model_name_or_path": _STR,
 }
-MODEL_FIELDS = {*_QWEN, *DEFAULTS["qwen3"], *_LLAMA}
+MODEL_FIELDS = {k for defaults in DEFAULTS.values() for k in defaults}
 # what every transformers config holds that a generation config takes from it
 BASE = {"output_hidden_states": False, "output_attentions": False, "use_cache": True}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -205,7 +167,8 @@ def tokenizer_loader(folder: str | Path, config: OwnConfig) -> Callable[..., obj
     (``AutoTokenizer`` as it is) where the files do not name their class or name remote code.
 
     A tokenizer_config.json naming ``TokenizersBackend`` (what transformers 5 saves) is that class for
-    Llama and Mistral (``AutoTokenizer`` keeps a declared class their families register no other for);
+    the families that keep it (Llama, Mistral: ``AutoTokenizer`` keeps a declared class their families
+    register no other for);
     its ``from_pretrained`` is called directly, sparing the import of every model family's module
     list. Other classes, and Qwen2/Qwen3 (whose declared class transformers replaces by its own), go
     through ``AutoTokenizer`` with ``config`` handed to it."""
@@ -216,7 +179,7 @@ def tokenizer_loader(folder: str | Path, config: OwnConfig) -> Callable[..., obj
     declared = doc.get("tokenizer_class") if isinstance(doc, dict) else None
     if not isinstance(declared, str) or "auto_map" in doc:
         return None
-    if declared == "TokenizersBackend" and config.model_type in ("llama", "mistral"):
+    if declared == "TokenizersBackend" and config.model_type in KEEPS_DECLARED_TOKENIZER:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         return functools.partial(TokenizersBackend.from_pretrained, _from_auto=True)

@@ -22,6 +22,25 @@ LINEARS = {
     "down": ("mlp.down_proj",),
 }
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+# LlamaConfig's defaults of the fields our layers, the validation and the loader read
+CONFIG_DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=None,
+    head_dim=None,
+    hidden_act="silu",
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    pad_token_id=None,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+)
 
 LLAMA = Family(
     model_types=("llama",),
@@ -30,4 +49,6 @@ LLAMA = Family(
     linears=LINEARS,
     norms=NORMS,
     gguf_permuted={"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads"},
+    config_defaults=CONFIG_DEFAULTS,
+    keeps_declared_tokenizer=True,
 )

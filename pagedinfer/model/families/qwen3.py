@@ -1,6 +1,7 @@
 """Qwen3: Llama's layer with a per-head RMSNorm of q and k before RoPE."""
 
 from pagedinfer.model.families.llama import LAYER, LINEARS, NORMS
+from pagedinfer.model.families.qwen2 import CONFIG_DEFAULTS as QWEN2_DEFAULTS
 from pagedinfer.model.families.spec import Family, Module
 
 QWEN3 = Family(
@@ -14,4 +15,5 @@ QWEN3 = Family(
     ),
     linears=LINEARS,
     norms={**NORMS, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+    config_defaults=dict(QWEN2_DEFAULTS, head_dim=128, attention_bias=False),  # Qwen3Config's
 )

@@ -173,6 +173,13 @@ class Family:
     # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
     # its own (OLMoE's: llama's): the reader is shown the file under that name
     gguf_read_as: str | None = None
+    # transformers' class defaults of the config.json fields `own_config` reads (the family's class's
+    # fields: a file holding another family's field is left to transformers); empty: every file of
+    # the family is read by transformers' config class
+    config_defaults: dict[str, object] = field(default_factory=dict)
+    # whether transformers' AutoTokenizer keeps the tokenizer class a tokenizer_config.json declares
+    # (False: the family registers its own class, which replaces it)
+    keeps_declared_tokenizer: bool = False
 
     @property
     def name(self) -> str:
