@@ -147,6 +147,8 @@ def load_model(
     # our own layers' families read without transformers' config classes (`own_config`); the
     # transformers path, and whatever that reader leaves, gets transformers' config
     ours = model_impl != "transformers" and load_format != "dummy" and not (kwargs or cache_only)
+    if not ckpt:  # a GGUF's sizes were checked in its metadata
+        _check(validate.check_config_file, folder)
     config = (ours and own_config.read(folder)) or _hf_config(name, folder, {**kwargs, **cache_only})
     check_family(config, name)
     family = families.find(config)  # the declaration our layers read, where they serve the family

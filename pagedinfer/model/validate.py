@@ -7,6 +7,9 @@ loader hands this module what it knows, in order, and nothing is packed or run u
 
 - `check_metadata`: a GGUF file's size metadata (positive integers, finite positive floats), before
   transformers makes a config of it;
+- `check_config_file`: a model folder's config.json, of a family our layers serve: each size and
+  setting of the right type and range, the head counts dividing, before any config class reads it
+  (transformers' would refuse it in its own words, or divide by zero);
 - `check_tensors`: the config's own consistency, then every tensor's shape and type against it (as
   the family's declaration in `families` states them), which makes the vocabulary's three sizes (the
   config's, the embedding's rows, the lm_head's rows) one; from the GGUF index or the safetensors
@@ -26,9 +29,11 @@ found shape (or what else is wrong), in one line.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -97,6 +102,90 @@ def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: 
             f"{where}: metadata {arch}.block_count is {layers:,}, but the file holds {tensors:,} tensors "
             "(each layer has its own)"
         )
+
+
+# config.json's sizes: each a positive integer where the file sets it; those after the first six may
+# also be null (the head counts and head_dim derived, no window); the experts' only for their families
+CONFIG_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+)
+CONFIG_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window")
+CONFIG_EXPERT_SIZES = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def check_config_file(folder: str | Path) -> None:
+    """``folder``/config.json, where it is a JSON object of a family our layers serve: the fields our
+    layers, the cache and the validation read, each as `sizes` wants it (the relations between the
+    head counts and the hidden size taken with the family's defaults where the file leaves one out).
+    Sizes too large for the weights are refused against them (`check_tensors`), before any allocation.
+    Anything else (no such file, not JSON, another family, other keys) is left to the config reader."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    family = families.by_model_type(raw.get("model_type")) if isinstance(raw, dict) else None
+    if family is None:
+        return
+
+    def refuse(key: str, expected: str) -> None:
+        raise ModelCheckError(f"{path}: {key} is {_json(raw[key])}; it must be {expected}")
+
+    for key in (*CONFIG_SIZES, *(CONFIG_EXPERT_SIZES if family.experts else ())):
+        value = raw.get(key)
+        if key in raw and not (_is_int(value) and value > 0 or value is None and key in CONFIG_NULLABLE):
+            refuse(key, "a positive integer" + (" or null" if key in CONFIG_NULLABLE else ""))
+    if "rms_norm_eps" in raw and not (_finite(raw["rms_norm_eps"]) and raw["rms_norm_eps"] >= 0):
+        refuse("rms_norm_eps", "a finite number >= 0")
+    if "tie_word_embeddings" in raw and not isinstance(raw["tie_word_embeddings"], bool):
+        refuse("tie_word_embeddings", "true or false")
+    rope = raw.get("rope_parameters")
+    if not isinstance(rope, (dict, type(None))):
+        refuse("rope_parameters", "an object (rope_type, rope_theta, ...) or null")
+    for key, theta in (("rope_theta", raw), ("rope_parameters.rope_theta", rope or {})):
+        value = theta.get("rope_theta", 1.0)
+        if not (_finite(value) and value > 0):
+            raise ModelCheckError(f"{path}: {key} is {_json(value)}; it must be a finite positive number")
+    _check_heads(raw, family, str(path))
+
+
+def _json(value: object) -> str:
+    """A config.json value as the file spells it (null, true, "8", NaN), cut to a message's length."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_heads(raw: dict, family: Family, where: str) -> None:
+    """The head counts of a config.json whose sizes are each valid: the KV heads dividing the query
+    heads, the query heads the hidden size where no head_dim is set; the experts a token runs at most
+    the experts."""
+    value = {**family.config_defaults, **raw}.get
+    heads, kv_heads, hidden = value("num_attention_heads"), value("num_key_value_heads"), value("hidden_size")
+    if heads and kv_heads and heads % kv_heads:
+        raise ModelCheckError(
+            f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+    # no head_dim: hidden // heads, where the file says so or the family's class has no other default
+    derived = value("head_dim") is None and ("head_dim" in raw or family.config_defaults)
+    if heads and hidden and derived and hidden % heads:
+        raise ModelCheckError(
+            f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}), and no "
+            "head_dim is set"
+        )
+    top_k = value("num_experts_per_tok")
+    for count in ("num_experts", "num_local_experts") if family.experts and top_k else ():
+        if count in raw and top_k > raw[count]:  # either name: transformers 5 saves qwen3_moe's as the other
+            raise ModelCheckError(
+                f"{where}: num_experts_per_tok ({top_k}) is more than {count} ({raw[count]})"
+            )
 
 
 def _finite(value: object) -> bool:

@@ -20,7 +20,11 @@ FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE)
 
 def find(config) -> Family | None:
     """The family of a Hugging Face config (by its model_type), None when ours serve none."""
-    kind = getattr(config, "model_type", None)
+    return by_model_type(getattr(config, "model_type", None))
+
+
+def by_model_type(kind: object) -> Family | None:
+    """The family serving ``model_type`` ``kind`` (a config.json's value, of any type), None when none does."""
     return next((f for f in FAMILIES if kind in f.model_types), None)
 
 
