@@ -235,3 +235,21 @@ def count_one_call_steps(monkeypatch) -> list[int]:
     real = decode_step.DecodeStep.run
     monkeypatch.setattr(decode_step.DecodeStep, "run", lambda self, *a: steps.append(1) or real(self, *a))
     return steps
+
+
+def refused_then_run(run, step, residual, cos, sin, meta, bad: list, refusals: list[str]):
+    """The C decode step ``run`` (``DecodeStep.run`` itself) of ``step``, first on each metadata of
+    ``bad``: each refused before any layer (`IndexOutOfRange`, its message appended to ``refusals``),
+    the pool's K bit for bit as it was (unwritten slots may hold NaNs: bits, not values, compared);
+    then on ``meta`` as given, its result returned. A probe wrapped around ``DecodeStep.run``."""
+    import pytest
+
+    from pagedinfer.kernels.abi import IndexOutOfRange
+
+    before = [step.kv.k[i].view(torch.int32).clone() for i in step.kv.k]
+    for wrong in bad:
+        with pytest.raises(IndexOutOfRange) as refused:
+            run(step, residual.clone(), cos, sin, wrong)
+        refusals.append(str(refused.value))
+    assert all(torch.equal(a, step.kv.k[i].view(torch.int32)) for a, i in zip(before, step.kv.k, strict=True))
+    return run(step, residual, cos, sin, meta)

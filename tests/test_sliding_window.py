@@ -14,9 +14,8 @@ import math
 import random
 
 import pytest
-import torch
 from conftest import ENGINE
-from models import count_one_call_steps, hf_greedy
+from models import count_one_call_steps, hf_greedy, refused_then_run
 from rich.console import Console
 from test_beam_search import hf_beams
 from test_beam_search import prompts as beam_prompts
@@ -28,7 +27,6 @@ from pagedinfer.attention import cuda_kernels, cuda_on_cpu
 from pagedinfer.cli.report import render, report_dict
 from pagedinfer.core.kv_cache_manager import KVCacheManager
 from pagedinfer.core.speculative import RowCost
-from pagedinfer.kernels.abi import IndexOutOfRange
 from pagedinfer.model import decode_step
 from pagedinfer.ray.stats import merge
 
@@ -110,14 +108,7 @@ def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
         bad = dataclasses.replace(
             meta, group_metas=[meta, dataclasses.replace(windowed, block_tables=tables)]
         )
-        before = [self.kv.k[i].view(torch.int32).clone() for i in self.kv.k]  # bits: unwritten slots hold any
-        with pytest.raises(IndexOutOfRange) as refused:
-            run(self, residual.clone(), cos, sin, bad)
-        refusals.append(str(refused.value))
-        assert all(
-            torch.equal(a, self.kv.k[i].view(torch.int32)) for a, i in zip(before, self.kv.k, strict=True)
-        )
-        return run(self, residual, cos, sin, meta)
+        return refused_then_run(run, self, residual, cos, sin, meta, [bad], refusals)
 
     def generate() -> tuple[list[int], int]:
         llm = LLM(str(tiny_model("qwen2_window")), block_size=4, num_blocks=32, **ENGINE)
