@@ -1,11 +1,15 @@
-"""The block pool alone: the seeds' worked examples, the prefix cache, and a stateful random test of both."""
+"""The block pool alone: the seeds' worked examples, the prefix cache, and a stateful random test of both
+(its hits taken through the KV-cache manager, as a run takes them; the prefix cache's worked examples
+through the manager are in tests/test_kv_cache_manager.py)."""
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_kv_cache_manager import prompt_of, request
 
 from pagedinfer.core.block_pool import BlockPool, OutOfBlocks, block_hashes
+from pagedinfer.core.kv_cache_manager import KVCacheManager
 
 
 def test_b_and_c_fit_together_in_24_slots():
@@ -95,37 +99,6 @@ def test_hashes_chain_over_the_whole_prefix():
     assert block_hashes([1, 2, 3, 4, 5, 6, 7], 4) == a[:1]  # only full blocks are named
 
 
-def test_freed_full_blocks_stay_cached_and_are_hit():
-    """Seed 004 section 9: a second prompt with the same 8-token preamble reuses its two blocks."""
-    pool, table = _filled_pool(list(range(10)))  # blocks: 2 full + 1 partial
-    full = table[:2]
-    pool.free(table)
-    assert pool.num_used == 0 and pool.num_cached == 2 and pool.num_free == 8
-    assert list(pool.evictable) == [full[1], full[0]]  # the tail first: evicted before the head
-    hit = pool.match_prefix([0, 1, 2, 3, 4, 5, 6, 7, 42])
-    assert hit == full and [pool.ref_counts[b] for b in full] == [1, 1] and pool.num_cached == 0
-    assert (pool.prefix_queries, pool.prefix_hits, pool.blocks_reused) == (9, 8, 2)
-    assert pool.num_filled_slots == 8
-    assert pool.match_prefix([0, 1, 2, 3, 9, 9, 9, 9]) == full[:1]  # diverges in block 1
-    assert pool.ref_counts[full[0]] == 2 and pool.prefix_hits == 8 + 4
-
-
-def test_fully_cached_prompt_still_computes_its_last_token():
-    tokens = list(range(8))
-    pool, table = _filled_pool(tokens)
-    blocks = list(table)
-    again = pool.match_prefix(tokens)
-    assert again == table and pool.prefix_hits == 7  # the last token is computed for its logits
-    # the last block is shared with the first sequence: writing its last slot copies it first
-    src = again[1]
-    assert pool.reserve(again, 7, 1) == [(src, again[1])] and again[1] != src
-    pool.register_full_blocks(again, tokens, 8)
-    assert pool.cached[pool.hashes[src]] == src  # the copy is a duplicate; the original serves hits
-    pool.free(table)
-    pool.free(again)  # the duplicate is not cached: it goes back to the free list
-    assert pool.num_cached == 2 and pool.num_used == 0 and set(pool.evictable) == set(blocks)
-
-
 def test_never_cached_blocks_go_first_then_least_recently_used():
     pool, first = _filled_pool(list(range(8)), num_blocks=4)  # blocks 0, 1 cached after free
     pool.free(first)
@@ -134,7 +107,7 @@ def test_never_cached_blocks_go_first_then_least_recently_used():
     assert sorted(other) == [2, 3] and pool.evictions == 0 and pool.num_cached == 2
     pool.reserve(other, 8, 1)  # the pool must evict: block 1 (the chain's tail) was freed first
     assert other[2] == 1 and pool.evictions == 1 and pool.hashes[1] is None
-    assert pool.match_prefix(list(range(8))) == [0]  # the head is still cached
+    assert pool.cached_prefix(block_hashes(list(range(8)), 4)) == [0]  # the head is still cached
 
 
 def test_eviction_forgets_the_hash():
@@ -142,18 +115,7 @@ def test_eviction_forgets_the_hash():
     pool.free(table)
     other: list[int] = []
     pool.reserve(other, 0, 3)
-    assert other == [0] and pool.cached == {} and pool.match_prefix([5] * 4) == []
-
-
-def test_caching_off_frees_at_once():
-    pool = BlockPool(num_blocks=4, block_size=4, enable_prefix_caching=False)
-    table: list[int] = []
-    pool.reserve(table, 0, 8)
-    pool.register_full_blocks(table, list(range(8)), 8)
-    assert pool.hashes == [None] * 4 and pool.cached == {}
-    pool.free(table)
-    assert pool.num_cached == 0 and len(pool.free_ids) == 4
-    assert pool.match_prefix(list(range(8))) == [] and pool.prefix_queries == 0
+    assert other == [0] and pool.cached == {} and pool.cached_prefix(block_hashes([5] * 4, 4)) == []
 
 
 BASES = [[7, 1, 7, 2, 7, 3, 7, 4, 7, 5, 7, 6, 7, 8, 7, 9, 7, 0, 7, 1], [2] * 20, list(range(20))]
@@ -171,7 +133,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = BlockPool(num_blocks=12, block_size=self.BS, enable_prefix_caching=self.CACHING)
+        self.kv = KVCacheManager(12, self.BS, enable_prefix_caching=self.CACHING)  # hits as it takes them
+        self.pool = self.kv.pool
         self.seqs: list[tuple[list[int], list[int]]] = []  # (table, tokens with K/V)
         self.shadow: list[list[int | None]] = [[None] * self.BS for _ in range(12)]
         self.prefix_of: dict[bytes, list[int]] = {}  # every hash seen -> the prefix it names
@@ -204,8 +167,10 @@ class PoolMachine(RuleBasedStateMachine):
         tokens = BASES[base][:cut] + suffix
         if not tokens:
             return
-        reused = self.pool.blocks_reused
-        table = self.pool.match_prefix(tokens)
+        reused, req = self.pool.blocks_reused, request(tokens)
+        seq = prompt_of(req)
+        self.kv.take_prefix(seq, self.kv.lookup(req))
+        table = seq.block_table
         assert self.pool.blocks_reused - reused == len(table)
         for i, b in enumerate(table):  # a hit holds exactly the tokens asked for
             assert self.shadow[b] == tokens[i * self.BS : (i + 1) * self.BS]

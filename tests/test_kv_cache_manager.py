@@ -142,6 +142,52 @@ def test_a_shared_system_prompt_is_cached_once_and_referenced_by_each_request():
     assert (s.prefix_queries, s.prefix_hits, s.blocks_reused) == (14 + 11 + 12, 16, 2)
 
 
+def test_freed_full_blocks_stay_cached_and_are_hit():
+    """Seed 004 section 9: a second prompt with the same 8-token preamble reuses its two blocks."""
+    kv = KVCacheManager(8, 4)
+    pool, first = kv.pool, prompt_of(request(list(range(10)), "A"))
+    step(kv, first, 10)  # blocks: 2 full + 1 partial
+    full = first.block_table[:2]
+    kv.free(first)
+    assert pool.num_used == 0 and pool.num_cached == 2 and pool.num_free == 8
+    assert list(pool.evictable) == [full[1], full[0]]  # the tail first: evicted before the head
+    hit = admit(kv, request([0, 1, 2, 3, 4, 5, 6, 7, 42], "B"))
+    assert hit.block_table == full and [pool.ref_counts[b] for b in full] == [1, 1] and pool.num_cached == 0
+    assert (pool.prefix_queries, pool.prefix_hits, pool.blocks_reused) == (9, 8, 2)
+    assert pool.num_filled_slots == 8 and hit.num_computed == 8
+    assert admit(kv, request([0, 1, 2, 3, 9, 9, 9, 9], "C")).block_table == full[:1]  # diverges in block 1
+    assert pool.ref_counts[full[0]] == 2 and pool.prefix_hits == 8 + 4
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    """Its last token is computed for its logits; the last block is shared with the first sequence, so
+    writing its last slot copies it first; the copy is a duplicate, not cached: the original serves hits."""
+    tokens = list(range(8))
+    kv = KVCacheManager(8, 4)
+    pool, first = kv.pool, prompt_of(request(tokens, "A"))
+    step(kv, first, 8)
+    blocks = list(first.block_table)
+    again = admit(kv, request(tokens, "B"))
+    assert again.block_table == blocks and again.num_computed == 7 and pool.prefix_hits == 7
+    src = blocks[1]
+    assert step(kv, again, 1).copies == ((src, again.block_table[1]),) and again.block_table[1] != src
+    assert pool.cached[pool.hashes[src]] == src
+    kv.free(first)
+    kv.free(again)  # the duplicate is not cached: it goes back to the free list
+    assert pool.num_cached == 2 and pool.num_used == 0 and set(pool.evictable) == set(blocks)
+
+
+def test_caching_off_frees_at_once_and_hits_nothing():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=False)
+    pool, first = kv.pool, prompt_of(request(list(range(8)), "A"))
+    step(kv, first, 8)
+    assert pool.hashes == [None] * 4 and pool.cached == {}
+    kv.free(first)
+    assert pool.num_cached == 0 and len(pool.free_ids) == 4
+    again = admit(kv, request(list(range(8)), "B"))
+    assert again.block_table == [] and again.num_computed == 0 and pool.prefix_queries == 0
+
+
 def test_a_fully_cached_prompt_recomputes_its_last_token_and_counts_the_copy():
     """The cached last block is still referenced by the first sequence: the admission counts its copy
     (its last slot is written again), so 2 blocks in use leave room only with a third free."""

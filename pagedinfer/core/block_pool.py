@@ -8,8 +8,9 @@ reference (copy-on-write); a full shared block is never written again, so it sta
 
 Prefix caching (across requests): every FULL, computed block is named by a
 chained hash of its parent's hash and its own token ids, so equal hashes mean equal token
-prefixes and therefore equal K/V. ``match_prefix`` hands a new sequence the blocks of its longest
-cached prefix (counts rise, nothing is computed again). A hashed block whose count falls to zero
+prefixes and therefore equal K/V. A new sequence is handed the blocks of its longest cached prefix
+(``cached_prefix`` finds them, ``acquire`` takes them, ``count_hit`` counts the hit: the KV-cache
+manager's lookup and admission); counts rise, nothing is computed again. A hashed block whose count falls to zero
 is not freed: it stays cached and evictable, least recently used first, and is only reclaimed
 when no never-cached free block is left. A cached block is therefore never handed out while
 referenced, and a full block is never written, so its hash always matches its tokens. When a hash
@@ -280,27 +281,6 @@ class BlockPool:
                 if block is None:
                     break
                 blocks.append(block)
-        return blocks
-
-    def match_prefix(
-        self, token_ids: list[int], hashes: list[bytes] | None = None, prompt: bool = True
-    ) -> list[int]:
-        """Take a reference to every block of the longest cached full-block prefix of ``token_ids``.
-
-        Returns the block table to start from; the caller computes the remaining tokens. The last
-        token is always computed (its logits are sampled), so a fully cached prompt saves all but
-        one token: that is what ``prefix_hits`` counts. ``hashes`` are ``block_hashes(token_ids)`` (from
-        the sequence's `kv_cache_manager.chain_seed`) when the caller has them already. ``prompt=False`` (a resumed
-        completion's generated tokens) leaves the prompt-token counts ``prefix_queries`` / ``prefix_hits``
-        alone.
-        """
-        if not self.enable_prefix_caching:
-            return []
-        if hashes is None:
-            hashes = block_hashes(token_ids, self.block_size)
-        blocks = self.cached_prefix(hashes)
-        self.acquire(blocks)
-        self.count_hit(len(token_ids), len(blocks), len(blocks), prompt)
         return blocks
 
     def acquire(self, blocks: list[int]) -> None:
