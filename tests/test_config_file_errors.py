@@ -1,7 +1,8 @@
 """A hostile config.json of a family our layers serve is refused by `pagedinfer run` in one line naming
 the file, the field and what it must be (never transformers' words, a division by zero, a traceback or
 an allocation the size of the value), the output left empty; sizes too large for the weights are
-refused against the weights' shapes, before anything of that size is built."""
+refused against the weights' shapes (our layers) or their files' bytes (transformers' layers), before
+anything of that size is built."""
 
 from __future__ import annotations
 
@@ -174,16 +175,16 @@ TOO_LARGE = [  # (id, family, changes, the message after "<folder>/model.safeten
 ]
 
 
-def refused(tiny_model, tmp_path, family: str, changes: dict, file: str, message: str) -> None:
-    """A copy of the tiny ``family`` model with ``changes`` in its config.json: its run exits 2 with one
-    line, ``<copy>/<file>: message``, and writes no record."""
+def refused(tiny_model, tmp_path, family: str, changes: dict, file: str, message: str, *args: str) -> None:
+    """A copy of the tiny ``family`` model with ``changes`` in its config.json: its run (``args`` added)
+    exits 2 with one line, ``<copy>/<file>: message``, and writes no record."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_model(family), folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt_token_ids": [3, 4], "max_tokens": 2}])
     out = tmp_path / "out.jsonl"
-    result = invoke("run", prompts, "-o", out, "-q", "--device", "cpu", "--model", folder)
+    result = invoke("run", prompts, "-o", out, "-q", "--device", "cpu", "--model", folder, *args)
     one_line_error(result, f"error: {folder / file}: {message}")
     assert "Traceback" not in result.output
     assert not out.exists() or read_jsonl(out) == []  # nothing marked done
@@ -203,6 +204,19 @@ def test_a_size_too_large_for_the_weights_is_refused_against_them(
     tiny_model, tmp_path, family, changes, message
 ):
     refused(tiny_model, tmp_path, family, changes, "model.safetensors", message)
+
+
+@pytest.mark.parametrize(("family", "changes"), [c[1:3] for c in TOO_LARGE], ids=[c[0] for c in TOO_LARGE])
+def test_transformers_layers_are_not_built_from_sizes_the_weights_cannot_hold(
+    tiny_model, tmp_path, family, changes
+):
+    """transformers allocates every tensor its config sizes before reading a weight: the sizes are
+    weighed against the weight files' bytes first, the largest named."""
+    key = next(k for k, v in changes.items() if v == HUGE)
+    message = f"the config's {key} ({HUGE:,}) with its other sizes needs at least"
+    refused(
+        tiny_model, tmp_path, family, changes, "model.safetensors", message, "--model-impl", "transformers"
+    )
 
 
 @pytest.mark.parametrize(

@@ -217,6 +217,11 @@ def load_model(
             from transformers import AutoModelForCausalLM
 
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
+            if family is not None and not ckpt:  # a GGUF's tensors were checked against its config
+                files = _weight_files(Path(folder).expanduser())
+                validate.check_weights_hold(
+                    config, family, files, llama.weight_files(files) if files else name
+                )
             model, info = AutoModelForCausalLM.from_pretrained(
                 src,
                 dtype=load_dtype,
@@ -292,12 +297,17 @@ def _check_complete(missing: list[str] | set[str], name: str, folder: str, kwarg
     values and warn; a run would then write noise as if it were the model's answer). Returns the
     weights' file(s) in a few words, for the other checks' messages."""
     path = Path(folder).expanduser()
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    files = _weight_files(path)
     where = name if kwargs.get("gguf_file") else llama.weight_files(files) if files else folder
     if missing:
         first, *rest = sorted(missing)
         raise ModelLoadError(validate.missing(first, len(rest), where))
     return where
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """A local checkpoint folder's weight files, as transformers reads them (none for a hub id)."""
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
 
 
 def _check(check: Callable[..., T], *args: object) -> T:

@@ -10,6 +10,9 @@ loader hands this module what it knows, in order, and nothing is packed or run u
 - `check_config_file`: a model folder's config.json, of a family our layers serve: each size and
   setting of the right type and range, the head counts dividing, before any config class reads it
   (transformers' would refuse it in its own words, or divide by zero);
+- `check_weights_hold`: before transformers' layers are built from a served family's config (they
+  allocate every tensor the config sizes before a weight is read), the sizes against the bytes of its
+  weight files, so a hostile size is refused rather than allocated;
 - `check_tensors`: the config's own consistency, then every tensor's shape and type against it (as
   the family's declaration in `families` states them), which makes the vocabulary's three sizes (the
   config's, the embedding's rows, the lm_head's rows) one; from the GGUF index or the safetensors
@@ -265,6 +268,34 @@ def sizes(config, where: str) -> Sizes:
         top_k,
         expert_inter,
     )
+
+
+def check_weights_hold(config, family: Family, files: list[Path], where: str) -> None:
+    """Refuse a config whose sizes need more weights than ``files`` (the checkpoint's) could hold, at
+    the fewest bits any format stores a weight in (one): transformers would allocate them all first.
+    The count is a floor every checkpoint of ``family`` holds: the embedding, each layer's q, k, v and
+    o, and its dense MLP or its experts'."""
+    if not files:
+        return
+    s = sizes(config, where)
+    mlp = s.experts * (s.expert_inter or s.inter) if family.experts else s.inter
+    need = s.vocab * s.hidden + s.layers * s.hidden * (2 * s.q + 2 * s.kv + 3 * mlp)
+    held = sum(f.stat().st_size for f in files)
+    if need > 8 * held:
+        fields = {  # the largest named: a hostile size is far the largest
+            "vocab_size": s.vocab,
+            "hidden_size": s.hidden,
+            "num_hidden_layers": s.layers,
+            "num_attention_heads": s.heads,
+            "head_dim": s.head_dim,
+            **({"num_experts": s.experts, "moe_intermediate_size": s.expert_inter} if family.experts else {}),
+            "intermediate_size": s.inter,
+        }
+        name = max(fields, key=fields.get)
+        raise ModelCheckError(
+            f"{where}: the config's {name} ({fields[name]:,}) with its other sizes needs at least {need:,} "
+            f"weights, but its weight files hold {held:,} bytes"
+        )
 
 
 def _expected(family: Family, s: Sizes) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
