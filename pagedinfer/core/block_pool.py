@@ -9,10 +9,10 @@ reference (copy-on-write); a full shared block is never written again, so it sta
 Prefix caching (across requests): every FULL, computed block is named by a
 chained hash of its parent's hash and its own token ids, so equal hashes mean equal token
 prefixes and therefore equal K/V. A new sequence is handed the blocks of its longest cached prefix
-(``cached_prefix`` finds them, ``acquire`` takes them, ``count_hit`` counts the hit: the KV-cache
-manager's lookup and admission); counts rise, nothing is computed again. A hashed block whose count falls to zero
-is not freed: it stays cached and evictable, least recently used first, and is only reclaimed
-when no never-cached free block is left. A cached block is therefore never handed out while
+(``cached_prefix`` finds them, ``acquire`` takes them, ``count_hit`` counts the hit, as the KV-cache
+manager's lookup and admission call them): counts rise, nothing is computed again. A hashed block
+whose count falls to zero is not freed: it stays cached and evictable, least recently used first,
+and is only reclaimed when no never-cached free block is left. A cached block is therefore never handed out while
 referenced, and a full block is never written, so its hash always matches its tokens. When a hash
 leaves the cache, ``on_uncache`` is told (the KV-cache manager drops what it kept beside it).
 

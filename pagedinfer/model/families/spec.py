@@ -6,8 +6,10 @@ config (`Sizes`, by dimension names) and whether its weight and bias must, may o
 which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
 our layers' norms (`NORM_ROLES`); which rows llama.cpp's converter permuted (undone on reading); and
 the kinds of norm, activation and RoPE the layers compute; and, for a mixture-of-experts family, its
-router and experts (`Experts`: which modules, how the router's scores are turned into weights). The loader, the GGUF reader, the
-validation, the layers (and so the C step's per-layer pointers) and the LoRA sites read it.
+router and experts (`Experts`: which modules, how the router's scores are turned into weights); and,
+for the families `own_config` reads without transformers, their config classes' defaults. The
+loader, the GGUF reader, the validation, the config reader, the layers (and so the C step's
+per-layer pointers) and the LoRA sites read it.
 """
 
 from __future__ import annotations
