@@ -502,8 +502,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = option(
         None,
         'Speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'. Outputs are byte-identical to a run '
-        "without it. Default: off.",
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or a draft model\'s: \'{"method": '
+        '"draft_model", "model": "draft.gguf", "num_speculative_tokens": 4}\'. Outputs are '
+        "byte-identical to a run without it. Default: off.",
         panel="pool",
         metavar="JSON",
         show_default=False,

@@ -201,3 +201,8 @@ def test_command_line_option(tmp_path, tiny_model):
         json.dumps(draft_spec(tiny_model("llama"))),
     )
     one_line_error(bad, "does not share the vocabulary of the target model")
+
+
+def test_a_draft_model_that_does_not_load_is_named(text_llm, tmp_path):
+    with pytest.raises(ModelLoadError, match=r"^speculative_config\.model: the draft model '.*missing': "):
+        engine_view(text_llm, draft_spec(tmp_path / "missing"))
