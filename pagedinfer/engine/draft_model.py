@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedinfer.attention.kv_cache import KVCache, group_layers
-from pagedinfer.core.kv_cache_manager import KVCacheManager
+from pagedinfer.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedinfer.core.sequence import Sequence
 from pagedinfer.model.loader import LoadedModel, ModelLoadError
 from pagedinfer.model.runner import ModelRunner
@@ -44,6 +44,7 @@ class _Line:
     block_tables: list[list[int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # its tokens, the drafted ones last
     num_computed: int = 0  # leading ``token_ids`` whose K/V the pool holds
+    num_verified: int = 0  # leading ``token_ids`` that were the sequence's own (not drafted here)
     lora_slot: int = 0  # the draft runs no adapter
 
 
@@ -60,6 +61,19 @@ class _Chunk:
     @property
     def step_token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+def _still_held(line: _Line, tokens: list[int]) -> int:
+    """How many of ``line``'s computed positions hold ``tokens`` (the sequence's now), at most all but
+    the last (its logits are the first draft's): the sequence's own tokens are compared at C speed,
+    the drafted ones after them one by one (the verified prefix of the last draft)."""
+    upto = min(line.num_computed, len(tokens) - 1)
+    keep = min(line.num_verified, upto)
+    if line.token_ids[:keep] != tokens[:keep]:  # not this sequence's tokens any more: compute again
+        return 0
+    while keep < upto and line.token_ids[keep] == tokens[keep]:
+        keep += 1
+    return keep
 
 
 def check_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -105,14 +119,8 @@ class DraftModel:
         line = self._lines.pop(seq, None) or _Line([[] for _ in self.manager.windows])
         self._lines[seq] = line
         tokens = seq.token_ids
-        keep = 0
-        for have, want in zip(
-            line.token_ids[: min(line.num_computed, len(tokens) - 1)], tokens, strict=False
-        ):
-            if have != want:
-                break
-            keep += 1
-        line.num_computed, line.token_ids = keep, list(tokens)
+        line.num_computed = _still_held(line, tokens)
+        line.token_ids, line.num_verified = list(tokens), len(tokens)
         self.manager.truncate(line)
         k = min(k, self.loaded.max_model_len - len(tokens))
         drafted: list[int] = []
@@ -128,7 +136,7 @@ class DraftModel:
             line.token_ids.append(token)
         return drafted
 
-    def _allocate(self, line: _Line, n: int):
+    def _allocate(self, line: _Line, n: int) -> KVCacheBlocks | None:
         """Slots for ``line``'s next ``n`` positions, dropping the least recently drafted other lines
         while the pool cannot hold them (a dropped line computes its sequence again when it next drafts)."""
         while (blocks := self.manager.allocate(line, n)) is None:
