@@ -119,17 +119,17 @@ def test_draft_lines_roll_back_and_make_room(text_llm):
     and a full pool drops the least recently drafted line, which drafts the same tokens afterwards."""
     loaded = text_llm.engine.loaded
     prompts = [text_llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
-    fresh = [DraftModel(loaded, 64, 4, loaded.dtype).propose(Seq(p), 4) for p in prompts]
+    fresh = DraftModel(loaded, 64, 4, loaded.dtype).propose([(Seq(p), 4) for p in prompts])  # batched
     small = DraftModel(loaded, blocks_for(prompts[0], 4) + 1, 4, loaded.dtype)  # one line at a time
     pool, first = small.manager.pool, Seq(prompts[0])
-    assert small.propose(first, 4) == fresh[0]
+    assert small.propose([(first, 4)]) == [fresh[0]]
     assert pool.num_used == blocks_for(prompts[0], 3)  # the last drafted token is not computed
     first.token_ids = prompts[0] + fresh[0][:1] + [fresh[0][1] ^ 1]  # one accepted, then a mismatch
-    small.propose(first, 1)  # keeps the prompt and the accepted token's K/V, gives back the rest
+    small.propose([(first, 1)])  # keeps the prompt and the accepted token's K/V, gives back the rest
     assert pool.num_used == blocks_for(first.token_ids, 0)
-    assert small.propose(Seq(prompts[1]), 4) == fresh[1]
+    assert small.propose([(Seq(prompts[1]), 4)]) == [fresh[1]]
     assert first not in small._lines  # dropped to make room
-    assert small.propose(Seq(prompts[0]), 4) == fresh[0]
+    assert small.propose([(Seq(prompts[0]), 4)]) == [fresh[0]]
     for seq in list(small._lines):
         small.forget(seq)
     assert pool.num_used == 0

@@ -59,8 +59,8 @@ MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gai
 class Drafter(Protocol):
     """A second model proposing drafts (`engine.draft_model.DraftModel`)."""
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to ``k`` tokens to follow ``seq``'s tokens."""
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each ``(seq, k)``, up to ``k`` tokens to follow ``seq``'s tokens."""
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ended: drop what is kept for it."""
@@ -302,6 +302,7 @@ class Speculator:
         ``draft_model``), which then replaces the n-gram lookups."""
         self.config = config
         self.drafter = drafter
+        self._unfilled: dict[Sequence, Draft] = {}  # the step's draft-model drafts, tokens to make
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
         self._steps = 0  # decode steps timed
@@ -384,14 +385,30 @@ class Speculator:
             if self.times is None or self._gated % EXPLORE_EVERY:
                 return None
             k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
-        if draft.source == "draft_model":
-            draft.token_ids = self.drafter.propose(seq, k)
-            k = len(draft.token_ids)
-            if not k:  # the draft's context or pool is full
-                return None
         draft.token_ids = draft.token_ids[:k]
+        if draft.source == "draft_model":  # its tokens are made for the whole step at once (`fill`)
+            self._unfilled[seq] = draft
         draft.expected = expected_tokens(acceptance.rate, k)
         return draft
+
+    def fill(self, batch: list) -> None:
+        """Make the tokens of the draft-model drafts scheduled in ``batch`` (the step's
+        `ScheduledSeq`, whose ``draft`` is its `Draft`'s token list), in place, in one batch of the
+        draft model's passes. A draft the model cuts short (its pool or context full) keeps its
+        length, padded with its last token: any token is verified exactly, a wrong one only costs
+        its row."""
+        if not self._unfilled:
+            return
+        wants = [
+            (s.seq, d)
+            for s in batch
+            if (d := self._unfilled.get(s.seq)) is not None and s.draft is d.token_ids
+        ]
+        self._unfilled.clear()
+        made = self.drafter.propose([(seq, len(d.token_ids)) for seq, d in wants]) if wants else []
+        for (seq, draft), tokens in zip(wants, made, strict=True):
+            pad = tokens[-1] if tokens else seq.token_ids[-1]
+            draft.token_ids[:] = tokens + [pad] * (len(draft.token_ids) - len(tokens))
 
     def verified(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:
         """The outcome of ``draft``: its first ``accepted`` tokens kept; ``mismatch``: a drawn token

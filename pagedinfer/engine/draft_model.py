@@ -51,11 +51,12 @@ class _Line:
 @dataclass
 class _Chunk:
     """The runner's `ScheduledChunk`: ``num_tokens`` positions of ``seq`` from ``start``, the last one's
-    logits returned."""
+    logits returned (the next drafted token)."""
 
     seq: _Line
     start: int
     num_tokens: int
+    drafted: list[int]  # the line's drafted tokens so far: its logits' token is appended
     num_logits: int = 1
 
     @property
@@ -113,34 +114,50 @@ class DraftModel:
         self._lines: OrderedDict[Sequence, _Line] = OrderedDict()  # least recently drafted first
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to ``k`` greedy tokens after ``seq``'s tokens (its pending one last); fewer where the
-        draft's context ends, or where its pool cannot hold them even once the other lines are dropped."""
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each ``(seq, k)``, up to ``k`` greedy tokens after ``seq``'s tokens (its pending one
+        last), all sequences in one pass per drafted position: the first computes each line's missing
+        tokens, the next ones a token each. Fewer where the draft's context ends, or where its pool
+        cannot hold a line even once the lines not drafting now are dropped."""
+        lines = [self._line(seq) for seq, _ in wants]
+        most = [min(k, self.loaded.max_model_len - len(seq.token_ids)) for seq, k in wants]
+        drafted: list[list[int]] = [[] for _ in wants]
+        busy = {id(line) for line in lines}
+        for depth in range(max(most, default=0)):
+            chunks, copies = [], []
+            for line, tokens, k in zip(lines, drafted, most, strict=True):
+                if len(tokens) == depth < k:  # still drafting (not stopped by its pool)
+                    n = len(line.token_ids) - line.num_computed
+                    blocks = self._allocate(line, n, busy)
+                    if blocks is not None:
+                        chunks.append(_Chunk(line, line.num_computed, n, tokens))
+                        copies += blocks.copies
+            if not chunks:
+                break
+            logits = self.runner.execute(chunks, copies)  # [len(chunks), V]
+            for chunk, token in zip(chunks, logits.argmax(dim=-1).tolist(), strict=True):
+                chunk.seq.num_computed += chunk.num_tokens
+                chunk.seq.token_ids.append(token)
+                chunk.drafted.append(token)
+        return drafted
+
+    def _line(self, seq: Sequence) -> _Line:
+        """``seq``'s line, made the most recently drafted, cut back to the positions that still hold
+        ``seq``'s tokens (the blocks past them given back), its tokens ``seq``'s."""
         line = self._lines.pop(seq, None) or _Line([[] for _ in self.manager.windows])
         self._lines[seq] = line
         tokens = seq.token_ids
         line.num_computed = _still_held(line, tokens)
         line.token_ids, line.num_verified = list(tokens), len(tokens)
         self.manager.truncate(line)
-        k = min(k, self.loaded.max_model_len - len(tokens))
-        drafted: list[int] = []
-        while len(drafted) < k:
-            n = len(line.token_ids) - line.num_computed
-            blocks = self._allocate(line, n)
-            if blocks is None:
-                break
-            logits = self.runner.execute([_Chunk(line, line.num_computed, n)], list(blocks.copies))  # [1, V]
-            line.num_computed += n
-            token = int(logits[0].argmax())
-            drafted.append(token)
-            line.token_ids.append(token)
-        return drafted
+        return line
 
-    def _allocate(self, line: _Line, n: int) -> KVCacheBlocks | None:
-        """Slots for ``line``'s next ``n`` positions, dropping the least recently drafted other lines
-        while the pool cannot hold them (a dropped line computes its sequence again when it next drafts)."""
+    def _allocate(self, line: _Line, n: int, busy: set[int]) -> KVCacheBlocks | None:
+        """Slots for ``line``'s next ``n`` positions, dropping the least recently drafted lines not in
+        ``busy`` (ids of those drafting now) while the pool cannot hold them (a dropped line computes
+        its sequence again when it next drafts)."""
         while (blocks := self.manager.allocate(line, n)) is None:
-            victim = next((s for s, other in self._lines.items() if other is not line), None)
+            victim = next((s for s, other in self._lines.items() if id(other) not in busy), None)
             if victim is None:
                 return None
             self.manager.free(self._lines.pop(victim))
