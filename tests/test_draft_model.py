@@ -96,14 +96,25 @@ def test_small_draft_model_greedy_seeded_and_n(text_llm, draft_model):
     assert_pools_empty(llm)
 
 
-def test_draft_model_under_preemption(text_llm, text_model):
-    """A pool of 12 blocks preempts; the draft's pool has as many blocks."""
+def test_draft_model_under_preemption(text_llm, text_model, monkeypatch):
+    """A pool of 12 blocks preempts; the draft's pool has as many blocks, too few for every line that
+    drafts in a step: some drafts are cut short (and padded, their rows being planned already)."""
+    cut_short = []
+    propose = DraftModel.propose
+
+    def counting(self, wants):
+        made = propose(self, wants)
+        cut_short.extend(len(tokens) < k for tokens, (_, k) in zip(made, wants, strict=True))
+        return made
+
+    monkeypatch.setattr(DraftModel, "propose", counting)
     params = [SamplingParams(max_tokens=40, seed=i, temperature=0.5 * (i % 2), n=2) for i in range(4)]
     prompts = [PROMPTS[i % 3] for i in range(4)]
     llm = same_on_and_off(text_llm, draft_spec(text_model), prompts, params, num_blocks=12)
     assert llm.engine.stats.preemptions > 0
     assert draft_counts(llm)["accepted"] > 0
     assert llm.engine.drafter.manager.pool.num_blocks == 12
+    assert any(cut_short)
     assert_pools_empty(llm)
 
 

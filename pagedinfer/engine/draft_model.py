@@ -7,7 +7,8 @@ positions as the target's, whatever the two models' sizes. Each sequence that dr
 a block table and the tokens whose K/V it holds. A proposal first keeps the longest prefix of those
 that still equals the sequence's tokens (what verification accepted, or all of it after a
 preemption) and gives back the blocks past it (`KVCacheManager.truncate`), then computes the rest of
-the sequence (its whole prompt, the first time) and one position per drafted token after it. The
+the sequence (its whole prompt, the first time) and one position per drafted token after it, every
+sequence drafting in the step in the same passes (`DraftModel.propose`). The
 draft only proposes: the target verifies every token on its exact path, so the draft's numerics,
 batch and pool never reach an output.
 """
