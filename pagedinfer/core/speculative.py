@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagedinfer.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from pagedinfer.core.scheduler import ScheduledSeq
     from pagedinfer.core.sequence import Request, Sequence
 
 SOURCES = ("grammar", "prompt_lookup", "siblings", "finished", "draft_model")
@@ -391,7 +392,7 @@ class Speculator:
         draft.expected = expected_tokens(acceptance.rate, k)
         return draft
 
-    def fill(self, batch: list) -> None:
+    def fill(self, batch: list[ScheduledSeq]) -> None:
         """Make the tokens of the draft-model drafts scheduled in ``batch`` (the step's
         `ScheduledSeq`, whose ``draft`` is its `Draft`'s token list), in place, in one batch of the
         draft model's passes. A draft the model cuts short (its pool or context full) keeps its
