@@ -217,3 +217,18 @@ def test_command_line_option(tmp_path, tiny_model):
 def test_a_draft_model_that_does_not_load_is_named(text_llm, tmp_path):
     with pytest.raises(ModelLoadError, match=r"^speculative_config\.model: the draft model '.*missing': "):
         engine_view(text_llm, draft_spec(tmp_path / "missing"))
+
+
+def test_a_windowed_draft_model(tiny_model):
+    """A draft with a global and a windowed layer group (Qwen2, window 8, blocks of 4) for itself: its
+    pool gives back the blocks its window has left, every greedy draft is accepted, and every block is
+    back at the end."""
+    path = tiny_model("qwen2_window")
+    base = LLM(str(path), device="cpu", block_size=4, num_blocks=64)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 5}, {"prompt_token_ids": [9, 10] * 9}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = same_on_and_off(base, draft_spec(path), prompts, params)
+    counts = draft_counts(llm)
+    assert counts["drafted"] > 0 and counts["accepted"] == counts["drafted"]
+    assert llm.engine.drafter.manager.make_stats().window_releases > 0
+    assert_pools_empty(llm)
