@@ -196,9 +196,12 @@ def torch_dtype(name: str) -> torch.dtype | None:
     return getattr(torch, DTYPE_NAMES[name]) if name in DTYPE_NAMES else None
 
 
-SPECULATIVE_METHODS = ("ngram",)  # drafts with no second model (core/speculative.py)
+# ngram: drafts with no second model (core/speculative.py); draft_model: a small decoder's greedy
+# tokens (engine/draft_model.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = (
     "method",
+    "model",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
@@ -212,8 +215,9 @@ class SpeculativeConfig:
     have up to ``num_speculative_tokens`` drafted tokens verified after its own; ``ngram`` drafts copy
     what followed the sequence's last ``prompt_lookup_min``..``prompt_lookup_max`` tokens earlier in its
     prompt and output, in its sibling completions or in the lines finished earlier in the run (the last
-    ``suffix_decoding_max_cached_requests`` of them), and a grammar's forced tokens are drafts too
-    (docs/speculative.md). Outputs are unchanged."""
+    ``suffix_decoding_max_cached_requests`` of them); ``draft_model`` drafts ``model``'s greedy
+    tokens (a small decoder with the target's vocabulary). A grammar's forced tokens are drafts under
+    either (docs/speculative.md). Outputs are unchanged."""
 
     num_speculative_tokens: int
     method: str = "ngram"
@@ -222,6 +226,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # finished lines whose tokens later lines may copy (oldest dropped first; 0: none kept)
     suffix_decoding_max_cached_requests: int = 256
+    model: str | None = None  # the draft model (method draft_model): a path, hub id or .gguf file
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:
@@ -236,7 +241,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})"
             )
-        method = value.get("method", "ngram")
+        model = value.get("model")
+        method = value.get("method", "ngram" if model is None else "draft_model")  # vLLM infers it
         if method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, not {method!r}"
@@ -245,6 +251,14 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config needs num_speculative_tokens (the most drafted tokens a step)"
             )
+        if (method == "draft_model") != (model is not None):
+            raise ValueError(
+                "speculative_config: method draft_model needs model (the draft model's path or id)"
+                if model is None
+                else f"speculative_config.model is for method draft_model, not {method!r}"
+            )
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model must be a model path or id, not {model!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (
             (5, 5)
@@ -267,7 +281,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0, not {cached!r}"
             )
-        return cls(value["num_speculative_tokens"], method, lo, hi, cached)
+        return cls(value["num_speculative_tokens"], method, lo, hi, cached, model)
 
 
 @dataclass
@@ -488,8 +502,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = option(
         None,
         'Speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'. Outputs are byte-identical to a run '
-        "without it. Default: off.",
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\', or a draft model\'s: \'{"method": '
+        '"draft_model", "model": "draft.gguf", "num_speculative_tokens": 4}\'. Outputs are '
+        "byte-identical to a run without it. Default: off.",
         panel="pool",
         metavar="JSON",
         show_default=False,

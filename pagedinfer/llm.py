@@ -71,7 +71,9 @@ class LLM:
     "suffix_decoding_max_cached_requests": c}``: drafted tokens (a grammar's forced ones, or copied
     from the line's own prompt and output, its sibling completions and the last ``c`` completions
     finished in the run), verified in the step; outputs are byte-identical to a run without it
-    (docs/speculative.md).
+    (docs/speculative.md). ``{"method": "draft_model", "model": path, "num_speculative_tokens": k}``
+    (``model`` alone implies the method, as in vLLM): the drafts are a small second model's greedy
+    tokens; a model whose vocabulary is not the target's is refused (`ModelLoadError`).
     """
 
     def __init__(self, model: str | None = None, **options) -> None:

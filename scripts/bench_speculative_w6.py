@@ -3,11 +3,12 @@
 drafted), alternating at batch 1 and 8; each run's tokens compared with the run off. One torch thread
 (a shared machine's figures vary less).
 
-    python scripts/bench_speculative_w6.py MODEL REPEATS [w6|w1]
+    python scripts/bench_speculative_w6.py MODEL REPEATS [w6|w1] [DRAFT_MODEL]
 
 ``w1``: W1's shape instead, smaller (docs/bench.md: 8 prompts of 64-192 random token ids, n=4 at
 temperature 0.8, 32 tokens each, EOS ignored; at batch 4 and 32), where drafts rarely match: what
-speculation costs where it cannot help.
+speculation costs where it cannot help. ``DRAFT_MODEL``: drafts from that model
+(``{"method": "draft_model", "model": DRAFT_MODEL, "num_speculative_tokens": 4}``) instead of n-grams.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def view(base: LLM, spec: dict | None, batch: int, gate_open: bool) -> LLM:
     return llm
 
 
-def main(model: str, repeats: int, workload: str = "w6") -> None:
+def main(model: str, repeats: int, workload: str = "w6", draft: str | None = None) -> None:
     torch.set_num_threads(1)
+    spec = SPEC if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
     lines = [json.loads(text) for text in W6.read_text().splitlines()]
     convs, sampling = [line["messages"] for line in lines], [params(line) for line in lines]
     if workload == "w1":
@@ -71,7 +73,7 @@ def main(model: str, repeats: int, workload: str = "w6") -> None:
     for rep in range(repeats):
         for batch in (4, 32) if workload == "w1" else (1, 8):
             for mode in ("off", "gated", "open"):
-                llm = view(base, None if mode == "off" else SPEC, batch, mode == "open")
+                llm = view(base, None if mode == "off" else spec, batch, mode == "open")
                 start = time.perf_counter()
                 if workload == "w1":
                     outs = llm.generate(prompts, sampling, use_tqdm=False)
@@ -100,4 +102,4 @@ def main(model: str, repeats: int, workload: str = "w6") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:5])

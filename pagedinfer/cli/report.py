@@ -362,6 +362,11 @@ def _speculation_parts(stats: EngineStats) -> list[str]:
             )
     parts.append(f"[bold]{stats.tokens_per_seq_step:.2f}[/] tokens per sequence-step")
     parts.append(_plural(s.gated, "draft") + " gated off")
+    if (d := s.draft_pool) is not None:
+        parts.append(
+            f"draft model's pool {d.num_blocks:,} blocks ({human_bytes(d.num_blocks * d.bytes_per_block)}), "
+            f"peak {d.peak_blocks:,}"
+        )
     return parts
 
 

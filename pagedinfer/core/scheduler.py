@@ -65,7 +65,9 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # the chunk ends the sequence's pending tokens: its last position's logits are kept
     num_logits: int = 0  # logits rows returned: its last num_logits positions (1 when it only samples)
-    draft: tuple[int, ...] = ()  # drafted tokens after its pending one, counted in num_tokens
+    # drafted tokens after its pending one, counted in num_tokens: its `Draft`'s own list (a draft
+    # model's are made into it once the step is planned, `Speculator.fill`)
+    draft: list[int] | tuple[()] = ()
 
     @property
     def step_token_ids(self) -> list[int]:
@@ -239,6 +241,8 @@ class Scheduler:
                 budget -= self._commit(out, share)
         if not out.preempted:
             self._admit(out, budget, now)
+        if self.speculator is not None:
+            self.speculator.fill(out.batch)
         return out
 
     def _share(
@@ -326,9 +330,7 @@ class Scheduler:
             rows = n
             out.prompt_rows.append(PromptRows(req, out.num_rows, seq.num_computed, n))
             self._logit_rows_left -= n
-        out.batch.append(
-            ScheduledSeq(seq, seq.num_computed, n, sample, rows, tuple(draft.token_ids) if k else ())
-        )
+        out.batch.append(ScheduledSeq(seq, seq.num_computed, n, sample, rows, draft.token_ids if k else ()))
         if sample:
             dest = out.targets if req.beam is None else out.beam_targets
             dest += [SampleTarget(t, out.num_rows + rows - 1 - k, draft) for t in targets]

@@ -11,7 +11,9 @@ proposes, from (first that has a draft):
   their latest occurrence are the draft (vLLM's ``ngram`` method, llama.cpp's lookup decoding);
 * ``siblings``: the same suffix looked up in the outputs of the request's other completions (n > 1);
 * ``finished``: the same suffix looked up in the lines finished earlier in the run (`FinishedLines`,
-  the last ``suffix_decoding_max_cached_requests`` completions, each its prompt's tail and output).
+  the last ``suffix_decoding_max_cached_requests`` completions, each its prompt's tail and output);
+* ``draft_model`` (method ``draft_model``, in place of the three lookups): a small second model's
+  greedy tokens (a `Drafter`: `engine.draft_model`), made once the gate has said how many to make.
 
 The n-grams are indexed as tokens arrive (a dict per n-gram size range: the prompt's once per request,
 each completion's outputs on its own, a finished completion's once), so a proposal costs a few dict
@@ -35,14 +37,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagedinfer.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from pagedinfer.core.scheduler import ScheduledSeq
     from pagedinfer.core.sequence import Request, Sequence
 
-SOURCES = ("grammar", "prompt_lookup", "siblings", "finished")
+SOURCES = ("grammar", "prompt_lookup", "siblings", "finished", "draft_model")
 PRIOR_WEIGHT = 2.0  # outcomes a line's prior counts for (its source's rate in the run, 1/2 at first)
 DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outcomes count most)
 LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
@@ -52,6 +55,20 @@ FIT_EVERY = 8  # decode steps between refits of the step costs
 EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
 MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gains are within the
 # step costs' error, and a wrong draft costs more than a missed one gains
+
+
+class Drafter(Protocol):
+    """A second model proposing drafts (`engine.draft_model.DraftModel`)."""
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each ``(seq, k)``, up to ``k`` tokens to follow ``seq``'s tokens."""
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` ended: drop what is kept for it."""
+
+    def make_stats(self) -> object: ...
+
+    def reset_stats(self) -> None: ...
 
 
 class NgramIndex:
@@ -271,16 +288,22 @@ class SpeculationStats:
     gated: int = 0  # sequence-steps with a match whose draft the gate refused
     seq_steps: int = 0  # sequence-steps that took tokens (drafting or not)
     tokens: int = 0  # tokens they took
+    draft_pool: object | None = None  # the draft model's pool (`engine.draft_model.DraftPoolStats`)
 
 
 class Speculator:
     """Proposes each decoding sequence's draft, and learns from each verification's outcome and
     (given `StepTimes`) from each decode step's time."""
 
-    def __init__(self, config: SpeculativeConfig, cost: RowCost | StepTimes) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, cost: RowCost | StepTimes, drafter: Drafter | None = None
+    ) -> None:
         """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps update (until two
-        row counts are timed, every draft is taken)."""
+        row counts are timed, every draft is taken). ``drafter``: the draft model (method
+        ``draft_model``), which then replaces the n-gram lookups."""
         self.config = config
+        self.drafter = drafter
+        self._unfilled: dict[Sequence, Draft] = {}  # the step's draft-model drafts, tokens to make
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
         self._steps = 0  # decode steps timed
@@ -319,6 +342,8 @@ class Speculator:
         followed it."""
         if seq.logits_state is not None and (forced := seq.logits_state.forced_tokens()):
             return Draft("grammar", forced[:room])
+        if self.drafter is not None:  # its tokens are made once the gate has cut the draft's length
+            return Draft("draft_model", [0] * room)
         tokens, req = seq.token_ids, seq.request
         siblings = [s for s in req.completions if s is not seq and s.num_output_tokens]
         own, prompt = self._index(seq), self._prompt_index(req)
@@ -362,8 +387,29 @@ class Speculator:
                 return None
             k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
+        if draft.source == "draft_model":  # its tokens are made for the whole step at once (`fill`)
+            self._unfilled[seq] = draft
         draft.expected = expected_tokens(acceptance.rate, k)
         return draft
+
+    def fill(self, batch: list[ScheduledSeq]) -> None:
+        """Make the tokens of the draft-model drafts scheduled in ``batch`` (the step's
+        `ScheduledSeq`, whose ``draft`` is its `Draft`'s token list), in place, in one batch of the
+        draft model's passes. A draft the model cuts short (its pool or context full) keeps its
+        length, padded with its last token: any token is verified exactly, a wrong one only costs
+        its row."""
+        if not self._unfilled:
+            return
+        wants = [
+            (s.seq, d)
+            for s in batch
+            if (d := self._unfilled.get(s.seq)) is not None and s.draft is d.token_ids
+        ]
+        self._unfilled.clear()
+        made = self.drafter.propose([(seq, len(d.token_ids)) for seq, d in wants]) if wants else []
+        for (seq, draft), tokens in zip(wants, made, strict=True):
+            pad = tokens[-1] if tokens else seq.token_ids[-1]
+            draft.token_ids[:] = tokens + [pad] * (len(draft.token_ids) - len(tokens))
 
     def verified(self, seq: Sequence, draft: Draft, accepted: int, mismatch: bool) -> None:
         """The outcome of ``draft``: its first ``accepted`` tokens kept; ``mismatch``: a drawn token
@@ -409,6 +455,8 @@ class Speculator:
         self._prompts.pop(req, None)
         for seq in [req.prompt_seq, *req.completions]:
             self._outputs.pop(seq, None)
+            if self.drafter is not None:
+                self.drafter.forget(seq)
         for source in SOURCES:
             self._acceptance.pop((req, source), None)
 
@@ -421,7 +469,10 @@ class Speculator:
             s.gated,
             s.seq_steps,
             s.tokens,
+            self.drafter.make_stats() if self.drafter is not None else None,
         )
 
     def reset_stats(self) -> None:
         self.stats = SpeculationStats(self.config.num_speculative_tokens, self.cost.fixed_over_row)
+        if self.drafter is not None:
+            self.drafter.reset_stats()

@@ -22,6 +22,7 @@ from pagedinfer.core.sequence import KeptCompletion, Request, RequestState
 from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
+from pagedinfer.engine.draft_model import DraftModel, check_vocabulary
 from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
 from pagedinfer.engine.row_cost import measure_step_times
 from pagedinfer.engine.stats import EngineStats
@@ -33,7 +34,7 @@ from pagedinfer.lora.registry import AdapterRegistry, LoadedAdapter
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.cuda_graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from pagedinfer.model.dtype import dtype_name
-from pagedinfer.model.loader import LoadedModel
+from pagedinfer.model.loader import LoadedModel, ModelLoadError, load_model
 from pagedinfer.model.lora_sites import attach_sites
 from pagedinfer.model.runner import ModelRunner
 from pagedinfer.model.sampler import (
@@ -222,6 +223,7 @@ class LLMEngine:
         if graphs:
             self._start_graphs(scratch)
         self.speculation_mode = "off"
+        self.drafter: DraftModel | None = None  # the draft model (method draft_model), loaded once
         if config.speculative_config is not None:
             self.scheduler.speculator = self._speculator()
         self._fingerprints: dict[str | None, str] = {}  # by adapter name (None: the base model)
@@ -265,10 +267,27 @@ class LLMEngine:
             self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
             warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
             return None
-        self.speculation_mode = f"on: {spec.method}, up to {spec.num_speculative_tokens} drafted tokens"
+        method = spec.method
+        if method == "draft_model":
+            self.drafter = self.drafter or self._load_drafter(spec.model)
+            method += f" {self.drafter.loaded.name}"
+        self.speculation_mode = f"on: {method}, up to {spec.num_speculative_tokens} drafted tokens"
         return Speculator(
-            spec, cost or measure_step_times(self.runner, self.pool, spec.num_speculative_tokens)
+            spec,
+            cost or measure_step_times(self.runner, self.pool, spec.num_speculative_tokens),
+            self.drafter,
         )
+
+    def _load_drafter(self, name: str) -> DraftModel:
+        """The draft model ``name`` on the target's device, refused (`ModelLoadError`, naming both
+        models) where its vocabulary differs; its pool holds as many positions as the target's."""
+        try:
+            loaded = load_model(name, device=str(self.loaded.device))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative_config.model: the draft model {name!r}: {e}") from None
+        check_vocabulary(self.loaded, loaded)
+        per_group = self.pool_size.num_blocks // len(self.kv.groups)
+        return DraftModel(loaded, per_group, self.config.block_size, self.config.kv_dtype(loaded.dtype))
 
     def set_row_cost(self, cost: RowCost) -> None:
         """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)."""

@@ -441,6 +441,8 @@ class EngineStats:
         out["seq_steps"] = s.seq_steps
         out["tokens_per_seq_step"] = round(self.tokens_per_seq_step, 6)
         out["tokens_per_step"] = round(self.generated_tokens / self.steps, 6) if self.steps else 0.0
+        if s.draft_pool is not None:
+            out["draft_pool"] = vars(s.draft_pool)
         return out
 
     def _lora_dict(self) -> dict:
