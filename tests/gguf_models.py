@@ -26,6 +26,8 @@ ARCHS = {
     "qwen3_moe": "QWEN3MOE",
     "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
     "olmoe": "OLMOE",
+    "olmo2": "OLMO2",  # (pagedinfer refuses these two: tests/test_dense_families.py)
+    "granite": "GRANITE",
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 

@@ -38,6 +38,16 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    "olmo2": lambda: tf.Olmo2Config(**COMMON, **DECODER),
+    # Granite's four multipliers away from 1 (its defaults), so a layer that skipped one would differ
+    "granite": lambda: tf.GraniteConfig(
+        **COMMON,
+        **DECODER,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.3,
+        residual_multiplier=0.45,
+        logits_scaling=2.5,
+    ),
     # Qwen2's window on the layers from max_window_layers on (layer 1): two layer groups on our own layers
     "qwen2_window": lambda: tf.Qwen2Config(
         **COMMON, **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=1

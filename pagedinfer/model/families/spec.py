@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 # our dense layer's linears, in the order a layer runs them: q, k and v rows fused; o; gate and up
 # rows fused (the product is act(gate) * up); down. A family names the modules that fill each.
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down")
-# our dense layer's norms: before attention, before the MLP, and (optional) per head on q and k
-NORM_ROLES = ("input_norm", "post_norm", "q_norm", "k_norm")
+# our dense layer's norms: where they sit is the family's ``norm_placement``: "pre" (Llama), on the
+# attention's and the MLP's inputs (``input_norm``, ``post_norm``); "post" (OLMo-2), on the attention's
+# and the MLP's outputs, each before its residual add (``attn_out_norm``, ``mlp_out_norm``); and
+# (optional) on q and k
+NORM_ROLES = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
+PLACED_NORMS = {"pre": ("input_norm", "post_norm"), "post": ("attn_out_norm", "mlp_out_norm")}
 HF_LAYER = "model.layers.{}."  # a layer's modules' prefix in Hugging Face names (in GGUF names: "blk.{}.")
 # what each dimension name of a shape stands for, in the config's fields (messages show these)
 DIMS = {
@@ -143,6 +147,18 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalars, each a config field: the embeddings times ``embedding``; ``attention`` the
+    attention's scale in place of 1/sqrt(head_dim); each branch (attention's output, the MLP's) times
+    ``residual`` before its residual add; the logits divided by ``logits``."""
+
+    embedding: str = "embedding_multiplier"
+    attention: str = "attention_multiplier"
+    residual: str = "residual_multiplier"
+    logits: str = "logits_scaling"
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family as pagedinfer's own layers serve it (see the module docstring)."""
 
@@ -150,7 +166,9 @@ class Family:
     gguf_arch: str  # general.architecture of its GGUF files (mistral's are "llama")
     layer: tuple[Module, ...]  # one layer's modules, in the order validation checks them
     linears: dict[str, tuple[str, ...]]  # `LINEAR_ROLES` -> the modules fused in it, rows in order
-    norms: dict[str, str]  # `NORM_ROLES` -> its module (q_norm and k_norm only where the family has them)
+    norms: dict[
+        str, str
+    ]  # `NORM_ROLES` -> its module: ``norm_placement``'s two, q_norm and k_norm where it has them
     # module -> the head count (`Sizes` name) whose rows llama.cpp's converter interleaved for its RoPE
     # (as convert_hf_to_gguf.py's permute); the reader puts them back in rotate-half order
     gguf_permuted: dict[str, str] = field(default_factory=dict)
@@ -173,6 +191,10 @@ class Family:
     # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
     # its own (OLMoE's: llama's): the reader is shown the file under that name
     gguf_read_as: str | None = None
+    # why pagedinfer reads none of its GGUF files (None: it reads them): refused in one line
+    gguf_refused: str | None = None
+    norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama) or output (OLMo-2)
+    multipliers: Multipliers | None = None  # Granite's scalars
 
     @property
     def name(self) -> str:
@@ -180,7 +202,7 @@ class Family:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether q and k are normed per head before RoPE (Qwen3): the C step's q/k norm flag."""
+        """Whether q and k are normed before RoPE (per head, Qwen3; or all rows, OLMo-2): the C step's flag."""
         return "q_norm" in self.norms
 
     def module(self, hf: str) -> Module:
