@@ -19,6 +19,11 @@ DECODER = dict(
     max_position_embeddings=256,
     initializer_range=0.2,  # sharp logits: greedy choices never hinge on float noise
 )
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+}
 D64 = {**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 CONFIGS = {
@@ -37,7 +42,12 @@ CONFIGS = {
         attn_logit_softcapping=5.0,
         final_logit_softcapping=10.0,
     ),
-    "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER, sliding_window=8),  # (Phi-3-mini-4k's: 2047)
+    # LongRoPE over every position our layers serve (short factors); "_switch": long factors past 12
+    "phi3_longrope": lambda: tf.Phi3Config(**COMMON, **DECODER, rope_scaling=LONGROPE),
+    "phi3_longrope_switch": lambda: tf.Phi3Config(
+        **COMMON, **DECODER, rope_scaling=LONGROPE, original_max_position_embeddings=12
+    ),
     "olmo2": lambda: tf.Olmo2Config(**COMMON, **DECODER),
     # Granite's four multipliers away from 1 (its defaults), so a layer that skipped one would differ
     "granite": lambda: tf.GraniteConfig(

@@ -73,7 +73,7 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
 def test_each_model_type_has_one_family():
     types = [t for f in families.FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
-    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, qwen3_moe, mixtral, olmoe"
+    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, olmoe"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -105,16 +105,18 @@ def test_each_family_is_served_by_our_layers_as_transformers_generates(tiny_mode
 
 
 def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_model):
-    """phi3 is a dense decoder too, but its fused qkv_proj is no declared layer: transformers serves it,
-    and our layers, asked for, refuse it in one line naming the families they have."""
-    path = tiny_model("phi3")
+    """gemma2 is a dense decoder too, but its norms (1 + weight), GeGLU and softcaps are no declared
+    layer: transformers serves it, and our layers, asked for, refuse it in one line naming the families
+    they have."""
+    path = tiny_model("gemma2")
     assert families.find(AutoConfig.from_pretrained(path)) is None
     assert LLM(str(path), **ENGINE).engine.loaded.impl == "transformers"
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
-        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'phi3' has no "
-        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, qwen3_moe, mixtral, olmoe do)"
+        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'gemma2' has no "
+        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, "
+        "olmoe do)"
     )
 
 

@@ -123,7 +123,7 @@ def neighbours(tokenizer: bool) -> list[Line]:
 # -- configurations ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    family: str  # "llama", "qwen3", "olmo2", "granite" or "qwen3_moe": the shapes of our own layers
+    family: str  # "llama", "qwen3", "olmo2", "granite", "phi3" or "qwen3_moe": our own layers' shapes
     dtype: str = "float32"
     quantization: str | None = None
     gguf: str | None = None  # a GGUF file of the family's model, its matrices in this type
@@ -142,6 +142,7 @@ CONFIGS = {
     "qwen3_moe-float32": Config("qwen3_moe"),  # a mixture of experts: rows grouped by expert each step
     "olmo2-float32": Config("olmo2"),  # norms after each branch, q/k norms over all rows
     "granite-float32": Config("granite"),  # its multipliers
+    "phi3-float32": Config("phi3"),  # q/k/v and gate/up fused in the checkpoint
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
 

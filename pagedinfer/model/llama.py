@@ -1,6 +1,6 @@
-"""Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite; and the
-mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for the engine's
-packed-row step.
+"""Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
+phi3; and the mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for
+the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
@@ -50,6 +50,19 @@ def unsupported_reason(config) -> str | None:
         return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
     if family.rope not in ROPES:
         return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if (rotary := rope.get("partial_rotary_factor", 1.0)) != 1.0:  # the C chains rotate whole heads
+        return f"partial_rotary_factor {rotary} (pagedinfer's implementation rotates whole heads only)"
+    switch = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", 0
+    )
+    if rope.get("rope_type") == "longrope" and switch and config.max_position_embeddings > switch:
+        # transformers recomputes a sequence's whole cache with the long factors once it passes the
+        # switch (Phi3's prepare_inputs_for_generation); a paged pool keeps its K as written
+        return (
+            f"LongRoPE past original_max_position_embeddings ({switch}): transformers recomputes a "
+            "sequence's cache with the long factors there, pagedinfer's implementation does not"
+        )
     return moe.unsupported_reason(family, config)
 
 

@@ -32,6 +32,8 @@ DIMS = {
     "inter": "intermediate_size",
     "q": "num_attention_heads * head_dim",
     "kv": "num_key_value_heads * head_dim",
+    "qkv": "(num_attention_heads + 2 * num_key_value_heads) * head_dim",  # a checkpoint's fused q, k, v
+    "gate_up": "2 * intermediate_size",  # a checkpoint's fused gate and up
     "head_dim": "head_dim",
     "experts": "num_experts (mixtral: num_local_experts)",
     "expert_inter": "moe_intermediate_size",
@@ -80,6 +82,14 @@ class Sizes:
     @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def qkv(self) -> int:
+        return self.q + 2 * self.kv
+
+    @property
+    def gate_up(self) -> int:
+        return 2 * self.inter
 
     def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         """A declared shape's sizes, e.g. ``("q", "hidden")`` -> ``(Hq * D, H)``."""
@@ -193,6 +203,8 @@ class Family:
     gguf_read_as: str | None = None
     # why pagedinfer reads none of its GGUF files (None: it reads them): refused in one line
     gguf_refused: str | None = None
+    # a GGUF tensor -> why a file holding it is refused (what it carries that the config would lack)
+    gguf_refused_with: dict[str, str] = field(default_factory=dict)
     norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama) or output (OLMo-2)
     multipliers: Multipliers | None = None  # Granite's scalars
 
