@@ -42,7 +42,8 @@ CONFIGS = {
         attn_logit_softcapping=5.0,
         final_logit_softcapping=10.0,
     ),
-    "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER, sliding_window=8),  # (Phi-3-mini-4k's: 2047)
+    "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    "phi3_window": lambda: tf.Phi3Config(**COMMON, **DECODER, sliding_window=8),  # (Phi-3-mini-4k's: 2047)
     # LongRoPE over every position our layers serve (short factors); "_switch": long factors past 12
     "phi3_longrope": lambda: tf.Phi3Config(**COMMON, **DECODER, rope_scaling=LONGROPE),
     "phi3_longrope_switch": lambda: tf.Phi3Config(

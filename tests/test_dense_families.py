@@ -18,7 +18,7 @@ from pagedinfer.model import families, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the one-call C step is the CPU's")
-NEW = ["olmo2", "granite", "phi3"]
+NEW = {"olmo2": "olmo2", "granite": "granite", "phi3": "phi3", "phi3_window": "phi3"}  # model: family
 MAX_TOKENS = 12
 BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2)  # bfloat16 panels where the kernel builds
 
@@ -38,7 +38,7 @@ def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name
     path = tiny_model(name)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)  # --model-impl auto
     assert llm.engine.loaded.impl == "pagedinfer"  # not transformers' modules
-    assert llm.engine.loaded.model.family is next(f for f in families.FAMILIES if f.name == name)
+    assert llm.engine.loaded.model.family is next(f for f in families.FAMILIES if f.name == NEW[name])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ps = prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)

@@ -18,7 +18,7 @@ OWN = {
 }  # families pagedinfer's own modeling (the fast path) serves
 # every layer windowed (8 tokens): each sequence's table gives blocks back as it decodes, so 12 blocks
 # serve the prompts below without preempting (tests/test_sliding_window.py preempts windowed models)
-WINDOWED_ONLY = {"mistral", "phi3"}
+WINDOWED_ONLY = {"mistral"}
 CASES = [
     (f, impl)
     for f in FAMILIES
