@@ -4,7 +4,8 @@ A `Family` says, in one place, which Hugging Face ``model_type`` values and whic
 it is; each module of its checkpoint under both names with its weight's shape as a function of the
 config (`Sizes`, by dimension names) and whether its weight and bias must, may or must not be there;
 which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
-our layers' norms (`NORM_ROLES`); which rows llama.cpp's converter permuted (undone on reading); and
+our layers' norms (`NORM_ROLES`) and where those sit (`PLACED_NORMS`: before or after each
+branch); Granite's scalars (`Multipliers`); which rows llama.cpp's converter permuted (undone on reading); and
 the kinds of norm, activation and RoPE the layers compute; and, for a mixture-of-experts family, its
 router and experts (`Experts`: which modules, how the router's scores are turned into weights). The loader, the GGUF reader, the
 validation, the layers (and so the C step's per-layer pointers) and the LoRA sites read it.
@@ -176,9 +177,8 @@ class Family:
     gguf_arch: str  # general.architecture of its GGUF files (mistral's are "llama")
     layer: tuple[Module, ...]  # one layer's modules, in the order validation checks them
     linears: dict[str, tuple[str, ...]]  # `LINEAR_ROLES` -> the modules fused in it, rows in order
-    norms: dict[
-        str, str
-    ]  # `NORM_ROLES` -> its module: ``norm_placement``'s two, q_norm and k_norm where it has them
+    # `NORM_ROLES` -> its module: the two of its ``norm_placement``; q_norm and k_norm where it has them
+    norms: dict[str, str]
     # module -> the head count (`Sizes` name) whose rows llama.cpp's converter interleaved for its RoPE
     # (as convert_hf_to_gguf.py's permute); the reader puts them back in rotate-half order
     gguf_permuted: dict[str, str] = field(default_factory=dict)
