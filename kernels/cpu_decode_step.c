@@ -58,7 +58,10 @@ static double now(void) {
  * (float32 activations: float32, int8, int4 or GGUF block panels, a format per segment; the fused
  * QKV of a GGUF may hold up to three), NULL where the layer has none (Qwen3's q/k norms). */
 typedef struct {
-    const void *input_norm, *post_norm, *q_norm, *k_norm; /* [H], [H], [D], [D] */
+    /* [H] each: the layer's two norms in the order it runs them, on the attention's and the MLP's inputs
+     * or (step_meta.norms_after) on their outputs; q_norm, k_norm [D] (per head) or [Hq D], [Hkv D]
+     * (step_meta.qk_norm_all), or NULL */
+    const void *first_norm, *second_norm, *q_norm, *k_norm;
     gemm_segment qkv[3], o, gate_up, down;
     int qkv_segments;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
@@ -85,6 +88,9 @@ typedef struct {
     const int32_t *bounds;                     /* [parts + 1] sequence ranges, one per thread */
     int parts;
     int64_t num_blocks;                        /* the pool's blocks (every layer's) */
+    int norms_after;                           /* the norms on each branch's output (OLMo-2), not its input */
+    int qk_norm_all;                           /* q_norm / k_norm over all of a row's q / k, not per head */
+    float residual_scale;                      /* each branch's factor before its residual add (Granite) */
 } step_meta;
 
 /* float32 activations (weights of any float32-activation format): decode_layers_f32 */

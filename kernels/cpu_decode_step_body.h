@@ -4,6 +4,13 @@
  * K/V write and attention for a pool of that type or, with float32 activations, a 16-bit one;
  * STEP(name) names the instantiation. The parameters are undefined at the end. */
 
+/* A branch's output h [rows, H] as it joins the stream (model/llama.py, DecoderLayer._branch): normed
+ * by w where the norms sit after the branches, times the residual multiplier where it is not 1. */
+static void STEP(branch)(ELEM *h, const ELEM *w, const step_meta *s) {
+    if (s->norms_after) FN(add_rms_norm)(h, NULL, w, h, s->rows, s->hidden, s->eps);
+    if (s->residual_scale != 1.0f) FN(scale_rows)(h, (int64_t)s->rows * s->hidden, s->residual_scale);
+}
+
 /* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
  * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
  * and act [rows, I] are scratch. Each layer group's slots and sequences are checked once, before the
@@ -12,6 +19,7 @@
 int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
                         ELEM *attn, ELEM *act, refusal *why) {
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
+    const int64_t n = (int64_t)s->rows * s->hidden;
     int refused = REFUSED_NONE;
     for (int g = 0; g < s->groups && !refused; g++) {
         refused = check_slots(s->slots[g], s->rows, s->num_blocks * s->block_size, why);
@@ -22,10 +30,22 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
     if (refused) return refused;
     for (int i = 0; i < s->layers; i++, layer++) {
         const int g = layer->group;
-        FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
-        TIMED(gemm_seconds, gemm_segments(layer->qkv, layer->qkv_segments, x, qkv, s->rows, s->hidden, 0));
-        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin, layer->q_norm,
-                         layer->k_norm, s->eps);
+        ELEM *in = x; /* each branch's input: the normed stream, or where the norms follow, the stream */
+        if (!s->norms_after)
+            FN(add_rms_norm)(residual, i ? h : NULL, layer->first_norm, x, s->rows, s->hidden, s->eps);
+        else {
+            if (i) FN(add_rows)(residual, h, n);
+            in = residual;
+        }
+        TIMED(gemm_seconds, gemm_segments(layer->qkv, layer->qkv_segments, in, qkv, s->rows, s->hidden, 0));
+        if (s->qk_norm_all) /* one RMSNorm over all of a row's q, one over all of its k, in place */
+            for (int r = 0; r < s->rows; r++) {
+                ELEM *q = qkv + (int64_t)r * qkv_n;
+                FN(add_rms_norm)(q, NULL, layer->q_norm, q, 1, qd, s->eps);
+                FN(add_rms_norm)(q + qd, NULL, layer->k_norm, q + qd, 1, s->kv_heads * d, s->eps);
+            }
+        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin,
+                         s->qk_norm_all ? NULL : layer->q_norm, s->qk_norm_all ? NULL : layer->k_norm, s->eps);
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
         TIMED(attention_seconds, {
             KV(store_rows)(layer->k_cache, layer->v_cache, k, v, s->slots[g], s->rows, s->kv_heads, d, d, qkv_n, d,
@@ -35,9 +55,14 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
                               d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         });
         TIMED(gemm_seconds, gemm_segments(&layer->o, 1, attn, h, s->rows, qd, 0));
-        FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
-        TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, x, act, s->rows, s->hidden, 1));
+        STEP(branch)(h, layer->first_norm, s);
+        if (!s->norms_after)
+            FN(add_rms_norm)(residual, h, layer->second_norm, x, s->rows, s->hidden, s->eps);
+        else
+            FN(add_rows)(residual, h, n);
+        TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, in, act, s->rows, s->hidden, 1));
         TIMED(gemm_seconds, gemm_segments(&layer->down, 1, act, h, s->rows, s->inter, 0));
+        STEP(branch)(h, layer->second_norm, s);
     }
     FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
     return REFUSED_NONE;

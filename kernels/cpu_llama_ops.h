@@ -11,6 +11,8 @@
     void qk_norm_rope_##SUFFIX(ELEM *qkv, int64_t row_stride, int rows, int q_heads, int k_heads, int dim,   \
                                const ELEM *cos_t, const ELEM *sin_t, const ELEM *q_w, const ELEM *k_w,       \
                                float eps);                                                                   \
+    void add_rows_##SUFFIX(ELEM *x, const ELEM *y, int64_t n);                                              \
+    void scale_rows_##SUFFIX(ELEM *x, int64_t n, float s);                                                   \
     void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int inter);
 LLAMA_OPS(float, f32)
 LLAMA_OPS(uint16_t, bf16)

@@ -73,6 +73,18 @@ void FN(qk_norm_rope)(ELEM *qkv, int64_t row_stride, int rows, int q_heads, int 
     }
 }
 
+/* x[i] += y[i] for i < n: a residual add without a norm (OLMo-2's stream takes its normed branches so). */
+void FN(add_rows)(ELEM *x, const ELEM *y, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = ST(LD(x[i]) + LD(y[i]));
+}
+
+/* x[i] *= s for i < n, in float32 and rounded once (Granite's residual multiplier on a branch). */
+void FN(scale_rows)(ELEM *x, int64_t n, float s) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = ST(LD(x[i]) * s);
+}
+
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused GEMM. */
 void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
 #pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)

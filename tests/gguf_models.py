@@ -26,6 +26,9 @@ ARCHS = {
     "qwen3_moe": "QWEN3MOE",
     "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
     "olmoe": "OLMOE",
+    "phi3": "PHI3",
+    "olmo2": "OLMO2",  # (pagedinfer refuses these two: tests/test_dense_families.py)
+    "granite": "GRANITE",
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -97,11 +100,17 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([*parts, qs], axis=1).reshape(*rows, -1)
 
 
-def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda name: "F32") -> Path:
+def save_gguf(
+    model_dir: Path,
+    out: Path,
+    kind_of: Callable[[str], str] = lambda name: "F32",
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
     """The saved llama, mistral, qwen2, qwen3, qwen3_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
     at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
-    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]."""
+    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
+    they are (float32)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -152,6 +161,8 @@ def save_gguf(model_dir: Path, out: Path, kind_of: Callable[[str], str] = lambda
             writer.add_tensor(gname, quantize_k(w, kind), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    for gname, w in (extra or {}).items():
+        writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

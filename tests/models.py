@@ -19,6 +19,11 @@ DECODER = dict(
     max_position_embeddings=256,
     initializer_range=0.2,  # sharp logits: greedy choices never hinge on float noise
 )
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+}
 D64 = {**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 CONFIGS = {
@@ -38,6 +43,22 @@ CONFIGS = {
         final_logit_softcapping=10.0,
     ),
     "phi3": lambda: tf.Phi3Config(**COMMON, **DECODER),
+    "phi3_window": lambda: tf.Phi3Config(**COMMON, **DECODER, sliding_window=8),  # (Phi-3-mini-4k's: 2047)
+    # LongRoPE over every position our layers serve (short factors); "_switch": long factors past 12
+    "phi3_longrope": lambda: tf.Phi3Config(**COMMON, **DECODER, rope_scaling=LONGROPE),
+    "phi3_longrope_switch": lambda: tf.Phi3Config(
+        **COMMON, **DECODER, rope_scaling=LONGROPE, original_max_position_embeddings=12
+    ),
+    "olmo2": lambda: tf.Olmo2Config(**COMMON, **DECODER),
+    # Granite's four multipliers away from 1 (its defaults), so a layer that skipped one would differ
+    "granite": lambda: tf.GraniteConfig(
+        **COMMON,
+        **DECODER,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.3,
+        residual_multiplier=0.45,
+        logits_scaling=2.5,
+    ),
     # Qwen2's window on the layers from max_window_layers on (layer 1): two layer groups on our own layers
     "qwen2_window": lambda: tf.Qwen2Config(
         **COMMON, **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=1

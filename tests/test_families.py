@@ -19,12 +19,13 @@ from transformers import AutoConfig
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.model import families, gguf
 from pagedinfer.model.decode_step import OneCall
-from pagedinfer.model.families.spec import DIMS, LINEAR_ROLES, NORM_ROLES
+from pagedinfer.model.families.spec import DIMS, LINEAR_ROLES, NORM_ROLES, PLACED_NORMS
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.validate import ModelCheckError
 
 FAMILIES = {f.name: f for f in families.FAMILIES}
 DENSE = [name for name, f in FAMILIES.items() if f.experts is None]  # (mixtures of experts: test_moe.py)
+READ_GGUF = [name for name in DENSE if FAMILIES[name].gguf_refused is None]  # (the others: refused)
 PROMPTS = [[5, 9, 200, 3, 17, 41, 8, 99, 12, 60, 2, 7], [250, 1, 33]]  # the longer one past mistral's window
 
 
@@ -58,7 +59,7 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
     experts = family.experts
     # the order a layer runs them (a mixture of experts: its experts in place of gate_up and down)
     assert list(family.linears) == list(LINEAR_ROLES[: 2 if experts else 4])
-    assert {"input_norm", "post_norm"} <= set(family.norms) <= set(NORM_ROLES)
+    assert set(PLACED_NORMS[family.norm_placement]) <= set(family.norms) <= set(NORM_ROLES)
     used = [m for modules in family.linears.values() for m in modules] + list(family.norms.values())
     if experts:
         used += [experts.router, *experts.gate_up, experts.down]
@@ -72,7 +73,7 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
 def test_each_model_type_has_one_family():
     types = [t for f in families.FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
-    assert families.names() == "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe"
+    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, olmoe"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -104,20 +105,22 @@ def test_each_family_is_served_by_our_layers_as_transformers_generates(tiny_mode
 
 
 def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_model):
-    """phi3 is a dense decoder too, but its fused qkv_proj is no declared layer: transformers serves it,
-    and our layers, asked for, refuse it in one line naming the families they have."""
-    path = tiny_model("phi3")
+    """gemma2 is a dense decoder too, but its norms (1 + weight), GeGLU and softcaps are no declared
+    layer: transformers serves it, and our layers, asked for, refuse it in one line naming the families
+    they have."""
+    path = tiny_model("gemma2")
     assert families.find(AutoConfig.from_pretrained(path)) is None
     assert LLM(str(path), **ENGINE).engine.loaded.impl == "transformers"
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
-        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'phi3' has no "
-        "pagedinfer implementation (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe do)"
+        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'gemma2' has no "
+        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, "
+        "olmoe do)"
     )
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", READ_GGUF)
 def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, family_gguf, name):
     """A family's GGUF reads back to its checkpoint's own tensors, bit for bit: the rows llama.cpp's
     converter interleaved (Q and K of the llama architecture, mistral's included) put back by the

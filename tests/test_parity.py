@@ -9,7 +9,13 @@ from models import hf_greedy
 from pagedinfer import LLM, SamplingParams
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "opt", "gpt_oss"]
-OWN = {"llama", "qwen2", "qwen3", "mistral"}  # families pagedinfer's own modeling (the fast path) serves
+OWN = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+}  # families pagedinfer's own modeling (the fast path) serves
 # every layer windowed (8 tokens): each sequence's table gives blocks back as it decodes, so 12 blocks
 # serve the prompts below without preempting (tests/test_sliding_window.py preempts windowed models)
 WINDOWED_ONLY = {"mistral"}

@@ -29,6 +29,7 @@ import pytest
 import torch
 import transformers as tf
 from models import COMMON, DECODER, save_lora
+from models import CONFIGS as TINY
 
 from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.engine.llm_engine import LLMEngine
@@ -122,7 +123,7 @@ def neighbours(tokenizer: bool) -> list[Line]:
 # -- configurations ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    family: str  # "llama", "qwen3" or "qwen3_moe": the shapes of pagedinfer's own layers
+    family: str  # "llama", "qwen3", "olmo2", "granite", "phi3" or "qwen3_moe": our own layers' shapes
     dtype: str = "float32"
     quantization: str | None = None
     gguf: str | None = None  # a GGUF file of the family's model, its matrices in this type
@@ -139,6 +140,9 @@ CONFIGS = {
     "qwen3-float32-kv-bfloat16": Config("qwen3", kv_cache_dtype="bfloat16"),
     "llama-Q4_0": Config("llama", gguf="Q4_0"),
     "qwen3_moe-float32": Config("qwen3_moe"),  # a mixture of experts: rows grouped by expert each step
+    "olmo2-float32": Config("olmo2"),  # norms after each branch, q/k norms over all rows
+    "granite-float32": Config("granite"),  # its multipliers
+    "phi3-float32": Config("phi3"),  # q/k/v and gate/up fused in the checkpoint
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
 
@@ -151,10 +155,10 @@ def build_model(family: str, text_model: Path, root: Path) -> Path:
     if not (path / "config.json").exists():
         tok = tf.AutoTokenizer.from_pretrained(text_model)
         vocab = {**COMMON, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id}
-        config = (
-            tf.Qwen3Config(**vocab, **DECODER, head_dim=16)
-            if family == "qwen3"
-            else tf.Qwen3MoeConfig(
+        if family == "qwen3":
+            config = tf.Qwen3Config(**vocab, **DECODER, head_dim=16)
+        elif family == "qwen3_moe":
+            config = tf.Qwen3MoeConfig(
                 **vocab,
                 **DECODER,
                 head_dim=16,
@@ -162,7 +166,9 @@ def build_model(family: str, text_model: Path, root: Path) -> Path:
                 num_experts_per_tok=2,
                 moe_intermediate_size=32,
             )
-        )
+        else:  # tests/models.py's shape of the family, with this tokenizer's vocabulary
+            config = TINY[family]()
+            config.update(vocab)
         save_random_model(config, path, seed=1)
         tok.save_pretrained(path)
     return path

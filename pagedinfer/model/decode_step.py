@@ -10,7 +10,9 @@ layers to one C function that calls the same kernels in the same order, so the o
 bits. The layers' pointers are gathered once per KV pool; a step passes only its metadata. The
 layer's shape flags come from the family's declaration (`families`): its q/k norms, where it has
 them. The model runner decides which steps take it (`OneCall`); ``PAGEDINFER_DECODE_STEP=0`` keeps
-the layer-by-layer path.
+the layer-by-layer path. The family's norm placement (OLMo-2's after each branch), its q/k norm over
+all of q and k, and Granite's residual multiplier are the step's flags (its embedding and logits
+scalars are the model's, outside the step).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.kernels import abi, build, paged_decode
 from pagedinfer.kernels.sources import KERNELS_DIR
-from pagedinfer.model.families.spec import LINEAR_ROLES
+from pagedinfer.model.families.spec import LINEAR_ROLES, PLACED_NORMS
 from pagedinfer.model.packed_linear import GemmSegment, PackedLinear, c_segment
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
@@ -39,7 +41,7 @@ MAX_QKV_SEGMENTS = 3  # a GGUF's q, k and v of three types
 
 class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
     _fields_ = [
-        *((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm")),
+        *((name, _ptr) for name in ("first_norm", "second_norm", "q_norm", "k_norm")),
         ("qkv", GemmSegment * MAX_QKV_SEGMENTS),
         ("o", GemmSegment),
         ("gate_up", GemmSegment),
@@ -67,6 +69,9 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ("bounds", _ptr),
         ("parts", ctypes.c_int),
         ("num_blocks", ctypes.c_int64),
+        ("norms_after", ctypes.c_int),
+        ("qk_norm_all", ctypes.c_int),
+        ("residual_scale", ctypes.c_float),
     ]
 
 
@@ -124,7 +129,11 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache) -> None:
         first = model.layers[0]
-        qk_norm = model.family.qk_norm  # the step's per-layer flag: q/k norm pointers, or NULL
+        family = model.family
+        qk_norm = family.qk_norm  # the step's per-layer flag: q/k norm pointers, or NULL
+        placed = PLACED_NORMS[family.norm_placement]  # the layer's two norms, in the order it runs them
+        self.norms_after, self.qk_norm_all = family.norm_placement == "post", family.qk_norm_over == "all"
+        self.residual_scale = 1.0 if first.residual_scale is None else first.residual_scale
         self.kv = kv  # the pool the pointers below point into (kept alive with them)
         self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
         self.hidden = model.norm.shape[0]
@@ -141,7 +150,7 @@ class DecodeStep:
             entry.qkv_segments = len(qkv)
             for name in LINEAR_ROLES[1:]:
                 c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
-            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.first_norm, entry.second_norm = (getattr(layer, n).data_ptr() for n in placed)
             if qk_norm:
                 entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
             k, v = kv.k[layer.layer_idx], kv.v[layer.layer_idx]
@@ -247,6 +256,9 @@ class DecodeStep:
             ctypes.addressof(bounds),
             len(bounds) - 1,
             self.kv.num_blocks,
+            self.norms_after,
+            self.qk_norm_all,
+            self.residual_scale,
         )
         refusal = abi.Refusal()
         code = self.decode_layers(

@@ -140,6 +140,12 @@ def _fill_cache(path: Path, folder: Path) -> None:
         header = read(path)
     except HeaderError as e:
         raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
+    family = families.by_gguf_arch(header.arch, header.metadata)
+    if family is not None and family.gguf_refused is not None:
+        raise GGUFError(f"{path}: pagedinfer reads no {family.name} GGUF files ({family.gguf_refused})")
+    for t in header.tensors:
+        if family is not None and t.name in family.gguf_refused_with:
+            raise GGUFError(f"{path}: tensor {t.name} is refused: {family.gguf_refused_with[t.name]}")
     try:
         check_metadata(header.metadata, header.types, len(header.tensors), str(path))
     except ModelCheckError as e:

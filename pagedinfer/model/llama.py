@@ -1,6 +1,6 @@
-"""Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3; and the
-mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for the engine's
-packed-row step.
+"""Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
+phi3; and the mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for
+the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
@@ -50,6 +50,19 @@ def unsupported_reason(config) -> str | None:
         return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
     if family.rope not in ROPES:
         return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if (rotary := rope.get("partial_rotary_factor", 1.0)) != 1.0:  # the C chains rotate whole heads
+        return f"partial_rotary_factor {rotary} (pagedinfer's implementation rotates whole heads only)"
+    switch = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", 0
+    )
+    if rope.get("rope_type") == "longrope" and switch and config.max_position_embeddings > switch:
+        # transformers recomputes a sequence's whole cache with the long factors once it passes the
+        # switch (Phi3's prepare_inputs_for_generation); a paged pool keeps its K as written
+        return (
+            f"LongRoPE past original_max_position_embeddings ({switch}): transformers recomputes a "
+            "sequence's cache with the long factors there, pagedinfer's implementation does not"
+        )
     return moe.unsupported_reason(family, config)
 
 
@@ -99,7 +112,10 @@ class DecoderLayer(nn.Module):
         p = HF_LAYER.format(idx)
         self.layer_idx = idx  # the attention function finds this layer's pool tensors by it
         self.q_heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
-        self.scaling = self.head_dim**-0.5
+        scalars = family.multipliers
+        # Granite's attention scale and the factor of each branch before its residual add (None: 1)
+        self.scaling = self.head_dim**-0.5 if scalars is None else getattr(config, scalars.attention)
+        self.residual_scale = None if scalars is None else getattr(config, scalars.residual)
         self.eps = config.rms_norm_eps
         types = getattr(config, "layer_types", None)
         if types:  # qwen2/qwen3: a window on the layers marked sliding only
@@ -123,7 +139,11 @@ class DecoderLayer(nn.Module):
         if self.mlp is None:
             self.gate_up_proj, self.down_proj = linears["gate_up"], linears["down"]
         norms = {role: _param(sd.pop(f"{p}{m}.weight")) for role, m in family.norms.items()}
-        self.input_norm, self.post_norm = norms["input_norm"], norms["post_norm"]  # [H]
+        # [H] each, as the family places them: on the attention's and the MLP's inputs (input_norm,
+        # post_norm), or on their outputs before each residual add (attn_out_norm, mlp_out_norm)
+        self.input_norm, self.post_norm = norms.get("input_norm"), norms.get("post_norm")
+        self.attn_out_norm, self.mlp_out_norm = norms.get("attn_out_norm"), norms.get("mlp_out_norm")
+        self.norms_after = family.norm_placement == "post"
         # [D] where the family norms each head (the C chain's); [Hq D] and [Hkv D] where it norms all
         # of q and all of k (`_norm_all_qk`)
         self.q_norm, self.k_norm = norms.get("q_norm"), norms.get("k_norm")
@@ -133,14 +153,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, H] the previous layer's MLP output (None in layer 0)
+        h: torch.Tensor,  # [T, H] the previous layer's MLP branch (None in layer 0)
         residual: torch.Tensor,  # [T, H] the residual stream, updated in place
         cos: torch.Tensor,  # [T, D / 2]
         sin: torch.Tensor,  # [T, D / 2]
         fast: bool,
-    ) -> torch.Tensor:  # [T, H] this layer's MLP output (not yet added to ``residual``)
+    ) -> torch.Tensor:  # [T, H] this layer's MLP branch, as it is added to ``residual`` (not yet added)
         t, hq, hkv, d = residual.shape[0], self.q_heads, self.kv_heads, self.head_dim
-        x = fused_ops.add_rms_norm(residual, h, self.input_norm, self.eps, fast)  # [T, H]
+        if self.norms_after:  # the stream itself is the attention's input
+            if h is not None:
+                residual.add_(h)
+            x = residual
+        else:
+            x = fused_ops.add_rms_norm(residual, h, self.input_norm, self.eps, fast)  # [T, H]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         lora = self.lora
         if lora is not None:
@@ -162,7 +187,12 @@ class DecoderLayer(nn.Module):
         o = self.o_proj(out)  # [T, H]
         if lora is not None:
             lora.o.apply(o, out)
-        x = fused_ops.add_rms_norm(residual, o, self.post_norm, self.eps, fast)
+        o = self._branch(o, self.attn_out_norm, fast)
+        if self.norms_after:
+            residual.add_(o)
+            x = residual
+        else:
+            x = fused_ops.add_rms_norm(residual, o, self.post_norm, self.eps, fast)
         if self.mlp is not None:  # the experts (LoRA sites: attention's linears only)
             return self.mlp(x)
         if lora is not None and lora.gate_up.active():  # deltas go in before silu(gate) * up
@@ -174,7 +204,16 @@ class DecoderLayer(nn.Module):
         down = self.down_proj(act)  # [T, H]
         if lora is not None:
             lora.down.apply(down, act)
-        return down
+        return self._branch(down, self.mlp_out_norm, fast)
+
+    def _branch(self, out: torch.Tensor, norm: torch.Tensor | None, fast: bool) -> torch.Tensor:
+        """A branch's output [T, H] as it is added to the stream: normed where the family norms it
+        there (OLMo-2), times Granite's residual multiplier (in place) where it has one."""
+        if norm is not None:
+            out = fused_ops.add_rms_norm(out, None, norm, self.eps, fast)
+        if self.residual_scale is not None:
+            out.mul_(self.residual_scale)
+        return out
 
     def _norm_all_qk(self, qkv: torch.Tensor, fast: bool) -> None:
         """In place, before RoPE: OLMoE's RMSNorm over all of q's rows and all of k's (where the family
@@ -246,6 +285,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.family = family  # its declaration: the LoRA sites name the modules of each fused linear by it
         self.sizes = sizes(config, "the config")  # checked by the loader (`validate.check_tensors`) already
         self.eps = config.rms_norm_eps
+        scalars = family.multipliers  # Granite's: the embeddings' factor, the logits' divisor (None: 1)
+        self.embed_scale = None if scalars is None else getattr(config, scalars.embedding)
+        self.logits_scale = None if scalars is None else getattr(config, scalars.logits)
         embed = sd.pop(f"{EMBED}.weight")  # [V, H]
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
@@ -284,6 +326,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         **_: object,
     ) -> CausalLMOutput:
         residual = self.embed_tokens(input_ids[0])  # [T, H], the residual stream from here on
+        if self.embed_scale is not None:
+            residual.mul_(self.embed_scale)
         fast = fused_ops.use_c(residual)
         cos, sin = self.rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
         half = cos.shape[-1] // 2
@@ -305,6 +349,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         logits = self.lm_head(x)  # [R, vocab]
         if self.lora_head is not None:
             self.lora_head.apply(logits, x)
+        if self.logits_scale is not None:
+            logits.div_(self.logits_scale)
         return CausalLMOutput(logits.unsqueeze(0))  # [1, R, vocab]
 
 

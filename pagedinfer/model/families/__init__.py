@@ -6,16 +6,19 @@ family (the loader, the GGUF reader, the validation, the layers, the C step, the
 
 from __future__ import annotations
 
+from pagedinfer.model.families.granite import GRANITE
 from pagedinfer.model.families.llama import LLAMA
 from pagedinfer.model.families.mistral import MISTRAL
 from pagedinfer.model.families.mixtral import MIXTRAL
+from pagedinfer.model.families.olmo2 import OLMO2
 from pagedinfer.model.families.olmoe import OLMOE
+from pagedinfer.model.families.phi3 import PHI3
 from pagedinfer.model.families.qwen2 import QWEN2
 from pagedinfer.model.families.qwen3 import QWEN3
 from pagedinfer.model.families.qwen3_moe import QWEN3_MOE
 from pagedinfer.model.families.spec import Family
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GRANITE, PHI3, QWEN3_MOE, MIXTRAL, OLMOE)
 
 
 def find(config) -> Family | None:

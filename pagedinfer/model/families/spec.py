@@ -4,7 +4,8 @@ A `Family` says, in one place, which Hugging Face ``model_type`` values and whic
 it is; each module of its checkpoint under both names with its weight's shape as a function of the
 config (`Sizes`, by dimension names) and whether its weight and bias must, may or must not be there;
 which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
-our layers' norms (`NORM_ROLES`); which rows llama.cpp's converter permuted (undone on reading); and
+our layers' norms (`NORM_ROLES`) and where those sit (`PLACED_NORMS`: before or after each
+branch); Granite's scalars (`Multipliers`); which rows llama.cpp's converter permuted (undone on reading); and
 the kinds of norm, activation and RoPE the layers compute; and, for a mixture-of-experts family, its
 router and experts (`Experts`: which modules, how the router's scores are turned into weights); and,
 for the families `own_config` reads without transformers, their config classes' defaults. The
@@ -20,8 +21,12 @@ from dataclasses import dataclass, field
 # our dense layer's linears, in the order a layer runs them: q, k and v rows fused; o; gate and up
 # rows fused (the product is act(gate) * up); down. A family names the modules that fill each.
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down")
-# our dense layer's norms: before attention, before the MLP, and (optional) per head on q and k
-NORM_ROLES = ("input_norm", "post_norm", "q_norm", "k_norm")
+# our dense layer's norms: where they sit is the family's ``norm_placement``: "pre" (Llama), on the
+# attention's and the MLP's inputs (``input_norm``, ``post_norm``); "post" (OLMo-2), on the attention's
+# and the MLP's outputs, each before its residual add (``attn_out_norm``, ``mlp_out_norm``); and
+# (optional) on q and k
+NORM_ROLES = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
+PLACED_NORMS = {"pre": ("input_norm", "post_norm"), "post": ("attn_out_norm", "mlp_out_norm")}
 HF_LAYER = "model.layers.{}."  # a layer's modules' prefix in Hugging Face names (in GGUF names: "blk.{}.")
 # what each dimension name of a shape stands for, in the config's fields (messages show these)
 DIMS = {
@@ -30,6 +35,8 @@ DIMS = {
     "inter": "intermediate_size",
     "q": "num_attention_heads * head_dim",
     "kv": "num_key_value_heads * head_dim",
+    "qkv": "(num_attention_heads + 2 * num_key_value_heads) * head_dim",  # a checkpoint's fused q, k, v
+    "gate_up": "2 * intermediate_size",  # a checkpoint's fused gate and up
     "head_dim": "head_dim",
     "experts": "num_experts (mixtral: num_local_experts)",
     "expert_inter": "moe_intermediate_size",
@@ -78,6 +85,14 @@ class Sizes:
     @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def qkv(self) -> int:
+        return self.q + 2 * self.kv
+
+    @property
+    def gate_up(self) -> int:
+        return 2 * self.inter
 
     def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         """A declared shape's sizes, e.g. ``("q", "hidden")`` -> ``(Hq * D, H)``."""
@@ -145,6 +160,18 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalars, each a config field: the embeddings times ``embedding``; ``attention`` the
+    attention's scale in place of 1/sqrt(head_dim); each branch (attention's output, the MLP's) times
+    ``residual`` before its residual add; the logits divided by ``logits``."""
+
+    embedding: str = "embedding_multiplier"
+    attention: str = "attention_multiplier"
+    residual: str = "residual_multiplier"
+    logits: str = "logits_scaling"
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family as pagedinfer's own layers serve it (see the module docstring)."""
 
@@ -152,7 +179,8 @@ class Family:
     gguf_arch: str  # general.architecture of its GGUF files (mistral's are "llama")
     layer: tuple[Module, ...]  # one layer's modules, in the order validation checks them
     linears: dict[str, tuple[str, ...]]  # `LINEAR_ROLES` -> the modules fused in it, rows in order
-    norms: dict[str, str]  # `NORM_ROLES` -> its module (q_norm and k_norm only where the family has them)
+    # `NORM_ROLES` -> its module: the two of its ``norm_placement``; q_norm and k_norm where it has them
+    norms: dict[str, str]
     # module -> the head count (`Sizes` name) whose rows llama.cpp's converter interleaved for its RoPE
     # (as convert_hf_to_gguf.py's permute); the reader puts them back in rotate-half order
     gguf_permuted: dict[str, str] = field(default_factory=dict)
@@ -182,6 +210,12 @@ class Family:
     # whether transformers' AutoTokenizer keeps the tokenizer class a tokenizer_config.json declares
     # (False: the family registers its own class, which replaces it)
     keeps_declared_tokenizer: bool = False
+    # why pagedinfer reads none of its GGUF files (None: it reads them): refused in one line
+    gguf_refused: str | None = None
+    # a GGUF tensor -> why a file holding it is refused (what it carries that the config would lack)
+    gguf_refused_with: dict[str, str] = field(default_factory=dict)
+    norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama) or output (OLMo-2)
+    multipliers: Multipliers | None = None  # Granite's scalars
 
     @property
     def name(self) -> str:
@@ -189,7 +223,7 @@ class Family:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether q and k are normed per head before RoPE (Qwen3): the C step's q/k norm flag."""
+        """Whether q and k are normed before RoPE (per head, Qwen3; or all rows, OLMo-2): the C step's flag."""
         return "q_norm" in self.norms
 
     def module(self, hf: str) -> Module:

@@ -1,0 +1,138 @@
+"""OLMo-2 (its norms after each branch, q/k norms over all of q's and k's rows), Granite (its four
+multipliers) and Phi-3 (fused q/k/v and gate/up modules, LongRoPE) on pagedinfer's own layers:
+greedy-identical to transformers' generate with a roomy and a preempting pool, through the one-call C
+step and layer by layer, the two paths giving the same bits; OLMo-2's and Granite's GGUF files refused
+in one line. (Reproducibility across batches: tests/test_reproducibility.py.)"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE, ENGINE
+from gguf_models import save_gguf
+from models import count_one_call_steps, hf_greedy
+
+from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import families, packed_linear
+from pagedinfer.model.loader import ModelLoadError
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the one-call C step is the CPU's")
+NEW = {"olmo2": "olmo2", "granite": "granite", "phi3": "phi3", "phi3_window": "phi3"}  # model: family
+MAX_TOKENS = 12
+BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2)  # bfloat16 panels where the kernel builds
+
+
+def prompts(count: int = 6) -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(2, 256) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
+def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name, num_blocks, one_call):
+    steps = count_one_call_steps(monkeypatch)
+    if not one_call:
+        monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    path = tiny_model(name)
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)  # --model-impl auto
+    assert llm.engine.loaded.impl == "pagedinfer"  # not transformers' modules
+    assert llm.engine.loaded.model.family is next(f for f in families.FAMILIES if f.name == NEW[name])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert bool(steps) == one_call  # the decode-only steps in one C call, or none of them
+    assert (llm.stats.preemptions > 0) == (num_blocks == 12)
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param("bfloat16", marks=pytest.mark.skipif(not BF16_STEP, reason="no bfloat16 panels")),
+    ],
+)
+def test_the_one_call_step_gives_the_bits_of_the_layer_path(tiny_model, monkeypatch, name, dtype):
+    """Seeded n=3 sampling with logprobs: tokens and log-probabilities exactly equal with the C step
+    and without it (the same norms, multipliers and residual adds, in C or as torch ops)."""
+    steps = count_one_call_steps(monkeypatch)
+    path = tiny_model(name)
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
+
+    def run():
+        llm = LLM(str(path), block_size=4, num_blocks=256, **{**ENGINE, "dtype": dtype})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
+        return [
+            [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
+            for o in outs
+        ]
+
+    with_step = run()
+    assert steps
+    steps.clear()
+    monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    assert run() == with_step
+    assert not steps
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
+def test_longrope_matches_transformers(tiny_model, monkeypatch, one_call):
+    """Phi-3's LongRoPE short factors (the angles transformers computes) over every position."""
+    steps = count_one_call_steps(monkeypatch)
+    if not one_call:
+        monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    path = tiny_model("phi3_longrope")
+    llm = LLM(str(path), block_size=4, num_blocks=64, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert bool(steps) == one_call
+
+
+def test_longrope_that_switches_factors_is_left_to_transformers(tiny_model):
+    """Past original_max_position_embeddings transformers' Phi-3 recomputes the sequence's cache with
+    the long factors; our layers keep the pool's K as written: the config goes to transformers' modules
+    (auto), and our layers asked for refuse it in one line."""
+    path = tiny_model("phi3_longrope_switch")
+    assert LLM(str(path), **ENGINE).engine.loaded.impl == "transformers"
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), model_impl="pagedinfer", **ENGINE)
+    assert str(err.value) == (
+        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: LongRoPE past "
+        "original_max_position_embeddings (12): transformers recomputes a sequence's cache with the long "
+        "factors there, pagedinfer's implementation does not"
+    )
+
+
+@pytest.mark.parametrize("name", ["olmo2", "granite"])
+def test_their_gguf_files_are_refused_by_name(tiny_model, tmp_path, monkeypatch, name):
+    """transformers' GGUF reader makes no config of these architectures (nor of Granite's scalars):
+    refused in one line before a tensor is read, not read as a Llama."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = save_gguf(tiny_model(name), tmp_path / f"{name}.gguf")
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), **ENGINE)
+    assert str(err.value) == (
+        f"{path}: pagedinfer reads no {name} GGUF files (transformers' GGUF reader maps no {name} config)"
+    )
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused(tiny_model, tmp_path, monkeypatch):
+    """A Phi-3 GGUF reads (tests/test_families.py), but one holding llama.cpp's LongRoPE factor
+    tensors would get a config without them from transformers' reader: refused in one line."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    factors = {f"rope_factors_{k}.weight": np.ones(8, np.float32) for k in ("long", "short")}
+    path = save_gguf(tiny_model("phi3"), tmp_path / "phi3.gguf", extra=factors)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), **ENGINE)
+    assert str(err.value) == (
+        f"{path}: tensor rope_factors_long.weight is refused: its LongRoPE factors, which transformers' "
+        "GGUF reader leaves out of the config, so the angles would be the unscaled ones"
+    )
