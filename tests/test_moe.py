@@ -217,14 +217,30 @@ K_SHAPE = dict(
 )
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, gguf_cache, kind):
+K_CONFIGS = {
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": 512}, **K_SHAPE),
+    # the shared expert's matrices in the type too (its gate's one row a float32 vector, as llama.cpp's)
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **{**COMMON, "vocab_size": 512}, **K_SHAPE, shared_expert_intermediate_size=256
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        *(("qwen3_moe", k) for k in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")),
+        ("qwen2_moe", "Q4_0"),
+        ("qwen2_moe", "Q4_K"),
+    ],
+)
+def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, gguf_cache, family, kind):
     """Every matrix in ``kind``, each expert a panel of the file's blocks: seeded sampling with
     logprobs equals ``--dtype float32`` on the same file (gguf-py's dequantization in float32 panels)."""
-    model = gguf_dir / "qwen3_moe-256"
+    model = gguf_dir / f"{family}-256"
     if not (model / "config.json").exists():
-        save_random_model(tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": 512}, **K_SHAPE), model, 0)
-    path = gguf_dir / f"qwen3_moe-256-{kind}.gguf"
+        save_random_model(K_CONFIGS[family](), model, 0)
+    path = gguf_dir / f"{family}-256-{kind}.gguf"
     if not path.exists():
         save_gguf(model, path, lambda name: kind)
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, logprobs=2, ignore_eos=True)
@@ -239,8 +255,12 @@ def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, 
     mlp = llm.engine.loaded.model.layers[0].mlp
     assert mlp.router.kinds == [kind] and {k for e in mlp.experts for k in e.gate_up_proj.kinds} == {kind}
     assert all(e.gate_up_proj.paired for e in mlp.experts)
+    if family == "qwen2_moe":
+        assert mlp.shared.expert.gate_up_proj.kinds == [kind] and mlp.shared.gate.kinds == ["F32"]
+    matrices = 18 if family == "qwen3_moe" else 24  # and per layer the shared expert's gate, up, down
     assert (
-        llm.engine.loaded.dtype_reason == f"float32 activations; weights as stored in the GGUF ({kind} x18)"
+        llm.engine.loaded.dtype_reason
+        == f"float32 activations; weights as stored in the GGUF ({kind} x{matrices})"
     )
     want, ref = run("float32")
     assert ref.engine.loaded.model.layers[0].mlp.router.kinds == ["F32"]
