@@ -350,6 +350,62 @@ def test_a_dense_layer_missing_its_mlp_is_refused_naming_it(model_root, tmp_path
     )
 
 
+def test_lora_on_a_dense_layers_mlp(model_root, tmp_path):
+    """An adapter on gate_proj, up_proj and down_proj of the dense layer 1 of a qwen3_moe: that layer's
+    gate-up and down sites take it (the sparse layers' experts have none), greedy-identical to
+    transformers' generate on the checkpoint with the adapter's deltas merged into those weights (PEFT
+    takes "gate_proj" of a qwen3_moe for the experts' fused parameters, so it is no reference here)."""
+    import json
+
+    from cli_helpers import with_weights
+    from safetensors.torch import save_file
+
+    from pagedinfer import LoRARequest
+
+    name = "qwen3_moe-mlp-only-1"
+    base = model_root / name
+    if not (base / "config.json").exists():
+        save_random_model(DENSE_LAYERS[name][0](), base, 0)
+    torch.manual_seed(4)
+    rank, alpha = 4, 8
+    deltas = {  # module -> (A [r, in], B [out, r]): each of them 64 by 64 (the dense MLP's intermediate_size)
+        f"model.layers.1.mlp.{m}": (torch.randn(rank, 64) * 0.3, torch.randn(64, rank) * 0.3)
+        for m in ("gate_proj", "up_proj", "down_proj")
+    }
+    adapter = tmp_path / "dense-mlp"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(deltas)})
+    )
+    save_file(
+        {
+            f"base_model.model.{m}.lora_{p}.weight": t
+            for m, ab in deltas.items()
+            for p, t in zip("AB", ab, strict=True)
+        },
+        adapter / "adapter_model.safetensors",
+    )
+
+    def merge(sd: dict) -> None:
+        for m, (a, b) in deltas.items():
+            sd[f"{m}.weight"] = sd[f"{m}.weight"] + alpha / rank * b @ a
+
+    merged = with_weights(base, tmp_path / "merged", merge)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    layers = llm.engine.loaded.model.layers
+    assert [layer.lora.gate_up is not None for layer in layers] == [False, True, False]
+    prompts = [[5, 9, 200, 3, 17, 41, 8, 99, 12], [250, 1, 33]]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=LoRARequest("dense-mlp", 1, str(adapter)),
+    )
+    got = [out.outputs[0].token_ids for out in outs]
+    assert got == [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
+    assert got != greedy(llm, prompts)  # the adapter matters
+
+
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tiny_model, tmp_path):
     """Each expert's tensors are checked against the config like any other: one missing is named."""
     from cli_helpers import with_weights
