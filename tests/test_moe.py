@@ -459,18 +459,33 @@ def test_lora_on_the_attention_of_a_mixture_of_experts(tiny_model, model_root, t
     )
 
 
+@pytest.mark.parametrize(
+    "name, writer, key, field",
+    [
+        (
+            "qwen3_moe",
+            "add_expert_feed_forward_length",
+            "qwen3moe.expert_feed_forward_length",
+            "moe_intermediate_size",
+        ),
+        (
+            "qwen2_moe",
+            "add_expert_shared_feed_forward_length",
+            "qwen2moe.expert_shared_feed_forward_length",
+            "shared_expert_intermediate_size",
+        ),
+    ],
+)
 def test_a_gguf_without_its_expert_size_is_refused_naming_the_key(
-    tiny_model, tmp_path, monkeypatch, gguf_cache
+    tiny_model, tmp_path, monkeypatch, gguf_cache, name, writer, key, field
 ):
-    """A qwen3moe file lacking expert_feed_forward_length (which transformers' GGUF reader would leave
-    at its default, 768): refused in one line naming the key, not run with experts of the wrong size."""
+    """A qwen3moe file lacking expert_feed_forward_length, or a qwen2moe file lacking
+    expert_shared_feed_forward_length (which transformers' GGUF reader would leave at their defaults:
+    768, 5632): refused in one line naming the key, not run with experts of the wrong size."""
     import gguf as gguf_py
 
-    monkeypatch.setattr(gguf_py.GGUFWriter, "add_expert_feed_forward_length", lambda self, n: None)
-    out = save_gguf(tiny_model("qwen3_moe"), tmp_path / "no-expert-size.gguf")
+    monkeypatch.setattr(gguf_py.GGUFWriter, writer, lambda self, n: None)
+    out = save_gguf(tiny_model(name), tmp_path / "no-expert-size.gguf")
     with pytest.raises(ModelLoadError) as err:
         LLM(str(out), **ENGINE)
-    assert str(err.value) == (
-        f"{out}: metadata qwen3moe.expert_feed_forward_length is missing; a qwen3_moe file gives its "
-        "moe_intermediate_size"
-    )
+    assert str(err.value) == f"{out}: metadata {key} is missing; a {name} file gives its {field}"
