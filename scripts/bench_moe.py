@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """A mixture of experts on our own layers against transformers' modules, alternating in one process.
 
-    python scripts/bench_moe.py [--layers 2] [--vocab 50304] [--dtype float32] [--quantization int8]
-        [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
+    python scripts/bench_moe.py [--family olmoe] [--layers 2] [--vocab 50304] [--dtype float32]
+        [--quantization int8] [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
 
 An OLMoE-1B-7B-like shape with fewer layers (hidden 2048, 16 heads, 64 experts of 1024, 8 per token,
-vocabulary 50304; random weights from seed 0, saved once under --out), loaded twice: ``--model-impl
+vocabulary 50304), or with ``--family qwen2_moe`` a Qwen1.5-MoE-A2.7B-like one (hidden 2048, 16 heads
+with q/k/v biases, 60 experts of 1408, 4 per token, a shared expert of 5632, vocabulary 151936);
+random weights from seed 0, saved once under --out; loaded twice: ``--model-impl
 pagedinfer`` and ``--model-impl transformers`` (the same pagedinfer engine, paged attention and
 sampler; only the layers differ). Two workloads, each run --repeats times per path, the paths
 alternating, after a warm-up: b1 (one 32-token prompt, 64 greedy tokens) and a batch (16 prompts of
@@ -46,6 +48,22 @@ SHAPE = dict(  # OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924), but the layer count
     eos_token_id=None,
     pad_token_id=1,
 )
+SHAPES = {  # --family -> (its config class, its shape)
+    "olmoe": (tf.OlmoeConfig, SHAPE),
+    # Qwen1.5-MoE-A2.7B's (Qwen/Qwen1.5-MoE-A2.7B), but the layer count
+    "qwen2_moe": (
+        tf.Qwen2MoeConfig,
+        {
+            **SHAPE,
+            "vocab_size": 151936,
+            "intermediate_size": 5632,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+        },
+    ),
+}
 WORKLOADS = {  # name -> (prompts, prompt tokens, new tokens each)
     "b1": (1, 32, 64),
     "batch16": (16, 64, 32),
@@ -62,14 +80,11 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def model_dir(out: Path, layers: int, vocab: int) -> Path:
-    path = (
-        out / f"olmoe-like-{layers}l"
-        if vocab == SHAPE["vocab_size"]
-        else out / f"olmoe-like-{layers}l-v{vocab}"
-    )
+def model_dir(out: Path, family: str, layers: int, vocab: int | None) -> Path:
+    cls, shape = SHAPES[family]
+    path = out / f"{family}-like-{layers}l" if vocab is None else out / f"{family}-like-{layers}l-v{vocab}"
     if not (path / "config.json").exists():
-        config = tf.OlmoeConfig(**{**SHAPE, "vocab_size": vocab}, num_hidden_layers=layers)
+        config = cls(**{**shape, "vocab_size": vocab or shape["vocab_size"]}, num_hidden_layers=layers)
         save_random_model(config, path, seed=0)
     return path
 
@@ -88,8 +103,9 @@ def gguf_file(path: Path, kind: str) -> Path:
 def run(llm: LLM, workload: str) -> float:
     """Generated tokens per wall second of one run of ``workload``."""
     n, prompt_len, new = WORKLOADS[workload]
+    ids = min(50000, llm.engine.loaded.model.config.vocab_size - 2)  # prompts' ids from 2 to 2 + ids
     prompts = [
-        {"prompt_token_ids": [(7 * i + 13 * j) % 50000 + 2 for j in range(prompt_len)]} for i in range(n)
+        {"prompt_token_ids": [(7 * i + 13 * j) % ids + 2 for j in range(prompt_len)]} for i in range(n)
     ]
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
@@ -99,8 +115,9 @@ def run(llm: LLM, workload: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=tuple(SHAPES), default="olmoe")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
+    parser.add_argument("--vocab", type=int, default=None, help="the family's own by default")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="our path's weights: int8, int4, ...")
     parser.add_argument("--gguf", default=None, help="our path on a GGUF of this type (Q4_0, Q8_0, ...)")
@@ -109,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedinfer-bench-moe"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = model_dir(args.out, args.layers, args.vocab)
+    path = model_dir(args.out, args.family, args.layers, args.vocab)
     engine = dict(device="cpu", kv_cache_memory="512MiB")
     own_path = gguf_file(path, args.gguf) if args.gguf else path
     own_dtype = "auto" if args.gguf else args.dtype
@@ -129,8 +146,8 @@ def main() -> None:
                 best[key] = max(best.get(key, 0.0), run(llm, workload))
     weights = args.gguf or args.quantization or args.dtype
     for (workload, impl), tok_s in best.items():
-        record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "layers": args.layers}
-        record["vocab"] = args.vocab
+        record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "family": args.family}
+        record |= {"layers": args.layers, "vocab": args.vocab or SHAPES[args.family][1]["vocab_size"]}
         record |= {"weights": weights if impl == "pagedinfer" else args.dtype, "threads": args.threads}
         print(json.dumps({**record, "cpu": cpu_name()}))
     for workload in WORKLOADS:

@@ -24,6 +24,7 @@ ARCHS = {
     "qwen2": "QWEN2",
     "qwen3": "QWEN3",
     "qwen3_moe": "QWEN3MOE",
+    "qwen2_moe": "QWEN2MOE",
     "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
     "olmoe": "OLMOE",
     "phi3": "PHI3",
@@ -106,7 +107,7 @@ def save_gguf(
     kind_of: Callable[[str], str] = lambda name: "F32",
     extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
     at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
     into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
@@ -134,6 +135,8 @@ def save_gguf(
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if hasattr(cfg, "moe_intermediate_size"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if hasattr(cfg, "shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     state = {
         k: v.float().numpy()
         for f in sorted(Path(model_dir).glob("*.safetensors"))
@@ -151,6 +154,8 @@ def save_gguf(
         gname = f"{names.get_name(stem)}.{suffix}"
         if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith(("q_proj", "k_proj")):
             w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
+        if stem.endswith("shared_expert_gate"):  # [1, H]: llama.cpp's converter writes its row, [H]
+            w = w[0]
         kind = kind_of(gname) if w.ndim >= 2 else "F32"
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         if kind == "F32":

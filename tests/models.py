@@ -105,6 +105,15 @@ CONFIGS = {
         moe_intermediate_size=32,
         norm_topk_prob=True,
     ),
+    # a shared expert of 48 rows beside the routed ones; q, k and v biased; top-k not renormalised
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **COMMON,
+        **DECODER,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     "mixtral": lambda: tf.MixtralConfig(
         **COMMON, **{**DECODER, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2
     ),

@@ -62,6 +62,14 @@ CASES = [  # (id, family, config.json changes, the message after "<folder>/confi
         for key in EXPERT_SIZES
         for kind, value in [*NOT_POSITIVE_INTEGERS.items(), ("null", None)]
     ),
+    *(  # which layers are sparse divides by decoder_sparse_step (transformers' class takes a 0)
+        (f"{key}-{kind}", family, {key: value}, f"{key} is {SHOWN[kind]}; it must be {INTEGER}")
+        for key, family in (
+            ("decoder_sparse_step", "qwen3_moe"),
+            ("shared_expert_intermediate_size", "qwen2_moe"),
+        )
+        for kind, value in (("0", 0), ("negative", -1), ("null", None))
+    ),
     *(
         (
             f"rms_norm_eps-{kind}",

@@ -57,12 +57,13 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
     stems = [m.hf for m in family.layer]
     assert len(set(stems)) == len(stems) and len({m.gguf for m in family.layer}) == len(stems)
     experts = family.experts
-    # the order a layer runs them (a mixture of experts: its experts in place of gate_up and down)
-    assert list(family.linears) == list(LINEAR_ROLES[: 2 if experts else 4])
+    # the order a layer runs them (a mixture of experts: its experts in place of gate_up and down,
+    # which remain where the config can make layers dense)
+    assert list(family.linears) == list(LINEAR_ROLES[: 2 if experts and not experts.dense_layers else 4])
     assert set(PLACED_NORMS[family.norm_placement]) <= set(family.norms) <= set(NORM_ROLES)
     used = [m for modules in family.linears.values() for m in modules] + list(family.norms.values())
     if experts:
-        used += [experts.router, *experts.gate_up, experts.down]
+        used += experts.modules()
         assert {m.hf for m in family.layer if m.experts} == {*experts.gate_up, experts.down}
     assert sorted(used) == sorted(stems)  # every module fills one role, and only one
     assert set(family.gguf_permuted) <= set(family.linears["qkv"])
@@ -73,23 +74,32 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
 def test_each_model_type_has_one_family():
     types = [t for f in families.FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
-    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, olmoe"
+    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_gguf_names_are_llama_cpps(name):
     """Each module's GGUF name is the one gguf-py (llama.cpp's own name table) gives its Hugging Face
     name for the family's architecture, in layer 0 and in layer 11 (a module per expert: the name of
-    its 3-D tensor of every expert, gguf-py's name for the module without the expert's index)."""
+    its 3-D tensor of every expert, gguf-py's name for the module without the expert's index). The
+    dense MLP of a mixture of experts' dense layers, which llama.cpp's architecture has no tensor for
+    (its files have none: their configs make no layer dense), takes llama's names."""
     family = FAMILIES[name]
-    arch = next(k for k, v in gguf_py.MODEL_ARCH_NAMES.items() if v == family.gguf_arch)
-    table = gguf_py.get_tensor_name_map(arch, 12)
+
+    def table(arch_name: str):
+        arch = next(k for k, v in gguf_py.MODEL_ARCH_NAMES.items() if v == arch_name)
+        return gguf_py.get_tensor_name_map(arch, 12)
+
+    own, llama = table(family.gguf_arch), table("llama")
+    dense = {m for r in ("gate_up", "down") for m in family.linears.get(r, ())} if family.experts else set()
     for m in family.top:
-        assert table.get_name(m.hf) == m.gguf
+        assert own.get_name(m.hf) == m.gguf
     for i in (0, 11):
         for m in family.layer:
-            hf = m.hf.replace(".{}", "")
-            assert table.get_name(f"model.layers.{i}.{hf}") == f"blk.{i}.{m.gguf}", m.hf
+            hf = f"model.layers.{i}.{m.hf.replace('.{}', '')}"
+            got = (llama if m.hf in dense else own).get_name(hf)
+            assert got == f"blk.{i}.{m.gguf}", m.hf
+            assert m.hf not in dense or own.get_name(hf) is None, m.hf
 
 
 @pytest.mark.parametrize("name", DENSE)
@@ -115,8 +125,8 @@ def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
         f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'gemma2' has no "
-        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, mixtral, "
-        "olmoe do)"
+        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, "
+        "qwen2_moe, mixtral, olmoe do)"
     )
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts families on our own layers (qwen3_moe, mixtral, olmoe): greedy-identical to
+"""Mixture-of-experts families on our own layers (qwen3_moe, qwen2_moe with its shared expert,
+mixtral, olmoe; qwen3_moe's and qwen2_moe's dense layers among the sparse ones): greedy-identical to
 transformers, with and without preemption; every weight type the dense layers take (float32,
 bfloat16, int8 / int4 panels, GGUF blocks as stored, llama.cpp's 3-D expert tensors split per
 expert); a row's output the same bits whatever rows share its step; decode steps layer by layer
@@ -24,7 +25,7 @@ from pagedinfer.model import families, gguf, moe, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
-MOE = ["qwen3_moe", "mixtral", "olmoe"]
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 LENGTHS = (1, 9, 23, 30)  # within a block of 4, and across several
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -77,12 +78,15 @@ def test_olmoe_clips_q_k_and_v_where_its_config_says(model_root, prompts):
         assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
 
 
-def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model):
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model, name):
     """The expert MLP over 40 rows, and over each row alone and in other groups: the same bits (each
     expert's GEMM gives a row the same bits at any row count; a row's top-k outputs summed in rank
-    order, not in the order other rows bring the experts in)."""
-    llm = LLM(str(tiny_model("qwen3_moe")), **ENGINE)
+    order, not in the order other rows bring the experts in; qwen2_moe's shared expert scaled by a
+    sigmoid computed row by row, where torch's gives a lone row other bits than a batch's for some)."""
+    llm = LLM(str(tiny_model(name)), **ENGINE)
     mlp = llm.engine.loaded.model.layers[0].mlp
+    assert (mlp.shared is not None) == (name == "qwen2_moe")
     assert all(isinstance(e.gate_up_proj, packed_linear.PackedLinear) for e in mlp.experts)
     torch.manual_seed(0)
     x = torch.randn(40, 64)
@@ -171,8 +175,9 @@ def test_a_float32_gguf_reads_back_the_checkpoint_and_runs_as_it(
 ):
     """llama.cpp's layout (3-D ffn_*_exps tensors, ffn_gate_inp; a Mixtral as a llama file with an
     expert count, its Q/K rows permuted; an OLMoE file, which transformers' GGUF reader has no config
-    mapping for, read through llama's keys): read back to the checkpoint's own tensors bit for bit, the
-    config's experts from the metadata, and greedy-identical to the safetensors run."""
+    mapping for, read through llama's keys; qwen2moe's shared expert, its gate's one row a vector):
+    read back to the checkpoint's own tensors bit for bit, the config's experts from the metadata, and
+    greedy-identical to the safetensors run."""
     path = tiny_model(name)
     out = save_gguf(path, model_root / f"{name}-moe.gguf")
     ckpt = gguf.open_checkpoint(out)
@@ -183,6 +188,9 @@ def test_a_float32_gguf_reads_back_the_checkpoint_and_runs_as_it(
     assert getattr(config, count) == getattr(want_config, count) == 8
     if name == "qwen3_moe":  # llama.cpp's qwen3moe renormalises the top-k weights
         assert config.moe_intermediate_size == 32 and config.norm_topk_prob
+    if name == "qwen2_moe":  # its qwen2moe does not; the shared expert's size from its own key
+        assert config.moe_intermediate_size == 32 and config.shared_expert_intermediate_size == 48
+        assert not config.norm_topk_prob and ckpt.tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == [64]
     sd, dequantized = gguf.state_dict(ckpt, config, families.find(config), keep_blocks=False)
     want = load_file(path / "model.safetensors")
     assert sorted(sd) == sorted(want) and not dequantized
@@ -209,14 +217,30 @@ K_SHAPE = dict(
 )
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, gguf_cache, kind):
+K_CONFIGS = {
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": 512}, **K_SHAPE),
+    # the shared expert's matrices in the type too (its gate's one row a float32 vector, as llama.cpp's)
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **{**COMMON, "vocab_size": 512}, **K_SHAPE, shared_expert_intermediate_size=256
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        *(("qwen3_moe", k) for k in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")),
+        ("qwen2_moe", "Q4_0"),
+        ("qwen2_moe", "Q4_K"),
+    ],
+)
+def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, gguf_cache, family, kind):
     """Every matrix in ``kind``, each expert a panel of the file's blocks: seeded sampling with
     logprobs equals ``--dtype float32`` on the same file (gguf-py's dequantization in float32 panels)."""
-    model = gguf_dir / "qwen3_moe-256"
+    model = gguf_dir / f"{family}-256"
     if not (model / "config.json").exists():
-        save_random_model(tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": 512}, **K_SHAPE), model, 0)
-    path = gguf_dir / f"qwen3_moe-256-{kind}.gguf"
+        save_random_model(K_CONFIGS[family](), model, 0)
+    path = gguf_dir / f"{family}-256-{kind}.gguf"
     if not path.exists():
         save_gguf(model, path, lambda name: kind)
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=8, logprobs=2, ignore_eos=True)
@@ -231,43 +255,155 @@ def test_a_gguf_run_equals_the_float32_run_of_its_dequantized_weights(gguf_dir, 
     mlp = llm.engine.loaded.model.layers[0].mlp
     assert mlp.router.kinds == [kind] and {k for e in mlp.experts for k in e.gate_up_proj.kinds} == {kind}
     assert all(e.gate_up_proj.paired for e in mlp.experts)
+    if family == "qwen2_moe":
+        assert mlp.shared.expert.gate_up_proj.kinds == [kind] and mlp.shared.gate.kinds == ["F32"]
+    matrices = 18 if family == "qwen3_moe" else 24  # and per layer the shared expert's gate, up, down
     assert (
-        llm.engine.loaded.dtype_reason == f"float32 activations; weights as stored in the GGUF ({kind} x18)"
+        llm.engine.loaded.dtype_reason
+        == f"float32 activations; weights as stored in the GGUF ({kind} x{matrices})"
     )
     want, ref = run("float32")
     assert ref.engine.loaded.model.layers[0].mlp.router.kinds == ["F32"]
     assert got == want
 
 
-# -- what stays with transformers ----------------------------------------------------------------
+# -- dense layers among the sparse ones --------------------------------------------------------
+
+DENSE_SHAPE = dict(  # three layers, experts of 32 rows (the dense MLP's 64)
+    **COMMON,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+DENSE_LAYERS = {  # name -> (config, which layers have the experts)
+    "qwen3_moe-mlp-only-1": (
+        lambda: tf.Qwen3MoeConfig(**DENSE_SHAPE, head_dim=16, mlp_only_layers=[1]),
+        [True, False, True],
+    ),
+    "qwen3_moe-sparse-step-2": (
+        lambda: tf.Qwen3MoeConfig(**DENSE_SHAPE, head_dim=16, decoder_sparse_step=2),
+        [False, True, False],
+    ),
+    "qwen2_moe-mlp-only-0": (
+        lambda: tf.Qwen2MoeConfig(**DENSE_SHAPE, shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+        [False, True, True],
+    ),
+}
 
 
-def test_qwen3_moe_with_dense_layers_is_left_to_transformers(model_root):
-    """qwen3_moe's dense layers among the sparse ones (mlp_only_layers) are no layer shape declared
-    here: transformers serves the model, and our layers, asked for, say why in one line."""
-    path = model_root / "qwen3_moe-dense-layer"
+@pytest.mark.parametrize("name", DENSE_LAYERS)
+@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
+def test_dense_layers_among_the_experts(model_root, prompts, name, num_blocks):
+    """mlp_only_layers and decoder_sparse_step make some layers dense, as transformers builds them:
+    our layers serve the model (not transformers'), each layer with the experts or the family's dense
+    MLP as the config says, greedy-identical to transformers' generate, with and without preemption."""
+    config, sparse = DENSE_LAYERS[name]
+    path = model_root / name
     if not (path / "config.json").exists():
-        config = tf.Qwen3MoeConfig(
-            **COMMON,
-            hidden_size=64,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            mlp_only_layers=[1],
-        )
-        save_random_model(config, path, 0)
-    assert LLM(str(path), **ENGINE).engine.loaded.impl == "transformers"
+        save_random_model(config(), path, 0)
+    llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    layers = llm.engine.loaded.model.layers
+    assert [isinstance(layer.mlp, moe.ExpertMLP) for layer in layers] == sparse
+    assert all(hasattr(layer, "gate_up_proj") != s for layer, s in zip(layers, sparse, strict=True))
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
+    assert (llm.stats.preemptions > 0) == (num_blocks == 12)
+
+
+def test_the_count_of_sparse_layers_is_the_rules():
+    """`Experts.sparse_layers` (the weights check's count, without a pass over the layers) agrees with
+    `Experts.sparse` layer by layer, for every dense-layer configuration here and a few more."""
+    spec = families.QWEN3_MOE.experts
+    configs = [config() for config, _ in DENSE_LAYERS.values()]
+    configs += [
+        tf.Qwen3MoeConfig(**{**DENSE_SHAPE, "num_hidden_layers": 7}, decoder_sparse_step=3, mlp_only_layers=m)
+        for m in ([], [2], [0, 2, 5, 9])
+    ]
+    for config in configs:
+        for layers in range(1, 9):
+            assert spec.sparse_layers(config, layers) == sum(spec.sparse(config, i) for i in range(layers))
+
+
+def test_a_dense_layer_missing_its_mlp_is_refused_naming_it(model_root, tmp_path):
+    """A dense layer's MLP tensors are checked like any other (and a sparse layer's experts are not
+    asked of it): one missing is named."""
+    from cli_helpers import with_weights
+
+    name = "qwen3_moe-mlp-only-1"
+    path = model_root / name
+    if not (path / "config.json").exists():
+        save_random_model(DENSE_LAYERS[name][0](), path, 0)
+    short = with_weights(path, tmp_path / "short", lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ModelLoadError) as err:
-        LLM(str(path), model_impl="pagedinfer", **ENGINE)
+        LLM(str(short), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
-        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: dense MLP layers among its "
-        "mixture-of-experts layers (mlp_only_layers / decoder_sparse_step)"
+        f"{short / 'model.safetensors'}: the weights have no tensor 'model.layers.1.mlp.up_proj.weight', "
+        "which the config implies"
     )
+
+
+def test_lora_on_a_dense_layers_mlp(model_root, tmp_path):
+    """An adapter on gate_proj, up_proj and down_proj of the dense layer 1 of a qwen3_moe: that layer's
+    gate-up and down sites take it (the sparse layers' experts have none), greedy-identical to
+    transformers' generate on the checkpoint with the adapter's deltas merged into those weights (PEFT
+    takes "gate_proj" of a qwen3_moe for the experts' fused parameters, so it is no reference here)."""
+    import json
+
+    from cli_helpers import with_weights
+    from safetensors.torch import save_file
+
+    from pagedinfer import LoRARequest
+
+    name = "qwen3_moe-mlp-only-1"
+    base = model_root / name
+    if not (base / "config.json").exists():
+        save_random_model(DENSE_LAYERS[name][0](), base, 0)
+    torch.manual_seed(4)
+    rank, alpha = 4, 8
+    deltas = {  # module -> (A [r, in], B [out, r]): each of them 64 by 64 (the dense MLP's intermediate_size)
+        f"model.layers.1.mlp.{m}": (torch.randn(rank, 64) * 0.3, torch.randn(64, rank) * 0.3)
+        for m in ("gate_proj", "up_proj", "down_proj")
+    }
+    adapter = tmp_path / "dense-mlp"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(deltas)})
+    )
+    save_file(
+        {
+            f"base_model.model.{m}.lora_{p}.weight": t
+            for m, ab in deltas.items()
+            for p, t in zip("AB", ab, strict=True)
+        },
+        adapter / "adapter_model.safetensors",
+    )
+
+    def merge(sd: dict) -> None:
+        for m, (a, b) in deltas.items():
+            sd[f"{m}.weight"] = sd[f"{m}.weight"] + alpha / rank * b @ a
+
+    merged = with_weights(base, tmp_path / "merged", merge)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    layers = llm.engine.loaded.model.layers
+    assert [layer.lora.gate_up is not None for layer in layers] == [False, True, False]
+    prompts = [[5, 9, 200, 3, 17, 41, 8, 99, 12], [250, 1, 33]]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=LoRARequest("dense-mlp", 1, str(adapter)),
+    )
+    got = [out.outputs[0].token_ids for out in outs]
+    assert got == [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
+    assert got != greedy(llm, prompts)  # the adapter matters
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tiny_model, tmp_path):
@@ -323,18 +459,33 @@ def test_lora_on_the_attention_of_a_mixture_of_experts(tiny_model, model_root, t
     )
 
 
+@pytest.mark.parametrize(
+    "name, writer, key, field",
+    [
+        (
+            "qwen3_moe",
+            "add_expert_feed_forward_length",
+            "qwen3moe.expert_feed_forward_length",
+            "moe_intermediate_size",
+        ),
+        (
+            "qwen2_moe",
+            "add_expert_shared_feed_forward_length",
+            "qwen2moe.expert_shared_feed_forward_length",
+            "shared_expert_intermediate_size",
+        ),
+    ],
+)
 def test_a_gguf_without_its_expert_size_is_refused_naming_the_key(
-    tiny_model, tmp_path, monkeypatch, gguf_cache
+    tiny_model, tmp_path, monkeypatch, gguf_cache, name, writer, key, field
 ):
-    """A qwen3moe file lacking expert_feed_forward_length (which transformers' GGUF reader would leave
-    at its default, 768): refused in one line naming the key, not run with experts of the wrong size."""
+    """A qwen3moe file lacking expert_feed_forward_length, or a qwen2moe file lacking
+    expert_shared_feed_forward_length (which transformers' GGUF reader would leave at their defaults:
+    768, 5632): refused in one line naming the key, not run with experts of the wrong size."""
     import gguf as gguf_py
 
-    monkeypatch.setattr(gguf_py.GGUFWriter, "add_expert_feed_forward_length", lambda self, n: None)
-    out = save_gguf(tiny_model("qwen3_moe"), tmp_path / "no-expert-size.gguf")
+    monkeypatch.setattr(gguf_py.GGUFWriter, writer, lambda self, n: None)
+    out = save_gguf(tiny_model(name), tmp_path / "no-expert-size.gguf")
     with pytest.raises(ModelLoadError) as err:
         LLM(str(out), **ENGINE)
-    assert str(err.value) == (
-        f"{out}: metadata qwen3moe.expert_feed_forward_length is missing; a qwen3_moe file gives its "
-        "moe_intermediate_size"
-    )
+    assert str(err.value) == f"{out}: metadata {key} is missing; a {name} file gives its {field}"

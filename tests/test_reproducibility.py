@@ -5,10 +5,10 @@ the other lines and their order, max_num_seqs, max_num_batched_tokens, the pool 
 preemptions, prefix caching and its hits, the line's n siblings, other lines' LoRA adapters or
 constraints, the thread count, --data-parallel, --resume, or the instruction set of the kernels'
 build. Each configuration below (float32, bfloat16, int8 and a GGUF Q4_0, on pagedinfer's own layers,
-in Llama, Qwen3 and Qwen3-MoE shapes, a LoRA line mixed in where adapters run) runs one reference batch of
-seeded sampling lines with n > 1, logprobs and prompt_logprobs; each clause runs the same lines
-again in its own way, and every line's record must come out the same, byte for byte (token ids,
-text, logprobs and prompt_logprobs as exact floats, finish reasons).
+in Llama, Qwen3, Qwen3-MoE and Qwen2-MoE shapes, a LoRA line mixed in where adapters run) runs one
+reference batch of seeded sampling lines with n > 1, logprobs and prompt_logprobs; each clause runs the
+same lines again in its own way, and every line's record must come out the same, byte for byte (token
+ids, text, logprobs and prompt_logprobs as exact floats, finish reasons).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def neighbours(tokenizer: bool) -> list[Line]:
 # -- configurations ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    family: str  # "llama", "qwen3", "olmo2", "granite", "phi3" or "qwen3_moe": our own layers' shapes
+    family: str  # "llama", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe" or "qwen2_moe": our layers' shapes
     dtype: str = "float32"
     quantization: str | None = None
     gguf: str | None = None  # a GGUF file of the family's model, its matrices in this type
@@ -143,6 +143,7 @@ CONFIGS = {
     "olmo2-float32": Config("olmo2"),  # norms after each branch, q/k norms over all rows
     "granite-float32": Config("granite"),  # its multipliers
     "phi3-float32": Config("phi3"),  # q/k/v and gate/up fused in the checkpoint
+    "qwen2_moe-float32": Config("qwen2_moe"),  # and a shared expert, scaled by a sigmoid, on every row
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
 
@@ -155,17 +156,16 @@ def build_model(family: str, text_model: Path, root: Path) -> Path:
     if not (path / "config.json").exists():
         tok = tf.AutoTokenizer.from_pretrained(text_model)
         vocab = {**COMMON, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id}
-        if family == "qwen3":
-            config = tf.Qwen3Config(**vocab, **DECODER, head_dim=16)
-        elif family == "qwen3_moe":
-            config = tf.Qwen3MoeConfig(
-                **vocab,
-                **DECODER,
-                head_dim=16,
-                num_experts=8,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-            )
+        experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        build = {
+            "qwen3": lambda: tf.Qwen3Config(**vocab, **DECODER, head_dim=16),
+            "qwen3_moe": lambda: tf.Qwen3MoeConfig(**vocab, **DECODER, head_dim=16, **experts),
+            "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+                **vocab, **DECODER, **experts, shared_expert_intermediate_size=48
+            ),
+        }.get(family)
+        if build is not None:
+            config = build()
         else:  # tests/models.py's shape of the family, with this tokenizer's vocabulary
             config = TINY[family]()
             config.update(vocab)

@@ -289,8 +289,11 @@ def _family_arch(ckpt: GGUFCheckpoint, family: Family) -> None:
 
 def experts_of(info: TensorInfo, named: tuple[str, Module]) -> list[tuple[str, str, tuple[int, ...]]]:
     """The Hugging Face tensors one GGUF tensor holds: (name, name in the file, shape) of each; one for
-    most, one per expert for a 3-D tensor of every expert's weight (``blk.0.ffn_up_exps.weight[2]``)."""
+    most, one per expert for a 3-D tensor of every expert's weight (``blk.0.ffn_up_exps.weight[2]``);
+    a one-row matrix stored as a vector (`Module.gguf_vector`) as its one row."""
     hf, module = named
+    if module.gguf_vector and len(info.shape) == 1:
+        return [(hf, info.name, (1, *info.shape))]
     if not module.experts or len(info.shape) < 2:  # (a 1-D "experts" tensor: refused by its shape)
         return [(hf, info.name, tuple(info.shape))]
     return [(hf.format(e), f"{info.name}[{e}]", tuple(info.shape[1:])) for e in range(info.shape[0])]

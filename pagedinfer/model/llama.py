@@ -1,6 +1,6 @@
 """Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
-phi3; and the mixture-of-experts qwen3_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP`), built for
-the engine's packed-row step.
+phi3; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP` in
+the layers the family makes sparse), built for the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
@@ -124,18 +124,18 @@ class DecoderLayer(nn.Module):
             window = getattr(config, "sliding_window", None)
         self.window = window or 0
         # qkv [(Hq + 2 Hkv) * D, H] (bias [(Hq + 2 Hkv) * D]); o [H, Hq * D]; gate_up [2 I, H], giving
-        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it (a mixture
-        # of experts: qkv and o, and the experts' MLP in place of gate_up and down)
+        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it (a layer
+        # with experts: qkv and o, and the experts' MLP in place of gate_up and down)
         linears = {
             role: _fused(
                 [sd.pop(f"{p}{m}.weight") for m in modules],
                 [sd.pop(f"{p}{m}.bias", None) for m in modules],
                 fused_ops.GatedLinear if role == "gate_up" else nn.Linear,
             )
-            for role, modules in family.linears.items()
+            for role, modules in family.linears_at(config, idx).items()
         }
         self.qkv_proj, self.o_proj = linears["qkv"], linears["o"]
-        self.mlp = None if family.experts is None else _experts(config, family, p, sd, s)
+        self.mlp = _experts(config, family, p, sd, s) if family.sparse_at(config, idx) else None
         if self.mlp is None:
             self.gate_up_proj, self.down_proj = linears["gate_up"], linears["down"]
         norms = {role: _param(sd.pop(f"{p}{m}.weight")) for role, m in family.norms.items()}
@@ -232,14 +232,23 @@ def _experts(config, family: Family, prefix: str, sd: dict, s: Sizes) -> moe.Exp
     panels) and down linears, as a dense layer's are made (float, quantized by the loader, or GGUF
     blocks)."""
     spec = family.experts
-    experts = []
-    for e in range(s.experts):
-        names = [f"{prefix}{m.format(e)}.weight" for m in spec.gate_up]
-        gate_up = _fused([sd.pop(n) for n in names], [None, None], fused_ops.GatedLinear)
-        down = _fused([sd.pop(f"{prefix}{spec.down.format(e)}.weight")], [None])
-        experts.append(moe.Expert(gate_up, down))
+
+    def expert(gate_up: tuple[str, str], down: str) -> moe.Expert:
+        gate_up_proj = _fused(
+            [sd.pop(f"{prefix}{m}.weight") for m in gate_up], [None, None], fused_ops.GatedLinear
+        )
+        return moe.Expert(gate_up_proj, _fused([sd.pop(f"{prefix}{down}.weight")], [None]))
+
+    experts = [
+        expert((spec.gate_up[0].format(e), spec.gate_up[1].format(e)), spec.down.format(e))
+        for e in range(s.experts)
+    ]
     router = _fused([sd.pop(f"{prefix}{spec.router}.weight")], [None])  # [E, H]
-    return moe.ExpertMLP(router, experts, s, spec.renormalises(config))
+    shared = None
+    if spec.shared is not None:  # gate_up [2 I_shared, H], down [H, I_shared], gate [1, H]
+        gate = _fused([sd.pop(f"{prefix}{spec.shared.gate}.weight")], [None])
+        shared = moe.SharedExpert(expert(spec.shared.gate_up, spec.shared.down), gate)
+    return moe.ExpertMLP(router, experts, s, spec.renormalises(config), shared)
 
 
 class RotaryEmbedding(nn.Module):

@@ -69,7 +69,7 @@ def attach_sites(model: nn.Module, impl: str, device: torch.device) -> Sites:
                         getattr(layer, f"{role}_proj").in_features,
                         [(HF_LAYER.format(i) + m, sizes.shape(family.module(m).shape)[0]) for m in modules],
                     )
-                    for role, modules in family.linears.items()
+                    for role, modules in family.linears_at(model.config, i).items()
                 }
             )
         head = model.lm_head

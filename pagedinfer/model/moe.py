@@ -5,8 +5,10 @@ order within an expert), and each expert's two GEMMs (gate-up paired, then down)
 rows, through the same panels a dense layer's linears use, so its GEMM gives a row the same bits
 whatever the other rows are. A row's output is then the weighted sum of its k expert outputs in
 rank order (its highest-scored expert first), each row on its own: not an index-add in expert order,
-whose sum for a row would depend on which other rows share the step. So the reproducibility contract
-(docs/reproducibility.md) holds for these layers as for the dense ones.
+whose sum for a row would depend on which other rows share the step. A shared expert (Qwen2-MoE's)
+runs on every row through its own panels, scaled by a sigmoid computed row by row (`sigmoid`), and is
+added to that sum. So the reproducibility contract (docs/reproducibility.md) holds for these layers
+as for the dense ones.
 """
 
 from __future__ import annotations
@@ -32,15 +34,35 @@ class Expert(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
+class SharedExpert(nn.Module):
+    """An expert every row runs, its output scaled by ``sigmoid(gate(x))`` (``gate``: a linear
+    ``[1, H]``, one logit per row)."""
+
+    def __init__(self, expert: Expert, gate: nn.Module) -> None:
+        super().__init__()
+        self.expert, self.gate = expert, gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.expert(x) * sigmoid(self.gate(x))  # [T, H] * [T, 1]
+
+
 class ExpertMLP(nn.Module):
     """The router (a linear ``[E, H]``), the top k experts of each row weighted by the softmax of the
     router's logits, renormalised over the k where the family says (as transformers' routers compute
-    them; `route`), and the experts."""
+    them; `route`), and the experts; the shared expert's output added where the family has one."""
 
-    def __init__(self, router: nn.Module, experts: list[Expert], s: Sizes, renormalise: bool) -> None:
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: list[Expert],
+        s: Sizes,
+        renormalise: bool,
+        shared: SharedExpert | None = None,
+    ) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
+        self.shared = shared
         self.top_k, self.renormalise = s.top_k, renormalise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -64,6 +86,8 @@ class ExpertMLP(nn.Module):
         y = outs[:, 0] * weights[:, :1]  # [T, H]
         for r in range(1, k):  # rank order, each row on its own
             y += outs[:, r] * weights[:, r : r + 1]
+        if self.shared is not None:  # after the routed experts' sum, as transformers adds it
+            y += self.shared(x)
         return y
 
 
@@ -99,6 +123,15 @@ def _exp(x: torch.Tensor) -> torch.Tensor:  # float64 [...] <= 0 -> exp(x) [...]
     return torch.where(n < -1022, 0.0, p * power)
 
 
+def sigmoid(z: torch.Tensor) -> torch.Tensor:  # [...] -> [...] in z's dtype
+    """``1 / (1 + exp(-z))``, not torch's sigmoid, whose last elements take another path than the
+    vectorised body (as its exp's do: see `route`), so a row's bits would follow the row count: here
+    `_exp` of ``-|z|`` in float64 and one division (each exact IEEE arithmetic), rounded once."""
+    x = z.double()
+    e = _exp(-x.abs())  # (0, 1]
+    return torch.where(x >= 0, 1 / (1 + e), e / (1 + e)).to(z.dtype)
+
+
 def _fixed_sum(v: torch.Tensor) -> torch.Tensor:  # [T, n] -> [T, 1]
     """Each row's sum by halving (column i plus column i + n/2, an odd last column carried): one order
     of additions whatever the CPU's vector width."""
@@ -115,7 +148,4 @@ def unsupported_reason(family: Family, config) -> str | None:
         return None
     if spec.scoring not in SCORINGS:
         return f"router scoring {spec.scoring!r} (pagedinfer's implementation has {', '.join(SCORINGS)} only)"
-    dense = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
-    if dense:  # qwen3_moe's dense layers between the sparse ones: a layer shape not declared here
-        return "dense MLP layers among its mixture-of-experts layers (mlp_only_layers / decoder_sparse_step)"
     return None

@@ -108,7 +108,9 @@ def check_metadata(metadata: dict[str, object], types: dict[str, int], tensors: 
 
 
 # config.json's sizes: each a positive integer where the file sets it; those after the first six may
-# also be null (the head counts and head_dim derived, no window); the experts' only for their families
+# also be null (the head counts and head_dim derived, no window), and sliding_window 0 where
+# use_sliding_window is false (Qwen2-MoE's class saves that for no window); the experts' only for
+# their families
 CONFIG_SIZES = (
     "hidden_size",
     "intermediate_size",
@@ -121,7 +123,14 @@ CONFIG_SIZES = (
     "sliding_window",
 )
 CONFIG_NULLABLE = ("num_key_value_heads", "head_dim", "sliding_window")
-CONFIG_EXPERT_SIZES = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+CONFIG_EXPERT_SIZES = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+)
 
 
 def check_config_file(folder: str | Path) -> None:
@@ -144,7 +153,10 @@ def check_config_file(folder: str | Path) -> None:
 
     for key in (*CONFIG_SIZES, *(CONFIG_EXPERT_SIZES if family.experts else ())):
         value = raw.get(key)
-        if key in raw and not (_is_int(value) and value > 0 or value is None and key in CONFIG_NULLABLE):
+        off = key == "sliding_window" and value == 0 and raw.get("use_sliding_window") is False
+        if key in raw and not (
+            _is_int(value) and value > 0 or value is None and key in CONFIG_NULLABLE or off
+        ):
             refuse(key, "a positive integer" + (" or null" if key in CONFIG_NULLABLE else ""))
     if "rms_norm_eps" in raw and not (_finite(raw["rms_norm_eps"]) and raw["rms_norm_eps"] >= 0):
         refuse("rms_norm_eps", "a finite number >= 0")
@@ -245,7 +257,7 @@ def sizes(config, where: str) -> Sizes:
             f"{where}: the config's rope_theta is {_value(theta)}; it must be a finite positive number"
         )
     positive("max_position_embeddings", getattr(config, "max_position_embeddings", None))
-    experts = top_k = expert_inter = 0
+    experts = top_k = expert_inter = shared_inter = 0
     count = next((k for k in ("num_experts", "num_local_experts") if hasattr(config, k)), None)
     if count is not None:  # a mixture of experts: top-k of the experts, each of its own size
         experts = positive(count, getattr(config, count))
@@ -256,6 +268,10 @@ def sizes(config, where: str) -> Sizes:
             )
         if hasattr(config, "moe_intermediate_size"):
             expert_inter = positive("moe_intermediate_size", config.moe_intermediate_size)
+        if hasattr(config, "shared_expert_intermediate_size"):
+            shared_inter = positive("shared_expert_intermediate_size", config.shared_expert_intermediate_size)
+        if hasattr(config, "decoder_sparse_step"):  # which layers are sparse (`Experts.sparse`) divides by it
+            positive("decoder_sparse_step", config.decoder_sparse_step)
     return Sizes(
         hidden,
         positive("intermediate_size", getattr(config, "intermediate_size", None)),
@@ -267,6 +283,7 @@ def sizes(config, where: str) -> Sizes:
         experts,
         top_k,
         expert_inter,
+        shared_inter,
     )
 
 
@@ -274,12 +291,13 @@ def check_weights_hold(config, family: Family, files: list[Path], where: str) ->
     """Refuse a config whose sizes need more weights than ``files`` (the checkpoint's) could hold, at
     the fewest bits any format stores a weight in (one): transformers would allocate them all first.
     The count is a floor every checkpoint of ``family`` holds: the embedding, each layer's q, k, v and
-    o, and its dense MLP or its experts'."""
+    o, and its dense MLP or its experts' (`Experts.sparse_layers` of them)."""
     if not files:
         return
     s = sizes(config, where)
-    mlp = s.experts * (s.expert_inter or s.inter) if family.experts else s.inter
-    need = s.vocab * s.hidden + s.layers * s.hidden * (2 * s.q + 2 * s.kv + 3 * mlp)
+    sparse = family.experts.sparse_layers(config, s.layers) if family.experts else 0
+    mlp = sparse * s.experts * (s.expert_inter or s.inter) + (s.layers - sparse) * s.inter  # all layers'
+    need = s.vocab * s.hidden + s.layers * s.hidden * (2 * s.q + 2 * s.kv) + 3 * s.hidden * mlp
     held = sum(f.stat().st_size for f in files)
     if need > 8 * held:
         fields = {  # the largest named: a hostile size is far the largest
@@ -298,12 +316,13 @@ def check_weights_hold(config, family: Family, files: list[Path], where: str) ->
         )
 
 
-def _expected(family: Family, s: Sizes) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
+def _expected(family: Family, config, s: Sizes) -> Iterator[tuple[str, tuple[int, ...], str, bool]]:
     """Every tensor the config implies as ``family`` declares it (name, shape, its formula, required),
-    layer by layer (lazily: a config of a billion layers stops at the first layer the file lacks)."""
+    layer by layer, each layer's modules as the family gives them for its index (`Family.layer_at`)
+    (lazily: a config of a billion layers stops at the first layer the file lacks)."""
     yield from _tensors("", family.top, s)
     for i in range(s.layers):
-        yield from _tensors(HF_LAYER.format(i), family.layer, s)
+        yield from _tensors(HF_LAYER.format(i), family.layer_at(config, i), s)
 
 
 def _tensors(
@@ -329,7 +348,7 @@ def check_tensors(
     s = sizes(config, where)
     readable = set(readable)
     seen = set()
-    for name, shape, dims, required in _expected(family, s):
+    for name, shape, dims, required in _expected(family, config, s):
         seen.add(name)
         got = found.get(name)
         if got is None:

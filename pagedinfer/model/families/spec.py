@@ -40,6 +40,8 @@ DIMS = {
     "head_dim": "head_dim",
     "experts": "num_experts (mixtral: num_local_experts)",
     "expert_inter": "moe_intermediate_size",
+    "shared_inter": "shared_expert_intermediate_size",
+    "one": "1",
 }
 # llama.cpp's size keys (after "<arch>.") that become the config's sizes; each a positive integer
 GGUF_SIZE_KEYS = (
@@ -77,6 +79,7 @@ class Sizes:
     experts: int = 0  # mixture-of-experts layers: the experts per layer (0: a dense model)
     top_k: int = 0  # the experts each token runs
     expert_inter: int = 0  # each expert's gate / up rows where the family sizes them apart (qwen3_moe)
+    shared_inter: int = 0  # the shared expert's gate / up rows (qwen2_moe; 0: none)
 
     @property
     def q(self) -> int:
@@ -93,6 +96,11 @@ class Sizes:
     @property
     def gate_up(self) -> int:
         return 2 * self.inter
+
+    @property
+    def one(self) -> int:
+        """A dimension of one row: the shared expert's gate, a linear giving one logit per token."""
+        return 1
 
     def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         """A declared shape's sizes, e.g. ``("q", "hidden")`` -> ``(Hq * D, H)``."""
@@ -116,6 +124,9 @@ class Module:
     # one module per expert: ``hf`` holds "{}" for the expert's index ("mlp.experts.{}.gate_proj"); a
     # GGUF stores every expert's weight in one 3-D tensor [experts, rows, in] (llama.cpp's "*_exps")
     experts: bool = False
+    # a matrix of one row [1, in] that llama.cpp's files store as a vector [in] (qwen2moe's
+    # ffn_gate_inp_shexp): the reader takes either
+    gguf_vector: bool = False
 
     def hf_name(self, expert: int | None = None) -> str:
         """Its Hugging Face name, of expert ``expert`` for a module per expert."""
@@ -140,9 +151,24 @@ EMBED, FINAL_NORM, LM_HEAD = (m.hf for m in DECODER_TOP)
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """A gated MLP every token runs beside its routed experts (Qwen2-MoE's), its output scaled by
+    ``sigmoid(gate(x))`` (a linear ``[1, hidden]``, one logit per token) and added to theirs."""
+
+    gate_up: tuple[str, str]  # its modules fused in its gate-up panels: gate rows, then up
+    down: str
+    gate: str  # the [1, hidden] linear whose sigmoid scales its output
+
+    def modules(self) -> tuple[str, ...]:
+        return (*self.gate_up, self.down, self.gate)
+
+
+@dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts MLP in place of the dense one: a router linear scores the experts, each
-    token runs its top-k experts (each a gated MLP of its own), their outputs weighted by the scores."""
+    token runs its top-k experts (each a gated MLP of its own), their outputs weighted by the scores;
+    a shared expert beside them where the family has one. Which layers have the experts is `sparse`'s
+    rule (the validation, the GGUF reader, the layers and the LoRA sites ask it, through the family)."""
 
     router: str  # the router module [experts, hidden] (no bias)
     gate_up: tuple[str, str]  # each expert's modules fused in its gate-up panels: gate rows, then up
@@ -151,12 +177,39 @@ class Experts:
     # whether the top-k scores are renormalised to sum to 1: a config field (its default), or always
     renormalise: tuple[str, bool] | bool = True
     scoring: str = "softmax"  # softmax over every expert's logit, then the top k
+    shared: SharedExpert | None = None
+    # whether the config's mlp_only_layers and decoder_sparse_step make some layers dense (qwen2_moe,
+    # qwen3_moe, as transformers builds them): those take the family's gate_up and down linears
+    dense_layers: bool = False
 
     def renormalises(self, config) -> bool:
         if isinstance(self.renormalise, bool):
             return self.renormalise
         key, default = self.renormalise
         return bool(getattr(config, key, default))
+
+    def sparse(self, config, i: int) -> bool:
+        """Whether layer ``i`` has the experts (else the family's dense MLP): every layer, or, where the
+        family has dense layers, those not in mlp_only_layers whose number (from 1) decoder_sparse_step
+        divides."""
+        if not self.dense_layers:
+            return True
+        dense = getattr(config, "mlp_only_layers", None) or ()
+        return i not in dense and (i + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+
+    def sparse_layers(self, config, layers: int) -> int:
+        """How many of the first ``layers`` layers `sparse` gives the experts, counted without a pass
+        over them (a hostile layer count is refused by the weights it needs, not looped over)."""
+        if not self.dense_layers:
+            return layers
+        step = getattr(config, "decoder_sparse_step", 1)
+        dense = getattr(config, "mlp_only_layers", None) or ()
+        return layers // step - len({i for i in dense if 0 <= i < layers and (i + 1) % step == 0})
+
+    def modules(self) -> tuple[str, ...]:
+        """The layer modules of the experts' MLP: the router, the experts', the shared expert's."""
+        shared = self.shared.modules() if self.shared is not None else ()
+        return (self.router, *self.gate_up, self.down, *shared)
 
 
 @dataclass(frozen=True)
@@ -192,7 +245,9 @@ class Family:
     rope: str = "half"
     gguf_size_keys: tuple[str, ...] = GGUF_SIZE_KEYS
     gguf_float_keys: tuple[str, ...] = GGUF_FLOAT_KEYS
-    experts: Experts | None = None  # a mixture-of-experts MLP (then ``linears`` has qkv and o only)
+    # a mixture-of-experts MLP: then ``linears`` has qkv and o, and gate_up and down where some layers
+    # are dense (`Experts.dense_layers`); ``layer`` every module of either kind of layer (`layer_at`)
+    experts: Experts | None = None
     # what q_norm and k_norm normalise: each head on its own ("head", Qwen3: weights [D]) or all of q's
     # and all of k's rows at once ("all", OLMoE: weights [Hq D] and [Hkv D])
     qk_norm_over: str = "head"
@@ -229,6 +284,27 @@ class Family:
     def module(self, hf: str) -> Module:
         """The layer module of Hugging Face name ``hf`` (e.g. "self_attn.q_proj")."""
         return next(m for m in self.layer if m.hf == hf)
+
+    def sparse_at(self, config, i: int) -> bool:
+        """Whether layer ``i`` of ``config``'s model has the experts' MLP (False: a dense family's)."""
+        return self.experts is not None and self.experts.sparse(config, i)
+
+    def layer_at(self, config, i: int) -> tuple[Module, ...]:
+        """Layer ``i``'s modules: without the dense MLP's where it has the experts, without the
+        experts' where it is dense."""
+        if self.experts is None:
+            return self.layer
+        if self.experts.sparse(config, i):
+            drop = {m for role in ("gate_up", "down") for m in self.linears.get(role, ())}
+        else:
+            drop = set(self.experts.modules())
+        return tuple(m for m in self.layer if m.hf not in drop)
+
+    def linears_at(self, config, i: int) -> dict[str, tuple[str, ...]]:
+        """Layer ``i``'s linears (`LINEAR_ROLES`): qkv and o only where it has the experts."""
+        if self.sparse_at(config, i):
+            return {role: self.linears[role] for role in ("qkv", "o")}
+        return self.linears
 
     def activation_of(self, config) -> str:
         """The MLP's activation as the config names it."""
