@@ -109,20 +109,29 @@ static inline __attribute__((always_inline)) void tile(const int f, const int RO
         for (int j = 0; j < NP; j++) STORE_TILE(y + r * ldy + j * cols, acc[r][j], b ? b + j * NR : NULL, gated);
 }
 
-/* tiles_<format>(rows, np, ...): the tile of that shape (rows <= MR; np = tile_panels(rows), or 1). */
+/* tiles_<format>(rows, np, ...): the tile of that shape (rows <= MR; np = f32_tile_panels(rows), or 1). */
 #define TILE_CASE(F, R, NP)                                                                                 \
     case (R) * 8 + (NP):                                                                                    \
         tile(F, R, NP, x, lda, p, pbytes, k, g, y, ldy, cols, pf, rpf, rpbytes, rlines, b, scale, gated, wout); \
         return;
 #if defined(PV_ZMM)
 #define TILE_CASES(F)                                                                                        \
-    TILE_CASE(F, 1, 4) TILE_CASE(F, 2, 2) TILE_CASE(F, 3, 2) TILE_CASE(F, 1, 1) TILE_CASE(F, 2, 1)          \
+    TILE_CASE(F, 1, 4) TILE_CASE(F, 2, 2) TILE_CASE(F, 3, 2) TILE_CASE(F, 4, 2) TILE_CASE(F, 5, 2)          \
+    TILE_CASE(F, 1, 1) TILE_CASE(F, 2, 1)                                                                    \
     TILE_CASE(F, 3, 1) TILE_CASE(F, 4, 1) TILE_CASE(F, 5, 1) TILE_CASE(F, 6, 1) TILE_CASE(F, 7, 1)          \
     TILE_CASE(F, 8, 1) TILE_CASE(F, 9, 1) TILE_CASE(F, 10, 1) TILE_CASE(F, 11, 1) TILE_CASE(F, 12, 1)
 #else
 #define TILE_CASES(F)                                                                                        \
     TILE_CASE(F, 1, 2) TILE_CASE(F, 1, 1) TILE_CASE(F, 2, 1) TILE_CASE(F, 3, 1) TILE_CASE(F, 4, 1)          \
     TILE_CASE(F, 5, 1) TILE_CASE(F, 6, 1)
+#endif
+/* Panels per float32-activation tile at `rows` rows: tile_panels, but two at 4 and 5 rows with
+ * AVX-512 (one panel left 4 or 5 FMA chains, too few to cover the FMA latency; from 6 rows two
+ * panels ran as fast or slower: docs/kernels.md). Any shape gives the same bits. */
+#if defined(PV_ZMM)
+static inline int f32_tile_panels(int rows) { return rows == 4 || rows == 5 ? 2 : tile_panels(rows); }
+#else
+static inline int f32_tile_panels(int rows) { return tile_panels(rows); }
 #endif
 #define TILES(F)                                                                                             \
     static void tiles_##F(int rows, int np, const float *x, int64_t lda, const uint8_t *p, int64_t pbytes,   \

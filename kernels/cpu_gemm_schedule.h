@@ -104,10 +104,10 @@ static void rows_by_panels(const gemm_segment *s, const char *x, int m, int k, i
 #endif
     const float *xf = (const float *)x;
     float *yf = (float *)y;
-    if (m <= MR) { /* in registers: tiles of tile_panels(m) panels */
+    if (m <= MR) { /* in registers: tiles of f32_tile_panels(m) panels */
         const tiles_fn tiles = TILES_OF[s->kind];
         for (int t = 0; t < np;) {
-            const int n = tile_panels(m) <= np - t ? tile_panels(m) : 1;
+            const int n = f32_tile_panels(m) <= np - t ? f32_tile_panels(m) : 1;
             const uint8_t *next = t + n < np ? p + (t + n) * pbytes : pf;
             tiles(m, n, xf, k, p + t * pbytes, pbytes, k, s->group, yf + t * cols, ldy, cols,
                   prefetches(s->kind, m) ? next : NULL, b ? b + t * NR : NULL, sc ? sc + t * NR : NULL, gated);

@@ -9,7 +9,10 @@ the kernels built with ``-mno-avx512f``, torch held to AVX2):
   prefix (how the engine runs a prefill through the kernel), in GFLOP/s (2 per multiply-add of
   q . k and p . v: 2 (D + Dv) heads per key and row);
 - decode rows: one query token for each of ``batch`` sequences of ``context`` tokens, in GB/s of K/V
-  read (each sequence's K and V rows, read once per step).
+  read (each sequence's K and V rows, read once per step);
+- with ``--draft-contexts``: a verification step's rows (speculative decoding), ``--draft-rows``
+  consecutive positions of one sequence after ``context`` tokens (its blocks shared by the rows)
+  against one row, and against as many rows of as many sequences (nothing shared).
 
 SmolLM2-135M's attention shape by default (9 query heads, 3 KV heads, head size 64, block 16), blocks
 scattered through the pool as a long run leaves them. Each figure is the best of ``--repeats`` timings
@@ -18,6 +21,7 @@ CPU time, which other processes on a loaded machine do not inflate (the kernel r
 else wall time.
 
 Usage: python scripts/bench_attention.py [--isa native|avx2|both] [--threads N] [--kv-dtype float32,float16]
+    [--draft-contexts 384,1024 [--draft-rows 6]]
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-batches", type=_ints, default=[1, 4])
     p.add_argument("--decode-contexts", type=_ints, default=[128, 512, 2048])
     p.add_argument("--decode-batches", type=_ints, default=[1, 4, 16])
+    p.add_argument(
+        "--draft-contexts", type=_ints, default=[], help="contexts of the drafted rows (none: skipped)"
+    )
+    p.add_argument(
+        "--draft-rows", type=int, default=6, help="rows of a verification step (1 + drafted tokens)"
+    )
     p.add_argument(
         "--heads", type=_ints, default=[HEADS, KV_HEADS, HEAD], help="query heads, KV heads, head size"
     )
@@ -165,6 +175,16 @@ def run(isa: str, a: argparse.Namespace) -> None:
                 print(
                     f"    decode  context {n:5d} batch {b:3d}: {sec * 1e3:9.3f} ms  {read / sec / 1e9:7.1f} GB/s of K/V"
                 )
+        r = a.draft_rows
+        for n in a.draft_contexts:
+            lens = [n + 1 + i for i in range(r)]  # the rows' own contexts: consecutive positions
+            one = kernel_seconds(lens[:1], [0], kv_dtype, a)
+            same = kernel_seconds(lens, [0] * r, kv_dtype, a)
+            apart = kernel_seconds(lens, list(range(r)), kv_dtype, a)
+            print(
+                f"    drafted context {n:5d}: 1 row {one * 1e3:.3f} ms, {r} rows of one sequence "
+                f"{same * 1e3:.3f} ms ({same / one:.2f}x), of {r} sequences {apart * 1e3:.3f} ms ({apart / one:.2f}x)"
+            )
 
 
 def main() -> None:

@@ -46,11 +46,12 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = LLM(args.model, num_blocks=256).engine
     runner, counts = engine.runner, [int(r) for r in args.rows.split(",")]
-    table: list[int] = []
-    engine.pool.reserve(table, 0, args.context + max(counts))
+    tables: list[list[int]] = [[] for _ in range(engine.pool.num_groups)]  # per layer group
+    for g, table in enumerate(tables):
+        engine.pool.reserve(table, 0, args.context + max(counts), g)
 
     def probe(rows: int) -> list[_Probe]:
-        return [_Later(table, rows, start=args.context)]
+        return [_Later(tables, rows, start=args.context)]
 
     def timed(layered: bool) -> dict[int, float]:
         one_call = runner.one_call

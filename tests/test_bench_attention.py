@@ -32,6 +32,7 @@ def test_prompt_batch_gives_each_row_its_sequences_blocks():
 def test_runs_end_to_end_on_tiny_shapes():
     args = "--isa native --no-machine --prompt-contexts 20 --prompt-batches 1 --decode-contexts 33"
     args += " --decode-batches 2 --seconds 0.001 --repeats 1 --kv-dtype float32,float16"
+    args += " --draft-contexts 33 --draft-rows 3"
     lines = run_script("bench_attention.py", args, BENCH_ATTENTION_CHILD="1").splitlines()
     assert lines[0].startswith("CPU: ") and "1 thread(s), thread CPU time" in lines[0]
     rates = [
@@ -40,10 +41,20 @@ def test_runs_end_to_end_on_tiny_shapes():
             line,
         )
         for line in lines
-        if "context" in line
+        if "context" in line and "drafted" not in line
     ]
     assert [(m[1], m[2], m[3], m[5]) for m in rates] == [
         ("prompt", "20", "1", "GFLOP/s"),
         ("decode", "33", "2", "GB/s of K/V"),
     ] * 2
     assert all(float(m[4]) > 0 for m in rates)
+    drafted = [
+        re.fullmatch(
+            r"\s+drafted context\s+33: 1 row [\d.]+ ms, 3 rows of one sequence [\d.]+ ms \([\d.]+x\), "
+            r"of 3 sequences [\d.]+ ms \([\d.]+x\)",
+            line,
+        )
+        for line in lines
+        if "drafted" in line
+    ]
+    assert len(drafted) == 2 and all(drafted)  # one a K/V dtype
