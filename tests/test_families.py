@@ -74,7 +74,10 @@ def test_a_declaration_names_each_role_with_its_own_modules(name):
 def test_each_model_type_has_one_family():
     types = [t for f in families.FAMILIES for t in f.model_types]
     assert len(types) == len(set(types))
-    assert families.names() == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe"
+    assert (
+        families.names()
+        == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe"
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)

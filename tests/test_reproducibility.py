@@ -123,7 +123,9 @@ def neighbours(tokenizer: bool) -> list[Line]:
 # -- configurations ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    family: str  # "llama", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe" or "qwen2_moe": our layers' shapes
+    family: (
+        str  # "llama", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe" or "qwen2_moe": our layers' shapes
+    )
     dtype: str = "float32"
     quantization: str | None = None
     gguf: str | None = None  # a GGUF file of the family's model, its matrices in this type
