@@ -50,7 +50,7 @@ from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 3  # bump when the cache folder's contents change
+CACHE_VERSION = 4  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 FLOATS = ("F32", "F16")  # read without gguf-py
 SETTLED_S = 2.0  # a file modified this recently is hashed on every load (see `_known_digest`)
@@ -188,9 +188,24 @@ def _fill_cache(path: Path, folder: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
             AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+            _name_added_tokens(tmp)
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _name_added_tokens(folder: Path) -> None:
+    """tokenizer.json's added tokens written into tokenizer_config.json as ``added_tokens_decoder``, as
+    transformers reads them from there when it is present: without it (what its ``save_pretrained``
+    writes) every load parses the whole tokenizer.json in Python for them, beside the tokenizers
+    library's own parse of it. The tokens, and so the tokenizer, are the same either way."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _read_as(header: Header) -> Header:
