@@ -7,11 +7,14 @@ vocabulary ready), apart from the import floor every Python process using torch 
 
 Times the imports (torch, then the loader), then ``load_model(FILE)`` ``--runs`` times in this process,
 each split into its phases: opening the file (its digest, the cache folder: filled on a first load),
-the config, the tensor checks, the kernels' cache check, reading the tensors, building the model
-(packing the blocks into panels, or reading them from the panel cache), the probe step, the tokenizer,
-and the rest. ``--fresh-cache`` points ``PAGEDINFER_GGUF_CACHE`` at an empty temporary folder, so the
-first load is a first load (it fills the cache); otherwise the user's cache serves them all. Prints one
-row per load (seconds) and the median of the loads after the first.
+the config, the tensor checks, the kernels' cache check, reading the panel cache, reading the
+tensors, building the model (packing the blocks into panels, or taking them from the panel cache),
+the probe step, the tokenizer, and the rest; then the load's wall seconds, and its CPU seconds (every
+thread of the process: on a busy machine the wall time grows, the CPU time far less). A phase an
+older checkout lacks shows 0 (run it with ``PYTHONPATH=OLD`` to profile that checkout).
+``--fresh-cache`` points ``PAGEDINFER_GGUF_CACHE`` at an empty temporary folder, so the first load is
+a first load (it fills the cache); otherwise the user's cache serves them all. Prints one row per
+load (seconds) and the median of the loads after the first.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ PHASES = (
     ("config", "pagedinfer.model.own_config", "read"),
     ("checks", "pagedinfer.model.validate", "check_tensors"),
     ("kernels", "pagedinfer.kernels.build", "prebuild"),
+    ("panels", "pagedinfer.model.loader", "_panel_cache"),  # the panel cache read (where there is one)
     ("tensors", "pagedinfer.model.gguf", "state_dict"),
     ("model", "pagedinfer.model.llama", "from_gguf"),
     ("probe", "pagedinfer.model.loader", "probe_layers"),
@@ -90,18 +94,20 @@ def main() -> int:
     print(f"imports: torch {imported_torch - start:.2f} s, the loader {imported - imported_torch:.2f} s")
     seconds: dict[str, float] = defaultdict(float)
     for phase, module, attr in PHASES:
-        clock(seconds, importlib.import_module(module), attr, phase)
-    names = [p for p, _, _ in PHASES] + ["other", "total"]
+        owner = importlib.import_module(module)
+        if hasattr(owner, attr):  # (an older checkout may lack a phase)
+            clock(seconds, owner, attr, phase)
+    names = [p for p, _, _ in PHASES] + ["other", "total", "cpu"]
     print(f"{'load':5s} " + " ".join(f"{n:>9s}" for n in names))
     rows = []
     for run in range(args.runs):
         seconds.clear()
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         loaded = loader.load_model(str(args.gguf))
-        total = time.perf_counter() - begin
+        total, cpu = time.perf_counter() - begin, time.process_time() - cpu
         del loaded
         row = [seconds[p] for p, _, _ in PHASES]
-        row += [total - sum(row), total]
+        row += [total - sum(row), total, cpu]
         rows.append(row)
         print(f"{run + 1:<5d} " + " ".join(f"{v:9.3f}" for v in row), flush=True)
     if len(rows) > 1:

@@ -331,7 +331,9 @@ def test_the_panels_are_read_back_and_a_damaged_cache_is_packed_again(gguf_dir, 
     stale = cached.with_name("panels-of-another-version.bin")
     stale.write_bytes(good)
     for how, content in _damaged(good).items():
-        cached.write_bytes(content)
+        spoilt = cached.with_name("spoilt")  # renamed over it: an earlier run may still map the file
+        spoilt.write_bytes(content)
+        spoilt.replace(cached)
         packs.clear()
         got, _, _ = run(path, monkeypatch)
         assert got == want, how

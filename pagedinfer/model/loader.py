@@ -342,7 +342,8 @@ def _own_gguf(name: str, config, impl: str, device: torch.device) -> bool:
 
 def _panel_cache(ckpt: gguf.GGUFCheckpoint) -> panel_cache.PanelCache:
     """The file's panels as this code packs them (`panel_cache`), kept in its cache folder."""
-    sources = [Path(m.__file__) for m in (gguf, gguf_blocks, packed_linear, panel_formats, weight_types)]
+    modules = (gguf, gguf_blocks, packed_linear, panel_cache, panel_formats, weight_types)
+    sources = [Path(m.__file__) for m in modules]
     key = panel_cache.key(sources, packed_linear.library_name())
     return panel_cache.PanelCache.open(ckpt.folder / f"panels-{key}.bin")
 

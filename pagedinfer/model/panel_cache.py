@@ -1,18 +1,21 @@
-"""A GGUF file's weights as packed panels, kept on disk beside its cache folder and read back whole.
+"""A GGUF file's weights as packed panels, kept on disk in its cache folder and mapped back.
 
-Packing a quantized GGUF's blocks into the kernels' panels (`packed_linear.gguf_segments`) reads
+Packing a quantized GGUF's blocks into the kernels' panels (`packed_linear.gguf_segment`) reads
 and rewrites every weight in numpy passes: most of a warm load. The panels depend only on the file's
 content (its cache folder is named by its digest), the packing code and the kernel's formats, so a
 load keeps them in one file in that folder, named by a key over those (`key`), and the next load
-reads that file into memory in one go instead of packing.
+maps that file instead of packing.
 
 The file is data the kernels index by shape alone, so nothing in it is trusted beyond what is
 checked: its magic, its index (each entry inside the data, of the size the kernel reads for that
 weight, 64-byte aligned), and its total size (a truncated file fails it). A file that fails any
-check, or lacks an entry, is not used for that weight: it is packed again and the file rewritten
-(atomically, under a temporary name). Read into memory rather than mapped: a file truncated or
-rewritten in place while mapped would fault the process, and anonymous memory is what packed
-panels always were (the same pages, the same decode speed).
+check, or lacks an entry, is not used for that weight: it is packed again and the file rewritten.
+
+The file is mapped (copy-on-write), not read: its pages come from the page cache as the first step
+touches them, where reading it copied every byte into fresh memory the kernel had to zero first (a
+new process paid that for the whole file). A mapped file must not shrink under the process, so it is
+never written in place: a new one is written under a temporary name and renamed over it, and a
+process still mapping the old one keeps it whole.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -30,7 +34,7 @@ import torch
 
 MAGIC = b"PIPANEL1"
 HEAD = struct.Struct("<8sQ")  # magic, index bytes (UTF-8 JSON)
-ALIGN = 64  # each weight's records start on a cache line, as the buffer itself
+ALIGN = 64  # each weight's records start on a cache line (the mapping starts on a page)
 # what reading a missing, short or spoilt file raises (its index: JSON of any shape)
 UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error)
 
@@ -46,13 +50,6 @@ def key(sources: Iterable[Path], library: str) -> str:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _empty(n: int) -> np.ndarray:
-    """``n`` bytes starting on an `ALIGN` boundary."""
-    raw = np.empty(n + ALIGN, np.uint8)
-    shift = -raw.ctypes.data % ALIGN
-    return raw[shift : shift + n]
 
 
 class PanelCache:
@@ -112,7 +109,8 @@ class PanelCache:
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:
-    """The records in the file at ``path``, checked (`ValueError` for a file that fails a check)."""
+    """The records in the file at ``path``, checked, as views of its mapping (`ValueError` for a file
+    that fails a check)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         magic, index_bytes = HEAD.unpack(f.read(HEAD.size))
@@ -123,15 +121,14 @@ def _read(path: Path) -> dict[str, np.ndarray]:
         total = index["size"]
         if not isinstance(total, int) or start + total != size:
             raise ValueError("truncated or grown")
-        views = {}
-        data = _empty(total)
-        for name, (at, panels, width) in index["entries"].items():
+        entries = index["entries"].items()
+        for _, (at, panels, width) in entries:
             if not all(isinstance(v, int) and v >= 0 for v in (at, panels, width)):
                 raise ValueError("bad entry")
             if at % ALIGN or at + panels * width > total:
                 raise ValueError("entry outside the data")
-            views[name] = data[at : at + panels * width].reshape(panels, width)
-        f.seek(start)
-        if f.readinto(memoryview(data)) != total:
-            raise ValueError("short read")
-    return views
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # the views keep it open
+    data = np.frombuffer(mapped, np.uint8, total, start)
+    return {
+        name: data[at : at + panels * width].reshape(panels, width) for name, (at, panels, width) in entries
+    }
