@@ -15,7 +15,8 @@ panels packed from them by an earlier load (`panel_cache`).
 
 `state_dict` gives the tensors under Hugging Face names: quantized tensors of the types the panels
 keep (`gguf_blocks.BLOCKS`) as their blocks (`GGUFWeight`), everything else dequantized by gguf-py
-(norms are float32 already; gguf-py is imported only for that). `convert` still writes a plain float32 model directory.
+(norms are float32 already; gguf-py is imported only for a quantized type). `convert` still writes
+a plain float32 model directory.
 """
 
 from __future__ import annotations

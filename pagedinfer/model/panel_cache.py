@@ -64,7 +64,7 @@ class PanelCache:
 
     @classmethod
     def open(cls, path: Path) -> PanelCache:
-        """The cache at ``path``, its file read when it passes every check (else it starts empty)."""
+        """The cache at ``path``, its file mapped when it passes every check (else it starts empty)."""
         cache = cls(path)
         with contextlib.suppress(*UNREADABLE):
             cache.stored = _read(path)
