@@ -83,8 +83,9 @@ def cuda_cpu_probes() -> int:
 
 
 def gguf_cache() -> Path:
-    """``PAGEDINFER_GGUF_CACHE``: where GGUF files' converted configs and tokenizers are kept, one folder
-    per file content hash (default ``~/.cache/pagedinfer/gguf``)."""
+    """``PAGEDINFER_GGUF_CACHE``: where GGUF files' converted configs, tokenizers and packed panels are
+    kept, one folder per file content hash, beside the files' digests by identity (``digests/``)
+    (default ``~/.cache/pagedinfer/gguf``)."""
     return Path(os.environ.get("PAGEDINFER_GGUF_CACHE", Path.home() / ".cache" / "pagedinfer" / "gguf"))
 
 

@@ -126,7 +126,8 @@ NOT_ON_THE_OWN_PATH = (
 
 def test_the_own_layers_run_without_transformers_model_code(tmp_path, tiny_model):
     """The demo model's run, `blocks`, and a GGUF file's (once its cache folder is filled) import none of
-    `NOT_ON_THE_OWN_PATH`, and still answer: the run's tokens are the demo model's."""
+    `NOT_ON_THE_OWN_PATH` (the GGUF's run not gguf-py either), and still answer: the run's tokens are
+    the demo model's."""
     from gguf_models import save_gguf
 
     text = tmp_path / "text.jsonl"
@@ -148,6 +149,8 @@ def test_the_own_layers_run_without_transformers_model_code(tmp_path, tiny_model
         if name != "gguf-first":
             assert "pagedinfer.model.llama" in modules, name  # the own layers ran
             assert sorted(m for m in modules if m.startswith(NOT_ON_THE_OWN_PATH)) == [], name
+        if name == "gguf":  # float tensors and kept blocks are read without gguf-py
+            assert sorted(m for m in modules if m.split(".")[0] == "gguf") == []
     demo = json.loads((tmp_path / "demo.jsonl").read_text())
     assert demo["outputs"][0]["token_ids"] == [204, 3749, 380]  # as before the own config reader
     gguf = json.loads((tmp_path / "gguf.jsonl").read_text())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -217,3 +219,42 @@ def test_the_header_reader_stands_in_for_gguf_py_exactly(tmp_path, monkeypatch):
     assert "tokenizer.json" in names and names == sorted(p.name for p in folders["gguf-py"].iterdir())
     for name in names:
         assert (folders["header"] / name).read_bytes() == (folders["gguf-py"] / name).read_bytes(), name
+
+
+def test_the_digest_is_hashed_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """A file's SHA-256 is kept by its identity: hashed once while the file stays as it is, again once it
+    is rewritten (same size, another modification time), and on every load while it is too recently
+    written for the file system's clock to tell a next write apart."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    real = gguf.file_digest
+    monkeypatch.setattr(gguf, "file_digest", lambda p: hashed.append(p) or real(p))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + b"a" * 100)
+    monkeypatch.setattr(gguf, "SETTLED_S", -1.0)  # kept however recent (ctime cannot be set back)
+    first = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert gguf._known_digest(path) == gguf._known_digest(path) == first
+    assert len(hashed) == 1
+    path.write_bytes(b"GGUF" + b"b" * 100)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    second = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert gguf._known_digest(path) == gguf._known_digest(path) == second != first
+    assert len(hashed) == 2
+    monkeypatch.setattr(gguf, "SETTLED_S", 3600.0)
+    fresh = tmp_path / "fresh.gguf"
+    fresh.write_bytes(b"GGUF" + b"c" * 100)
+    assert (
+        gguf._known_digest(fresh)
+        == gguf._known_digest(fresh)
+        == hashlib.sha256(fresh.read_bytes()).hexdigest()
+    )
+    assert len(hashed) == 4  # too recent to be kept: hashed each time
+
+
+def test_the_types_read_without_gguf_py_are_ones_it_reads():
+    """The floats and the panels' block types are read without importing gguf-py; each is one its
+    dequantizer reads too (the full list, asked for by a file with another type)."""
+    ours = gguf.readable_types(["F32", "Q4_1"])
+    assert set(ours) == {"F32", "F16", *gguf.BLOCKS}
+    assert set(ours) < set(gguf.readable_types(["IQ2_XS"]))

@@ -6,6 +6,7 @@ a one-line note."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from models import count_one_call_steps
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import gguf_blocks, packed_linear
+from pagedinfer.model import gguf_blocks, packed_linear, panel_cache, panel_formats
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
 
@@ -51,7 +52,7 @@ def test_panels_dequantize_as_gguf_py(kind):
     w[3] = 0.0  # an all-zero row: zero scales
     w[5] *= 1e-6  # tiny scales: float16 subnormals
     data = blocks(w, kind)
-    segment = packed_linear.gguf_segment(gguf_blocks.GGUFWeight(kind, data, 512), None, gated=False)
+    segment = packed_linear.gguf_segment([gguf_blocks.GGUFWeight(kind, data, 512)], None, gated=False)
     assert segment.panels.shape[1] == packed_linear._gemm_library().gemm_panel_bytes(
         packed_linear.KINDS[kind], 512, 0
     )
@@ -139,7 +140,7 @@ import sys, numpy as np, torch
 sys.path.insert(0, {str(REPO / "tests")!r})
 from test_gguf_types import TYPES, blocks
 from pagedinfer.config import QUANTIZATIONS
-from pagedinfer.model import gguf_blocks, packed_linear
+from pagedinfer.model import gguf_blocks, packed_linear, panel_cache, panel_formats
 from pagedinfer.model.fused_ops import GatedLinear
 out = {{}}
 rng = np.random.default_rng(11)
@@ -282,10 +283,63 @@ def test_a_second_load_reads_the_cache(gguf_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
     path = gguf_file(gguf_dir, "llama", True, lambda name: "Q4_0", "Q4_0")
     LLM(str(path), **{**ENGINE, "dtype": "auto"})
-    (folder,) = (tmp_path / "cache").iterdir()
+    (folder,) = (tmp_path / "cache").glob("*-v*")  # (beside digests/: `gguf._known_digest`)
     assert {"config.json", "generation_config.json", "tensors.json"} <= {f.name for f in folder.iterdir()}
     monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda *a, **k: pytest.fail("parsed the file again"))
     LLM(str(path), **{**ENGINE, "dtype": "auto"})
+
+
+def _damaged(good: bytes) -> dict[str, bytes]:
+    """A panel cache file's bytes spoilt each way a load must survive (the index is JSON after the head)."""
+    head, index_bytes = panel_cache.HEAD.size, panel_cache.HEAD.unpack(good[: panel_cache.HEAD.size])[1]
+    index = good[head : head + index_bytes].decode()
+    first = re.search(r'"([^"]+)": \[0, (\d+),', index)  # the first weight's name and panel count
+    renamed = index.replace(first.group(1), first.group(1)[:-1] + "X", 1)
+    panels = str(int(first.group(2)) - 1).rjust(len(first.group(2)))
+    reshaped = index.replace(f"[0, {first.group(2)},", f"[0, {panels},", 1)
+    noise = np.random.default_rng(0).integers(0, 256, len(good), dtype=np.uint8).tobytes()
+    return {
+        "truncated": good[:-100],
+        "grown": good + bytes(64),
+        "magic": b"X" + good[1:],
+        "entry-missing": good[:head] + renamed.encode() + good[head + index_bytes :],
+        "entry-of-another-size": good[:head] + reshaped.encode() + good[head + index_bytes :],
+        "noise": noise,
+        "empty": b"",
+    }
+
+
+def test_the_panels_are_read_back_and_a_damaged_cache_is_packed_again(gguf_dir, tmp_path, monkeypatch):
+    """The first load packs the blocks and keeps the panels in the file's cache folder; the next packs
+    nothing and gives the same tokens. A panel file truncated, grown, with another magic, an entry
+    missing or of another size, or noise, is packed again where it fails (same tokens) and rewritten as
+    the first load wrote it, in place of another version's file."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = gguf_file(gguf_dir, "llama", True, lambda name: "Q4_1", "Q4_1")
+    packs: list[str] = []
+    pack = panel_formats.pack_records
+    monkeypatch.setattr(
+        panel_formats, "pack_records", lambda kind, *a, **k: packs.append(kind) or pack(kind, *a, **k)
+    )
+    want, _, _ = run(path, monkeypatch)
+    assert packs == ["Q4_1"] * 9  # the embedding (the tied lm_head's too), then qkv, o, gate_up, down x2
+    (cached,) = (tmp_path / "cache").glob("*/panels-*.bin")
+    good = cached.read_bytes()
+    packs.clear()
+    got, _, _ = run(path, monkeypatch)
+    assert got == want and packs == []
+    stale = cached.with_name("panels-of-another-version.bin")
+    stale.write_bytes(good)
+    for how, content in _damaged(good).items():
+        spoilt = cached.with_name("spoilt")  # renamed over it: an earlier run may still map the file
+        spoilt.write_bytes(content)
+        spoilt.replace(cached)
+        packs.clear()
+        got, _, _ = run(path, monkeypatch)
+        assert got == want, how
+        assert len(packs) == (1 if how.startswith("entry") else 9), how
+        assert cached.read_bytes() == good, how
+    assert not stale.exists()  # one panel file per GGUF file: the last packing's
 
 
 @pytest.mark.parametrize(

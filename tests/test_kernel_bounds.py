@@ -49,7 +49,7 @@ def test_an_embedding_lookup_refuses_an_id_past_its_rows(kind):
         table = packed_linear.quantized_segment(w, None, False, QUANTIZATIONS["int8"])
     else:
         weight = gguf_blocks.GGUFWeight("Q8_0", q8_0_blocks(w), 64)
-        table = packed_linear.gguf_segment(weight, None, gated=False)
+        table = packed_linear.gguf_segment([weight], None, gated=False)
     embedding = packed_linear.PanelEmbedding(table)
     every = packed_linear.dequantized(table)  # [40, 64]
     assert torch.equal(embedding(torch.tensor([[39, 0, 7]])), every[[39, 0, 7]].unsqueeze(0))

@@ -250,3 +250,35 @@ def test_the_q4_1_file_under_bfloat16_equals_a_bfloat16_run_of_its_dequantized_w
                 == "bfloat16 activations; weights as stored in the GGUF (Q4_1 x210, Q8_0 x1)"
             )
     assert runs["gguf"] == runs["dir"]
+
+
+TEXTS = [  # spaces and tabs, unicode, emoji, special tokens inside text, an empty string
+    "Who art thou?",
+    "  two leading spaces,\ttabs\tand\n\nblank lines   ",
+    "héllo wörld — ünïcödé, 日本語のテキスト, Ελληνικά, emoji 😀👍🏽",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text right after a special token<|im_end|>",
+    "",
+]
+
+
+@real_model
+def test_the_cached_tokenizer_equals_transformers_reading_the_gguf(smollm2, tmp_path, monkeypatch):
+    """The tokenizer a GGUF load reads from its cache folder (the added tokens named in its
+    tokenizer_config.json) gives the ids, the text back and the chat prompt transformers' own GGUF
+    tokenizer gives."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    ours = LLM(str(smollm2["gguf"]), device="cpu").get_tokenizer()
+    (config,) = (tmp_path / "cache").glob("*-v*/tokenizer_config.json")
+    assert "added_tokens_decoder" in json.loads(config.read_text())
+    theirs = AutoTokenizer.from_pretrained(smollm2["gguf"].parent, gguf_file=smollm2["gguf"].name)
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids, skip_special_tokens=True) == (
+            theirs.decode(ids, skip_special_tokens=True)
+        )
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    for chat in CHATS[:3]:
+        want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"] == want

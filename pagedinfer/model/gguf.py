@@ -9,12 +9,14 @@ item, the vocabulary's included, and that parse was the first load's cost), and 
 its own GGUF metadata reader. What it finds (config.json,
 generation_config.json, the tokenizer files, and tensors.json: each tensor's type, shape and offset)
 goes into a cache folder named by the file's SHA-256 (``$PAGEDINFER_GGUF_CACHE``, default
-``~/.cache/pagedinfer/gguf``); a later load hashes the file and reads the folder and the tensors'
-bytes straight from a memory map.
+``~/.cache/pagedinfer/gguf``); a later load finds the digest by the file's identity (hashed once per
+version of the file), reads the folder, the tensors' bytes straight from a memory map, and the
+panels packed from them by an earlier load (`panel_cache`).
 
 `state_dict` gives the tensors under Hugging Face names: quantized tensors of the types the panels
 keep (`gguf_blocks.BLOCKS`) as their blocks (`GGUFWeight`), everything else dequantized by gguf-py
-(norms are float32 already). `convert` still writes a plain float32 model directory.
+(norms are float32 already; gguf-py is imported only for a quantized type). `convert` still writes
+a plain float32 model directory.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import mmap
 import os
 import re
 import shutil
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -42,13 +45,16 @@ from pagedinfer.model.dtype import dtype_name
 from pagedinfer.model.families.spec import HF_LAYER, Family, Module
 from pagedinfer.model.gguf_blocks import BLOCKS, GGUFWeight
 from pagedinfer.model.gguf_header import ARRAY, STRING, ArrayValue, Header, HeaderError, TensorInfo, read
+from pagedinfer.model.panel_cache import PanelCache
 from pagedinfer.model.validate import Found, ModelCheckError, check_metadata, sizes
 from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 3  # bump when the cache folder's contents change
+CACHE_VERSION = 4  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
+FLOATS = ("F32", "F16")  # read without gguf-py
+SETTLED_S = 2.0  # a file modified this recently is hashed on every load (see `_known_digest`)
 
 
 class GGUFError(ValueError):
@@ -113,6 +119,28 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _known_digest(path: Path) -> str:
+    """The file's SHA-256, hashed once per file identity: its device, inode, size, and modification and
+    change times (a write changes them; the change time cannot be set back). The digest is kept under
+    ``digests/`` in the cache, named by the identity, and written only once the file is `SETTLED_S` old,
+    so that a write within the file system's clock tick of the hashing is not missed."""
+    st = path.stat()
+    identity = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{path.resolve()}"
+    kept = envs.gguf_cache() / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        digest = kept.read_text(encoding="ascii")
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    digest = file_digest(path)
+    if time.time() - max(st.st_mtime, st.st_ctime) > SETTLED_S:
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(digest, encoding="ascii")
+            os.replace(tmp, kept)
+    return digest
+
+
 def open_checkpoint(path: Path) -> GGUFCheckpoint:
     """Validate ``path``, and fill its cache folder on first use; `GGUFError` names what is wrong."""
     with open(path, "rb") as f:
@@ -121,7 +149,7 @@ def open_checkpoint(path: Path) -> GGUFCheckpoint:
         raise GGUFError(
             f"{path} is not a GGUF file: it does not start with the GGUF magic bytes (got {head!r})"
         )
-    digest = file_digest(path)
+    digest = _known_digest(path)
     folder = envs.gguf_cache() / f"{digest[:32]}-v{CACHE_VERSION}"
     index = folder / "tensors.json"
     if not index.exists():
@@ -167,9 +195,24 @@ def _fill_cache(path: Path, folder: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
             AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+            _name_added_tokens(tmp)
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _name_added_tokens(folder: Path) -> None:
+    """tokenizer.json's added tokens written into tokenizer_config.json as ``added_tokens_decoder``, as
+    transformers reads them from there when it is present: without it (what its ``save_pretrained``
+    writes) every load parses the whole tokenizer.json in Python for them, beside the tokenizers
+    library's own parse of it. The tokens, and so the tokenizer, are the same either way."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _read_as(header: Header) -> Header:
@@ -312,12 +355,15 @@ def tensor_index(ckpt: GGUFCheckpoint, family: Family) -> dict[str, Found]:
     return out
 
 
-def readable_types() -> tuple[str, ...]:
-    """The GGUF types `state_dict` reads: float32, float16, and those gguf-py dequantizes."""
+def readable_types(kinds: Iterable[str] = ()) -> tuple[str, ...]:
+    """The GGUF types `state_dict` reads: float32, float16, and those gguf-py dequantizes. Where every
+    one of ``kinds`` (a file's) is a float or a type the panels keep, those (gguf-py not imported)."""
+    if set(kinds) <= {*FLOATS, *BLOCKS}:
+        return (*FLOATS, *BLOCKS)
     import gguf
 
     types = gguf.GGMLQuantizationType
-    return ("F32", "F16", *(t.name for t in types if isinstance(getattr(gguf.quants, t.name, None), type)))
+    return (*FLOATS, *(t.name for t in types if isinstance(getattr(gguf.quants, t.name, None), type)))
 
 
 def _reverse_permute(a: np.ndarray, heads: int) -> np.ndarray:
@@ -327,16 +373,20 @@ def _reverse_permute(a: np.ndarray, heads: int) -> np.ndarray:
 
 
 def state_dict(
-    ckpt: GGUFCheckpoint, config, family: Family, keep_blocks: bool, dtype: torch.dtype = torch.float32
+    ckpt: GGUFCheckpoint,
+    config,
+    family: Family,
+    keep_blocks: bool,
+    dtype: torch.dtype = torch.float32,
+    panels: PanelCache | None = None,
 ) -> tuple[dict[str, torch.Tensor | GGUFWeight], Counter]:
     """The tensors of ``family`` under Hugging Face names, and the types that were dequantized.
 
     ``keep_blocks``: matrices of a type in `gguf_blocks.BLOCKS` stay as their blocks (`GGUFWeight`,
     for the panels, multiplied under ``dtype`` activations: float32 or bfloat16), the other tensors
     are dequantized to ``dtype``; else every tensor is dequantized to ``dtype``. The rows of the
-    modules the family declares permuted (llama's Q and K) are put back, as transformers does."""
-    import gguf
-
+    modules the family declares permuted (llama's Q and K) are put back, as transformers does.
+    ``panels``: where the kept blocks' panels may be stored already (`panel_cache`)."""
     names = hf_names(family)
     s = sizes(config, str(ckpt.path))
     sd: dict[str, torch.Tensor | GGUFWeight] = {}
@@ -353,23 +403,34 @@ def state_dict(
         heads = family.gguf_permuted.get(module.hf)
         permute = None if heads is None else getattr(s, heads)
         if keep_blocks and info.kind in BLOCKS and len(parts[0][2]) == 2:
-            for e, (hf, _, shape) in enumerate(parts):  # the file's pages dropped once the last is packed
+            for e, (hf, stored_as, shape) in enumerate(parts):  # pages dropped once the last is packed
                 data = raw[e] if permute is None else _reverse_permute(raw[e], permute)
                 last = e == len(parts) - 1
                 release = (lambda i=info: ckpt.release(i)) if last else None
-                sd[hf] = GGUFWeight(info.kind, data, shape[1], release, bf16_io)
+                sd[hf] = GGUFWeight(info.kind, data, shape[1], release, bf16_io, stored_as, panels)
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
-        kind = getattr(gguf.GGMLQuantizationType, info.kind)
-        with np.errstate(all="ignore"):  # non-finite scales: refused by validate.check_values, not warned
-            values = gguf.quants.dequantize(raw.reshape(-1), kind).reshape(len(parts), *parts[0][2])
-        values = values.astype(np.float32, copy=False)
+        values = _dequantized(raw.reshape(-1), info.kind).reshape(len(parts), *parts[0][2])
         for e, (hf, _, _) in enumerate(parts):
             part = values[e] if permute is None else _reverse_permute(values[e], permute)
             sd[hf] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
         ckpt.release(info)
     return sd, dequantized
+
+
+def _dequantized(data: np.ndarray, kind: str) -> np.ndarray:
+    """A tensor's bytes as float32 values, as gguf-py's ``dequantize`` gives them (gguf-py imported only
+    for a quantized type: float32 and float16 are read as they are)."""
+    if kind == "F32":
+        return data.view(np.float32)
+    if kind == "F16":
+        return data.view(np.float16).astype(np.float32)
+    import gguf
+
+    with np.errstate(all="ignore"):  # non-finite scales: refused by validate.check_values, not warned
+        values = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
+    return values.astype(np.float32, copy=False)
 
 
 def dequantized_note(path: Path, kinds: Counter, dtype: torch.dtype = torch.float32) -> None:

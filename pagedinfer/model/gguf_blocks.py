@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedinfer.kernels.weight_types import GGUF_BLOCKS
+
+if TYPE_CHECKING:
+    from pagedinfer.model.panel_cache import PanelCache
 
 BLOCKS = GGUF_BLOCKS  # the GGUF types the panels keep as stored: (block length, bytes per block)
 
@@ -30,6 +34,8 @@ class GGUFWeight:
     in_features: int
     release: Callable[[], None] | None = None  # drops the file's pages once the blocks are packed
     bf16_io: bool = False  # multiplied under bfloat16 activations (the run's dtype), else float32
+    name: str = ""  # the file's tensor it was read from ("blk.0.attn_q.weight", "...[2]" for an expert)
+    panels: PanelCache | None = None  # where its panels may be stored already (`packed_linear.gguf_segment`)
 
     @property
     def out_features(self) -> int:

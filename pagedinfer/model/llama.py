@@ -300,7 +300,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         embed = sd.pop(f"{EMBED}.weight")  # [V, H]
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
-            table = packed_linear.gguf_segment(embed, None, gated=False)
+            table = packed_linear.gguf_segment([embed], None, gated=False)
             self.embed_tokens = packed_linear.PanelEmbedding(table)
         else:
             self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)

@@ -18,7 +18,7 @@ from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
 from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
 from pagedinfer.errors import one_line
-from pagedinfer.kernels import build, kernel_cache
+from pagedinfer.kernels import build, kernel_cache, weight_types
 from pagedinfer.model import (
     families,
     gguf,
@@ -27,6 +27,8 @@ from pagedinfer.model import (
     llama,
     own_config,
     packed_linear,
+    panel_cache,
+    panel_formats,
     validate,
 )
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
@@ -155,7 +157,8 @@ def load_model(
     found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
     if ckpt and family is not None:  # its tensors, whoever's layers run them
         found = _check(gguf.tensor_index, ckpt, family)
-        _check(validate.check_tensors, config, family, found, str(ckpt.path), gguf.readable_types())
+        readable = gguf.readable_types(ckpt.kinds(matrices_only=False))
+        _check(validate.check_tensors, config, family, found, str(ckpt.path), readable)
     dev = resolve_device(device)
     try:
         choice = choose_dtype(dtype, config, dev, quant)
@@ -200,13 +203,16 @@ def load_model(
                 config, 0, load_dtype, dev, attn_implementation=attention.transformers_name()
             )
         elif ckpt and own:  # our layers on the GGUF's tensors: its blocks in panels, or dequantized
-            sd, dequantized = gguf.state_dict(ckpt, config, family, keep_blocks, choice.dtype)
+            panels = _panel_cache(ckpt) if keep_blocks else None
+            sd, dequantized = gguf.state_dict(ckpt, config, family, keep_blocks, choice.dtype, panels)
             validate.check_values(sd, found)
             if keep_blocks:
                 gguf.dequantized_note(ckpt.path, dequantized, choice.dtype)
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
                 choice = replace(choice, reason=reason or choice.reason)
             model = llama.from_gguf(config, family, sd)
+            if panels is not None:
+                panels.save()
             model.generation_config = _generation_config(folder, config, cache_only)
         elif own:
             sd = llama.read_weights(own, load_dtype, dev)
@@ -344,6 +350,14 @@ def _own_gguf(name: str, config, impl: str, device: torch.device) -> bool:
     if reason and impl == "pagedinfer":
         raise ModelLoadError(f"model implementation 'pagedinfer' cannot serve {name!r}: {reason}")
     return reason is None
+
+
+def _panel_cache(ckpt: gguf.GGUFCheckpoint) -> panel_cache.PanelCache:
+    """The file's panels as this code packs them (`panel_cache`), kept in its cache folder."""
+    modules = (gguf, gguf_blocks, packed_linear, panel_cache, panel_formats, weight_types)
+    sources = [Path(m.__file__) for m in modules]
+    key = panel_cache.key(sources, packed_linear.library_name())
+    return panel_cache.PanelCache.open(ckpt.folder / f"panels-{key}.bin")
 
 
 def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> str | None:

@@ -27,7 +27,9 @@ import ctypes.util
 import functools
 import mmap
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -294,17 +296,42 @@ def _by_rows(quantize, weight: torch.Tensor, rows: int = 4096) -> tuple:
     return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
 
 
-def gguf_segment(w: GGUFWeight, bias: torch.Tensor | None, gated: bool) -> Segment:
-    """A GGUF weight's blocks as one segment of panels in its own type (its file pages dropped after)."""
-    values, fields = gguf_blocks.split_blocks(w.kind, w.data, w.in_features)  # [out, in] stored values
-    records = torch.from_numpy(panel_formats.pack_records(w.kind, values, fields, gated))  # [P, bytes]
-    if w.release is not None:
-        w.release()
+def gguf_segment(parts: list[GGUFWeight], bias: torch.Tensor | None, gated: bool) -> Segment:
+    """Row-concatenated GGUF weights of one type (q, k, v; gate, up; or one) as one segment of panels in
+    that type: the panels stored for them already (their `panel_cache.PanelCache`), else packed from
+    their blocks; the file's pages dropped after."""
+    w = parts[0]
+    rows = sum(p.out_features for p in parts)
+
+    def pack() -> np.ndarray:  # [P, panel bytes]
+        (whole,) = gguf_blocks.concat(parts)
+        values, fields = gguf_blocks.split_blocks(
+            w.kind, whole.data, w.in_features
+        )  # [out, in] stored values
+        return panel_formats.pack_records(w.kind, values, fields, gated)
+
+    lib = _gemm_library()
+    if w.panels is None or lib is None:
+        records = torch.from_numpy(pack())
+    else:  # named by the file's tensors and how they are laid out
+        name = "+".join(p.name for p in parts) + (" gated" if gated else "")
+        panels = -(-rows // panel_formats.PANEL_ROWS)
+        shape = (panels, int(lib.gemm_panel_bytes(KINDS[w.kind], w.in_features, 0)))
+        records = w.panels.records(name, shape, pack)
+    for p in parts:
+        if p.release is not None:
+            p.release()
     packed_bias = None if bias is None else panel_formats.pack_float(bias.float().unsqueeze(1), gated)
-    cols = w.out_features // 2 if gated else w.out_features
+    cols = rows // 2 if gated else rows
     return Segment(
         w.kind, cols, records, packed_bias, in_features=w.in_features, gated_pairs=gated, bf16_io=w.bf16_io
     )
+
+
+def library_name() -> str:
+    """The panel kernel library's file (named by its sources, flags and CPU), "" where none built."""
+    lib = _gemm_library()
+    return "" if lib is None else Path(lib._name).name
 
 
 def gguf_linear(
@@ -332,8 +359,7 @@ def gguf_linear(
         if kind == "F32":  # the float tensors are in the run's dtype already (`gguf.state_dict`)
             segments.append(quantized_segment(torch.cat(run).contiguous(), bias, pair, None))
         else:
-            (w,) = gguf_blocks.concat(run)
-            segments.append(gguf_segment(w, bias, pair))
+            segments.append(gguf_segment(run, bias, pair))
     return PackedLinear.from_segments(k, rows, gated, segments)
 
 
