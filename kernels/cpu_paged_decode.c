@@ -117,6 +117,13 @@ static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+// A row's 8 lanes summed as sum_lanes8 sums each of its rows (neighbouring lanes first), so that a
+// dot product finished alone has the bits it has finished among 8: a row's logit must not depend on
+// where a piece of its context starts (block size, sliding window).
+static inline float hsum8_rows(v8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 // Lane j of the result is the sum of the 8 lanes of a[j]: 8 dot products finished at once.
 static inline v8 sum_lanes8(const v8 *a) {
 #define PAIRS(x, y, i0, i1, i2, i3, i4, i5, i6, i7) \

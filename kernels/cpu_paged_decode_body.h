@@ -106,7 +106,8 @@ static inline const ROW *FN(rows_of)(const ELEM *p, size_t n, int prefetched, fl
 // q_h the head_dim values at q + h * qstride. A row is read a chunk at a time (16 floats; DOT_BF16:
 // 32 bfloat16 values as 16 pairs, dot_pairs), a last partial chunk zero-padded, into one 16-lane sum
 // per head; lane l sums its values of each chunk in order, the two halves are added, then the 8
-// lanes (sum_lanes8 for 8 rows at once, hsum8 for a row alone). Each K chunk is loaded once for the
+// lanes (sum_lanes8 for 8 rows at once, hsum8_rows for a row alone: the same tree, so a row's bits
+// do not depend on the rows it is finished with). Each K chunk is loaded once for the
 // G heads; 8 rows at a time (4 and 4 with one head a tile: the bfloat16 instantiation in AVX2's 16
 // registers) are independent chains per head; the other AVX2 instantiations take the form below.
 // (Float queries come scaled: scale 1.)
@@ -197,7 +198,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
         lo += load8(qh + at) * ROW_LOAD8(kr + at);
         hi += zero * zero;
       }
-      li[(size_t)h * lstride + t] = hsum8(lo + hi) * scale;
+      li[(size_t)h * lstride + t] = hsum8_rows(lo + hi) * scale;
     }
 }
 #else
@@ -244,7 +245,7 @@ static inline __attribute__((always_inline)) void FN(tile_logits)(const int G, c
       const FN(chunk) kr = FN(k_tail)(k + t * k_row + at, left);
       for (int h = 0; h < G; ++h) d[h] = DOT(d[h], Q_TAIL(q + h * qstride + at, left), kr);
     }
-    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8(lo8(d[h]) + hi8(d[h])) * scale;
+    for (int h = 0; h < G; ++h) li[(size_t)h * lstride + t] = hsum8_rows(lo8(d[h]) + hi8(d[h])) * scale;
   }
 }
 #endif

@@ -145,6 +145,8 @@ CONFIGS = {
     "olmo2-float32": Config("olmo2"),  # norms after each branch, q/k norms over all rows
     "granite-float32": Config("granite"),  # its multipliers
     "phi3-float32": Config("phi3"),  # q/k/v and gate/up fused in the checkpoint
+    # a sliding window of 8: each row's context starts anywhere in a block, its blocks released
+    "mistral-float32": Config("mistral"),
     "qwen2_moe-float32": Config("qwen2_moe"),  # and a shared expert, scaled by a sigmoid, on every row
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
@@ -336,9 +338,10 @@ def test_small_pool_with_preemptions(setups, name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_block_size(setups, name):
-    """Blocks of 8 and of 32 tokens: other block tables, other shared and copied blocks."""
+    """Blocks of 2 and of 32 tokens: other block tables, other shared and copied blocks, and a context
+    cut into pieces of other lengths (2-row pieces: no 8 rows of K ever finished together)."""
     setup = setups(name)
-    for size in (8, 32):
+    for size in (2, 32):
         setup.check(setup.run(LINES, setup.llm(block_size=size, num_blocks=4096 // size)))
 
 

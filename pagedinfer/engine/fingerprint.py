@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # Bump when a change makes any path compute other bits for the same inputs (a kernel's order of sums or
 # its roundings, the sampler's draw, how logprobs are normalised, how a seed is derived): the records
 # made before and after it then carry different fingerprints.
-NUMERICS_VERSION = 2
+NUMERICS_VERSION = 3
 # files of a checkpoint folder that decide the outputs: weights, configs, tokenizer files, templates
 DECIDING = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 PROBE_WIDTHS = (64, 256, 576, 1000)  # hidden sizes the norm probe sums over
