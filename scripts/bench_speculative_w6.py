@@ -82,9 +82,9 @@ def main(model: str, repeats: int, workload: str = "w6", draft: str | None = Non
                 wall = time.perf_counter() - start
                 tokens = [list(c.token_ids) for o in outs for c in o.outputs]
                 reference.setdefault(batch, tokens)
-                spec = llm.engine.stats.to_dict()["speculation"]
+                seen = llm.engine.stats.to_dict()["speculation"]
                 n = sum(map(len, tokens))
-                accepted = {k: (v["accepted"], v["drafted"]) for k, v in spec.get("sources", {}).items()}
+                accepted = {k: (v["accepted"], v["drafted"]) for k, v in seen.get("sources", {}).items()}
                 print(
                     rep,
                     f"b{batch}",
@@ -93,10 +93,10 @@ def main(model: str, repeats: int, workload: str = "w6", draft: str | None = Non
                     f"{wall:.2f}s",
                     f"{n / wall:.2f} tok/s",
                     "identical" if tokens == reference[batch] else "DIFFERENT",
-                    spec.get("tokens_per_seq_step"),
-                    spec.get("fixed_over_row_cost"),
+                    seen.get("tokens_per_seq_step"),
+                    seen.get("fixed_over_row_cost"),
                     accepted,
-                    spec.get("gated_seq_steps"),
+                    seen.get("gated_seq_steps"),
                     flush=True,
                 )
 
