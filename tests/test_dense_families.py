@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import DEVICE, ENGINE
 from gguf_models import save_gguf
-from models import count_one_call_steps, hf_greedy
+from models import count_one_call_steps, hf_greedy, peft_greedy, save_lora
 
-from pagedinfer import LLM, SamplingParams
+from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.model import families, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 
@@ -92,6 +92,24 @@ def test_the_one_call_step_gives_the_bits_of_the_layer_path(tiny_model, monkeypa
     monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
     assert run() == with_step
     assert not steps
+
+
+def test_gemma3_adapters_match_peft(tiny_model, model_root):
+    """A LoRA adapter on every linear of Gemma 3's layers: its gate and up deltas go into the plain
+    gate-up product before gelu-tanh(gate) * up, as PEFT's do before transformers' GeGLU."""
+    base = tiny_model("gemma3_scaled")
+    adapter = save_lora(base, model_root / "loras", "gemma3_scaled-r8", 8, seed=1)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts(3)
+    request = LoRARequest("r8", 1, str(adapter))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False, lora_request=request)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.error is None
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, prompt, MAX_TOKENS), (
+            f"prompt of {len(prompt)}"
+        )
 
 
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
