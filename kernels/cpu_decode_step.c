@@ -94,7 +94,7 @@ typedef struct {
     int64_t num_blocks;                        /* the pool's blocks (every layer's) */
     int qk_norm_all;                           /* q_norm / k_norm over all of a row's q / k, not per head */
     float residual_scale;                      /* each branch's factor before its residual add (Granite) */
-    int gelu;                                  /* the MLP's gelu-tanh(gate) * up by its chain (Gemma), not SiLU */
+    int gelu;                                  /* the MLP's gelu-tanh(gate) * up by its chain (Gemma) */
 } step_meta;
 
 /* float32 activations (weights of any float32-activation format): decode_layers_f32 */

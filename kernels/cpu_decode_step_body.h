@@ -44,7 +44,8 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
                 FN(add_rms_norm)(q, NULL, layer->q_norm, q, 1, qd, s->eps);
                 FN(add_rms_norm)(q + qd, NULL, layer->k_norm, q + qd, 1, s->kv_heads * d, s->eps);
             }
-        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos[layer->rope], s->sin[layer->rope],
+        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos[layer->rope],
+                         s->sin[layer->rope],
                          s->qk_norm_all ? NULL : layer->q_norm, s->qk_norm_all ? NULL : layer->k_norm, s->eps);
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
         TIMED(attention_seconds, {

@@ -109,7 +109,7 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
 
 /* out[r, i] = gelu_tanh(gate_up[r, i]) * gate_up[r, inter + i] (Gemma's GeGLU): gelu's tanh form
  * x / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (x + 0.044715 x^3), computed as the same function
- * x / (1 + exp(-2 u)) with the SiLU's exp; the gate's product rounded where transformers' module rounds it. */
+ * x / (1 + exp(-2 u)) with the SiLU's exp; the activation rounded where transformers' module rounds it. */
 void FN(gelu_tanh_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
     const float two_k = 1.5957691216057308f, cube = 0.044715f; /* 2 sqrt(2 / pi) */
 #pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)

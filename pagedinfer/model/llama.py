@@ -1,18 +1,18 @@
 """Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
-phi3, gemma3_text; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP` in
-the layers the family makes sparse), built for the engine's packed-row step.
+phi3, gemma3_text; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is
+`moe.ExpertMLP` in the layers the family makes sparse), built for the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
 output, fused gate-up, down; concatenated once at load, packed for oneDNN by the loader like any
 ``nn.Linear``), three elementwise chains (`fused_ops`: residual add + RMSNorm twice, per-head norm +
-RoPE in place) and SiLU x up, and the attention call, which is the same paged attention transformers'
-layers reach (`attention.interface.attend`, behind `paged_attention`: same KV pool, kernels and
-step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. Which
-checkpoint modules fill which linear and norm is the family's declaration. transformers stays the
-reference (the parity tests compare the two) and the path for every other family. Which path a step
-takes (these layers one by one, or all of them in the one-call C step) is the runner's choice, passed
-to `forward`.
+RoPE in place) and SiLU x up (Gemma's gelu-tanh x up), and the attention call, which is the same
+paged attention transformers' layers reach (`attention.interface.attend`, behind `paged_attention`:
+same KV pool, kernels and step context). It reads the same Hugging Face checkpoints: config,
+safetensors, tokenizer. Which checkpoint modules fill which linear and norm is the family's
+declaration. transformers stays the reference (the parity tests compare the two) and the path for
+every other family. Which path a step takes (these layers one by one, or all of them in the one-call
+C step) is the runner's choice, passed to `forward`.
 """
 
 from __future__ import annotations
@@ -144,8 +144,9 @@ class DecoderLayer(nn.Module):
         self.activation = family.activation_of(config)
         gated = self.activation == "silu"
         # qkv [(Hq + 2 Hkv) * D, H] (bias [(Hq + 2 Hkv) * D]); o [H, Hq * D]; gate_up [2 I, H], giving
-        # silu(gate) * up [T, I] (gelu-tanh: gate, up [T, 2 I]); down [H, I]: each from the modules the family fuses in it (a layer
-        # with experts: qkv and o, and the experts' MLP in place of gate_up and down)
+        # silu(gate) * up [T, I] (gelu-tanh: gate, up [T, 2 I]); down [H, I]: each from the modules
+        # the family fuses in it (a layer with experts: qkv and o, and the experts' MLP in place of
+        # gate_up and down)
         linears = {
             role: _fused(
                 [sd.pop(f"{p}{m}.weight") for m in modules],
