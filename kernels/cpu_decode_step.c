@@ -5,8 +5,9 @@
  * This file runs the same kernels in the same order as pagedinfer/model/llama.py's layers do one by
  * one (so the products are the same bits): residual add + RMSNorm, the QKV panel GEMM, per-head norm
  * + RoPE, the K/V write, paged decode attention, the output GEMM, residual add + RMSNorm, the gated
- * gate-up GEMM (silu(gate) * up in its epilogue) and the down GEMM; then the model's final residual
- * add + RMSNorm, the lm_head's input.
+ * gate-up GEMM (silu(gate) * up in its epilogue; Gemma's gelu-tanh: the plain GEMM, then its chain) and
+ * the down GEMM, each branch normed where the family norms its output; then the model's final
+ * residual add + RMSNorm, the lm_head's input.
  * Its library links cpu_gemm.c and cpu_llama_ops.c (the same code the layer-by-layer path calls), built
  * like them (pagedinfer/model/decode_step.py).
  */
@@ -58,15 +59,17 @@ static double now(void) {
  * (float32 activations: float32, int8, int4 or GGUF block panels, a format per segment; the fused
  * QKV of a GGUF may hold up to three), NULL where the layer has none (Qwen3's q/k norms). */
 typedef struct {
-    /* [H] each: the layer's two norms in the order it runs them, on the attention's and the MLP's inputs
-     * or (step_meta.norms_after) on their outputs; q_norm, k_norm [D] (per head) or [Hq D], [Hkv D]
-     * (step_meta.qk_norm_all), or NULL */
-    const void *first_norm, *second_norm, *q_norm, *k_norm;
+    /* [H] each, NULL where the family has none (families/spec.py NORM_ROLES): on the attention's and
+     * the MLP's inputs (input_norm, post_norm; none: the stream itself is the branch's input), on their
+     * outputs before each residual add (attn_out_norm, mlp_out_norm); q_norm, k_norm [D] (per head) or
+     * [Hq D], [Hkv D] (step_meta.qk_norm_all), or NULL */
+    const void *input_norm, *post_norm, *attn_out_norm, *mlp_out_norm, *q_norm, *k_norm;
     gemm_segment qkv[3], o, gate_up, down;
     int qkv_segments;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
     int window;              /* sliding window, 0: none */
     int group;               /* its layer group: the slots and block tables it reads in step_meta */
+    int rope;                /* its RoPE table in step_meta's cos and sin (Gemma 3's: by layer type) */
 } step_layer;
 
 /* The model's sizes, its final norm and the step's attention metadata (decode only: one query row
@@ -77,7 +80,8 @@ typedef struct {
     int layers, rows, hidden, q_heads, kv_heads, head_dim, inter;
     float eps, scale;
     const void *final_norm;                    /* [H] */
-    const void *cos, *sin;                     /* [rows, D / 2] */
+    const void *const *cos;                    /* [tables] -> [rows, D / 2] */
+    const void *const *sin;                    /* [tables] -> [rows, D / 2] */
     const int64_t *const *slots;               /* [groups] -> [rows] pool slot of each new token */
     const int32_t *const *tables;              /* [groups] -> [rows, max_blocks[group]] */
     const int32_t *max_blocks;                 /* [groups] */
@@ -88,9 +92,9 @@ typedef struct {
     const int32_t *bounds;                     /* [parts + 1] sequence ranges, one per thread */
     int parts;
     int64_t num_blocks;                        /* the pool's blocks (every layer's) */
-    int norms_after;                           /* the norms on each branch's output (OLMo-2), not its input */
     int qk_norm_all;                           /* q_norm / k_norm over all of a row's q / k, not per head */
     float residual_scale;                      /* each branch's factor before its residual add (Granite) */
+    int gelu;                                  /* the MLP's gelu-tanh(gate) * up by its chain (Gemma) */
 } step_meta;
 
 /* float32 activations (weights of any float32-activation format): decode_layers_f32 */

@@ -5,19 +5,19 @@
  * STEP(name) names the instantiation. The parameters are undefined at the end. */
 
 /* A branch's output h [rows, H] as it joins the stream (model/llama.py, DecoderLayer._branch): normed
- * by w where the norms sit after the branches, times the residual multiplier where it is not 1. */
+ * by w where the family norms it (w not NULL), times the residual multiplier where it is not 1. */
 static void STEP(branch)(ELEM *h, const ELEM *w, const step_meta *s) {
-    if (s->norms_after) FN(add_rms_norm)(h, NULL, w, h, s->rows, s->hidden, s->eps);
+    if (w) FN(add_rms_norm)(h, NULL, w, h, s->rows, s->hidden, s->eps);
     if (s->residual_scale != 1.0f) FN(scale_rows)(h, (int64_t)s->rows * s->hidden, s->residual_scale);
 }
 
 /* residual [rows, H] in: the embeddings; out: the residual stream after the last layer. x [rows, H]
- * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D]
- * and act [rows, I] are scratch. Each layer group's slots and sequences are checked once, before the
+ * out: the final norm of that stream. h [rows, H], qkv [rows, (Hq + 2 Hkv) D], attn [rows, Hq D],
+ * act [rows, I] and (step_meta.gelu) gate_up [rows, 2 I] are scratch. Each layer group's slots and sequences are checked once, before the
  * first layer (a group's layers read the same ones, in pools of the same blocks): 0, or (nothing done)
  * what was out of range (cpu_bounds.h). */
 int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *residual, ELEM *h, ELEM *x, ELEM *qkv,
-                        ELEM *attn, ELEM *act, refusal *why) {
+                        ELEM *attn, ELEM *act, ELEM *gate_up, refusal *why) {
     const int d = s->head_dim, qkv_n = (s->q_heads + 2 * s->kv_heads) * d, qd = s->q_heads * d;
     const int64_t n = (int64_t)s->rows * s->hidden;
     int refused = REFUSED_NONE;
@@ -30,9 +30,9 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
     if (refused) return refused;
     for (int i = 0; i < s->layers; i++, layer++) {
         const int g = layer->group;
-        ELEM *in = x; /* each branch's input: the normed stream, or where the norms follow, the stream */
-        if (!s->norms_after)
-            FN(add_rms_norm)(residual, i ? h : NULL, layer->first_norm, x, s->rows, s->hidden, s->eps);
+        ELEM *in = x; /* each branch's input: the normed stream, or where no norm precedes it, the stream */
+        if (layer->input_norm)
+            FN(add_rms_norm)(residual, i ? h : NULL, layer->input_norm, x, s->rows, s->hidden, s->eps);
         else {
             if (i) FN(add_rows)(residual, h, n);
             in = residual;
@@ -44,7 +44,8 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
                 FN(add_rms_norm)(q, NULL, layer->q_norm, q, 1, qd, s->eps);
                 FN(add_rms_norm)(q + qd, NULL, layer->k_norm, q + qd, 1, s->kv_heads * d, s->eps);
             }
-        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos, s->sin,
+        FN(qk_norm_rope)(qkv, qkv_n, s->rows, s->q_heads, s->kv_heads, d, s->cos[layer->rope],
+                         s->sin[layer->rope],
                          s->qk_norm_all ? NULL : layer->q_norm, s->qk_norm_all ? NULL : layer->k_norm, s->eps);
         const ELEM *k = qkv + qd, *v = qkv + qd + s->kv_heads * d;
         TIMED(attention_seconds, {
@@ -55,14 +56,18 @@ int STEP(decode_layers)(const step_layer *layer, const step_meta *s, ELEM *resid
                               d, qkv_n, d, s->scale, layer->window, 0.f, NULL);
         });
         TIMED(gemm_seconds, gemm_segments(&layer->o, 1, attn, h, s->rows, qd, 0));
-        STEP(branch)(h, layer->first_norm, s);
-        if (!s->norms_after)
-            FN(add_rms_norm)(residual, h, layer->second_norm, x, s->rows, s->hidden, s->eps);
+        STEP(branch)(h, layer->attn_out_norm, s);
+        if (layer->post_norm)
+            FN(add_rms_norm)(residual, h, layer->post_norm, x, s->rows, s->hidden, s->eps);
         else
             FN(add_rows)(residual, h, n);
-        TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, in, act, s->rows, s->hidden, 1));
+        if (s->gelu) {
+            TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, in, gate_up, s->rows, s->hidden, 0));
+            FN(gelu_tanh_mul)(gate_up, act, s->rows, s->inter);
+        } else
+            TIMED(gemm_seconds, gemm_segments(&layer->gate_up, 1, in, act, s->rows, s->hidden, 1));
         TIMED(gemm_seconds, gemm_segments(&layer->down, 1, act, h, s->rows, s->inter, 0));
-        STEP(branch)(h, layer->second_norm, s);
+        STEP(branch)(h, layer->mlp_out_norm, s);
     }
     FN(add_rms_norm)(residual, h, s->final_norm, x, s->rows, s->hidden, s->eps);
     return REFUSED_NONE;

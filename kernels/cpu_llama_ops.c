@@ -3,9 +3,9 @@
  *
  * A decode step at batch 1-16 spends more time dispatching small torch ops than computing them;
  * these loops do each chain (residual add + RMSNorm, per-head RMSNorm + RoPE in place, SiLU x up)
- * in one pass over the rows. Rows run in parallel only when the work pays for waking threads.
+ * in one pass over the rows (Gemma's gelu-tanh x up too). Rows run in parallel only when the work pays for waking threads.
  * The chains live in cpu_llama_ops_body.h, instantiated at the end of this file per element type:
- * add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16}. Arithmetic is float32 in
+ * add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16}, gelu_tanh_mul_{f32,bf16}. Arithmetic is float32 in
  * both; the bfloat16 ones round where transformers' bfloat16 modules round (each op's output).
  */
 #include <math.h>

@@ -30,6 +30,7 @@ ARCHS = {
     "phi3": "PHI3",
     "olmo2": "OLMO2",  # (pagedinfer refuses these two: tests/test_dense_families.py)
     "granite": "GRANITE",
+    "gemma3_text": "GEMMA3",  # (refused too)
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -126,7 +127,8 @@ def save_gguf(
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3's: per layer type
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)

@@ -71,6 +71,21 @@ CONFIGS = {
         sliding_window=16,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     ),
+    # Gemma 3's traits away from their neutral values: linear RoPE scaling on the global layer, a
+    # query_pre_attn_scalar other than head_dim, a logit softcap (its norms drawn: `DRAWN_NORMS`)
+    "gemma3_scaled": lambda: tf.Gemma3TextConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+    ),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
@@ -131,11 +146,15 @@ CONFIGS = {
 }
 
 
+# models whose norm weights are drawn as well (Gemma's multiply by 1 + weight; transformers sets 0)
+DRAWN_NORMS = {"gemma3_scaled": 0.3}
+
+
 def save_model(family: str, root: Path, seed: int = 0) -> Path:
     """Build ``family`` with fixed random weights and save it (config, safetensors) under ``root``."""
     path = root / family
     if not (path / "config.json").exists():
-        save_random_model(CONFIGS[family](), path, seed)
+        save_random_model(CONFIGS[family](), path, seed, norm_std=DRAWN_NORMS.get(family, 0.0))
     return path
 
 
@@ -267,7 +286,7 @@ def count_one_call_steps(monkeypatch) -> list[int]:
     return steps
 
 
-def refused_then_run(run, step, residual, cos, sin, meta, bad: list, refusals: list[str]):
+def refused_then_run(run, step, residual, ropes, meta, bad: list, refusals: list[str]):
     """The C decode step ``run`` (``DecodeStep.run`` itself) of ``step``, first on each metadata of
     ``bad``: each refused before any layer (`IndexOutOfRange`, its message appended to ``refusals``),
     the pool's K bit for bit as it was (unwritten slots may hold NaNs: bits, not values, compared);
@@ -279,7 +298,7 @@ def refused_then_run(run, step, residual, cos, sin, meta, bad: list, refusals: l
     before = [step.kv.k[i].view(torch.int32).clone() for i in step.kv.k]
     for wrong in bad:
         with pytest.raises(IndexOutOfRange) as refused:
-            run(step, residual.clone(), cos, sin, wrong)
+            run(step, residual.clone(), ropes, wrong)
         refusals.append(str(refused.value))
     assert all(torch.equal(a, step.kv.k[i].view(torch.int32)) for a, i in zip(before, step.kv.k, strict=True))
-    return run(step, residual, cos, sin, meta)
+    return run(step, residual, ropes, meta)

@@ -1,24 +1,35 @@
 """OLMo-2 (its norms after each branch, q/k norms over all of q's and k's rows), Granite (its four
-multipliers) and Phi-3 (fused q/k/v and gate/up modules, LongRoPE) on pagedinfer's own layers:
-greedy-identical to transformers' generate with a roomy and a preempting pool, through the one-call C
-step and layer by layer, the two paths giving the same bits; OLMo-2's and Granite's GGUF files refused
-in one line. (Reproducibility across batches: tests/test_reproducibility.py.)"""
+multipliers), Phi-3 (fused q/k/v and gate/up modules, LongRoPE) and Gemma 3 (norms before and after
+each branch of 1 + weight, GeGLU, scaled embeddings and queries, RoPE per layer type over windowed and
+global layers, a logit softcap) on pagedinfer's own layers: greedy-identical to transformers' generate
+with a roomy and a preempting pool, through the one-call C step and layer by layer, the two paths
+giving the same bits; OLMo-2's, Granite's and Gemma 3's GGUF files refused in one line.
+(Reproducibility across batches: tests/test_reproducibility.py.)"""
 
+import json
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from conftest import DEVICE, ENGINE
 from gguf_models import save_gguf
-from models import count_one_call_steps, hf_greedy
+from models import count_one_call_steps, hf_greedy, peft_greedy, save_lora
 
-from pagedinfer import LLM, SamplingParams
+from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.model import families, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the one-call C step is the CPU's")
-NEW = {"olmo2": "olmo2", "granite": "granite", "phi3": "phi3", "phi3_window": "phi3"}  # model: family
+NEW = {  # model: family
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "phi3": "phi3",
+    "phi3_window": "phi3",
+    "gemma3_text": "gemma3_text",  # a window of 16 on 3 of 4 layers
+    "gemma3_scaled": "gemma3_text",  # linear RoPE scaling on its global layer, a softcap, norms drawn
+}
 MAX_TOKENS = 12
 BF16_STEP = packed_linear.panel_dtype(torch.bfloat16, 2)  # bfloat16 panels where the kernel builds
 
@@ -28,14 +39,18 @@ def prompts(count: int = 6) -> list[list[int]]:
     return [[rng.randrange(2, 256) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
 
 
+PREEMPTING = {"gemma3_scaled": 8}  # the blocks of a pool that preempts (else 12): its windows of 8 need few
+
+
 @pytest.mark.parametrize("name", NEW)
-@pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
+@pytest.mark.parametrize("roomy", [True, False], ids=["roomy-pool", "preempting-pool"])
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
-def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name, num_blocks, one_call):
+def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name, roomy, one_call):
     steps = count_one_call_steps(monkeypatch)
     if not one_call:
         monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
     path = tiny_model(name)
+    num_blocks = 256 if roomy else PREEMPTING.get(name, 12)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)  # --model-impl auto
     assert llm.engine.loaded.impl == "pagedinfer"  # not transformers' modules
     assert llm.engine.loaded.model.family is next(f for f in families.FAMILIES if f.name == NEW[name])
@@ -45,7 +60,7 @@ def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name
     for prompt, out in zip(ps, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
     assert bool(steps) == one_call  # the decode-only steps in one C call, or none of them
-    assert (llm.stats.preemptions > 0) == (num_blocks == 12)
+    assert (llm.stats.preemptions > 0) == (not roomy)
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -77,6 +92,24 @@ def test_the_one_call_step_gives_the_bits_of_the_layer_path(tiny_model, monkeypa
     monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
     assert run() == with_step
     assert not steps
+
+
+def test_gemma3_adapters_match_peft(tiny_model, model_root):
+    """A LoRA adapter on every linear of Gemma 3's layers: its gate and up deltas go into the plain
+    gate-up product before gelu-tanh(gate) * up, as PEFT's do before transformers' GeGLU."""
+    base = tiny_model("gemma3_scaled")
+    adapter = save_lora(base, model_root / "loras", "gemma3_scaled-r8", 8, seed=1)
+    llm = LLM(str(base), block_size=4, num_blocks=256, enable_lora=True, max_loras=1, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts(3)
+    request = LoRARequest("r8", 1, str(adapter))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False, lora_request=request)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.error is None
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, prompt, MAX_TOKENS), (
+            f"prompt of {len(prompt)}"
+        )
 
 
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
@@ -111,16 +144,42 @@ def test_longrope_that_switches_factors_is_left_to_transformers(tiny_model):
     )
 
 
-@pytest.mark.parametrize("name", ["olmo2", "granite"])
-def test_their_gguf_files_are_refused_by_name(tiny_model, tmp_path, monkeypatch, name):
-    """transformers' GGUF reader makes no config of these architectures (nor of Granite's scalars):
-    refused in one line before a tensor is read, not read as a Llama."""
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("olmo2", "transformers' GGUF reader maps no olmo2 config"),
+        ("granite", "transformers' GGUF reader maps no granite config"),
+        (
+            "gemma3_text",
+            "llama.cpp's files hold each norm's weight with 1 added and the windows' pattern, which its "
+            "reader does not take back",
+        ),
+    ],
+)
+def test_their_gguf_files_are_refused_by_name(tiny_model, tmp_path, monkeypatch, name, why):
+    """transformers' GGUF reader makes no config of olmo2 and granite (nor of Granite's scalars), and
+    Gemma 3's files hold what pagedinfer's reader does not undo: refused in one line before a tensor
+    is read, not read as a Llama."""
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
     path = save_gguf(tiny_model(name), tmp_path / f"{name}.gguf")
+    family = families.by_model_type(name).name
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), **ENGINE)
+    assert str(err.value) == f"{path}: pagedinfer reads no {family} GGUF files ({why})"
+
+
+def test_gemma3_with_bidirectional_attention_is_left_to_transformers(tiny_model, tmp_path):
+    """use_bidirectional_attention (EmbeddingGemma's) attends past each token: our layers attend
+    causally, so auto takes transformers' modules and our layers asked for refuse it in one line."""
+    config = json.loads((tiny_model("gemma3_text") / "config.json").read_text())
+    path = tmp_path / "bidirectional"
+    shutil.copytree(tiny_model("gemma3_text"), path)
+    (path / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
-        f"{path}: pagedinfer reads no {name} GGUF files (transformers' GGUF reader maps no {name} config)"
+        f"model implementation 'pagedinfer' cannot serve {str(path)!r}: use_bidirectional_attention "
+        "(pagedinfer's implementation attends causally only)"
     )
 
 

@@ -76,7 +76,7 @@ def test_each_model_type_has_one_family():
     assert len(types) == len(set(types))
     assert (
         families.names()
-        == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe"
+        == "llama, mistral, qwen2, qwen3, olmo2, granite, phi3, gemma3_text, qwen3_moe, qwen2_moe, mixtral, olmoe"
     )
 
 
@@ -118,8 +118,8 @@ def test_each_family_is_served_by_our_layers_as_transformers_generates(tiny_mode
 
 
 def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_model):
-    """gemma2 is a dense decoder too, but its norms (1 + weight), GeGLU and softcaps are no declared
-    layer: transformers serves it, and our layers, asked for, refuse it in one line naming the families
+    """gemma2 is a dense decoder too, but its softcapped attention scores and layer pattern are no
+    declared layer: transformers serves it, and our layers, asked for, refuse it in one line naming the families
     they have."""
     path = tiny_model("gemma2")
     assert families.find(AutoConfig.from_pretrained(path)) is None
@@ -128,8 +128,8 @@ def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == (
         f"model implementation 'pagedinfer' cannot serve {str(path)!r}: model family 'gemma2' has no "
-        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, qwen3_moe, "
-        "qwen2_moe, mixtral, olmoe do)"
+        "pagedinfer implementation (llama, mistral, qwen2, qwen3, olmo2, granite, phi3, gemma3_text, "
+        "qwen3_moe, qwen2_moe, mixtral, olmoe do)"
     )
 
 
@@ -196,8 +196,8 @@ def test_a_new_dense_family_is_one_declaration(tiny_model, monkeypatch):
         ({"norm": "rms_1p"}, "norm 'rms_1p' (pagedinfer's implementation has rms only)"),
         ({"rope": "interleaved"}, "RoPE 'interleaved' (pagedinfer's implementation has half only)"),
         (  # Gemma's field, which this config lacks: the declared default is read
-            {"activation": ("hidden_activation", "gelu_pytorch_tanh")},
-            "activation 'gelu_pytorch_tanh' (pagedinfer's implementation has silu only)",
+            {"activation": ("hidden_activation", "gelu")},
+            "activation 'gelu' (pagedinfer's implementation has silu, gelu_pytorch_tanh only)",
         ),
     ],
 )

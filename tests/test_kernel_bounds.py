@@ -248,7 +248,7 @@ def test_the_one_call_decode_step_refuses_a_bad_slot_or_table_before_any_layer(t
     run = decode_step.DecodeStep.run
     refusals: list[str] = []
 
-    def probed(self, residual, cos, sin, meta):
+    def probed(self, residual, ropes, meta):
         slots = self.kv.num_blocks * self.kv.block_size
         tables = meta.block_tables.clone()
         tables[-1, (int(meta.context_lens[-1]) - 1) // self.kv.block_size] = self.kv.num_blocks
@@ -256,7 +256,7 @@ def test_the_one_call_decode_step_refuses_a_bad_slot_or_table_before_any_layer(t
             dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, slots)),
             dataclasses.replace(meta, block_tables=tables),
         ]
-        return refused_then_run(run, self, residual, cos, sin, meta, bad, refusals)
+        return refused_then_run(run, self, residual, ropes, meta, bad, refusals)
 
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 

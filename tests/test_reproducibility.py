@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from models import COMMON, DECODER, save_lora
+from models import COMMON, DECODER, DRAWN_NORMS, save_lora
 from models import CONFIGS as TINY
 
 from pagedinfer import LLM, LoRARequest, SamplingParams
@@ -123,9 +123,7 @@ def neighbours(tokenizer: bool) -> list[Line]:
 # -- configurations ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    family: (
-        str  # "llama", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe" or "qwen2_moe": our layers' shapes
-    )
+    family: str  # "llama", "qwen3", "olmo2", ..., "gemma3_scaled": tests/models.py's shapes on our own layers
     dtype: str = "float32"
     quantization: str | None = None
     gguf: str | None = None  # a GGUF file of the family's model, its matrices in this type
@@ -148,6 +146,9 @@ CONFIGS = {
     # a sliding window of 8: each row's context starts anywhere in a block, its blocks released
     "mistral-float32": Config("mistral"),
     "qwen2_moe-float32": Config("qwen2_moe"),  # and a shared expert, scaled by a sigmoid, on every row
+    # norms of 1 + weight before and after each branch, GeGLU, RoPE per layer type, a logit softcap
+    # over windowed layer groups (tests/models.py's gemma3_scaled: windows of 8)
+    "gemma3_text-float32": Config("gemma3_scaled"),
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
 
@@ -173,7 +174,7 @@ def build_model(family: str, text_model: Path, root: Path) -> Path:
         else:  # tests/models.py's shape of the family, with this tokenizer's vocabulary
             config = TINY[family]()
             config.update(vocab)
-        save_random_model(config, path, seed=1)
+        save_random_model(config, path, seed=1, norm_std=DRAWN_NORMS.get(family, 0.0))
         tok.save_pretrained(path)
     return path
 

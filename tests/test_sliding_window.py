@@ -2,7 +2,7 @@
 its blocks back once they leave the window, exact per-group counts, and outputs unchanged.
 
 The models: a tiny gemma3_text (a window of 16 on layers 0-2, layer 3 global: four groups of one
-layer, on transformers' layers), a tiny mistral (a window of 8 on both layers: one windowed group),
+layer, on our own layers), a tiny mistral (a window of 8 on both layers: one windowed group),
 a tiny Qwen2 with its window on layer 1 (a global and a windowed group on our own layers) and a tiny
 gpt_oss (a window of 8 on layer 0, layer 1 global, attention sinks on both: transformers' layers).
 """
@@ -71,8 +71,8 @@ def prompts():
     ("num_blocks", "budget"), [(256, 512), (24, 16)], ids=["roomy-pool", "preempting-pool"]
 )
 def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, budget, monkeypatch):
-    """Our own layers (mistral, the windowed Qwen2) decode in the one-call C step, which reads each
-    layer's group's tables."""
+    """Our own layers (gemma3_text, mistral, the windowed Qwen2) decode in the one-call C step, which
+    reads each layer's group's tables."""
     path = tiny_model(family)
     steps = count_one_call_steps(monkeypatch)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, **ENGINE)
@@ -91,7 +91,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, family, num_blocks, bu
     assert llm.engine.pool.num_used == 0 and stats.kv.window_releases > 0
     assert (stats.preemptions > 0) == (num_blocks == 24)
     assert stats.prefix_cache_hits > 0
-    assert bool(steps) == (family in ("mistral", "qwen2_window"))
+    assert bool(steps) == (family in ("gemma3_text", "mistral", "qwen2_window"))
 
 
 def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
@@ -101,14 +101,14 @@ def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
     run = decode_step.DecodeStep.run
     refusals: list[str] = []
 
-    def probed(self, residual, cos, sin, meta):
+    def probed(self, residual, ropes, meta):
         windowed = meta.group_metas[1]
         tables = windowed.block_tables.clone()
         tables[-1, (int(windowed.context_lens[-1]) - 1) // self.kv.block_size] = self.kv.num_blocks
         bad = dataclasses.replace(
             meta, group_metas=[meta, dataclasses.replace(windowed, block_tables=tables)]
         )
-        return refused_then_run(run, self, residual, cos, sin, meta, [bad], refusals)
+        return refused_then_run(run, self, residual, ropes, meta, [bad], refusals)
 
     def generate() -> tuple[list[int], int]:
         llm = LLM(str(tiny_model("qwen2_window")), block_size=4, num_blocks=32, **ENGINE)

@@ -10,9 +10,10 @@ layers to one C function that calls the same kernels in the same order, so the o
 bits. The layers' pointers are gathered once per KV pool; a step passes only its metadata. The
 layer's shape flags come from the family's declaration (`families`): its q/k norms, where it has
 them. The model runner decides which steps take it (`OneCall`); ``PAGEDINFER_DECODE_STEP=0`` keeps
-the layer-by-layer path. The family's norm placement (OLMo-2's after each branch), its q/k norm over
-all of q and k, and Granite's residual multiplier are the step's flags (its embedding and logits
-scalars are the model's, outside the step).
+the layer-by-layer path. The family's norms (each of `NORM_ROLES` a pointer, NULL where it has none:
+OLMo-2's after each branch, Gemma's before and after), its q/k norm over all of q and k, Granite's
+residual multiplier, Gemma's gelu-tanh MLP and RoPE tables per layer type are the
+step's (its embedding and logits scalars are the model's, outside the step).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.kernels import abi, build, paged_decode
 from pagedinfer.kernels.sources import KERNELS_DIR
-from pagedinfer.model.families.spec import LINEAR_ROLES, PLACED_NORMS
+from pagedinfer.model.families.spec import LINEAR_ROLES, NORM_ROLES
 from pagedinfer.model.packed_linear import GemmSegment, PackedLinear, c_segment
 
 SOURCE = KERNELS_DIR / "cpu_decode_step.c"
@@ -41,7 +42,7 @@ MAX_QKV_SEGMENTS = 3  # a GGUF's q, k and v of three types
 
 class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
     _fields_ = [
-        *((name, _ptr) for name in ("first_norm", "second_norm", "q_norm", "k_norm")),
+        *((name, _ptr) for name in NORM_ROLES),
         ("qkv", GemmSegment * MAX_QKV_SEGMENTS),
         ("o", GemmSegment),
         ("gate_up", GemmSegment),
@@ -51,6 +52,7 @@ class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
         ("v_cache", _ptr),
         ("window", ctypes.c_int),
         ("group", ctypes.c_int),
+        ("rope", ctypes.c_int),
     ]
 
 
@@ -69,9 +71,9 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ("bounds", _ptr),
         ("parts", ctypes.c_int),
         ("num_blocks", ctypes.c_int64),
-        ("norms_after", ctypes.c_int),
         ("qk_norm_all", ctypes.c_int),
         ("residual_scale", ctypes.c_float),
+        ("gelu", ctypes.c_int),
     ]
 
 
@@ -89,7 +91,7 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(dll, f"decode_layers_{name}{pool}", None)
             if fn is None:
                 continue
-            fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 6
+            fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 7
             fn.argtypes += [ctypes.POINTER(abi.Refusal)]
             fn.restype = ctypes.c_int  # 0, or what was out of range
     for clock in ("decode_gemm_seconds", "decode_attention_seconds"):  # built with TIMERS_FLAG only
@@ -129,11 +131,9 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache) -> None:
         first = model.layers[0]
-        family = model.family
-        qk_norm = family.qk_norm  # the step's per-layer flag: q/k norm pointers, or NULL
-        placed = PLACED_NORMS[family.norm_placement]  # the layer's two norms, in the order it runs them
-        self.norms_after, self.qk_norm_all = family.norm_placement == "post", family.qk_norm_over == "all"
+        self.qk_norm_all = model.family.qk_norm_over == "all"
         self.residual_scale = 1.0 if first.residual_scale is None else first.residual_scale
+        self.gelu = first.activation != "silu"  # (`serves`: every layer's)
         self.kv = kv  # the pool the pointers below point into (kept alive with them)
         self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
         self.hidden = model.norm.shape[0]
@@ -150,21 +150,23 @@ class DecodeStep:
             entry.qkv_segments = len(qkv)
             for name in LINEAR_ROLES[1:]:
                 c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
-            entry.first_norm, entry.second_norm = (getattr(layer, n).data_ptr() for n in placed)
-            if qk_norm:
-                entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+            for role in NORM_ROLES:  # NULL where the layer has none
+                norm = getattr(layer, role)
+                setattr(entry, role, None if norm is None else norm.data_ptr())
             k, v = kv.k[layer.layer_idx], kv.v[layer.layer_idx]
             assert k.shape == v.shape == (kv.num_blocks, kv.block_size, self.kv_heads, self.head_dim)
             assert k.is_contiguous() and v.is_contiguous() and layer.q_heads == self.q_heads
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             entry.window = layer.window
             entry.group = kv.layer_group[layer.layer_idx]
+            entry.rope = layer.rope
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
         """Every piece has its C kernel: panel-packed linears of one activation dtype (float32 for
         float32, int8, int4 and GGUF panels; or bfloat16), the QKV in at most three
-        segments and the others in one (a gate-up paired), a pool in host memory of the activations'
+        segments and the others in one (a SiLU's gate-up paired, a gelu-tanh's plain), every layer of
+        one activation, a pool in host memory of the activations'
         dtype or 16-bit under float32, shapes within the decode kernel's limits (the step library
         holds its own copies of the decode kernel and the chains)."""
         lib = _library()
@@ -177,8 +179,9 @@ class DecodeStep:
             return False
         shapes_ok = all(
             len(lay.qkv_proj.segments) <= MAX_QKV_SEGMENTS
-            and lay.gate_up_proj.paired
-            and len(lay.o_proj.segments) == len(lay.down_proj.segments) == 1
+            and (lay.gate_up_proj.paired if lay.activation == "silu" else not lay.gate_up_proj.gated)
+            and len(lay.o_proj.segments) == len(lay.gate_up_proj.segments) == len(lay.down_proj.segments) == 1
+            and lay.activation == first.activation
             for lay in model.layers
         )
         return (
@@ -204,21 +207,25 @@ class DecodeStep:
                 like.new_empty(rows, self.q_heads * self.head_dim),  # attn [S, Hq D]
                 like.new_empty(rows, self.inter),  # act [S, I]
                 torch.arange(rows, device=like.device),  # query rows [S]: 0 .. S - 1
+                like.new_empty(rows, 2 * self.inter if self.gelu else 0),  # gate_up [S, 2 I]: gelu-tanh's
             ]
         return [b[:rows] for b in self._buffers]
 
     def run(
         self,
         residual: torch.Tensor,  # [S, H] the embeddings; the residual stream after the last layer on return
-        cos: torch.Tensor,  # [S, D / 2]
-        sin: torch.Tensor,  # [S, D / 2]
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],  # (cos, sin) [S, D / 2] each, per RoPE table
         meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
     ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
         groups = meta.group_metas or [meta]  # each layer group's slots and block tables
         if abi.debug():  # what the caller vouches for
             half = (rows, self.head_dim // 2)
-            assert residual.shape == (rows, self.hidden) and cos.shape == half and sin.shape == half
+            assert residual.shape == (rows, self.hidden)
+            assert all(
+                c.shape == s.shape == half and c.is_contiguous() and s.is_contiguous() for c, s in ropes
+            )
+            assert max(entry.rope for entry in self.layers) < len(ropes)
             assert len(groups) == len(self.kv.groups) and meta.block_size == self.kv.block_size
             for m in groups:
                 assert m.slot_mapping.shape == m.context_lens.shape == (rows,)
@@ -232,7 +239,9 @@ class DecodeStep:
         if lens is None:  # a step through the graph path's static buffers (padding rows included)
             lens = meta.context_lens.tolist()
         bounds = paged_decode.split(lens, per_key)
-        h, x, qkv, attn, act, query_rows = self._scratch(rows, residual)
+        h, x, qkv, attn, act, query_rows, gate_up = self._scratch(rows, residual)
+        cos = (_ptr * len(ropes))(*(c.data_ptr() for c, _ in ropes))
+        sin = (_ptr * len(ropes))(*(s.data_ptr() for _, s in ropes))
         step = StepMeta(
             len(self.layers),
             rows,
@@ -244,8 +253,8 @@ class DecodeStep:
             self.eps,
             self.scale,
             self.final_norm.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
+            ctypes.addressof(cos),
+            ctypes.addressof(sin),
             ctypes.addressof(slots),
             ctypes.addressof(tables),
             ctypes.addressof(max_blocks),
@@ -256,9 +265,9 @@ class DecodeStep:
             ctypes.addressof(bounds),
             len(bounds) - 1,
             self.kv.num_blocks,
-            self.norms_after,
             self.qk_norm_all,
             self.residual_scale,
+            self.gelu,
         )
         refusal = abi.Refusal()
         code = self.decode_layers(
@@ -270,6 +279,7 @@ class DecodeStep:
             qkv.data_ptr(),
             attn.data_ptr(),
             act.data_ptr(),
+            gate_up.data_ptr(),
             refusal,
         )
         abi.check(code, refusal, "decode step")
@@ -284,6 +294,6 @@ class OneCall:
     step: DecodeStep
     meta: AttentionMetadata
 
-    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def run(self, residual: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """`DecodeStep.run` over this step's metadata: the final norm of the stream ``[S, H]``."""
-        return self.step.run(residual, cos, sin, self.meta)
+        return self.step.run(residual, ropes, self.meta)

@@ -24,6 +24,8 @@ from pagedinfer.kernels.sources import KERNELS_DIR
 SOURCE = KERNELS_DIR / "cpu_llama_ops.c"
 SAMPLING_SOURCE = KERNELS_DIR / "cpu_sampling.c"
 DTYPES = (torch.float32, torch.bfloat16)  # the instantiations
+# an MLP's activation (the config's name) -> its chain act(gate) * up over a fused gate-up product
+ACT_CHAINS = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 
 
 @functools.cache
@@ -47,8 +49,9 @@ def _library() -> ctypes.CDLL | None:
             ptr,
             f32,
         ]
-        getattr(dll, f"silu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32]
-        for name in ("add_rms_norm", "qk_norm_rope", "silu_mul"):
+        for name in ACT_CHAINS.values():
+            getattr(dll, f"{name}_{suffix}").argtypes = [ptr, ptr, i32, i32]
+        for name in ("add_rms_norm", "qk_norm_rope", *ACT_CHAINS.values()):
             getattr(dll, f"{name}_{suffix}").restype = None
     return dll
 
@@ -162,14 +165,21 @@ def qk_norm_rope_(
 
 def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     """``silu(gate) * up`` of a fused gate-up GEMM output."""
+    return act_mul(gate_up, "silu", fast)
+
+
+def act_mul(gate_up: torch.Tensor, activation: str, fast: bool) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """``act(gate) * up`` of a fused gate-up GEMM output, ``activation`` one of `ACT_CHAINS`."""
     inter = gate_up.shape[1] // 2
     if fast:
         if debug():  # what the caller vouches for
             assert gate_up.is_contiguous()
         out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
-        _fn("silu_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        _fn(ACT_CHAINS[activation], gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
         return out
-    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    gate = gate_up[:, :inter]
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * gate_up[:, inter:]
 
 
 class GatedLinear(nn.Linear):

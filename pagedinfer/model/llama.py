@@ -1,18 +1,18 @@
 """Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
-phi3; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is `moe.ExpertMLP` in
-the layers the family makes sparse), built for the engine's packed-row step.
+phi3, gemma3_text; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is
+`moe.ExpertMLP` in the layers the family makes sparse), built for the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
 1-16 that overhead is as large as the matrix multiplies. Here each layer is four GEMMs (fused QKV,
 output, fused gate-up, down; concatenated once at load, packed for oneDNN by the loader like any
 ``nn.Linear``), three elementwise chains (`fused_ops`: residual add + RMSNorm twice, per-head norm +
-RoPE in place) and SiLU x up, and the attention call, which is the same paged attention transformers'
-layers reach (`attention.interface.attend`, behind `paged_attention`: same KV pool, kernels and
-step context). It reads the same Hugging Face checkpoints: config, safetensors, tokenizer. Which
-checkpoint modules fill which linear and norm is the family's declaration. transformers stays the
-reference (the parity tests compare the two) and the path for every other family. Which path a step
-takes (these layers one by one, or all of them in the one-call C step) is the runner's choice, passed
-to `forward`.
+RoPE in place) and SiLU x up (Gemma's gelu-tanh x up), and the attention call, which is the same
+paged attention transformers' layers reach (`attention.interface.attend`, behind `paged_attention`:
+same KV pool, kernels and step context). It reads the same Hugging Face checkpoints: config,
+safetensors, tokenizer. Which checkpoint modules fill which linear and norm is the family's
+declaration. transformers stays the reference (the parity tests compare the two) and the path for
+every other family. Which path a step takes (these layers one by one, or all of them in the one-call
+C step) is the runner's choice, passed to `forward`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from pagedinfer.model.gguf_blocks import GGUFWeight
 from pagedinfer.model.validate import Found, sizes
 
 # the kinds these layers compute (`fused_ops`): a family declaring another is served by transformers
-NORMS, ACTIVATIONS, ROPES = ("rms",), ("silu",), ("half",)
+NORMS, ACTIVATIONS, ROPES = ("rms",), ("silu", "gelu_pytorch_tanh"), ("half",)
+# RoPE kinds that recompute their angles as a sequence grows: per layer type (`Family.rope_by_layer_type`)
+# our tables follow one set of parameters each, not transformers' updates of them
+GROWING_ROPES = ("dynamic", "longrope")
 
 
 def unsupported_reason(config) -> str | None:
@@ -50,9 +53,14 @@ def unsupported_reason(config) -> str | None:
         return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
     if family.rope not in ROPES:
         return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention (pagedinfer's implementation attends causally only)"
     rope = getattr(config, "rope_parameters", None) or {}
-    if (rotary := rope.get("partial_rotary_factor", 1.0)) != 1.0:  # the C chains rotate whole heads
-        return f"partial_rotary_factor {rotary} (pagedinfer's implementation rotates whole heads only)"
+    for params in rope.values() if family.rope_by_layer_type else [rope]:
+        if (rotary := params.get("partial_rotary_factor", 1.0)) != 1.0:  # the C chains rotate whole heads
+            return f"partial_rotary_factor {rotary} (pagedinfer's implementation rotates whole heads only)"
+        if family.rope_by_layer_type and (kind := params.get("rope_type")) in GROWING_ROPES:
+            return f"rope_type {kind!r} per layer type (pagedinfer's implementation has fixed angles there)"
     switch = rope.get("original_max_position_embeddings") or getattr(
         config, "original_max_position_embeddings", 0
     )
@@ -113,8 +121,14 @@ class DecoderLayer(nn.Module):
         self.layer_idx = idx  # the attention function finds this layer's pool tensors by it
         self.q_heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
         scalars = family.multipliers
-        # Granite's attention scale and the factor of each branch before its residual add (None: 1)
-        self.scaling = self.head_dim**-0.5 if scalars is None else getattr(config, scalars.attention)
+        # Granite's attention scale (or Gemma's query_pre_attn_scalar ** -0.5) and the factor of each
+        # branch before its residual add (None: 1)
+        if scalars is not None:
+            self.scaling = getattr(config, scalars.attention)
+        elif family.query_scale is not None:
+            self.scaling = getattr(config, family.query_scale) ** -0.5
+        else:
+            self.scaling = self.head_dim**-0.5
         self.residual_scale = None if scalars is None else getattr(config, scalars.residual)
         self.eps = config.rms_norm_eps
         types = getattr(config, "layer_types", None)
@@ -123,14 +137,21 @@ class DecoderLayer(nn.Module):
         else:  # mistral: one window for all layers; llama: none
             window = getattr(config, "sliding_window", None)
         self.window = window or 0
+        # which of the model's RoPE tables this layer rotates by (`rope_tables`)
+        self.rope = rope_tables(config, family).index(types[idx] if family.rope_by_layer_type else None)
+        # the MLP's activation: SiLU in the gate-up GEMM's epilogue (paired panels), or gelu-tanh by
+        # its own chain over the plain product [T, 2 I]
+        self.activation = family.activation_of(config)
+        gated = self.activation == "silu"
         # qkv [(Hq + 2 Hkv) * D, H] (bias [(Hq + 2 Hkv) * D]); o [H, Hq * D]; gate_up [2 I, H], giving
-        # silu(gate) * up [T, I]; down [H, I]: each from the modules the family fuses in it (a layer
-        # with experts: qkv and o, and the experts' MLP in place of gate_up and down)
+        # silu(gate) * up [T, I] (gelu-tanh: gate, up [T, 2 I]); down [H, I]: each from the modules
+        # the family fuses in it (a layer with experts: qkv and o, and the experts' MLP in place of
+        # gate_up and down)
         linears = {
             role: _fused(
                 [sd.pop(f"{p}{m}.weight") for m in modules],
                 [sd.pop(f"{p}{m}.bias", None) for m in modules],
-                fused_ops.GatedLinear if role == "gate_up" else nn.Linear,
+                fused_ops.GatedLinear if role == "gate_up" and gated else nn.Linear,
             )
             for role, modules in family.linears_at(config, idx).items()
         }
@@ -138,7 +159,10 @@ class DecoderLayer(nn.Module):
         self.mlp = _experts(config, family, p, sd, s) if family.sparse_at(config, idx) else None
         if self.mlp is None:
             self.gate_up_proj, self.down_proj = linears["gate_up"], linears["down"]
-        norms = {role: _param(sd.pop(f"{p}{m}.weight")) for role, m in family.norms.items()}
+        norms = {
+            role: _norm_weight(sd.pop(f"{p}{m}.weight"), family.norm_weight_offset)
+            for role, m in family.norms.items()
+        }
         # [H] each, as the family places them: on the attention's and the MLP's inputs (input_norm,
         # post_norm), or on their outputs before each residual add (attn_out_norm, mlp_out_norm)
         self.input_norm, self.post_norm = norms.get("input_norm"), norms.get("post_norm")
@@ -195,12 +219,14 @@ class DecoderLayer(nn.Module):
             x = fused_ops.add_rms_norm(residual, o, self.post_norm, self.eps, fast)
         if self.mlp is not None:  # the experts (LoRA sites: attention's linears only)
             return self.mlp(x)
-        if lora is not None and lora.gate_up.active():  # deltas go in before silu(gate) * up
+        if lora is not None and lora.gate_up.active():  # deltas go in before act(gate) * up
             gate_up = packed_linear.ungated(self.gate_up_proj, x)  # [T, 2 I]
             lora.gate_up.apply(gate_up, x)
-            act = fused_ops.silu_mul(gate_up, fast)  # [T, I]
+            act = fused_ops.act_mul(gate_up, self.activation, fast)  # [T, I]
+        elif self.activation == "silu":
+            act = self.gate_up_proj(x)  # [T, I]: the GEMM's epilogue
         else:
-            act = self.gate_up_proj(x)  # [T, I]
+            act = fused_ops.act_mul(self.gate_up_proj(x), self.activation, fast)  # [T, I]
         down = self.down_proj(act)  # [T, H]
         if lora is not None:
             lora.down.apply(down, act)
@@ -225,6 +251,14 @@ class DecoderLayer(nn.Module):
                 qkv[:, start : start + width] = fused_ops.add_rms_norm(part, None, weight, self.eps, fast)
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+
+
+def _norm_weight(weight: torch.Tensor, offset: float) -> nn.Parameter:
+    """A norm's weight as the layers multiply by it: the family's offset added in float32 (Gemma's
+    1 + weight; a float32 model's sum is transformers' bits), then in the weight's own dtype."""
+    if offset:
+        weight = (weight.float() + offset).to(weight.dtype)
+    return _param(weight)
 
 
 def _experts(config, family: Family, prefix: str, sd: dict, s: Sizes) -> moe.ExpertMLP:
@@ -257,13 +291,16 @@ class RotaryEmbedding(nn.Module):
     same dynamic and long-context updates, so the values are transformers' own, without importing its
     modeling code (which loads torch's compiler stack: about a second of every start-up)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_type: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
-        self.rope_type = config.rope_parameters["rope_type"]
+        # a family with RoPE per layer type: that type's parameters (never a growing kind: `GROWING_ROPES`)
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+        self.rope_type = params["rope_type"]
         init = _default_rope if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = init(config)  # [D / 2]
+        by_type = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, self.attention_scaling = init(config, **by_type)  # [D / 2]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
@@ -278,11 +315,20 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def _default_rope(config) -> tuple[torch.Tensor, float]:
+def _default_rope(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """The original RoPE's inverse frequencies (transformers' ``compute_default_rope_parameters``)."""
-    base = config.rope_parameters["rope_theta"]
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    base = params["rope_theta"]
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0  # [D / 2]
+
+
+def rope_tables(config, family: Family) -> list[str | None]:
+    """The model's RoPE tables, by layer type where the family rotates each type by its own
+    parameters (in the order of the config's first layers of each type), else one (None)."""
+    if not family.rope_by_layer_type:
+        return [None]
+    return list(dict.fromkeys(config.layer_types[: config.num_hidden_layers]))
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -297,7 +343,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         scalars = family.multipliers  # Granite's: the embeddings' factor, the logits' divisor (None: 1)
         self.embed_scale = None if scalars is None else getattr(config, scalars.embedding)
         self.logits_scale = None if scalars is None else getattr(config, scalars.logits)
+        softcap = family.logits_softcap and getattr(config, family.logits_softcap, None)
+        self.logits_softcap = softcap or None  # Gemma's cap * tanh(logits / cap) (None: none)
         embed = sd.pop(f"{EMBED}.weight")  # [V, H]
+        if family.embedding_scaled:  # sqrt(H) rounded to the embedding's dtype, as transformers' Gemma
+            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(embed.dtype).item()
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
             table = packed_linear.gguf_segment([embed], None, gated=False)
@@ -307,7 +357,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, family, i, sd, self.sizes) for i in range(config.num_hidden_layers)
         )
-        self.norm = _param(sd.pop(f"{FINAL_NORM}.weight"))  # [H]
+        self.norm = _norm_weight(sd.pop(f"{FINAL_NORM}.weight"), family.norm_weight_offset)  # [H]
         head = sd.pop(f"{LM_HEAD}.weight", None)
         tied = head is None or getattr(config, "tie_word_embeddings", False)
         if tied and isinstance(embed, GGUFWeight):
@@ -318,7 +368,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lm_head = _linear(self.embed_tokens.weight, None)  # the loader's packing keeps the embedding
         else:
             self.lm_head = _fused([head], [None])
-        self.rotary = RotaryEmbedding(config)
+        # one per RoPE table (`rope_tables`); each layer's ``rope`` indexes them
+        self.rotary = nn.ModuleList(RotaryEmbedding(config, t) for t in rope_tables(config, family))
         self.lora_head: LoRASite | None = None  # lm_head's LoRA site once an engine enables LoRA
         if sd:
             raise ValueError(f"unexpected weights in the checkpoint: {', '.join(sorted(sd)[:5])}")
@@ -338,19 +389,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.embed_scale is not None:
             residual.mul_(self.embed_scale)
         fast = fused_ops.use_c(residual)
-        cos, sin = self.rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
-        half = cos.shape[-1] // 2
-        cos, sin = cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, D / 2]
+        ropes = []  # (cos, sin) [T, D / 2] each, per RoPE table
+        for rotary in self.rotary:
+            cos, sin = rotary(residual, position_ids)  # [1, T, D]: cat(freqs, freqs), halves equal
+            half = cos.shape[-1] // 2
+            ropes.append((cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()))
         if isinstance(logits_to_keep, torch.Tensor):
             keep = logits_to_keep
         else:
             keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         if one_call is not None:  # a decode-only step: all layers and the final norm in one C call
-            x = one_call.run(residual, cos, sin)[keep].contiguous()  # [R, H]
+            x = one_call.run(residual, ropes)[keep].contiguous()  # [R, H]
         else:
             h = None
             for layer in self.layers:
-                h = layer(h, residual, cos, sin, fast)
+                h = layer(h, residual, *ropes[layer.rope], fast)
             residual, h = residual[keep].contiguous(), h[keep].contiguous()  # [R, H]
             x = fused_ops.add_rms_norm(residual, h, self.norm, self.eps, fast)  # [R, H]
         if x.shape[0] == 0:  # no lm_head for no rows
@@ -360,6 +413,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lora_head.apply(logits, x)
         if self.logits_scale is not None:
             logits.div_(self.logits_scale)
+        if self.logits_softcap is not None:  # transformers' three ops, in its order
+            logits.div_(self.logits_softcap).tanh_().mul_(self.logits_softcap)
         return CausalLMOutput(logits.unsqueeze(0))  # [1, R, vocab]
 
 

@@ -6,6 +6,7 @@ family (the loader, the GGUF reader, the validation, the layers, the C step, the
 
 from __future__ import annotations
 
+from pagedinfer.model.families.gemma3 import GEMMA3
 from pagedinfer.model.families.granite import GRANITE
 from pagedinfer.model.families.llama import LLAMA
 from pagedinfer.model.families.mistral import MISTRAL
@@ -19,7 +20,7 @@ from pagedinfer.model.families.qwen3 import QWEN3
 from pagedinfer.model.families.qwen3_moe import QWEN3_MOE
 from pagedinfer.model.families.spec import Family
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GRANITE, PHI3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GRANITE, PHI3, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
 
 
 def find(config) -> Family | None:

@@ -5,7 +5,8 @@ it is; each module of its checkpoint under both names with its weight's shape as
 config (`Sizes`, by dimension names) and whether its weight and bias must, may or must not be there;
 which modules our layers fuse into one panel linear (`LINEAR_ROLES`) and which norm fills which of
 our layers' norms (`NORM_ROLES`) and where those sit (`PLACED_NORMS`: before or after each
-branch); Granite's scalars (`Multipliers`); which rows llama.cpp's converter permuted (undone on reading); and
+branch); Granite's scalars (`Multipliers`); Gemma's norm weight offset, embedding scale, query scale,
+softcaps and RoPE per layer type; which rows llama.cpp's converter permuted (undone on reading); and
 the kinds of norm, activation and RoPE the layers compute; and, for a mixture-of-experts family, its
 router and experts (`Experts`: which modules, how the router's scores are turned into weights); and,
 for the families `own_config` reads without transformers, their config classes' defaults. The
@@ -23,10 +24,14 @@ from dataclasses import dataclass, field
 LINEAR_ROLES = ("qkv", "o", "gate_up", "down")
 # our dense layer's norms: where they sit is the family's ``norm_placement``: "pre" (Llama), on the
 # attention's and the MLP's inputs (``input_norm``, ``post_norm``); "post" (OLMo-2), on the attention's
-# and the MLP's outputs, each before its residual add (``attn_out_norm``, ``mlp_out_norm``); and
-# (optional) on q and k
+# and the MLP's outputs, each before its residual add (``attn_out_norm``, ``mlp_out_norm``); "both"
+# (Gemma 3), the four; and (optional) on q and k
 NORM_ROLES = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
-PLACED_NORMS = {"pre": ("input_norm", "post_norm"), "post": ("attn_out_norm", "mlp_out_norm")}
+PLACED_NORMS = {
+    "pre": ("input_norm", "post_norm"),
+    "post": ("attn_out_norm", "mlp_out_norm"),
+    "both": ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm"),
+}
 HF_LAYER = "model.layers.{}."  # a layer's modules' prefix in Hugging Face names (in GGUF names: "blk.{}.")
 # what each dimension name of a shape stands for, in the config's fields (messages show these)
 DIMS = {
@@ -269,8 +274,22 @@ class Family:
     gguf_refused: str | None = None
     # a GGUF tensor -> why a file holding it is refused (what it carries that the config would lack)
     gguf_refused_with: dict[str, str] = field(default_factory=dict)
-    norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama) or output (OLMo-2)
+    norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama), output (OLMo-2) or both
     multipliers: Multipliers | None = None  # Granite's scalars
+    # added to every norm's weight once, at load (Gemma's norms multiply by 1 + weight: 1.0); its
+    # llama.cpp files hold the sum already
+    norm_weight_offset: float = 0.0
+    # the embeddings times sqrt(hidden_size), that factor first rounded to the weights' dtype (Gemma)
+    embedding_scaled: bool = False
+    # the config field whose value to the power -0.5 is the attention's scale in place of head_dim's
+    # (Gemma's query_pre_attn_scalar; None: head_dim's)
+    query_scale: str | None = None
+    # the config field of a tanh softcap on the final logits (cap * tanh(logits / cap); None in the
+    # config: none), Gemma's final_logit_softcapping
+    logits_softcap: str | None = None
+    # whether the config's rope_parameters holds one set per layer type (Gemma 3: "sliding_attention"'s
+    # local base, "full_attention"'s global one and its scaling), each layer rotating by its type's
+    rope_by_layer_type: bool = False
 
     @property
     def name(self) -> str:
