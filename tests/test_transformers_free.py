@@ -8,6 +8,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +29,7 @@ from pagedinfer.engine import fingerprint
 from pagedinfer.model import gguf, own_config, tokenizer_snapshot
 from pagedinfer.model.loader import DEMO_MODEL
 
+REPO = Path(__file__).resolve().parents[1]
 TEXTS = [
     "",
     "ROMEO: O Juliet!",
@@ -202,3 +208,24 @@ def test_a_message_that_is_no_dict_is_refused_in_transformers_words():
 
 def test_the_fingerprint_names_the_installed_transformers():
     assert fingerprint.libraries()["transformers"] == transformers.__version__
+
+
+@pytest.mark.parametrize("imported_first", [False, True], ids=["before-import", "after-import"])
+def test_the_command_lines_quieting_holds_whether_or_not_transformers_is_imported(imported_first):
+    """`quiet_transformers` before transformers is imported (its environment switches) leaves it as
+    its own ``set_verbosity_error`` and ``disable_progress_bar`` do after (a fresh process each)."""
+    code = (
+        ("import transformers.utils.logging\n" if imported_first else "")
+        + "from pagedinfer.hf_logging import quiet_transformers\n"
+        + "quiet_transformers()\n"
+        + "from transformers.utils import logging as l\n"
+        + "print(l.get_verbosity(), l.is_progress_bar_enabled())\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")
+    }
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [str(logging.ERROR), "False"]
