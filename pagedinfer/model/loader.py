@@ -463,13 +463,14 @@ def _load_tokenizer(folder: str, kwargs: dict, config):
     """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
     are there but do not load are refused now, naming the file, rather than failing every text line.
     Beside an `own_config.OwnConfig`, the class transformers' ``AutoTokenizer`` would choose is loaded
-    without it reading config.json again through its config classes (`own_config.tokenizer_loader`)."""
+    without it reading config.json again through its config classes (`own_config.tokenizer_loader`),
+    and its snapshot is read instead where an earlier load saved one (`tokenizer_snapshot`)."""
     own = isinstance(config, own_config.OwnConfig)
     if own and not _tokenizer_files(Path(folder)):  # AutoTokenizer would find none, reading config.json
         return None
     load = (own and own_config.tokenizer_loader(folder, config)) or own_config.auto_tokenizer
     try:
-        if own:  # a local folder: its snapshot, once transformers has loaded it (`tokenizer_snapshot`)
+        if own:  # a local folder
             tok = tokenizer_snapshot.load(folder, functools.partial(load, folder, **kwargs))
         else:
             tok = load(folder, **kwargs)
