@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedinfer.chat_messages import plain_template_data, template_chat
 from pagedinfer.chat_worker import (
     FRAME,
     MEMORY,
@@ -76,28 +77,23 @@ def render(
 ) -> str:
     """``messages`` rendered with ``template``, the generation prompt added, exactly as the tokenizer's
     ``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` renders them (its
-    messages normalized by transformers' own helpers; its variables the tokenizer's special tokens).
+    messages normalized as transformers' own helpers do, by `chat_messages`; its variables the
+    tokenizer's special tokens).
 
     Raises `ChatRenderError` (one line) for a template that rejects the messages, does not compile,
     runs past `TEMPLATE_BUDGET_S` or needs more than `MEMORY_LIMIT`, and `RenderedTooLong` past
     ``max_chars`` characters. ``interrupt`` is called every `POLL_S` while the render runs: what it
     raises ends the render (the worker is killed) and propagates."""
-    from transformers.utils.chat_template_utils import (
-        _alias_reasoning_fields,
-        _normalize_chat_messages,
-        _plain_template_data,
-    )
-
     if isinstance(messages, (list, tuple)) and not messages:
         raise ChatRenderError(  # transformers' words
             "the chat template rejected the messages: Cannot apply chat template to an empty conversation. "
             "Provide at least one message."
         )
     try:  # what apply_chat_template and render_jinja_template do to the messages before rendering
-        chat = _alias_reasoning_fields(_plain_template_data(_normalize_chat_messages(messages)))
+        chat = template_chat(messages)
     except (TypeError, ValueError) as e:
         raise ChatRenderError(f"the chat template rejected the messages: {e}") from None
-    variables = _plain_template_data(dict(special_tokens))
+    variables = plain_template_data(dict(special_tokens))
     budget = TEMPLATE_BUDGET_S
     request = ("render", template, budget, MEMORY_LIMIT, chat, variables, max_chars)
     kind, text = _worker().ask(request, budget, interrupt, 4 * max_chars)

@@ -89,6 +89,14 @@ def gguf_cache() -> Path:
     return Path(os.environ.get("PAGEDINFER_GGUF_CACHE", Path.home() / ".cache" / "pagedinfer" / "gguf"))
 
 
+def tokenizer_cache() -> Path:
+    """``PAGEDINFER_TOKENIZER_CACHE``: where the snapshots of tokenizers transformers loaded are kept
+    (`model.tokenizer_snapshot`), one folder per content of the files read and versions (default
+    ``~/.cache/pagedinfer/tokenizers``)."""
+    default = Path.home() / ".cache" / "pagedinfer" / "tokenizers"
+    return Path(os.environ.get("PAGEDINFER_TOKENIZER_CACHE", default))
+
+
 def kill_in_resume_write() -> int | None:
     """``PAGEDINFER_TEST_KILL_IN_RESUME_WRITE=N`` (tests): the run's Nth write of unfinished lines'
     tokens (``<output>.resume.lines``) stops half way through and the process kills itself (SIGKILL)."""

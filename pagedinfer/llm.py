@@ -16,6 +16,7 @@ from pagedinfer.engine.loop import GenerationLoop
 from pagedinfer.engine.stats import EngineStats
 from pagedinfer.lora.request import LoRARequest
 from pagedinfer.model.loader import load_model
+from pagedinfer.model.tokenizer_snapshot import Tokenizer as SnapshotTokenizer
 from pagedinfer.outputs import BeamSearchOutput, RequestOutput
 from pagedinfer.sampling_params import BeamSearchParams, SamplingParams
 
@@ -93,8 +94,10 @@ class LLM:
 
     @property
     def tokenizer(self):
-        """The model's Hugging Face tokenizer (None for a model directory without tokenizer files)."""
-        return self.engine.loaded.tokenizer
+        """The model's Hugging Face tokenizer (None for a model directory without tokenizer files). Where
+        the engine runs on its snapshot (`tokenizer_snapshot`), transformers loads it at the first ask."""
+        tok = self.engine.loaded.tokenizer
+        return tok.hf() if isinstance(tok, SnapshotTokenizer) else tok
 
     def get_tokenizer(self):
         """`tokenizer`, under vLLM's name (``LLM.get_tokenizer()``), so vLLM scripts run unchanged."""

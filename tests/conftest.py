@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_cache(tmp_path_factory) -> Path:
+    """The session's tokenizer snapshots (`model.tokenizer_snapshot`) in a folder of its own, not the
+    user's cache: a model's first load in the session goes through transformers, later ones through
+    the snapshot (child processes inherit it)."""
+    folder = tmp_path_factory.mktemp("tokenizers")
+    os.environ["PAGEDINFER_TOKENIZER_CACHE"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

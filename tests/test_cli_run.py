@@ -643,6 +643,7 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
     from pagedinfer.engine import intake
     from pagedinfer.lines import parse, source
     from pagedinfer.logits.processor import LogitsPipeline
+    from pagedinfer.model import tokenizer_snapshot
 
     calls: dict[str, int] = {}
 
@@ -659,7 +660,8 @@ def test_a_line_is_read_parsed_and_checked_once(model, tmp_path, monkeypatch):
         (source.InputLines, "__init__"),
         (parse.LineParser, "parse"),
         (intake.Intake, "prepare"),
-        (PreTrainedTokenizerBase, "__call__"),
+        (PreTrainedTokenizerBase, "__call__"),  # transformers' tokenizer, or its snapshot: either counts
+        (tokenizer_snapshot.Tokenizer, "__call__"),
         (LogitsPipeline, "validate"),
         (RequestLimits, "rejection_reason"),
     ]:

@@ -127,7 +127,8 @@ NOT_ON_THE_OWN_PATH = (
 def test_the_own_layers_run_without_transformers_model_code(tmp_path, tiny_model):
     """The demo model's run, `blocks`, and a GGUF file's (once its cache folder is filled) import none of
     `NOT_ON_THE_OWN_PATH` (the GGUF's run not gguf-py either), and still answer: the run's tokens are
-    the demo model's."""
+    the demo model's. Once each tokenizer's snapshot is saved (by the first load of its files), those
+    runs import no transformers at all."""
     from gguf_models import save_gguf
 
     text = tmp_path / "text.jsonl"
@@ -136,19 +137,24 @@ def test_the_own_layers_run_without_transformers_model_code(tmp_path, tiny_model
     ids.write_text('{"id": "b", "prompt_token_ids": [5, 6], "max_tokens": 3}\n')
     gguf_file = save_gguf(tiny_model("llama"), tmp_path / "tiny-llama.gguf")
     gguf_run = ["run", str(ids), "-o", str(tmp_path / "gguf.jsonl"), "--model", str(gguf_file), "--quiet"]
+    demo_run = ["run", str(text), "-o", str(tmp_path / "demo.jsonl"), "--quiet"]
     runs = {
         "gguf-first": gguf_run,  # fills the GGUF's cache folder (transformers reads its metadata once)
-        "demo": ["run", str(text), "-o", str(tmp_path / "demo.jsonl"), "--quiet"],
+        "demo-first": demo_run,  # saves the demo tokenizer's snapshot (transformers loads it once)
+        "demo": demo_run,
         "blocks": ["blocks"],
         "gguf": gguf_run,
     }
-    cache = str(tmp_path / "gguf-cache")
+    caches = {"PAGEDINFER_GGUF_CACHE": str(tmp_path / "gguf-cache")}
+    caches["PAGEDINFER_TOKENIZER_CACHE"] = str(tmp_path / "tokenizer-cache")
     for name, args in runs.items():
-        run, modules = imported_modules(args, tmp_path, PAGEDINFER_GGUF_CACHE=cache)
+        run, modules = imported_modules(args, tmp_path, **caches)
         assert run.returncode == 0, (name, run.stderr[-2000:])
         if name != "gguf-first":
             assert "pagedinfer.model.llama" in modules, name  # the own layers ran
             assert sorted(m for m in modules if m.startswith(NOT_ON_THE_OWN_PATH)) == [], name
+        if not name.endswith("-first"):  # the tokenizer's snapshot, the rest read without transformers
+            assert sorted(m for m in modules if m.split(".")[0] == "transformers") == [], name
         if name == "gguf":  # float tensors and kept blocks are read without gguf-py
             assert sorted(m for m in modules if m.split(".")[0] == "gguf") == []
     demo = json.loads((tmp_path / "demo.jsonl").read_text())

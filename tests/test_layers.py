@@ -38,6 +38,8 @@ LEAVES = {
     "envs",
     "chat_template",
     "chat_render",
+    "chat_messages",
+    "hf_logging",
     "chat_worker",
     "terminal",
     "errors",

@@ -148,12 +148,10 @@ def blocks(
             _usage_error(str(e), err)
         title = f"trace {trace_file}"
     else:
-        from transformers.utils import logging as hf_logging
-
+        from pagedinfer.hf_logging import quiet_transformers
         from pagedinfer.model.loader import ModelLoadError
 
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        quiet_transformers()
         try:
             doc = blocks_view.builtin_trace(model, block_size, prompt_tokens, n, max_tokens, num_blocks)
         except (ModelLoadError, ValueError) as e:

@@ -64,16 +64,14 @@ def _demo_model_hint(opts: RunOptions, error: Exception) -> str:
 
 
 def _load(opts: RunOptions, err: Console) -> tuple[LLM, LineRunner]:
-    from transformers.utils import logging as hf_logging
-
     from pagedinfer.engine.llm_engine import MaxModelLenCapped
+    from pagedinfer.hf_logging import quiet_transformers
     from pagedinfer.lines.runner import LineRunner
     from pagedinfer.llm import LLM
     from pagedinfer.lora.adapter import AdapterError
     from pagedinfer.model.loader import ModelLoadError
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
     with status(opts, err, f"loading {opts.model or 'the demo model'}"):
         try:
             with warnings.catch_warnings():  # the run says it in its own words (`note_capped_context`)

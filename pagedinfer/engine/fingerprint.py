@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 from dataclasses import dataclass
@@ -170,13 +171,13 @@ def kernel_probe() -> str | None:
 def libraries() -> dict[str, str]:
     """The versions of the libraries whose code computes part of a record: torch (RoPE's angles, the
     log-normaliser of logprobs, the filtered sampler), transformers (its layers, the rotary classes),
-    tokenizers (prompt tokens, text)."""
+    tokenizers (prompt tokens, text). transformers' is its installed distribution's (the version its
+    package states), read without importing it: a run that needs none of its code does not load it."""
     import tokenizers
-    import transformers
 
     return {
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": importlib.metadata.version("transformers"),
         "tokenizers": tokenizers.__version__,
     }
 

@@ -57,7 +57,7 @@ class LineRunner:
                 raise AdapterError(f"--lora {name}={path}: {e}") from None
         self.llm = llm
         self.model_name = model_name
-        self.token_text = TokenText(llm.tokenizer)
+        self.token_text = TokenText(llm.engine.loaded.tokenizer)  # the engine's own (no transformers)
         self._loop = llm.loop()
         self.kept: dict[str, KeptLine] = {}  # by line key: what an earlier run generated (--resume)
 

@@ -27,6 +27,7 @@ model at a high temperature spends its tokens on blank space between JSON tokens
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,13 +159,18 @@ class GrammarCompiler:
     def ll_tokenizer(self):
         """llguidance's view of the tokenizer (about a second to build: once per engine)."""
         if self._ll_tokenizer is None:
-            import llguidance.hf
+            import llguidance
 
             if self.eos_ids:
                 n_vocab, eos = self.vocab_size, self.eos_ids
             else:  # a virtual EOS past the logits: never drawn, it only lets a grammar end
                 n_vocab, eos = self.vocab_size + 1, self.vocab_size
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=eos)
+            # what llguidance.hf.from_tokenizer does with a fast tokenizer, without importing transformers
+            # for its type check: the backend's JSON without padding or truncation
+            backend = copy.copy(self.tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
         return self._ll_tokenizer
 
     @property

@@ -24,7 +24,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from pagedinfer.attention import interface as attention
 from pagedinfer.lora.site import LoRASite
@@ -289,7 +288,9 @@ class RotaryEmbedding(nn.Module):
     """transformers' RoPE of the families whose ``rope`` is "half" (their ``*RotaryEmbedding`` classes are
     one and the same): ``cos, sin`` of ``cat(freqs, freqs)`` from the same ``ROPE_INIT_FUNCTIONS`` and the
     same dynamic and long-context updates, so the values are transformers' own, without importing its
-    modeling code (which loads torch's compiler stack: about a second of every start-up)."""
+    modeling code (which loads torch's compiler stack: about a second of every start-up). The default
+    RoPE (no scaling) is computed here as transformers computes it, and its update is none, so that
+    transformers is imported only for a scaled RoPE."""
 
     def __init__(self, config, layer_type: str | None = None) -> None:
         super().__init__()
@@ -298,21 +299,33 @@ class RotaryEmbedding(nn.Module):
         # a family with RoPE per layer type: that type's parameters (never a growing kind: `GROWING_ROPES`)
         params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
         self.rope_type = params["rope_type"]
-        init = _default_rope if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
         by_type = {} if layer_type is None else {"layer_type": layer_type}
-        inv_freq, self.attention_scaling = init(config, **by_type)  # [D / 2]
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = _default_rope(config, **by_type)  # [D / 2]
+            self._cos_sin = _cos_sin
+        else:  # transformers' frequencies and its dynamic and long-context updates of them
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](
+                config, **by_type
+            )  # [D / 2]
+            self._cos_sin = dynamic_rope_update(_cos_sin)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
-    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )  # [1, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [1, T, D]
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(
-            x.dtype
-        )
+        return self._cos_sin(self, x, position_ids)
+
+
+def _cos_sin(
+    rope: RotaryEmbedding, x: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotary ``forward``: ``cos, sin`` of the positions' angles, in ``x``'s dtype."""
+    freqs = position_ids[..., None].float() * rope.inv_freq.to(
+        device=x.device, dtype=torch.float
+    )  # [1, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [1, T, D]
+    return (emb.cos() * rope.attention_scaling).to(x.dtype), (emb.sin() * rope.attention_scaling).to(x.dtype)
 
 
 def _default_rope(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

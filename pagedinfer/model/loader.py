@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers.generation.configuration_utils import GenerationConfig
 
 from pagedinfer import envs
 from pagedinfer.attention import interface as attention
@@ -29,6 +29,7 @@ from pagedinfer.model import (
     packed_linear,
     panel_cache,
     panel_formats,
+    tokenizer_snapshot,
     validate,
 )
 from pagedinfer.model.dtype import DTypeError, choose_dtype, dtype_name, emulated_note
@@ -65,7 +66,9 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: object | None  # a transformers fast tokenizer, or None (token-id prompts only)
+    # a transformers fast tokenizer, or its snapshot (`tokenizer_snapshot.Tokenizer`), or None (token-id
+    # prompts only)
+    tokenizer: object | None
     layer_shapes: dict[int, LayerShape]
     max_model_len: int
     eos_token_ids: set[int]
@@ -460,17 +463,17 @@ def _load_tokenizer(folder: str, kwargs: dict, config):
     """The model's fast tokenizer; None when it has no tokenizer files (token-id prompts only). Files that
     are there but do not load are refused now, naming the file, rather than failing every text line.
     Beside an `own_config.OwnConfig`, the class transformers' ``AutoTokenizer`` would choose is loaded
-    without it reading config.json again through its config classes (`own_config.tokenizer_loader`)."""
+    without it reading config.json again through its config classes (`own_config.tokenizer_loader`),
+    and its snapshot is read instead where an earlier load saved one (`tokenizer_snapshot`)."""
     own = isinstance(config, own_config.OwnConfig)
     if own and not _tokenizer_files(Path(folder)):  # AutoTokenizer would find none, reading config.json
         return None
-    load = own_config.tokenizer_loader(folder, config) if own else None
+    load = (own and own_config.tokenizer_loader(folder, config)) or own_config.auto_tokenizer
     try:
-        if load is None:
-            from transformers import AutoTokenizer
-
-            load = AutoTokenizer.from_pretrained
-        tok = load(folder, **kwargs)
+        if own:  # a local folder
+            tok = tokenizer_snapshot.load(folder, functools.partial(load, folder, **kwargs))
+        else:
+            tok = load(folder, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure: missing files (fine) or broken ones (refused)
         present = [Path(folder) / f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
         if present:
@@ -508,8 +511,28 @@ def _set_chat_template(tokenizer, template: str, name: str) -> None:
     tokenizer.chat_template = template
 
 
-def _generation_config(folder: str, config, cache_only: dict) -> GenerationConfig:
-    """The checkpoint's generation_config.json, else one derived from the model config."""
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What the engine reads of a checkpoint's generation config (its EOS ids), read from a local
+    folder's generation_config.json as transformers' ``GenerationConfig`` reads that key, without
+    importing transformers for a file of a few numbers."""
+
+    eos_token_id: int | list[int] | None
+
+
+def _generation_config(folder: str, config, cache_only: dict) -> object:
+    """The checkpoint's generation_config.json, else one derived from the model config (whose EOS is
+    the config's). A local folder's file is read here (`GenerationDefaults`); a hub id's through
+    transformers' ``GenerationConfig``, which finds it in the hub's cache."""
+    if Path(folder).is_dir():
+        try:
+            doc = json.loads((Path(folder) / "generation_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        eos = doc.get("eos_token_id") if isinstance(doc, dict) else getattr(config, "eos_token_id", None)
+        return GenerationDefaults(eos)
+    from transformers.generation.configuration_utils import GenerationConfig
+
     try:
         return GenerationConfig.from_pretrained(folder, **cache_only)
     except Exception:  # noqa: BLE001 - no generation_config.json

@@ -180,12 +180,22 @@ def tokenizer_loader(folder: str | Path, config: OwnConfig) -> Callable[..., obj
     if not isinstance(declared, str) or "auto_map" in doc:
         return None
     if declared == "TokenizersBackend" and config.model_type in KEEPS_DECLARED_TOKENIZER:
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return _tokenizers_backend
+    return functools.partial(auto_tokenizer, config=config)
 
-        return functools.partial(TokenizersBackend.from_pretrained, _from_auto=True)
+
+def _tokenizers_backend(folder: str | Path, **kwargs: object) -> object:
+    """``TokenizersBackend.from_pretrained`` as ``AutoTokenizer`` calls it (transformers imported now)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder, _from_auto=True, **kwargs)
+
+
+def auto_tokenizer(folder: str | Path, **kwargs: object) -> object:
+    """``AutoTokenizer.from_pretrained`` (transformers imported now)."""
     from transformers import AutoTokenizer
 
-    return functools.partial(AutoTokenizer.from_pretrained, config=config)
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
 def _rope(raw: dict) -> dict | None:

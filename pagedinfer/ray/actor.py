@@ -55,14 +55,13 @@ class EngineReplica:
         """``loras``: the ``--lora`` adapters (name, directory), read and checked now as the
         single-process run does; one that does not fit the model ends the replica's start with its error."""
         import torch
-        from transformers.utils import logging as hf_logging
 
+        from pagedinfer.hf_logging import quiet_transformers
         from pagedinfer.llm import LLM
 
         if threads:
             torch.set_num_threads(threads)
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        quiet_transformers()
         self.llm = LLM.from_config(config)
         self.runner = LineRunner(self.llm, model_name, loras)
         self.llm.system_fingerprint()  # in its records, its figures and its info
