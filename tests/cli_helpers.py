@@ -187,3 +187,17 @@ def run_script(name: str, args: str, **env: str) -> str:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+
+def speculation_on_and_off(tmp_path: Path, model: str, spec: dict, text: str) -> tuple[list[str], dict]:
+    """One line (``text``, n=2, seeded) through ``pagedinfer run`` with ``--speculative-config spec``
+    and without: the records must be identical. Returns the run's common arguments (for more runs) and
+    its report's ``speculation``."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": text, "max_tokens": 12, "n": 2, "seed": 1}])
+    common = ["run", prompts, "--model", model, "--quiet", "--num-blocks", "32"]
+    off = invoke(*common, "-o", tmp_path / "off.jsonl")
+    on_args = ["-o", tmp_path / "on.jsonl", "--speculative-config", json.dumps(spec)]
+    on = invoke(*common, *on_args, "--report-json", tmp_path / "r.json")
+    assert off.exit_code == on.exit_code == 0, on.output
+    assert read_jsonl(tmp_path / "on.jsonl") == read_jsonl(tmp_path / "off.jsonl")
+    return common, json.loads((tmp_path / "r.json").read_text())["speculation"]

@@ -286,6 +286,31 @@ def count_one_call_steps(monkeypatch) -> list[int]:
     return steps
 
 
+def step_and_layer_path_agree(
+    monkeypatch, steps: list[int], make_llm, prompt_ids: list[list[int]], max_tokens: int
+):
+    """Seeded n=3 sampling with logprobs through ``make_llm()``'s engine: tokens and log-probabilities
+    exactly equal with the one-call C decode step (``steps``, from `count_one_call_steps`: it must run)
+    and layer by layer (``PAGEDINFER_DECODE_STEP=0``: it must not)."""
+    from pagedinfer import SamplingParams
+
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=max_tokens, seed=11, logprobs=2, ignore_eos=True)
+
+    def run():
+        outs = make_llm().generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        return [
+            [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
+            for o in outs
+        ]
+
+    with_step = run()
+    assert steps
+    steps.clear()
+    monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    assert run() == with_step
+    assert not steps
+
+
 def refused_then_run(run, step, residual, ropes, meta, bad: list, refusals: list[str]):
     """The C decode step ``run`` (``DecodeStep.run`` itself) of ``step``, first on each metadata of
     ``bad``: each refused before any layer (`IndexOutOfRange`, its message appended to ``refusals``),

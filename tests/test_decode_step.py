@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from conftest import DEVICE, ENGINE
-from models import hf_greedy
+from models import hf_greedy, step_and_layer_path_agree
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.model import decode_step, packed_linear
@@ -78,10 +78,9 @@ def test_c_step_gives_the_bits_of_the_layer_by_layer_path(
     float32 or 16-bit pool, float32 or int8 weights) and in bfloat16 (the same panel GEMMs, K/V
     writes and C chains, layer by layer or in one call)."""
     path = tiny_model("qwen3")
-    params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
 
-    def run():
-        llm = LLM(
+    def make_llm():
+        return LLM(
             str(path),
             block_size=4,
             num_blocks=256,
@@ -90,18 +89,8 @@ def test_c_step_gives_the_bits_of_the_layer_by_layer_path(
             quantization=quantization,
             **{**ENGINE, "dtype": dtype},
         )
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
-        return [
-            [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
-            for o in outs
-        ]
 
-    with_step = run()
-    assert steps
-    steps.clear()
-    monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
-    assert run() == with_step
-    assert not steps
+    step_and_layer_path_agree(monkeypatch, steps, make_llm, prompts(4), MAX_TOKENS)
 
 
 def test_the_c_step_serves_only_where_every_piece_has_a_c_kernel(tiny_model, steps, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import DEVICE, ENGINE
 from gguf_models import save_gguf
-from models import count_one_call_steps, hf_greedy, peft_greedy, save_lora
+from models import count_one_call_steps, hf_greedy, peft_greedy, save_lora, step_and_layer_path_agree
 
 from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.model import families, packed_linear
@@ -76,22 +76,11 @@ def test_the_one_call_step_gives_the_bits_of_the_layer_path(tiny_model, monkeypa
     and without it (the same norms, multipliers and residual adds, in C or as torch ops)."""
     steps = count_one_call_steps(monkeypatch)
     path = tiny_model(name)
-    params = SamplingParams(n=3, temperature=0.9, max_tokens=MAX_TOKENS, seed=11, logprobs=2, ignore_eos=True)
 
-    def run():
-        llm = LLM(str(path), block_size=4, num_blocks=256, **{**ENGINE, "dtype": dtype})
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
-        return [
-            [(c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]) for c in o.outputs]
-            for o in outs
-        ]
+    def make_llm():
+        return LLM(str(path), block_size=4, num_blocks=256, **{**ENGINE, "dtype": dtype})
 
-    with_step = run()
-    assert steps
-    steps.clear()
-    monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
-    assert run() == with_step
-    assert not steps
+    step_and_layer_path_agree(monkeypatch, steps, make_llm, prompts(4), MAX_TOKENS)
 
 
 def test_gemma3_adapters_match_peft(tiny_model, model_root):

@@ -180,27 +180,11 @@ def test_model_key_alone_means_draft_model():
 
 
 def test_command_line_option(tmp_path, tiny_model):
-    from cli_helpers import invoke, one_line_error, read_jsonl
+    from cli_helpers import invoke, one_line_error, speculation_on_and_off
     from cli_helpers import tiny_model as cli_model
 
     target = cli_model()
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": TEXT, "max_tokens": 12, "n": 2, "seed": 1}) + "\n")
-    common = ["run", prompts, "--model", target, "--quiet", "--num-blocks", "32"]
-    off = invoke(*common, "-o", tmp_path / "off.jsonl")
-    spec = json.dumps(draft_spec(target, 3))
-    on = invoke(
-        *common,
-        "-o",
-        tmp_path / "on.jsonl",
-        "--speculative-config",
-        spec,
-        "--report-json",
-        tmp_path / "r.json",
-    )
-    assert off.exit_code == on.exit_code == 0, on.output
-    assert read_jsonl(tmp_path / "on.jsonl") == read_jsonl(tmp_path / "off.jsonl")
-    report = json.loads((tmp_path / "r.json").read_text())["speculation"]
+    common, report = speculation_on_and_off(tmp_path, target, draft_spec(target, 3), TEXT)
     assert report["mode"] == f"on: draft_model {target}, up to 3 drafted tokens"
     assert report["sources"]["draft_model"]["drafted"] > 0
     assert report["draft_pool"]["used_blocks"] == 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -347,24 +346,9 @@ def test_speculation_is_off_outside_the_contract(tiny_model):
 
 
 def test_command_line_option(tmp_path):
-    from cli_helpers import invoke, one_line_error, read_jsonl, tiny_model, write_jsonl
+    from cli_helpers import invoke, one_line_error, speculation_on_and_off, tiny_model
 
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": TEXT, "max_tokens": 12, "n": 2, "seed": 1}])
-    common = ["run", prompts, "--model", tiny_model(), "--quiet", "--num-blocks", "32"]
-    off = invoke(*common, "-o", tmp_path / "off.jsonl")
-    spec = json.dumps(SPEC)
-    on = invoke(
-        *common,
-        "-o",
-        tmp_path / "on.jsonl",
-        "--speculative-config",
-        spec,
-        "--report-json",
-        tmp_path / "r.json",
-    )
-    assert off.exit_code == on.exit_code == 0, on.output
-    assert read_jsonl(tmp_path / "on.jsonl") == read_jsonl(tmp_path / "off.jsonl")
-    report = json.loads((tmp_path / "r.json").read_text())["speculation"]
+    common, report = speculation_on_and_off(tmp_path, tiny_model(), SPEC, TEXT)
     assert report["mode"] == "on: ngram, up to 4 drafted tokens" and "prompt_lookup" in report["sources"]
     bad = invoke(
         *common, "-o", tmp_path / "bad.jsonl", "--speculative-config", '{"num_speculative_tokens": 0}'
