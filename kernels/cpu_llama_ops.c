@@ -3,10 +3,11 @@
  *
  * A decode step at batch 1-16 spends more time dispatching small torch ops than computing them;
  * these loops do each chain (residual add + RMSNorm, per-head RMSNorm + RoPE in place, SiLU x up)
- * in one pass over the rows (Gemma's gelu-tanh x up too). Rows run in parallel only when the work pays for waking threads.
- * The chains live in cpu_llama_ops_body.h, instantiated at the end of this file per element type:
- * add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16}, gelu_tanh_mul_{f32,bf16}. Arithmetic is float32 in
- * both; the bfloat16 ones round where transformers' bfloat16 modules round (each op's output).
+ * in one pass over the rows (Gemma's gelu-tanh x up too). Rows run in parallel only when the work
+ * pays for waking threads. The chains live in cpu_llama_ops_body.h, instantiated at the end of this
+ * file per element type: add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16},
+ * gelu_tanh_mul_{f32,bf16}. Arithmetic is float32 in both; the bfloat16 ones round where
+ * transformers' bfloat16 modules round (each op's output).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,6 +25,22 @@
 #include "cpu_llama_ops.h" /* the entry points below */
 #include "cpu_exp.h" /* exp_poly, exp_poly8: the SiLU's exp */
 #include "cpu_vec.h" /* load8, load8_bf16, store8_bf16, round8_bf16 */
+
+/* The MLP activations of the form act(x) = x / (1 + exp(-z(x))), each by its z: SiLU's z = x; the
+ * tanh form of gelu, x / 2 * (1 + tanh(u)) with u = sqrt(2 / pi) * (x + 0.044715 x^3), is the same
+ * function with z = 2 u (Gemma's GeGLU). One chain serves both (act_mul in cpu_llama_ops_body.h). */
+#define GELU_TWO_K 1.5957691216057308f /* 2 sqrt(2 / pi) */
+#define GELU_CUBE 0.044715f
+static inline float silu_z(float x) { return x; }
+static inline float gelu_tanh_z(float x) { return GELU_TWO_K * (x + GELU_CUBE * (x * x * x)); }
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 silu_z8(__m256 x) { return x; }
+static inline __m256 gelu_tanh_z8(__m256 x) {
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 inner = _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(GELU_CUBE), x3));
+    return _mm256_mul_ps(_mm256_set1_ps(GELU_TWO_K), inner);
+}
+#endif
 
 /* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even. */
 static inline uint32_t bf16_rounded_bits(float f) {

@@ -85,54 +85,38 @@ void FN(scale_rows)(ELEM *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] = ST(LD(x[i]) * s);
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gate and up halves of one fused GEMM. */
-void FN(silu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
-#pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)
-    for (int r = 0; r < rows; r++) {
-        const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
-        ELEM *o = out + (int64_t)r * inter;
-        int i = 0;
+/* out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i], the gate and up halves of one fused GEMM, for
+ * an activation x / (1 + exp(-Z(x))) (cpu_llama_ops.c: silu_z, gelu_tanh_z; Z8 their 8-lane forms),
+ * the activation rounded where transformers' module rounds it. */
 #if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= inter; i += 8) {
-            __m256 gv = LOAD8(g + i);
-            __m256 e = exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            STORE8(o + i, _mm256_mul_ps(RND8(_mm256_div_ps(gv, _mm256_add_ps(one, e))), LOAD8(u + i)));
-        }
-#endif
-        for (; i < inter; i++) {
-            float gi = LD(g[i]);
-            o[i] = ST(RND(gi / (1.0f + exp_poly(-gi))) * LD(u[i]));
-        }
+#define ACT_MUL_LANES8(Z8)                                                                                  \
+    for (; i + 8 <= inter; i += 8) {                                                                      \
+        const __m256 x = LOAD8(g + i);                                                                    \
+        const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), Z8(x)));                            \
+        const __m256 act = RND8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));               \
+        STORE8(o + i, _mm256_mul_ps(act, LOAD8(u + i)));                                                  \
     }
-}
-
-/* out[r, i] = gelu_tanh(gate_up[r, i]) * gate_up[r, inter + i] (Gemma's GeGLU): gelu's tanh form
- * x / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (x + 0.044715 x^3), computed as the same function
- * x / (1 + exp(-2 u)) with the SiLU's exp; the activation rounded where transformers' module rounds it. */
-void FN(gelu_tanh_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter) {
-    const float two_k = 1.5957691216057308f, cube = 0.044715f; /* 2 sqrt(2 / pi) */
-#pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)
-    for (int r = 0; r < rows; r++) {
-        const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
-        ELEM *o = out + (int64_t)r * inter;
-        int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f), k = _mm256_set1_ps(two_k), c = _mm256_set1_ps(cube);
-        for (; i + 8 <= inter; i += 8) {
-            const __m256 x = LOAD8(g + i);
-            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-            const __m256 u2 = _mm256_mul_ps(k, _mm256_add_ps(x, _mm256_mul_ps(c, x3)));
-            const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), u2));
-            STORE8(o + i, _mm256_mul_ps(RND8(_mm256_div_ps(x, _mm256_add_ps(one, e))), LOAD8(u + i)));
-        }
+#else
+#define ACT_MUL_LANES8(Z8)
 #endif
-        for (; i < inter; i++) {
-            const float x = LD(g[i]), u2 = two_k * (x + cube * (x * x * x));
-            o[i] = ST(RND(x / (1.0f + exp_poly(-u2))) * LD(u[i]));
-        }
+#define ACT_MUL(NAME, Z, Z8)                                                                                \
+    void FN(NAME)(const ELEM *gate_up, ELEM *out, int rows, int inter) {                                  \
+        _Pragma("omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)")           \
+        for (int r = 0; r < rows; r++) {                                                                  \
+            const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;                             \
+            ELEM *o = out + (int64_t)r * inter;                                                           \
+            int i = 0;                                                                                    \
+            ACT_MUL_LANES8(Z8)                                                                            \
+            for (; i < inter; i++) {                                                                      \
+                const float x = LD(g[i]);                                                                 \
+                o[i] = ST(RND(x / (1.0f + exp_poly(-Z(x)))) * LD(u[i]));                                 \
+            }                                                                                             \
+        }                                                                                                 \
     }
-}
+ACT_MUL(silu_mul, silu_z, silu_z8)
+ACT_MUL(gelu_tanh_mul, gelu_tanh_z, gelu_tanh_z8)
+#undef ACT_MUL
+#undef ACT_MUL_LANES8
 
 #undef ELEM
 #undef LD
