@@ -332,7 +332,13 @@ def vllm_sampling(w: dict) -> list[dict]:
     build refuses one ("CPU Generator does not use offset"), the engine's seed serves."""
     top1 = {"temperature": 1.0, "top_k": 1} if w["temperature"] == 0 and w["n"] > 1 else {}
     return [
-        {"n": w["n"], "temperature": w["temperature"], "max_tokens": m, "ignore_eos": True} | top1
+        {
+            "n": w["n"],
+            "temperature": w["temperature"],
+            "max_tokens": m,
+            "ignore_eos": w.get("ignore_eos", True),
+        }
+        | top1
         for m in w["max_tokens"]
     ]
 
@@ -465,6 +471,7 @@ class PagedinferRunner:
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=spec["max_num_batched_tokens"],
             enable_prefix_caching=True,
+            speculative_config=spec.get("speculative"),
         )
         self.quantization = quantization
 
@@ -474,7 +481,11 @@ class PagedinferRunner:
         self.llm.reset_prefix_cache()
         params = [
             SamplingParams(
-                n=w["n"], temperature=w["temperature"], max_tokens=m, ignore_eos=True, seed=w["seed"]
+                n=w["n"],
+                temperature=w["temperature"],
+                max_tokens=m,
+                ignore_eos=w.get("ignore_eos", True),
+                seed=w["seed"],
             )
             for m in w["max_tokens"]
         ]
@@ -509,6 +520,7 @@ class VllmRunner:
             max_model_len=2048,
             enable_prefix_caching=True,
             seed=0,
+            speculative_config=spec.get("speculative"),
         )
         self.asked = spec["dtype"]
 

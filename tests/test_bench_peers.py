@@ -280,3 +280,30 @@ def test_peer_install_failure_is_one_line(bench, tmp_path, monkeypatch):
     assert why.startswith("`pip install --progress-bar off pagedinfer-no-such-package-xyz` failed: ")
     assert "\n" not in why and "pagedinfer-no-such-package-xyz" in why
     assert not (tmp_path / "venv-vllm" / ".bench-peers-installed").exists()
+
+
+def test_speculative_peers_table_and_stopping_workloads(bench):
+    spec = importlib.util.spec_from_file_location(
+        "bench_speculative_peers", ROOT / "scripts" / "bench_speculative_peers.py"
+    )
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    # W6 stops at the end token: the flag reaches vLLM's arguments (the other workloads keep ignore_eos)
+    w6 = {"n": 1, "temperature": 0.0, "max_tokens": [9], "seed": 0, "ignore_eos": False}
+    assert bench.vllm_sampling(w6) == [{"n": 1, "temperature": 0.0, "max_tokens": 9, "ignore_eos": False}]
+    off = [[[1, 2, 3]], [[4, 5]]]  # per prompt, per completion
+    assert peers.tokens(off) == 5
+    runs = {
+        "pagedinfer off": {"walls": {"b1": [2.0, 1.0]}, "outputs": {"b1": off}},
+        "pagedinfer ngram": {"walls": {"b1": [0.5]}, "outputs": {"b1": off}},
+        "vllm off": {"walls": {"b1": [5.0]}, "outputs": {"b1": off}},
+        "vllm ngram": {"walls": {"b1": [2.5]}, "outputs": {"b1": [[[1, 2, 3]], [[4, 6]]]}},
+    }
+    table = peers.report(
+        {"systems": ["pagedinfer", "vllm"], "runs": runs, "loadavg": [1.0, 2.5], "machine": "M"}
+    )
+    assert table.splitlines()[3:] == [
+        "| pagedinfer | b1 | 5.0 | 10.0 | 2.00x | yes | off yes, on yes |",  # the fastest run of each
+        "| vllm | b1 | 1.0 | 2.0 | 2.00x | no | off yes, on no |",
+        "load average 1.0-2.5",
+    ]
