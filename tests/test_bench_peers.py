@@ -300,7 +300,13 @@ def test_speculative_peers_table_and_stopping_workloads(bench):
         "vllm ngram": {"walls": {"b1": [2.5]}, "outputs": {"b1": [[[1, 2, 3]], [[4, 6]]]}},
     }
     table = peers.report(
-        {"systems": ["pagedinfer", "vllm"], "runs": runs, "loadavg": [1.0, 2.5], "machine": "M"}
+        {
+            "systems": ["pagedinfer", "vllm"],
+            "workloads": ["b1"],
+            "runs": runs,
+            "loadavg": [1.0, 2.5],
+            "machine": "M",
+        }
     )
     assert table.splitlines()[3:] == [
         "| pagedinfer | b1 | 5.0 | 10.0 | 2.00x | yes | off yes, on yes |",  # the fastest run of each
