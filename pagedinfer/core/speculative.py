@@ -453,14 +453,14 @@ class Speculator:
             seconds = cost.seconds(rows) if rows else 0.0
             return 0.0 if math.isinf(seconds) else seconds  # untimed: free, as before it was priced
 
-        def added(depth: int, rows: int) -> float:
-            return pass_seconds(passes[depth] + rows) - pass_seconds(passes[depth])
-
         catch_up = pass_seconds(passes[0] + gap) - pass_seconds(passes[0] + 1)
+        through = [0.0]  # [k]: what a row more in each of the first k passes adds
+        for rows in passes[:most]:
+            through.append(through[-1] + pass_seconds(rows + 1) - pass_seconds(rows))
 
         def extra(k: int) -> float:
             share = min((1 + expected_tokens(rate, k)) / left, 1.0)
-            return sum(added(d, 1) for d in range(k)) + catch_up * share
+            return through[k] + catch_up * share
 
         return extra
 
