@@ -17,7 +17,8 @@ import transformers as tf
 from test_speculative import PROMPTS, TEXT, engine_view, records
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.config import EngineConfig
+from pagedinfer.config import EngineConfig, SpeculativeConfig
+from pagedinfer.core.speculative import RowCost, Speculator, StepTimes
 from pagedinfer.engine.draft_model import DraftModel
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
@@ -186,8 +187,9 @@ def test_command_line_option(tmp_path, tiny_model):
     target = cli_model()
     common, report = speculation_on_and_off(tmp_path, target, draft_spec(target, 3), TEXT)
     assert report["mode"] == f"on: draft_model {target}, up to 3 drafted tokens"
-    assert report["sources"]["draft_model"]["drafted"] > 0
-    assert report["draft_pool"]["used_blocks"] == 0
+    # the gate prices the draft's passes (here as dear as the target's steps): whether it drafts is
+    # this machine's timing; the records are the same either way, and the pool is reported
+    assert "draft_model" in report["sources"] and report["draft_pool"]["used_blocks"] == 0
     bad = invoke(
         *common,
         "-o",
@@ -216,3 +218,67 @@ def test_a_windowed_draft_model(tiny_model):
     assert counts["drafted"] > 0 and counts["accepted"] == counts["drafted"]
     assert llm.engine.drafter.manager.make_stats().window_releases > 0
     assert_pools_empty(llm)
+
+
+class FixedGap:
+    """A draft model whose lines each lack ``gap`` positions (what the gate reads of one)."""
+
+    def __init__(self, gap: int) -> None:
+        self.times, self.gap_rows = StepTimes(), gap
+
+    def gap(self, seq) -> int:
+        return self.gap_rows
+
+
+class Request:
+    """What the gate reads of a request: its max_tokens (hashed by identity, as the engine's)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+
+def gate(draft_scale: float, gap: int = 1, left: int = 100, seqs: int = 1) -> int:
+    """The tokens the gate grants a line's first draft-model draft (0: refused) in a step of ``seqs``
+    sequences, a target step of R rows costing 9 + R and a draft pass of R rows ``draft_scale`` times
+    that; the line lacks ``gap`` positions in the draft's pool and has ``left`` tokens to go."""
+    spec = SpeculativeConfig.parse(draft_spec(Path("m")))
+    speculator = Speculator(spec, RowCost(9.0), FixedGap(gap), RowCost(9.0, scale=draft_scale))
+    seq = Seq([1, 2, 3])
+    seq.logits_state, seq.request, seq.num_output_tokens = None, Request(left), 0
+    draft = speculator.propose(seq, 4, seqs)
+    return 0 if draft is None else len(draft.token_ids)
+
+
+def test_the_gate_prices_the_draft_models_passes():
+    """At a draft model's first rate (9/10), a draft of 4 at batch 1 gives 4.1 tokens for 14 target
+    rows' time plus 4 draft passes: with passes at a tenth of a target step (1 each) 4.1 in 18 beats
+    1 in 10; with passes as dear as the target's (10 each) no length pays. At batch 8 the same cheap
+    passes close the gate (at most 8.9 tokens in 19 against 8 in 17, under the margin) where free
+    ones would open it (11.1 in 21)."""
+    assert gate(0.1) == 4
+    assert gate(1.0) == 0
+    assert gate(0.1, seqs=8) == 0
+    assert gate(0.0, seqs=8) == 4
+    # a line 300 positions behind catches up in the first pass (30 more in the draft model): worth it
+    # for a line with 400 tokens to go (its share about a hundredth), not for one with 4
+    assert gate(0.1, gap=300, left=400) == 4
+    assert gate(0.1, gap=300, left=4) == 0
+
+
+def test_the_gate_closes_where_the_draft_model_cannot_pay(text_llm, text_model):
+    """A draft equal to the target, priced (fixed costs, not this machine's times): at a tenth of the
+    target's cost its drafts are made and every one accepted; as dear as the target, none is made and
+    its pool computes nothing. Records are those of the run without speculation either way."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    off = records(engine_view(text_llm, None, max_num_seqs=1), PROMPTS, params)
+    for scale, drafts in ((0.1, True), (1.0, False)):
+        llm = engine_view(text_llm, draft_spec(text_model), max_num_seqs=1)
+        llm.engine.set_row_cost(RowCost(9.0), RowCost(9.0, scale=scale))
+        assert records(llm, PROMPTS, params) == off
+        counts, stats = draft_counts(llm), llm.engine.stats.to_dict()["speculation"]
+        if drafts:
+            assert counts["drafted"] > 0 and counts["accepted"] == counts["drafted"]
+        else:
+            assert counts["drafted"] == 0 and stats["gated_seq_steps"] > 0
+            assert stats["draft_pool"]["peak_blocks"] == 0
+        assert_pools_empty(llm)

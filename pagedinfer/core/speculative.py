@@ -28,6 +28,17 @@ and tries again where rows are cheap). ``seconds(R)`` is the run's own: `StepTim
 wall times of its decode steps by row count (seeded by a start-up measurement) and reads a count's
 cost off their medians, so the jump from the one-row decode path to the multi-row one, sampling and
 verification are in it; a fixed `RowCost` line stands in for it in tests.
+
+A draft model's draft costs more than its rows in the target's step: the draft model's own passes,
+one per drafted token, each over the rows of every line drafting at that depth, the first also
+computing what the line's draft pool lacks (the tokens since its last draft). The gate prices them
+too (`Speculator._draft_model_cost`): the seconds of a pass of R rows are read off the draft model's
+own pass times (a `StepTimes`, seeded at start-up, refit from its passes), the marginal seconds a
+line's passes add to the step's planned passes join the step's cost, and a line that has not drafted
+for a while (its whole prompt, the first time) has its catch-up priced as shared by the drafts it
+makes it possible, spread over the steps its remaining tokens would take at the draft's rate. A line
+gated off computes nothing in the draft model: it catches up lazily, in the first pass of its next
+draft, prefill-style (one multi-row chunk).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
+from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from pagedinfer.config import SpeculativeConfig
@@ -47,6 +59,10 @@ if TYPE_CHECKING:
 
 SOURCES = ("grammar", "prompt_lookup", "siblings", "finished", "draft_model")
 PRIOR_WEIGHT = 2.0  # outcomes a line's prior counts for (its source's rate in the run, 1/2 at first)
+# a source's rate before its first outcome in the run, where not 1/2: a draft model is chosen to agree
+# with its target, and (its probes paying the line's catch-up, none are made) a line it would not try
+# at 1/2 would never show what it agrees on; the run's outcomes correct the guess within a few drafts
+FIRST_RATE = {"draft_model": 0.9}
 DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outcomes count most)
 LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
 WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
@@ -60,8 +76,13 @@ MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gai
 class Drafter(Protocol):
     """A second model proposing drafts (`engine.draft_model.DraftModel`)."""
 
+    times: StepTimes  # its passes' wall times by row count
+
     def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each ``(seq, k)``, up to ``k`` tokens to follow ``seq``'s tokens."""
+
+    def gap(self, seq: Sequence) -> int:
+        """The positions of ``seq`` its next draft computes before its first drafted token."""
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ended: drop what is kept for it."""
@@ -159,13 +180,15 @@ class Acceptance:
 @dataclass(frozen=True)
 class RowCost:
     """A step of R rows costs ``fixed + per_row * R``: only their ratio matters. ``fixed_over_row``
-    infinite: rows are free, every draft is taken (tests)."""
+    infinite: rows are free, every draft is taken (tests). ``scale``: a draft model's pass against the
+    target's step of as many rows (its cost in the target's row units; 0: its passes are free)."""
 
     fixed_over_row: float
+    scale: float = 1.0
 
     def seconds(self, rows: int) -> float:
         """A step's cost in units of one row's."""
-        return self.fixed_over_row + rows
+        return self.scale * (self.fixed_over_row + rows)
 
 
 def draft_length(
@@ -175,22 +198,26 @@ def draft_length(
     seconds: Callable[[int], float],
     rows: int | None = None,
     tokens: float | None = None,
+    spent: float = 0.0,
+    extra: Callable[[int], float] | None = None,
 ) -> int:
     """How many of ``most`` drafted tokens (each accepted with chance ``rate`` once the one before was)
     to add to a step of ``seqs`` decoding sequences that has grown to ``rows`` rows, expected to give
     ``tokens`` tokens, by the drafts granted before (both ``seqs`` by default: no drafts yet), a step
-    of R rows costing ``seconds(R)``: the count that gives the step the most tokens a second, if that
-    beats the step as it is and the step without drafts by `MARGIN`; else 0. Each draft is judged
-    against the step as it has grown, so eight sequences' drafts are not each priced as if it were
-    the only one (a step's cost past a few rows is what stops them)."""
+    of R rows costing ``seconds(R)``, plus ``spent`` (a draft model's passes granted before) and
+    ``extra(k)`` (what a draft of k adds to them; none by default): the count that gives the step the
+    most tokens a second, if that beats the step as it is and the step without drafts by `MARGIN`;
+    else 0. Each draft is judged against the step as it has grown, so eight sequences' drafts are not
+    each priced as if it were the only one (a step's cost past a few rows is what stops them)."""
     rows = seqs if rows is None else rows
     tokens = seqs if tokens is None else tokens
     base = seconds(rows)
     if math.isinf(base):  # rows are free
         return most
-    best, k_best = max(tokens / base, seqs / seconds(seqs) * (1 + MARGIN)), 0
+    best, k_best = max(tokens / (base + spent), seqs / seconds(seqs) * (1 + MARGIN)), 0
     for k in range(1, most + 1):
-        value = (tokens + expected_tokens(rate, k)) / seconds(rows + k)
+        cost = seconds(rows + k) + spent + (extra(k) if extra is not None else 0.0)
+        value = (tokens + expected_tokens(rate, k)) / cost
         if value > best:
             best, k_best = value, k
     return k_best
@@ -296,14 +323,24 @@ class Speculator:
     (given `StepTimes`) from each decode step's time."""
 
     def __init__(
-        self, config: SpeculativeConfig, cost: RowCost | StepTimes, drafter: Drafter | None = None
+        self,
+        config: SpeculativeConfig,
+        cost: RowCost | StepTimes,
+        drafter: Drafter | None = None,
+        draft_cost: RowCost | StepTimes | None = None,
     ) -> None:
         """``cost``: a fixed `RowCost`, or the `StepTimes` the run's decode steps update (until two
         row counts are timed, every draft is taken). ``drafter``: the draft model (method
-        ``draft_model``), which then replaces the n-gram lookups."""
+        ``draft_model``), which then replaces the n-gram lookups. ``draft_cost``: its passes' cost in
+        ``cost``'s units (default: its own pass times, ``drafter.times``; until two row counts are
+        timed there, its passes count as free)."""
         self.config = config
         self.drafter = drafter
+        self.draft_cost = draft_cost or (drafter.times if drafter is not None else None)
         self._unfilled: dict[Sequence, Draft] = {}  # the step's draft-model drafts, tokens to make
+        self._passes: list[int] = []  # the step's planned draft-model passes: rows of each, by depth
+        self._spent = 0.0  # what the drafts granted in the step add in draft-model passes (as priced)
+        self._fill_seconds = 0.0  # the step's draft-model passes' wall time (not the target's step)
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
         self._steps = 0  # decode steps timed
@@ -378,19 +415,54 @@ class Speculator:
             return None
         acceptance = self._line_acceptance(seq.request, draft.source)
         seconds = self.cost.seconds if self.times is None else self.times.seconds
-        k = draft_length(acceptance.rate, len(draft.token_ids), seqs, seconds, rows, tokens)
+        model = draft.source == "draft_model"
+        gap = self.drafter.gap(seq) if model else 0
+        extra = self._draft_model_cost(seq, gap, acceptance.rate, len(draft.token_ids)) if model else None
+        k = draft_length(
+            acceptance.rate, len(draft.token_ids), seqs, seconds, rows, tokens, self._spent, extra
+        )
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
             self._gated += 1
-            if self.times is None or self._gated % EXPLORE_EVERY:
+            # a draft model's probe would pay its passes and the line's catch-up: not for a row's time
+            if self.times is None or self._gated % EXPLORE_EVERY or model:
                 return None
             k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
-        if draft.source == "draft_model":  # its tokens are made for the whole step at once (`fill`)
+        if model:  # its tokens are made for the whole step at once (`fill`)
             self._unfilled[seq] = draft
+            self._spent += extra(k)
+            self._passes[0] += gap
+            for depth in range(1, k):
+                self._passes[depth] += 1
         draft.expected = expected_tokens(acceptance.rate, k)
         return draft
+
+    def _draft_model_cost(self, seq: Sequence, gap: int, rate: float, most: int) -> Callable[[int], float]:
+        """What a draft of k from the draft model adds to the step's planned passes (``_passes``):
+        the marginal seconds of its k passes (the first computing its pending token, the next ones a
+        drafted token each), and its catch-up (the first pass's other ``gap - 1`` rows: the tokens
+        its line in the draft's pool lacks) spread over the steps its remaining tokens would take
+        drafting k at ``rate``, since the catch-up is paid once for every draft after it."""
+        left = max(seq.request.max_tokens - seq.num_output_tokens, 1)
+        self._passes += [0] * (most - len(self._passes))
+        passes, cost = self._passes, self.draft_cost
+
+        def pass_seconds(rows: int) -> float:
+            seconds = cost.seconds(rows) if rows else 0.0
+            return 0.0 if math.isinf(seconds) else seconds  # untimed: free, as before it was priced
+
+        catch_up = pass_seconds(passes[0] + gap) - pass_seconds(passes[0] + 1)
+        through = [0.0]  # [k]: what a row more in each of the first k passes adds
+        for rows in passes[:most]:
+            through.append(through[-1] + pass_seconds(rows + 1) - pass_seconds(rows))
+
+        def extra(k: int) -> float:
+            share = min((1 + expected_tokens(rate, k)) / left, 1.0)
+            return through[k] + catch_up * share
+
+        return extra
 
     def fill(self, batch: list[ScheduledSeq]) -> None:
         """Make the tokens of the draft-model drafts scheduled in ``batch`` (the step's
@@ -398,6 +470,7 @@ class Speculator:
         draft model's passes. A draft the model cuts short (its pool or context full) keeps its
         length, padded with its last token: any token is verified exactly, a wrong one only costs
         its row."""
+        self._passes, self._spent, self._fill_seconds = [], 0.0, 0.0
         if not self._unfilled:
             return
         wants = [
@@ -406,7 +479,9 @@ class Speculator:
             if (d := self._unfilled.get(s.seq)) is not None and s.draft is d.token_ids
         ]
         self._unfilled.clear()
+        start = perf_counter()
         made = self.drafter.propose([(seq, len(d.token_ids)) for seq, d in wants]) if wants else []
+        self._fill_seconds = perf_counter() - start
         for (seq, draft), tokens in zip(wants, made, strict=True):
             pad = tokens[-1] if tokens else seq.token_ids[-1]
             draft.token_ids[:] = tokens + [pad] * (len(draft.token_ids) - len(tokens))
@@ -425,19 +500,23 @@ class Speculator:
 
     def _line_acceptance(self, req: Request, source: str) -> Acceptance:
         """``req``'s acceptance for ``source``; a new one starts at the source's rate in the run so far
-        (accepted tokens over accepted and mismatches, one of each assumed)."""
+        (accepted tokens over accepted and mismatches, two outcomes at the source's `FIRST_RATE`
+        assumed)."""
         acceptance = self._acceptance.get((req, source))
         if acceptance is None:
             hits, misses = self._totals.get(source, (0, 0))
-            acceptance = self._acceptance[req, source] = Acceptance((hits + 1) / (hits + misses + 2))
+            first = FIRST_RATE.get(source, 0.5)
+            rate = (hits + 2 * first) / (hits + misses + 2)
+            acceptance = self._acceptance[req, source] = Acceptance(rate)
         return acceptance
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A decode step of ``rows`` rows (drafted ones included) took ``seconds``: with `StepTimes`,
-        the cost line is refit from them every `FIT_EVERY` steps."""
+        """A decode step of ``rows`` rows (drafted ones included) took ``seconds``, the draft model's
+        passes in it too (they are timed on their own, `Drafter.times`, and taken out here): with
+        `StepTimes`, the cost line is refit from them every `FIT_EVERY` steps."""
         if self.times is None:
             return
-        self.times.add(rows, seconds)
+        self.times.add(rows, seconds - self._fill_seconds)
         self._steps += 1
         if self._steps % FIT_EVERY == 0:
             self.times.refit()

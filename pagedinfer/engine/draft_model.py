@@ -8,21 +8,25 @@ a block table and the tokens whose K/V it holds. A proposal first keeps the long
 that still equals the sequence's tokens (what verification accepted, or all of it after a
 preemption) and gives back the blocks past it (`KVCacheManager.truncate`), then computes the rest of
 the sequence (its whole prompt, the first time) and one position per drafted token after it, every
-sequence drafting in the step in the same passes (`DraftModel.propose`). The
-draft only proposes: the target verifies every token on its exact path, so the draft's numerics,
-batch and pool never reach an output.
+sequence drafting in the step in the same passes (`DraftModel.propose`). A sequence the gate does
+not let draft computes nothing here: its line catches up when it next drafts, in that draft's first
+pass (`gap`: that pass's rows for it, which the gate prices). Every pass is timed by its rows
+(``times``: the gate's cost of a pass). The draft only proposes: the target verifies every token on
+its exact path, so the draft's numerics, batch and pool never reach an output.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 
 from pagedinfer.attention.kv_cache import KVCache, group_layers
 from pagedinfer.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedinfer.core.sequence import Sequence
+from pagedinfer.core.speculative import FIT_EVERY, StepTimes
 from pagedinfer.model.loader import LoadedModel, ModelLoadError
 from pagedinfer.model.runner import ModelRunner
 
@@ -113,6 +117,8 @@ class DraftModel:
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, False, loaded.impl)
         self._lines: OrderedDict[Sequence, _Line] = OrderedDict()  # least recently drafted first
+        self.times = StepTimes()  # its passes' wall times by rows (seeded by the engine at start-up)
+        self._passes = 0  # passes timed
 
     @torch.inference_mode()
     def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -135,12 +141,29 @@ class DraftModel:
                         copies += blocks.copies
             if not chunks:
                 break
+            start = perf_counter()
             logits = self.runner.execute(chunks, copies)  # [len(chunks), V]
-            for chunk, token in zip(chunks, logits.argmax(dim=-1).tolist(), strict=True):
+            tokens = logits.argmax(dim=-1).tolist()
+            self._timed(sum(c.num_tokens for c in chunks), perf_counter() - start)
+            for chunk, token in zip(chunks, tokens, strict=True):
                 chunk.seq.num_computed += chunk.num_tokens
                 chunk.seq.token_ids.append(token)
                 chunk.drafted.append(token)
         return drafted
+
+    def _timed(self, rows: int, seconds: float) -> None:
+        """A pass of ``rows`` rows took ``seconds``: the costs are refit every `FIT_EVERY` passes."""
+        self.times.add(rows, seconds)
+        self._passes += 1
+        if self._passes % FIT_EVERY == 0:
+            self.times.refit()
+
+    def gap(self, seq: Sequence) -> int:
+        """The positions of ``seq`` its next draft computes before its first drafted token: its pending
+        token, and those its line lacks (a rejected draft's place, the tokens since its last draft, or
+        all of them for a sequence without a line)."""
+        line = self._lines.get(seq)
+        return len(seq.token_ids) - (_still_held(line, seq.token_ids) if line is not None else 0)
 
     def _line(self, seq: Sequence) -> _Line:
         """``seq``'s line, made the most recently drafted, cut back to the positions that still hold

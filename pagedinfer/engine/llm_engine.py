@@ -256,11 +256,14 @@ class LLMEngine:
             f"contexts up to {graphs.max_context} tokens"
         )
 
-    def _speculator(self, cost: RowCost | None = None) -> Speculator | None:
+    def _speculator(
+        self, cost: RowCost | None = None, draft_cost: RowCost | None = None
+    ) -> Speculator | None:
         """Speculation as configured, where it changes no bit (on the path the reproducibility contract
         covers, whose rows do not depend on their neighbours); else None, with a warning saying why.
         ``cost``: the drafted rows' cost, fixed (None: measured now on the loaded model, then refit from
-        the run's decode steps)."""
+        the run's decode steps). ``draft_cost``: the draft model's passes' in the same units (with a
+        fixed ``cost``: free when not given; else its passes' times, measured when it was loaded)."""
         spec = self.config.speculative_config
         covered = fingerprint.reproducibility(self)
         if not covered.covered:
@@ -272,10 +275,13 @@ class LLMEngine:
             self.drafter = self.drafter or self._load_drafter(spec.model)
             method += f" {self.drafter.loaded.name}"
         self.speculation_mode = f"on: {method}, up to {spec.num_speculative_tokens} drafted tokens"
+        if cost is not None and self.drafter is not None:
+            draft_cost = draft_cost or RowCost(0.0, scale=0.0)
         return Speculator(
             spec,
             cost or measure_step_times(self.runner, self.pool, spec.num_speculative_tokens),
             self.drafter,
+            draft_cost,
         )
 
     def _load_drafter(self, name: str) -> DraftModel:
@@ -287,12 +293,16 @@ class LLMEngine:
             raise ModelLoadError(f"speculative_config.model: the draft model {name!r}: {e}") from None
         check_vocabulary(self.loaded, loaded)
         per_group = self.pool_size.num_blocks // len(self.kv.groups)
-        return DraftModel(loaded, per_group, self.config.block_size, self.config.kv_dtype(loaded.dtype))
+        drafter = DraftModel(loaded, per_group, self.config.block_size, self.config.kv_dtype(loaded.dtype))
+        k = self.config.speculative_config.num_speculative_tokens
+        drafter.times = measure_step_times(drafter.runner, drafter.manager.pool, k)
+        return drafter
 
-    def set_row_cost(self, cost: RowCost) -> None:
-        """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)."""
+    def set_row_cost(self, cost: RowCost, draft_cost: RowCost | None = None) -> None:
+        """Replace the measured cost of drafted rows (tests: ``RowCost(math.inf)`` drafts every match)
+        and of the draft model's passes (in the same units; None: free)."""
         if self.scheduler.speculator is not None:
-            self.scheduler.speculator = self._speculator(cost)
+            self.scheduler.speculator = self._speculator(cost, draft_cost)
 
     @property
     def pool(self) -> BlockPool:

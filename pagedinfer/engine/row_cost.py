@@ -1,6 +1,6 @@
 """What a drafted row costs, first guess: steps of 1 row and of 1 + k rows timed on the loaded model
-at start-up, the seed of speculative decoding's `core.speculative.StepTimes` (which the run's own
-decode steps then refit)."""
+(and passes on a draft model) at start-up, the seed of speculative decoding's
+`core.speculative.StepTimes` (which the run's own decode steps, or the draft's passes, then refit)."""
 
 from __future__ import annotations
 
