@@ -118,6 +118,34 @@ ACT_MUL(gelu_tanh_mul, gelu_tanh_z, gelu_tanh_z8)
 #undef ACT_MUL
 #undef ACT_MUL_LANES8
 
+/* gpt-oss's clamped SwiGLU over the gate and up halves of one fused GEMM: out[r, i] = (clamp(u, -limit,
+ * limit) + 1) * g / (1 + exp(-alpha g)) with g = min(gate, limit), u the up (transformers' GptOssExperts;
+ * its g * sigmoid(alpha g) as the chains above compute x * sigmoid(z)); the activation and up + 1 rounded
+ * where transformers' module rounds them. */
+void FN(clamped_swiglu_mul)(const ELEM *gate_up, ELEM *out, int rows, int inter, float alpha, float limit) {
+#pragma omp parallel for if (rows > 1 && (int64_t)rows * inter >= ROWS_MIN_PARALLEL)
+    for (int r = 0; r < rows; r++) {
+        const ELEM *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        ELEM *o = out + (int64_t)r * inter;
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), lim = _mm256_set1_ps(limit);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_min_ps(LOAD8(g + i), lim);
+            const __m256 e = exp_poly8(_mm256_mul_ps(_mm256_set1_ps(-alpha), x));
+            const __m256 act = RND8(_mm256_div_ps(x, _mm256_add_ps(one, e)));
+            const __m256 up = _mm256_max_ps(_mm256_min_ps(LOAD8(u + i), lim), _mm256_set1_ps(-limit));
+            STORE8(o + i, _mm256_mul_ps(act, RND8(_mm256_add_ps(up, one))));
+        }
+#endif
+        for (; i < inter; i++) {
+            const float x = fminf(LD(g[i]), limit);
+            const float act = RND(x / (1.0f + exp_poly(-alpha * x)));
+            o[i] = ST(act * RND(fmaxf(fminf(LD(u[i]), limit), -limit) + 1.0f));
+        }
+    }
+}
+
 #undef ELEM
 #undef LD
 #undef ST

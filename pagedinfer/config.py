@@ -323,7 +323,8 @@ class ModelConfig:
     )
     model_impl: str = option(
         "auto",
-        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe), "
+        "Modeling code: pagedinfer's own (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe, "
+        "gpt_oss), "
         "transformers', or auto "
         "(pagedinfer's where it applies, on the CPU).",
         panel="pool",

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """A mixture of experts on our own layers against transformers' modules, alternating in one process.
 
-    python scripts/bench_moe.py [--family olmoe] [--layers 2] [--vocab 50304] [--dtype float32]
-        [--quantization int8] [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
+    python scripts/bench_moe.py [--family olmoe] [--layers 2] [--vocab 50304] [--experts 64]
+        [--dtype float32] [--quantization int8] [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
 
 An OLMoE-1B-7B-like shape with fewer layers (hidden 2048, 16 heads, 64 experts of 1024, 8 per token,
 vocabulary 50304), or with ``--family qwen2_moe`` a Qwen1.5-MoE-A2.7B-like one (hidden 2048, 16 heads
-with q/k/v biases, 60 experts of 1408, 4 per token, a shared expert of 5632, vocabulary 151936);
-random weights from seed 0, saved once under --out; loaded twice: ``--model-impl
+with q/k/v biases, 60 experts of 1408, 4 per token, a shared expert of 5632, vocabulary 151936), or
+with ``--family gpt_oss`` a gpt-oss-20b-like one (hidden 2880, 64 query heads and 8 KV heads of 64,
+biases and sinks, windows of 128 on every other layer, 32 experts of 2880, 4 per token, vocabulary
+201088); ``--experts`` fewer experts per layer (a token runs as many: the memory, not the work,
+shrinks); random weights from seed 0, saved once under --out; loaded twice: ``--model-impl
 pagedinfer`` and ``--model-impl transformers`` (the same pagedinfer engine, paged attention and
 sampler; only the layers differ). Two workloads, each run --repeats times per path, the paths
 alternating, after a warm-up: b1 (one 32-token prompt, 64 greedy tokens) and a batch (16 prompts of
@@ -33,6 +36,7 @@ import torch
 import transformers as tf
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.model import families
 from pagedinfer.model.random_models import save_random_model
 
 SHAPE = dict(  # OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924), but the layer count
@@ -63,6 +67,24 @@ SHAPES = {  # --family -> (its config class, its shape)
             "num_experts_per_tok": 4,
         },
     ),
+    # gpt-oss-20b's (openai/gpt-oss-20b), but the layer count
+    "gpt_oss": (
+        tf.GptOssConfig,
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            head_dim=64,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=1,
+        ),
+    ),
 }
 WORKLOADS = {  # name -> (prompts, prompt tokens, new tokens each)
     "b1": (1, 32, 64),
@@ -80,9 +102,13 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def model_dir(out: Path, family: str, layers: int, vocab: int | None) -> Path:
+def model_dir(out: Path, family: str, layers: int, vocab: int | None, experts: int | None) -> Path:
     cls, shape = SHAPES[family]
     path = out / f"{family}-like-{layers}l" if vocab is None else out / f"{family}-like-{layers}l-v{vocab}"
+    count = families.by_model_type(family).experts.count  # the config's expert count field
+    if experts is not None:
+        path = path.with_name(f"{path.name}-e{experts}")
+    shape = {**shape, count: experts or shape[count]}
     if not (path / "config.json").exists():
         config = cls(**{**shape, "vocab_size": vocab or shape["vocab_size"]}, num_hidden_layers=layers)
         save_random_model(config, path, seed=0)
@@ -118,6 +144,7 @@ def main() -> None:
     parser.add_argument("--family", choices=tuple(SHAPES), default="olmoe")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=None, help="the family's own by default")
+    parser.add_argument("--experts", type=int, default=None, help="experts per layer (the family's own)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="our path's weights: int8, int4, ...")
     parser.add_argument("--gguf", default=None, help="our path on a GGUF of this type (Q4_0, Q8_0, ...)")
@@ -126,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedinfer-bench-moe"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = model_dir(args.out, args.family, args.layers, args.vocab)
+    path = model_dir(args.out, args.family, args.layers, args.vocab, args.experts)
     engine = dict(device="cpu", kv_cache_memory="512MiB")
     own_path = gguf_file(path, args.gguf) if args.gguf else path
     own_dtype = "auto" if args.gguf else args.dtype
@@ -148,6 +175,7 @@ def main() -> None:
     for (workload, impl), tok_s in best.items():
         record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "family": args.family}
         record |= {"layers": args.layers, "vocab": args.vocab or SHAPES[args.family][1]["vocab_size"]}
+        record |= {"experts": args.experts} if args.experts else {}
         record |= {"weights": weights if impl == "pagedinfer" else args.dtype, "threads": args.threads}
         print(json.dumps({**record, "cpu": cpu_name()}))
     for workload in WORKLOADS:

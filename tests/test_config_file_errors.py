@@ -99,6 +99,16 @@ CASES = [  # (id, family, config.json changes, the message after "<folder>/confi
             ("inf", math.inf, "Infinity"),
         ]
     ),
+    *(  # gpt-oss's clamped SwiGLU's constants
+        (f"{key}-{kind}", "gpt_oss", {key: value}, f"{key} is {shown}; it must be a finite positive number")
+        for key in ("swiglu_limit", "swiglu_alpha")
+        for kind, value, shown in [
+            ("0", 0, "0"),
+            ("string", "7", '"7"'),
+            ("null", None, "null"),
+            ("nan", math.nan, "NaN"),
+        ]
+    ),
     (
         "rope_parameters-theta-nan",
         "llama",

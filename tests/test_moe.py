@@ -1,9 +1,10 @@
 """Mixture-of-experts families on our own layers (qwen3_moe, qwen2_moe with its shared expert,
-mixtral, olmoe; qwen3_moe's and qwen2_moe's dense layers among the sparse ones): greedy-identical to
-transformers, with and without preemption; every weight type the dense layers take (float32,
-bfloat16, int8 / int4 panels, GGUF blocks as stored, llama.cpp's 3-D expert tensors split per
-expert); a row's output the same bits whatever rows share its step; decode steps layer by layer
-(never the one-call C step, which runs dense layers only)."""
+mixtral, olmoe, gpt_oss with its sinks, biases, stacked experts and clamped SwiGLU; qwen3_moe's and
+qwen2_moe's dense layers among the sparse ones): greedy-identical to transformers, with and without
+preemption; every weight type the dense layers take (float32, bfloat16, int8 / int4 panels, GGUF
+blocks as stored, llama.cpp's 3-D expert tensors split per expert; gpt-oss's GGUF files left to
+transformers' layers); a row's output the same bits whatever rows share its step; decode steps layer
+by layer (never the one-call C step, which runs dense layers only)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import transformers as tf
 from conftest import ENGINE
 from gguf_models import save_gguf
 from models import COMMON, CONFIGS, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
-from safetensors.torch import load_file
-from test_quantization import dequantized_copy
+from safetensors.torch import load_file, save_file
+from test_quantization import dequantized_copy, dequantized_weight
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import families, gguf, moe, packed_linear
+from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
-MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+GGUF_MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]  # the families whose GGUF files our layers read
+MOE = [*GGUF_MOE, "gpt_oss"]
 LENGTHS = (1, 9, 23, 30)  # within a block of 4, and across several
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -78,18 +80,19 @@ def test_olmoe_clips_q_k_and_v_where_its_config_says(model_root, prompts):
         assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model, name):
     """The expert MLP over 40 rows, and over each row alone and in other groups: the same bits (each
     expert's GEMM gives a row the same bits at any row count; a row's top-k outputs summed in rank
     order, not in the order other rows bring the experts in; qwen2_moe's shared expert scaled by a
-    sigmoid computed row by row, where torch's gives a lone row other bits than a batch's for some)."""
+    sigmoid computed row by row, where torch's gives a lone row other bits than a batch's for some;
+    gpt_oss's clamped SwiGLU a C chain over each row)."""
     llm = LLM(str(tiny_model(name)), **ENGINE)
     mlp = llm.engine.loaded.model.layers[0].mlp
     assert (mlp.shared is not None) == (name == "qwen2_moe")
     assert all(isinstance(e.gate_up_proj, packed_linear.PackedLinear) for e in mlp.experts)
     torch.manual_seed(0)
-    x = torch.randn(40, 64)
+    x = torch.randn(40, 64) * (8 if name == "gpt_oss" else 1)  # gate and up past its limit of 7 too
     with torch.inference_mode():
         batch = mlp(x)
         assert all(torch.equal(mlp(x[i : i + 1]), batch[i : i + 1]) for i in range(40))
@@ -114,12 +117,20 @@ def test_the_runner_keeps_a_mixture_of_experts_off_the_one_call_step(tiny_model)
         assert (runner.one_call(meta, lora=False) is not None) == one_call, name
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_quantized_run_equals_float32_run_of_the_dequantized_checkpoint(tiny_model, tmp_path, name):
-    """--quantization covers the router and every expert: seeded n=2 sampling with logprobs equals the
-    float32 run of the checkpoint with those weights dequantized."""
-    path = tiny_model("qwen3_moe")
+def test_quantized_run_equals_float32_run_of_the_dequantized_checkpoint(tiny_model, tmp_path, family, name):
+    """--quantization covers the router and every expert (gpt-oss's split from its stacks, biases
+    kept in float32): seeded n=2 sampling with logprobs equals the float32 run of the checkpoint with
+    those weights dequantized."""
+    path = tiny_model(family)
     deq = dequantized_copy(path, tmp_path / "dequantized", name)
+    file = deq / "model.safetensors"
+    tensors = load_file(file)
+    for key, t in tensors.items():  # a stack [E, in, rows]: each expert's [rows, in] by its rows
+        if t.dim() == 3:
+            tensors[key] = torch.stack([dequantized_weight(w.t().float(), name).t() for w in t]).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
     params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=10, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17)]
 
@@ -169,7 +180,7 @@ def gguf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", GGUF_MOE)
 def test_a_float32_gguf_reads_back_the_checkpoint_and_runs_as_it(
     tiny_model, model_root, gguf_cache, prompts, name
 ):
@@ -489,3 +500,124 @@ def test_a_gguf_without_its_expert_size_is_refused_naming_the_key(
     with pytest.raises(ModelLoadError) as err:
         LLM(str(out), **ENGINE)
     assert str(err.value) == f"{out}: metadata {key} is missing; a {name} file gives its {field}"
+
+
+# -- gpt-oss -------------------------------------------------------------------------------------
+
+
+def test_gpt_oss_layers_read_its_declaration(tiny_model):
+    """The checkpoint's sinks per head, windows by layer type (layer 0 windowed, layer 1 global),
+    the clamped SwiGLU's constants from the config, biases on q, k, v, o, the router and the experts."""
+    path = tiny_model("gpt_oss")
+    llm = LLM(str(path), model_impl="pagedinfer", **ENGINE)
+    first, second = llm.engine.loaded.model.layers
+    stored = load_file(path / "model.safetensors")
+    assert torch.equal(first.sinks, stored["model.layers.0.self_attn.sinks"])
+    assert (first.window, second.window) == (8, 0)
+    mlp = first.mlp
+    assert mlp.renormalise and mlp.top_k == 2 and [e.glu for e in mlp.experts] == [(1.702, 7.0)] * 4
+
+    def bias(linear) -> torch.Tensor:  # [out]: a linear's, or its panels' (padded to whole panels)
+        segments = getattr(linear, "segments", None)
+        return (linear.bias if not segments else segments[0].bias).reshape(-1)[: linear.out_features]
+
+    assert torch.equal(bias(mlp.router), stored["model.layers.0.mlp.router.bias"])
+    gate_up_bias = stored["model.layers.0.mlp.experts.gate_up_proj_bias"][2]  # [2 I]: gate, up alternating
+    assert torch.equal(bias(mlp.experts[2].gate_up_proj), torch.cat([gate_up_bias[0::2], gate_up_bias[1::2]]))
+    assert torch.equal(bias(mlp.experts[3].down_proj), stored["model.layers.0.mlp.experts.down_proj_bias"][3])
+    q_bias, o_bias = (stored[f"model.layers.1.self_attn.{m}_proj.bias"] for m in ("q", "o"))
+    assert torch.equal(bias(second.qkv_proj)[:64], q_bias) and torch.equal(bias(second.o_proj), o_bias)
+
+
+def test_gpt_oss_through_transformers_layers_still_matches(tiny_model, prompts):
+    """``--model-impl transformers`` on gpt_oss: its modules with our pool and sinks, greedy-identical
+    to its generate."""
+    path = tiny_model("gpt_oss")
+    llm = LLM(str(path), block_size=4, num_blocks=64, model_impl="transformers", **ENGINE)
+    assert llm.engine.loaded.impl == "transformers"
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_clamped_swiglu_chain_is_transformers_activation(dtype):
+    """The C chain against transformers' GptOssExperts activation on the same values (interleaved as
+    its checkpoint holds them; in float32: bfloat16 rows are computed in float32 and rounded three
+    times, as our chains round, where transformers' bfloat16 module rounds after each of its six
+    ops), gate and up well past the limit of 7 on both sides, in 8-lane vectors and a scalar tail; a
+    row's values the same bits alone as among others; the torch fallback too."""
+    config = CONFIGS["gpt_oss"]()
+    apply_gate = tf.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)._apply_gate
+    gen = torch.Generator().manual_seed(0)
+    for width in (96, 99):
+        gate_up = (torch.randn(5, 2 * width, generator=gen) * 6).to(dtype)  # [T, 2 I]: gate, then up
+        assert (gate_up > 7).any() and (gate_up < -7).any()
+        got = fused_ops.clamped_swiglu(gate_up, 1.702, 7.0, True)  # [T, I]
+        interleaved = torch.stack([gate_up[:, :width], gate_up[:, width:]], dim=-1).flatten(1).float()
+        want = apply_gate(interleaved)  # [T, I] float32
+        step = 2**-6 if dtype == torch.bfloat16 else 2**-20  # bfloat16: three roundings of 2^-8 at most
+        torch.testing.assert_close(got.float(), want, rtol=step, atol=1e-6)
+        torch.testing.assert_close(
+            fused_ops.clamped_swiglu(gate_up.float(), 1.702, 7.0, False), want, rtol=2**-20, atol=1e-6
+        )
+        assert all(
+            torch.equal(fused_ops.clamped_swiglu(gate_up[i : i + 1], 1.702, 7.0, True), got[i : i + 1])
+            for i in range(5)
+        )
+
+
+def test_gpt_oss_gguf_files_are_left_to_transformers_layers():
+    """llama.cpp's gpt-oss files (MXFP4 experts, gate and up apart) are not read by our layers: the
+    family is no GGUF architecture's, ``--model-impl auto`` takes transformers' layers for them and
+    ``pagedinfer`` is refused in one line saying why; a safetensors checkpoint quantized in MXFP4
+    likewise (our layers read unquantized weights only)."""
+    config = CONFIGS["gpt_oss"]()
+    cpu = torch.device("cpu")
+    assert families.by_gguf_arch("gpt-oss", {"gpt-oss.expert_count": 4}) is None
+    assert loader._own_gguf("m.gguf", config, "auto", cpu) is False
+    with pytest.raises(ModelLoadError) as err:
+        loader._own_gguf("m.gguf", config, "pagedinfer", cpu)
+    assert str(err.value) == (
+        "model implementation 'pagedinfer' cannot serve 'm.gguf': llama.cpp's gpt-oss files hold the experts "
+        "in MXFP4 and gate and up apart, which pagedinfer's implementation does not read (transformers' "
+        "layers do, dequantized)"
+    )
+    assert llama.unsupported_reason(config) is None
+    config.quantization_config = {"quant_method": "mxfp4"}
+    assert llama.unsupported_reason(config) == (
+        "quantization_config 'mxfp4' (pagedinfer's implementation reads unquantized weights only)"
+    )
+
+
+DOWN_STACK = "model.layers.1.mlp.experts.down_proj"  # [E, I, H]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda sd: sd.update({DOWN_STACK: sd[DOWN_STACK][:, :, :32].contiguous()}),
+            "tensor 'model.layers.1.mlp.experts.down_proj' has shape [4, 128, 32]; the config expects "
+            "[4, 128, 64] (num_experts (mixtral: num_local_experts), intermediate_size, hidden_size = 4, 128, 64)",
+        ),
+        (
+            lambda sd: sd.pop("model.layers.0.self_attn.sinks"),
+            "the weights have no tensor 'model.layers.0.self_attn.sinks', which the config implies",
+        ),
+        (
+            lambda sd: sd.pop("model.layers.1.mlp.experts.gate_up_proj_bias"),
+            "the weights have no tensor 'model.layers.1.mlp.experts.gate_up_proj_bias', which the config implies",
+        ),
+    ],
+    ids=["misshapen-stack", "no-sinks", "no-expert-bias"],
+)
+def test_a_gpt_oss_checkpoint_off_its_declaration_is_refused_naming_the_tensor(
+    tiny_model, tmp_path, change, message
+):
+    """The stacked experts, their biases and the sinks are checked against the config like any tensor."""
+    from cli_helpers import with_weights
+
+    path = with_weights(tiny_model("gpt_oss"), tmp_path / "gpt_oss-changed", change)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), model_impl="pagedinfer", **ENGINE)
+    assert str(err.value) == f"{path / 'model.safetensors'}: {message}"

@@ -149,6 +149,8 @@ CONFIGS = {
     # norms of 1 + weight before and after each branch, GeGLU, RoPE per layer type, a logit softcap
     # over windowed layer groups (tests/models.py's gemma3_scaled: windows of 8)
     "gemma3_text-float32": Config("gemma3_scaled"),
+    # attention sinks, biases, alternating windows of 8, YaRN, experts with the clamped SwiGLU
+    "gpt_oss-float32": Config("gpt_oss"),
 }
 LORA_CONFIGS = [name for name, c in CONFIGS.items() if c.lora]
 

@@ -4,7 +4,7 @@ its blocks back once they leave the window, exact per-group counts, and outputs 
 The models: a tiny gemma3_text (a window of 16 on layers 0-2, layer 3 global: four groups of one
 layer, on our own layers), a tiny mistral (a window of 8 on both layers: one windowed group),
 a tiny Qwen2 with its window on layer 1 (a global and a windowed group on our own layers) and a tiny
-gpt_oss (a window of 8 on layer 0, layer 1 global, attention sinks on both: transformers' layers).
+gpt_oss (a window of 8 on layer 0, layer 1 global, attention sinks on both: our own layers).
 """
 
 from __future__ import annotations

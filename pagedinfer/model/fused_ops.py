@@ -51,7 +51,8 @@ def _library() -> ctypes.CDLL | None:
         ]
         for name in ACT_CHAINS.values():
             getattr(dll, f"{name}_{suffix}").argtypes = [ptr, ptr, i32, i32]
-        for name in ("add_rms_norm", "qk_norm_rope", *ACT_CHAINS.values()):
+        getattr(dll, f"clamped_swiglu_mul_{suffix}").argtypes = [ptr, ptr, i32, i32, f32, f32]
+        for name in ("add_rms_norm", "qk_norm_rope", "clamped_swiglu_mul", *ACT_CHAINS.values()):
             getattr(dll, f"{name}_{suffix}").restype = None
     return dll
 
@@ -180,6 +181,24 @@ def act_mul(gate_up: torch.Tensor, activation: str, fast: bool) -> torch.Tensor:
     gate = gate_up[:, :inter]
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * gate_up[:, inter:]
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, fast: bool) -> torch.Tensor:
+    """gpt-oss's expert activation of a fused gate-up product ``[T, 2 I] -> [T, I]`` (gate rows, then
+    up): ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``; the C
+    chain gives a row the same bits whatever rows share the call (torch's sigmoid does not)."""
+    inter = gate_up.shape[1] // 2
+    if fast:
+        if debug():  # what the caller vouches for
+            assert gate_up.is_contiguous()
+        out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
+        _fn("clamped_swiglu_mul", gate_up)(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, alpha, limit
+        )
+        return out
+    gate = gate_up[:, :inter].clamp(max=limit)
+    up = gate_up[:, inter:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # transformers' GptOssExperts' order
 
 
 class GatedLinear(nn.Linear):

@@ -1,5 +1,5 @@
 """Our own decoder for the families `families` declares (llama, mistral, qwen2, qwen3, olmo2, granite,
-phi3, gemma3_text; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, whose MLP is
+phi3, gemma3_text; and the mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, whose MLP is
 `moe.ExpertMLP` in the layers the family makes sparse), built for the engine's packed-row step.
 
 transformers' modules run about 25 torch ops per layer plus their Python around them; at batch
@@ -29,7 +29,7 @@ from pagedinfer.attention import interface as attention
 from pagedinfer.lora.site import LoRASite
 from pagedinfer.model import families, fused_ops, moe, packed_linear
 from pagedinfer.model.decode_step import OneCall
-from pagedinfer.model.families.spec import EMBED, FINAL_NORM, HF_LAYER, LM_HEAD, Family, Sizes
+from pagedinfer.model.families.spec import EMBED, FINAL_NORM, HF_LAYER, LM_HEAD, Experts, Family, Sizes
 from pagedinfer.model.gguf_blocks import GGUFWeight
 from pagedinfer.model.validate import Found, sizes
 
@@ -52,6 +52,11 @@ def unsupported_reason(config) -> str | None:
         return f"norm {family.norm!r} (pagedinfer's implementation has {', '.join(NORMS)} only)"
     if family.rope not in ROPES:
         return f"RoPE {family.rope!r} (pagedinfer's implementation has {', '.join(ROPES)} only)"
+    if quantized := getattr(config, "quantization_config", None):  # e.g. gpt-oss's MXFP4 experts
+        method = (
+            quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        )
+        return f"quantization_config {method!r} (pagedinfer's implementation reads unquantized weights only)"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention (pagedinfer's implementation attends causally only)"
     rope = getattr(config, "rope_parameters", None) or {}
@@ -170,6 +175,8 @@ class DecoderLayer(nn.Module):
         # [D] where the family norms each head (the C chain's); [Hq D] and [Hkv D] where it norms all
         # of q and all of k (`_norm_all_qk`)
         self.q_norm, self.k_norm = norms.get("q_norm"), norms.get("k_norm")
+        # [Hq] a sink logit per query head (gpt-oss's), None where the family has none
+        self.sinks = None if family.sinks is None else _param(sd.pop(f"{p}{family.sinks}"))
         self.qk_norm_all = family.qk_norm_over == "all"
         self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE's clamp of q, k and v (None: none)
         self.lora = None  # its LoRA sites (`lora_sites.LayerSites`) once an engine enables LoRA
@@ -206,6 +213,7 @@ class DecoderLayer(nn.Module):
             heads[:, hq + hkv :],
             self.scaling,
             self.window,
+            sinks=self.sinks,
         ).view(t, hq * d)  # [T, Hq D]
         o = self.o_proj(out)  # [T, H]
         if lora is not None:
@@ -262,26 +270,60 @@ def _norm_weight(weight: torch.Tensor, offset: float) -> nn.Parameter:
 
 def _experts(config, family: Family, prefix: str, sd: dict, s: Sizes) -> moe.ExpertMLP:
     """A layer's mixture of experts from its tensors: the router, and each expert's gate-up (paired
-    panels) and down linears, as a dense layer's are made (float, quantized by the loader, or GGUF
-    blocks)."""
+    panels; plain ones where the family has its own activation) and down linears, as a dense layer's
+    are made (float, quantized by the loader, or GGUF blocks), biased where the checkpoint holds biases."""
     spec = family.experts
+    glu = None if spec.glu is None else spec.glu.of(config)
+    gate_up_cls = fused_ops.GatedLinear if glu is None else nn.Linear
 
-    def expert(gate_up: tuple[str, str], down: str) -> moe.Expert:
-        gate_up_proj = _fused(
-            [sd.pop(f"{prefix}{m}.weight") for m in gate_up], [None, None], fused_ops.GatedLinear
+    def tensors(hf: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight, bias = family.module(hf).names(prefix, expert)
+        return sd.pop(weight), sd.pop(bias, None)
+
+    def linear(hf: str, expert: int | None = None) -> nn.Module:
+        weight, bias = tensors(hf, expert)
+        return _fused([weight], [bias])
+
+    def expert(gate_up: tuple[str, ...], down: str, e: int | None = None) -> moe.Expert:
+        parts = [tensors(m, e) for m in gate_up]  # modules of one expert each: "{}" its index
+        return moe.Expert(
+            _fused([w for w, _ in parts], [b for _, b in parts], gate_up_cls), linear(down, e), glu
         )
-        return moe.Expert(gate_up_proj, _fused([sd.pop(f"{prefix}{down}.weight")], [None]))
 
-    experts = [
-        expert((spec.gate_up[0].format(e), spec.gate_up[1].format(e)), spec.down.format(e))
-        for e in range(s.experts)
-    ]
-    router = _fused([sd.pop(f"{prefix}{spec.router}.weight")], [None])  # [E, H]
+    if family.module(spec.down).stacked:  # every expert's weights in one tensor each: split per expert
+        experts = _stacked_experts(spec, *tensors(spec.gate_up[0]), *tensors(spec.down), gate_up_cls, glu)
+    else:
+        experts = [expert(spec.gate_up, spec.down, e) for e in range(s.experts)]
+    router = linear(spec.router)  # [E, H] (bias [E] where the family's router has one)
     shared = None
     if spec.shared is not None:  # gate_up [2 I_shared, H], down [H, I_shared], gate [1, H]
         gate = _fused([sd.pop(f"{prefix}{spec.shared.gate}.weight")], [None])
         shared = moe.SharedExpert(expert(spec.shared.gate_up, spec.shared.down), gate)
     return moe.ExpertMLP(router, experts, s, spec.renormalises(config), shared)
+
+
+def _stacked_experts(
+    spec: Experts,
+    gate_up: torch.Tensor,  # [E, H, 2 I]: x @ gate_up[e] (gate and up columns alternating where interleaved)
+    gate_up_bias: torch.Tensor,  # [E, 2 I]
+    down: torch.Tensor,  # [E, I, H]
+    down_bias: torch.Tensor,  # [E, H]
+    gate_up_cls: type[nn.Linear],
+    glu: tuple[float, float] | None,
+) -> list[moe.Expert]:
+    """Each expert's linears from stacked tensors (gpt-oss's): weights transposed to [rows, in], an
+    interleaved gate-up's rows put in halves (gate rows, then up), as our gate-up panels take them."""
+    if spec.interleaved:  # [..., 0::2] gate, [..., 1::2] up -> [..., :I] gate, [..., I:] up
+        gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
+        gate_up_bias = torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
+    return [
+        moe.Expert(
+            _linear(gate_up[e].t().contiguous(), gate_up_bias[e].contiguous(), gate_up_cls),  # [2 I, H]
+            _linear(down[e].t().contiguous(), down_bias[e].contiguous()),  # [H, I]
+            glu,
+        )
+        for e in range(gate_up.shape[0])
+    ]
 
 
 class RotaryEmbedding(nn.Module):

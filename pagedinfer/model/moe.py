@@ -18,20 +18,26 @@ import math
 import torch
 from torch import nn
 
+from pagedinfer.model import fused_ops
 from pagedinfer.model.families.spec import Family, Sizes
 
 SCORINGS = ("softmax",)  # the router scorings computed here (a family declaring another: transformers)
 
 
 class Expert(nn.Module):
-    """One expert: ``down(silu(gate(x)) * up(x))``, its gate and up rows fused (paired panels)."""
+    """One expert: ``down(silu(gate(x)) * up(x))``, its gate and up rows fused (paired panels); or,
+    with ``glu`` (gpt-oss's (alpha, limit)), its clamped SwiGLU over a plain gate-up product."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+    def __init__(self, gate_up: nn.Module, down: nn.Module, glu: tuple[float, float] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj = gate_up, down  # [2 I, H] (giving [T, I]); [H, I]
+        self.gate_up_proj, self.down_proj = gate_up, down  # [2 I, H] (giving [T, I], or [T, 2 I]); [H, I]
+        self.glu = glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.gate_up_proj(x))
+        act = self.gate_up_proj(x)  # [T, I] (SiLU in the panels' epilogue), or [T, 2 I]
+        if self.glu is not None:
+            act = fused_ops.clamped_swiglu(act, *self.glu, fused_ops.use_c(act))  # [T, I]
+        return self.down_proj(act)
 
 
 class SharedExpert(nn.Module):

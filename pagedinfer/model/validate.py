@@ -169,6 +169,10 @@ def check_config_file(folder: str | Path) -> None:
         value = theta.get("rope_theta", 1.0)
         if not (_finite(value) and value > 0):
             raise ModelCheckError(f"{path}: {key} is {_json(value)}; it must be a finite positive number")
+    glu = family.experts.glu if family.experts else None
+    for key in (glu.alpha, glu.limit) if glu else ():  # gpt-oss's clamped SwiGLU's constants
+        if key in raw and not (_finite(raw[key]) and raw[key] > 0):
+            refuse(key, "a finite positive number")
     _check_heads(raw, family, str(path))
 
 
@@ -331,7 +335,7 @@ def _tensors(
     for m in modules:
         for e in range(s.experts) if m.experts else (None,):  # a module per expert: each expert's
             for suffix, dims, required in m.tensors():
-                yield f"{prefix}{m.hf_name(e)}.{suffix}", s.shape(dims), formula(dims), required
+                yield f"{prefix}{m.hf_name(e)}{suffix}", s.shape(dims), formula(dims), required
 
 
 def _named(name: str, found: Found) -> str:

@@ -7,6 +7,7 @@ family (the loader, the GGUF reader, the validation, the layers, the C step, the
 from __future__ import annotations
 
 from pagedinfer.model.families.gemma3 import GEMMA3
+from pagedinfer.model.families.gpt_oss import GPT_OSS
 from pagedinfer.model.families.granite import GRANITE
 from pagedinfer.model.families.llama import LLAMA
 from pagedinfer.model.families.mistral import MISTRAL
@@ -20,7 +21,21 @@ from pagedinfer.model.families.qwen3 import QWEN3
 from pagedinfer.model.families.qwen3_moe import QWEN3_MOE
 from pagedinfer.model.families.spec import Family
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GRANITE, PHI3, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+FAMILIES = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    OLMO2,
+    GRANITE,
+    PHI3,
+    GEMMA3,
+    QWEN3_MOE,
+    QWEN2_MOE,
+    MIXTRAL,
+    OLMOE,
+    GPT_OSS,
+)
 
 
 def find(config) -> Family | None:
@@ -36,9 +51,9 @@ def by_model_type(kind: object) -> Family | None:
 def by_gguf_arch(arch: object, metadata: dict[str, object] | None = None) -> Family | None:
     """The family of GGUF files of architecture ``arch`` (their size keys are what it gives): of two
     sharing one (llama's files: llama, mixtral), the mixture of experts where ``metadata`` gives the
-    architecture an expert count."""
+    architecture an expert count. None for a family whose files only transformers' layers read."""
     moe = bool((metadata or {}).get(f"{arch}.expert_count"))
-    of_arch = [f for f in FAMILIES if f.gguf_arch == arch]
+    of_arch = [f for f in FAMILIES if f.gguf_arch == arch and f.gguf_transformers_only is None]
     return next((f for f in of_arch if (f.experts is not None) == moe), of_arch[0] if of_arch else None)
 
 

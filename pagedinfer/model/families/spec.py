@@ -47,6 +47,7 @@ DIMS = {
     "expert_inter": "moe_intermediate_size",
     "shared_inter": "shared_expert_intermediate_size",
     "one": "1",
+    "heads": "num_attention_heads",
 }
 # llama.cpp's size keys (after "<arch>.") that become the config's sizes; each a positive integer
 GGUF_SIZE_KEYS = (
@@ -132,18 +133,35 @@ class Module:
     # a matrix of one row [1, in] that llama.cpp's files store as a vector [in] (qwen2moe's
     # ffn_gate_inp_shexp): the reader takes either
     gguf_vector: bool = False
+    # every expert's weight in one tensor [experts, in, rows] (multiplied as x @ W: a linear's weight
+    # transposed) and its bias [experts, rows] (gpt-oss's "mlp.experts.down_proj"); ``shape`` is one
+    # expert's [rows, in] as for the others
+    stacked: bool = False
+    # its tensors' names after the module's: ".weight" and ".bias"; a bare parameter (gpt-oss's
+    # "self_attn.sinks") or stacked experts ("mlp.experts.down_proj", "mlp.experts.down_proj_bias")
+    # are named by the module itself
+    suffixes: tuple[str, str] = (".weight", ".bias")
 
     def hf_name(self, expert: int | None = None) -> str:
         """Its Hugging Face name, of expert ``expert`` for a module per expert."""
         return self.hf.format(expert) if self.experts else self.hf
 
     def tensors(self) -> list[tuple[str, tuple[str, ...], bool]]:
-        """(name suffix, dims, required) of its weight and bias, where the checkpoint may hold them."""
+        """(name suffix, dims, required) of its weight and bias, where the checkpoint may hold them
+        (stacked experts: as stored, ``[experts, in, rows]`` and ``[experts, rows]``)."""
         out = []
-        for suffix, need, dims in (("weight", self.weight, self.shape), ("bias", self.bias, self.shape[:1])):
+        weight, bias = self.suffixes
+        for suffix, need, dims in ((weight, self.weight, self.shape), (bias, self.bias, self.shape[:1])):
             if need is not Need.ABSENT:
-                out.append((suffix, dims, need is Need.REQUIRED))
+                out.append(
+                    (suffix, ("experts", *reversed(dims)) if self.stacked else dims, need is Need.REQUIRED)
+                )
         return out
+
+    def names(self, prefix: str, expert: int | None = None) -> tuple[str, str]:
+        """The state dict's names of its weight and bias inside ``prefix`` (a layer's "model.layers.0.")."""
+        name = prefix + self.hf_name(expert)
+        return name + self.suffixes[0], name + self.suffixes[1]
 
 
 # the modules outside the layers, the same for every decoder family so far
@@ -169,14 +187,28 @@ class SharedExpert:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation over its gate and up rows, each constant a config field:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+
+    alpha: str
+    limit: str
+
+    def of(self, config) -> tuple[float, float]:
+        """(alpha, limit) as the config sets them."""
+        return float(getattr(config, self.alpha)), float(getattr(config, self.limit))
+
+
+@dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts MLP in place of the dense one: a router linear scores the experts, each
     token runs its top-k experts (each a gated MLP of its own), their outputs weighted by the scores;
     a shared expert beside them where the family has one. Which layers have the experts is `sparse`'s
     rule (the validation, the GGUF reader, the layers and the LoRA sites ask it, through the family)."""
 
-    router: str  # the router module [experts, hidden] (no bias)
-    gate_up: tuple[str, str]  # each expert's modules fused in its gate-up panels: gate rows, then up
+    router: str  # the router module [experts, hidden] (its bias where the module declares one)
+    # each expert's modules fused in its gate-up panels: gate rows, then up; or one module holding both
+    gate_up: tuple[str, ...]
     down: str  # each expert's down module
     count: str  # the config field of the expert count
     # whether the top-k scores are renormalised to sum to 1: a config field (its default), or always
@@ -186,6 +218,10 @@ class Experts:
     # whether the config's mlp_only_layers and decoder_sparse_step make some layers dense (qwen2_moe,
     # qwen3_moe, as transformers builds them): those take the family's gate_up and down linears
     dense_layers: bool = False
+    # whether the one gate-up module's rows alternate gate, up (gpt-oss's): put in halves at load
+    interleaved: bool = False
+    # the experts' activation where it is not the family's SiLU (gpt-oss's clamped SwiGLU)
+    glu: ClampedSwiGLU | None = None
 
     def renormalises(self, config) -> bool:
         if isinstance(self.renormalise, bool):
@@ -287,6 +323,11 @@ class Family:
     # the config field of a tanh softcap on the final logits (cap * tanh(logits / cap); None in the
     # config: none), Gemma's final_logit_softcapping
     logits_softcap: str | None = None
+    # the module of a learned sink logit per query head [heads] (gpt-oss's): softmax mass no key takes
+    sinks: str | None = None
+    # why our layers read none of its GGUF files where transformers' reader takes them (None: ours
+    # read them, or `gguf_refused`): such a file runs on transformers' layers, `pagedinfer` refused
+    gguf_transformers_only: str | None = None
     # whether the config's rope_parameters holds one set per layer type (Gemma 3: "sliding_attention"'s
     # local base, "full_attention"'s global one and its scaling), each layer rotating by its type's
     rope_by_layer_type: bool = False
