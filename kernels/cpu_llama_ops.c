@@ -6,8 +6,8 @@
  * in one pass over the rows (Gemma's gelu-tanh x up too). Rows run in parallel only when the work
  * pays for waking threads. The chains live in cpu_llama_ops_body.h, instantiated at the end of this
  * file per element type: add_rms_norm_{f32,bf16}, qk_norm_rope_{f32,bf16}, silu_mul_{f32,bf16},
- * gelu_tanh_mul_{f32,bf16}, clamped_swiglu_mul_{f32,bf16} (gpt-oss's experts). Arithmetic is float32 in both; the bfloat16 ones round where
- * transformers' bfloat16 modules round (each op's output).
+ * gelu_tanh_mul_{f32,bf16}, clamped_swiglu_mul_{f32,bf16} (gpt-oss's experts). Arithmetic is float32
+ * in both; the bfloat16 ones round where transformers' bfloat16 modules round (each op's output).
  */
 #include <math.h>
 #include <stdint.h>
