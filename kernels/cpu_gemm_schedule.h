@@ -175,6 +175,10 @@ static inline int chunk_panels(int kind, int m) {
 }
 
 static void gemm_segment_run(const gemm_segment *s, const void *x, void *y, int64_t ldy, int m, int k, int gated) {
+    if (s->q8_dot) {
+        q8_segment_run(s, (const float *)x, (float *)y, ldy, m, k, gated);
+        return;
+    }
     const int cols = gated ? NR / 2 : NR, width = s->cols, panels = (width + cols - 1) / cols;
     const int chunk = chunk_panels(bf16_io(s) ? K_BF16 : s->kind, m);
     const int chunks = (panels + chunk - 1) / chunk;

@@ -71,6 +71,7 @@ class PoolSize:
 SCHEDULE_POLICIES = ("lpm", "fcfs")  # the scheduler's admission orders (core/scheduler.py)
 DEVICES = ("auto", "cpu", "cuda")  # what the command line offers (the API also takes "cuda:1"...)
 MODEL_IMPLS = ("auto", "pagedinfer", "transformers")  # vLLM's --model-impl names
+MATMUL_NUMERICS = ("exact", "llama.cpp")  # how quantized weights multiply (model/packed_linear.py)
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's --load-format names: the checkpoint's weights, or random ones
 
 
@@ -319,6 +320,16 @@ class ModelConfig:
         choices=tuple(QUANTIZATIONS),
         show_default=False,
         vllm="quantization",
+        resume=True,
+    )
+    matmul_numerics: str = option(
+        "exact",
+        "Products of quantized weights: exact = the float32 products of the dequantized weights; "
+        "llama.cpp = GGUF Q4_0 and Q8_0 weights times activations quantized per block of 32 to int8 "
+        "(integer dot products, as llama.cpp computes them): faster, close to exact, not equal; "
+        "float32 activations only.",
+        panel="pool",
+        choices=MATMUL_NUMERICS,
         resume=True,
     )
     model_impl: str = option(

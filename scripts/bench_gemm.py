@@ -28,7 +28,7 @@ from torch import nn
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.model import gguf_blocks, panel_formats
 from pagedinfer.model.fused_ops import GatedLinear
-from pagedinfer.model.packed_linear import PackedLinear
+from pagedinfer.model.packed_linear import PackedLinear, use_llamacpp_numerics
 
 # (in, out) of each linear: per layer QKV 576 -> 960, o 576 -> 576, gate-up 576 -> 3072, down 1536 -> 576
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
@@ -83,7 +83,11 @@ def build(path: str, plain: list[nn.Linear]) -> list:
             PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[path], activations=lin.weight.dtype)
             for lin in plain
         ]
-    return [gguf_linear(lin, path) for lin in plain]
+    kind, _, numerics = path.partition("+")  # Q4_0+llama.cpp: under `--matmul-numerics llama.cpp`
+    linears = [gguf_linear(lin, kind) for lin in plain]
+    if numerics == "llama.cpp":
+        use_llamacpp_numerics(nn.Sequential(*linears))
+    return linears
 
 
 def main() -> None:

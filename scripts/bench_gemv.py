@@ -2,11 +2,12 @@
 """Few-row GEMV of kernels/cpu_gemm.c's panels against the machine's read rate, per weight kind and shape.
 
     python scripts/bench_gemv.py [--rows 1,2,4,6,8] [--threads 2] [--repeats 5] [--mb 256]
-        [--paths f32,int8,int4,Q4_0,Q4_1,Q8_0] [--shapes 576x576,576x1536,1536x576,576x49152]
+        [--paths f32,int8,int4,Q4_0,Q4_1,Q8_0,Q4_0+llama.cpp] [--shapes 576x576,576x1536,1536x576,576x49152]
 
 First a stream-sum (torch's ``sum`` over a float32 tensor of ``--mb`` MB) gives the read rate. Then each
 shape (in x out: SmolLM2-135M's attention, MLP and lm_head linears), in each path (scripts/bench_gemm.py's
-``build``: float32 panels, ``--quantization`` int8 / int4, GGUF types), is one linear made of copies of
+``build``: float32 panels, ``--quantization`` int8 / int4, GGUF types, ``Q4_0+llama.cpp`` / ``Q8_0+llama.cpp``
+under ``--matmul-numerics llama.cpp``), is one linear made of copies of
 its panels (distinct memory, one segment each) filling at least ``--mb`` MB of that path's bytes, so
 every weight comes from memory, and one call covers them all (no per-linear Python overhead). Printed:
 microseconds per single linear, the GB/s of weight bytes streamed (against the read rate) and, at more

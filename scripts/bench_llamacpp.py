@@ -19,7 +19,7 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
 
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--isa native|avx2] [--workloads A,B,C,D,b1]
        [--formats F32,Q8_0,Q4_0] [--llamacpp-kv-types f16,same] [--impls pagedinfer,transformers]
-       [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16] [--kv-cache-dtypes auto,float16]
+       [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16,Q4_0+llama.cpp] [--kv-cache-dtypes auto,float16]
        [--threads 2] [--repeats 1] [--json FILE] [--max-new N]
 
 Fairness: every system runs each workload in a process of its own (so its peak RSS is the workload's),
@@ -42,7 +42,9 @@ pagedinfer's dtypes: float32 and bfloat16 (the weights cast from the float32 dir
 rounds the same values llama.cpp's BF16 file holds), ``int8`` / ``int4`` (float32 with its linear
 weights quantized, ``--quantization``), or a GGUF format name (``Q4_1``, ``Q8_0``, ``Q4_0``...): the
 same GGUF file llama.cpp runs, its tensors kept in their types; a quantized dtype with ``:bfloat16``
-(``Q4_0:bfloat16``, ``int8:bfloat16``) runs it under bfloat16 activations. A pool dtype of
+(``Q4_0:bfloat16``, ``int8:bfloat16``) runs it under bfloat16 activations; a GGUF format with
+``+llama.cpp`` (``Q4_0+llama.cpp``, ``Q8_0+llama.cpp``) runs it with ``matmul_numerics="llama.cpp"``
+(activations quantized per block, integer dot products: llama.cpp's numerics). A pool dtype of
 ``--kv-cache-dtypes`` that pagedinfer refuses for a dtype is skipped with a line saying why.
 
 ``--isa avx2`` holds both to an AVX2 machine's instructions on any CPU (scripts/bench_isa.py: our
@@ -251,7 +253,7 @@ torch.set_num_threads({threads})
 w = json.loads(sys.stdin.read())
 try:
     llm = LLM({model!r}, device="cpu", dtype={dtype!r}, model_impl={impl!r}, quantization={quantization!r},
-              kv_cache_dtype={kv!r})
+              kv_cache_dtype={kv!r}, matmul_numerics={numerics!r})
 except ValueError as e:
     print(json.dumps({{"skipped": str(e)}}))
     sys.exit(0)
@@ -278,7 +280,8 @@ def run_pagedinfer(
 ) -> dict:
     """One workload through pagedinfer in its own process: ``model`` a directory (dtype float32,
     bfloat16, int8 or int4, the last two with ``:bfloat16`` for bfloat16 activations) or a GGUF file
-    run in its own types (dtype "auto", or "bfloat16")."""
+    run in its own types (dtype "auto", or "bfloat16"; ``+llama.cpp`` after it: under llama.cpp's numerics)."""
+    dtype, _, numerics = dtype.partition("+")
     weights, _, act = dtype.partition(":")
     dtype, quantization = (act or "float32", weights) if weights in QUANTIZATIONS else (dtype, None)
     code = PAGEDINFER_JOB.format(
@@ -290,6 +293,7 @@ def run_pagedinfer(
         impl=impl,
         quantization=quantization,
         kv=kv,
+        numerics=numerics or "exact",
         warm_new=WARM_UP_NEW,
         warm_prompt=WARM_UP_PROMPT,
     )
@@ -376,21 +380,24 @@ def our_systems(args, model_dir: Path, ggufs: dict[str, Path], env: dict[str, st
     """pagedinfer once per dtype, pool dtype and implementation."""
     systems = []
     for dtype in args.dtypes.split(","):
-        fmt, _, act = dtype.partition(":")
+        base, plus, numerics = dtype.partition("+")
+        fmt, _, act = base.partition(":")
         is_gguf = fmt[:1].isupper()  # GGUF formats are upper case (Q4_1, Q8_0, F32)
         for kv in args.kv_cache_dtypes.split(","):
             for impl in args.impls.split(","):
                 suffix = ("" if kv == "auto" else f", K/V {KV_NAMES.get(kv, kv)}") + (
                     "" if impl == "pagedinfer" else f" ({impl} layers)"
                 )
-                model, run_dtype = (ggufs[fmt], act or "auto") if is_gguf else (model_dir, dtype)
+                model, run_dtype = (
+                    (ggufs[fmt], (act or "auto") + plus + numerics) if is_gguf else (model_dir, dtype)
+                )
                 twin = (fmt if is_gguf else TWIN_FORMATS.get(dtype)) if impl == "pagedinfer" else None
                 systems.append(
                     System(
                         f"pagedinfer {dtype}{suffix}",
                         "pagedinfer",
                         twin,
-                        kv == "auto" and not act,
+                        kv == "auto" and not act and not numerics,
                         lambda w, m=model, i=impl, d=run_dtype, k=kv: run_pagedinfer(
                             m, i, d, k, w, args.threads, env
                         ),
@@ -428,7 +435,9 @@ def main() -> None:
     driver = build(cache, args.isa)
     q4 = q4_gguf(cache)
     dtypes = args.dtypes.split(",")
-    formats = args.formats.split(",") + [d.partition(":")[0] for d in dtypes if d[:1].isupper()]
+    formats = args.formats.split(",") + [
+        d.partition("+")[0].partition(":")[0] for d in dtypes if d[:1].isupper()
+    ]
     ggufs = {
         f: gguf_file(q4, f, build_bin(cache, args.isa) / "llama-quantize") for f in dict.fromkeys(formats)
     }

@@ -404,6 +404,7 @@ REPORT_KEYS = {
     "model.dtype",
     "model.dtype_reason",
     "model.dtype_emulated",
+    "model.matmul_numerics",
     "model.weight_bytes",
     "model.linear_bits_per_weight",
     "cuda_graphs",

@@ -184,6 +184,8 @@ def render(stats: EngineStats, console: Console) -> None:
     # dtype line: the run's dtype (yellow when it runs emulated) and why --dtype auto chose it
     shown = f"[bold yellow]{stats.dtype}[/]" if stats.dtype_emulated else f"[bold]{stats.dtype}[/]"
     rows.add("dtype", [shown, f"[dim]{escape(stats.dtype_reason)}[/]"])
+    if stats.matmul_numerics != "exact":  # the quantized weights' products are not the float32 ones
+        rows.add("Numerics", [f"[bold]{stats.matmul_numerics}[/] [dim](--matmul-numerics)[/]"])
     if stats.kv_cache_dtype != stats.dtype:
         rows.add("K/V dtype", [f"[bold]{stats.kv_cache_dtype}[/] [dim](--kv-cache-dtype)[/]"])
     if stats.weight_bytes:

@@ -112,12 +112,18 @@ def reproducibility(engine: LLMEngine) -> Reproducibility:
 
 def linear_paths(model: nn.Module) -> list[str]:
     """Where the model's matrices are multiplied: ``panels:F32`` (and the panels' other formats:
-    ``BF16``, ``I8``, ``I4/g32``, GGUF types), ``oneDNN``, or ``torch (Linear, ...)``: the modules whose
+    ``BF16``, ``I8``, ``I4/g32``, GGUF types; ``panels:Q4_0 llama.cpp numerics`` under
+    ``--matmul-numerics llama.cpp``), ``oneDNN``, or ``torch (Linear, ...)``: the modules whose
     matrices are left to torch (MKL)."""
     paths, left = set(), set()
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            kinds = (f"panels:{s.kind}" + (f"/g{s.group}" if s.group else "") for s in module.segments or [])
+            kinds = (
+                f"panels:{s.kind}"
+                + (f"/g{s.group}" if s.group else "")
+                + (" llama.cpp numerics" if s.q8_dot else "")
+                for s in module.segments or []
+            )
             paths.update(kinds if module.segments else ["oneDNN"])
         elif not isinstance(module, nn.Embedding) and any(
             p.dim() >= 2 for p in module.parameters(recurse=False)

@@ -345,6 +345,7 @@ class LLMEngine:
             dtype=dtype_name(self.loaded.dtype),
             dtype_reason=self.loaded.dtype_reason,
             dtype_emulated=self.loaded.dtype_emulated,
+            matmul_numerics=self.loaded.matmul_numerics,
             kv_cache_dtype=dtype_name(self.kv.dtype),
             weight_bytes=self.loaded.weights.bytes,
             linear_bits_per_weight=self.loaded.weights.linear_bits_per_weight,

@@ -50,6 +50,7 @@ class EngineStats:
     dtype: str = ""  # weights and activations, e.g. "float32" (the pool's: kv_cache_dtype)
     dtype_reason: str = ""  # why: "--dtype bfloat16", or what --dtype auto found on this machine
     dtype_emulated: bool = False  # a 16-bit dtype this CPU has no native matrix instructions for
+    matmul_numerics: str = "exact"  # how the quantized weights multiplied (config.MATMUL_NUMERICS)
     kv_cache_dtype: str = ""  # the pool's: the model's dtype, or 16-bit under float32 (--kv-cache-dtype)
     weight_bytes: int = 0  # every weight tensor the model holds (panels, scales, embeddings, norms)
     linear_bits_per_weight: float = 0.0  # the linears' storage per weight (4.5-8.5 quantized, 32 float32)
@@ -313,6 +314,7 @@ class EngineStats:
                 "dtype": self.dtype,
                 "dtype_reason": self.dtype_reason,
                 "dtype_emulated": self.dtype_emulated,
+                "matmul_numerics": self.matmul_numerics,
                 "weight_bytes": self.weight_bytes,
                 "linear_bits_per_weight": round(self.linear_bits_per_weight, 3),
             },

@@ -16,7 +16,7 @@ from pagedinfer import envs
 from pagedinfer.attention import interface as attention
 from pagedinfer.attention.kv_cache import LayerShape
 from pagedinfer.chat_render import ChatRenderError, compile_error
-from pagedinfer.config import LOAD_FORMATS, MODEL_IMPLS, QUANTIZATIONS
+from pagedinfer.config import LOAD_FORMATS, MATMUL_NUMERICS, MODEL_IMPLS, QUANTIZATIONS
 from pagedinfer.errors import one_line
 from pagedinfer.kernels import build, kernel_cache, weight_types
 from pagedinfer.model import (
@@ -79,6 +79,7 @@ class LoadedModel:
     dtype_emulated: bool = False  # a 16-bit dtype without this CPU's native instructions (model/dtype.py)
     impl: str = "transformers"  # whose modeling code runs: "transformers" or "pagedinfer"
     kernel_compile_s: float = 0.0  # seconds compiling the CPU kernels at load (0 when they were cached)
+    matmul_numerics: str = "exact"  # how the quantized weights multiply (config.MATMUL_NUMERICS)
     weights: WeightMemory = WeightMemory(0, 0.0)  # the weights' bytes and the linears' bits per weight
     # what the weights are, where the load already knows it: "sha256:<hex>" of a GGUF file, or
     # "dummy" (random weights); "" for checkpoint folders (engine/fingerprint.py reads their files)
@@ -130,6 +131,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     chat_template: str | None = None,
+    matmul_numerics: str = "exact",
 ) -> LoadedModel:
     """Load model, tokenizer and geometry from a hub id, a model directory or a ``.gguf`` file;
     every failure is a ModelLoadError with a one-line reason.
@@ -139,11 +141,17 @@ def load_model(
     ``quantization`` (`config.QUANTIZATIONS`: int8, int4, ...): every packed linear's weight quantized
     (float32 activations; the CPU and float32 only). A GGUF file served by our layers on the CPU keeps
     its tensors' types (``--dtype auto``, no ``quantization``); otherwise it is dequantized.
-    ``chat_template``: Jinja text replacing the tokenizer's."""
+    ``chat_template``: Jinja text replacing the tokenizer's. ``matmul_numerics`` (`config.MATMUL_NUMERICS`):
+    ``llama.cpp`` multiplies a GGUF's Q4_0 and Q8_0 blocks by activations quantized per block
+    (`packed_linear.use_llamacpp_numerics`); refused where no such weight is kept, or under bfloat16."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}: use {', '.join(QUANTIZATIONS)}")
+    if matmul_numerics not in MATMUL_NUMERICS:
+        raise ModelLoadError(
+            f"unknown matmul numerics {matmul_numerics!r}: use {' or '.join(MATMUL_NUMERICS)}"
+        )
     quant = QUANTIZATIONS.get(quantization) if quantization else None
     name = str(name_or_path or DEMO_MODEL)
     ckpt = _open_gguf(name)
@@ -271,6 +279,7 @@ def load_model(
             raise ModelLoadError(f"cannot quantize {name!r}: {e}; use --dtype float32") from None
     if quant:
         _check_quantized(model, config.model_type, quant.name)
+    _set_numerics(model, matmul_numerics, name, choice.dtype)
     shapes, logits = probe_layers(model, dev)
     _check(validate.check_probe, logits, name, choice.dtype)
     if not shapes:
@@ -298,6 +307,7 @@ def load_model(
         kernel_compile_s=compile_s,
         weights=weight_memory(model),
         content_digest="dummy" if dummy else f"sha256:{ckpt.digest}" if ckpt else "",
+        matmul_numerics=matmul_numerics,
     )
 
 
@@ -378,6 +388,27 @@ def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> 
         return None
     types = ", ".join(f"{k} x{n}" for k, n in sorted(kept.items(), key=lambda kv: -kv[1]))
     return f"{dtype_name(dtype)} activations; weights as stored in the GGUF ({types})"
+
+
+def _set_numerics(model: torch.nn.Module, numerics: str, name: str, dtype: torch.dtype) -> None:
+    """Put the packed linears on ``numerics`` (`config.MATMUL_NUMERICS`), or refuse in one line where
+    ``llama.cpp`` cannot apply: bfloat16 activations, or no Q4_0 / Q8_0 weight kept as stored."""
+    if numerics == "exact":
+        return
+    if dtype != torch.float32:
+        raise ModelLoadError(
+            f"matmul numerics llama.cpp quantizes float32 activations; this run's are {dtype_name(dtype)}"
+            " (use --dtype auto)"
+        )
+    if not packed_linear.use_llamacpp_numerics(model):
+        kinds = sorted(
+            {k for m in model.modules() if isinstance(m, packed_linear.PackedLinear) for k in m.kinds}
+        )
+        held = f"its packed linears are {', '.join(kinds)}" if kinds else "it has no packed linear"
+        raise ModelLoadError(
+            f"matmul numerics llama.cpp applies to GGUF Q4_0 and Q8_0 weights kept as stored (--dtype auto, "
+            f"on the CPU); {name} has none: {held}"
+        )
 
 
 def _check_quantized(model: torch.nn.Module, family: str, quantization: str) -> None:

@@ -60,6 +60,7 @@ class GemmSegment(ctypes.Structure):  # kernels/cpu_gemm.c: gemm_segment
         ("bias", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
         ("bf16_io", ctypes.c_int),
+        ("q8_dot", ctypes.c_int),
     ]
 
 
@@ -71,6 +72,7 @@ def c_segment(s: Segment, into: GemmSegment | None = None) -> GemmSegment:
     c.bias = None if s.bias is None else s.bias.data_ptr()
     c.scale = None if s.scale is None else s.scale.data_ptr()
     c.bf16_io = int(s.bf16_io)
+    c.q8_dot = int(s.q8_dot)
     return c
 
 
@@ -228,6 +230,25 @@ class PackedLinear(nn.Module):
         layout = f"cpu_gemm.c panels ({', '.join(self.kinds)})" if self.segments else "oneDNN"
         gated = ", silu(gate) * up" if self.gated else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
+
+
+Q8_DOT_KINDS = ("Q4_0", "Q8_0")  # the kinds llama.cpp's numerics serve (kernels/cpu_gemm_q8dot.h)
+
+
+def use_llamacpp_numerics(model: nn.Module) -> int:
+    """Put every Q4_0 and Q8_0 segment of the model's packed linears under float32 activations on
+    llama.cpp's numerics (activations quantized per block of 32 to int8, integer dot products:
+    kernels/cpu_gemm_q8dot.h) at every row count; the other segments keep theirs. How many it put."""
+    count = 0
+    for linear in model.modules():
+        if not isinstance(linear, PackedLinear) or not linear.segments:
+            continue
+        for c, s in zip(linear._c, linear.segments, strict=True):
+            if s.kind in Q8_DOT_KINDS and not s.bf16_io and s.in_features % 32 == 0:
+                s.q8_dot = True
+                c_segment(s, c)
+                count += 1
+    return count
 
 
 def ungated(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, 2 I]

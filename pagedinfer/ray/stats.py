@@ -40,6 +40,7 @@ def merge(replicas: list[EngineStats], wall_time_s: float) -> EngineStats:
         dtype=first.dtype,
         dtype_reason=first.dtype_reason,
         dtype_emulated=first.dtype_emulated,
+        matmul_numerics=first.matmul_numerics,
         kv_cache_dtype=first.kv_cache_dtype,
         prefix_caching=first.prefix_caching,
         schedule_policy=first.schedule_policy,
