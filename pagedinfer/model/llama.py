@@ -493,6 +493,6 @@ def weight_files(files: list[Path]) -> str:
 def from_gguf(config, family: Family, sd: dict[str, torch.Tensor | GGUFWeight]) -> LlamaFamilyForCausalLM:
     """Build the model from a GGUF's tensors (`gguf.state_dict`): its blocks in panels of their own
     types as they are read, the float tensors as they are (on the CPU); each norm's weight the
-    multiplier as stored (Gemma 3's 1 + weight, summed by llama.cpp's converter: kept, not taken
-    apart and summed again, which would round where the sum is under 0.5)."""
+    multiplier as stored (Gemma 3's 1 + weight, summed by llama.cpp's converter: kept as the value
+    llama.cpp multiplies by, not taken apart and summed again)."""
     return LlamaFamilyForCausalLM(config, family, sd, norm_offset=0.0).eval()
