@@ -218,6 +218,21 @@ def test_a_gemma3_gguf_matches_transformers_on_its_checkpoint(
     assert llm.stats.preemptions > 0
 
 
+def test_a_quantized_gemma3_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_path, monkeypatch):
+    """A Q8_0 Gemma 3 GGUF (its embedding too: looked up from its panels, scaled by sqrt(hidden) in
+    the activations' dtype) kept in its blocks: greedy-identical to transformers' modules on the same
+    file (which dequantize every tensor to float32)."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = save_gguf(tiny_model("gemma3_gguf"), tmp_path / "gemma3-q8.gguf", kind_of=lambda name: "Q8_0")
+    ours = LLM(str(path), block_size=4, num_blocks=64, **{**ENGINE, "dtype": "auto"})
+    assert ours.engine.loaded.impl == "pagedinfer" and "Q8_0" in ours.engine.loaded.dtype_reason
+    theirs = LLM(str(path), block_size=4, num_blocks=64, model_impl="transformers", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    want = [o.outputs[0].token_ids for o in theirs.generate(ps, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in ours.generate(ps, params, use_tqdm=False)] == want
+
+
 def test_a_gemma3_gguf_multiplies_by_its_norms_as_stored(tiny_model, tmp_path, monkeypatch):
     """Each norm's multiplier from the GGUF is the float32 1 + weight the file stores, bit for bit the
     one our layers make of the safetensors checkpoint (the 1 added in float32 at load), multipliers

@@ -365,14 +365,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         softcap = family.logits_softcap and getattr(config, family.logits_softcap, None)
         self.logits_softcap = softcap or None  # Gemma's cap * tanh(logits / cap) (None: none)
         embed = sd.pop(f"{EMBED}.weight")  # [V, H]
-        if family.embedding_scaled:  # sqrt(H) rounded to the embedding's dtype, as transformers' Gemma
-            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(embed.dtype).item()
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
             table = packed_linear.gguf_segment([embed], None, gated=False)
             self.embed_tokens = packed_linear.PanelEmbedding(table)
+            looked_up = table.activation_dtype
         else:
             self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+            looked_up = embed.dtype
+        if family.embedding_scaled:  # sqrt(H) rounded to the embeddings' dtype, as transformers' Gemma
+            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(looked_up).item()
         self.layers = nn.ModuleList(
             DecoderLayer(config, family, i, sd, self.sizes, norm_offset)
             for i in range(config.num_hidden_layers)
