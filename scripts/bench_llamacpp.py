@@ -20,7 +20,12 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--isa native|avx2] [--workloads A,B,C,D,b1]
        [--formats F32,Q8_0,Q4_0] [--llamacpp-kv-types f16,same] [--impls pagedinfer,transformers]
        [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16,Q4_0+llama.cpp] [--kv-cache-dtypes auto,float16]
-       [--threads 2] [--repeats 1] [--json FILE] [--max-new N]
+       [--threads 2] [--repeats 1] [--json FILE] [--max-new N] [--gguf FILE ...]
+
+``--gguf FILE`` (repeatable) runs those files in place of SmolLM2's: each stands for the type most of its
+matrices hold (BF16, Q4_0...), which --formats and --dtypes name (ours then runs only GGUF dtypes, e.g.
+``--dtypes Q4_0,BF16:bfloat16 --formats Q4_0,BF16``); the prompts are drawn from its vocabulary
+(scripts/make_gemma3_gguf.py writes real-shape files of random weights).
 
 Fairness: every system runs each workload in a process of its own (so its peak RSS is the workload's),
 and each warms up alike before its clock starts: the same 16-token prompt of other tokens, 4 new
@@ -186,6 +191,23 @@ def gguf_file(src: Path, fmt: str, quantize: Path) -> Path:
     if fmt == "Q4_1":
         return src
     return dequantized_gguf(src, fmt) if fmt in ("F32", "BF16") else requantized_gguf(src, fmt, quantize)
+
+
+def given_ggufs(paths: list[Path]) -> tuple[dict[str, Path], int]:
+    """``--gguf`` files by the type most of each one's matrices hold, and the first one's vocabulary."""
+    from collections import Counter
+
+    sys.path.insert(0, str(ROOT))
+    from pagedinfer.model.gguf_header import read
+
+    out, vocab = {}, 0
+    for path in paths:
+        header = read(path)
+        kinds = Counter(t.kind for t in header.tensors if len(t.shape) > 1)
+        out[kinds.most_common(1)[0][0]] = path
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        vocab = vocab or header.metadata.get(f"{header.arch}.vocab_size") or len(tokens.items)
+    return out, vocab
 
 
 def hf_dir(src: Path) -> Path:
@@ -368,6 +390,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
     )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        action="append",
+        help="a GGUF file to run in place of SmolLM2's (repeatable; named by its matrices' type)",
+    )
     a = ap.parse_args(argv)
     bf16 = [d for d in a.dtypes.split(",") if d.endswith("bfloat16")]
     bf16 += [f for f in a.formats.split(",") if f == "BF16"] + [k for k in a.llamacpp_kv_types if k == "bf16"]
@@ -433,18 +461,25 @@ def main() -> None:
     env = {**os.environ, **bench_isa.isa_env(args.isa, cache)}
     print(bench_isa.machine_line(args.isa), flush=True)
     driver = build(cache, args.isa)
-    q4 = q4_gguf(cache)
     dtypes = args.dtypes.split(",")
     formats = args.formats.split(",") + [
         d.partition("+")[0].partition(":")[0] for d in dtypes if d[:1].isupper()
     ]
-    ggufs = {
-        f: gguf_file(q4, f, build_bin(cache, args.isa) / "llama-quantize") for f in dict.fromkeys(formats)
-    }
-    model_dir = hf_dir(q4)
-    from transformers import AutoConfig
+    if args.gguf:
+        ggufs, vocab = given_ggufs(args.gguf)
+        if missing := [f for f in formats if f not in ggufs] + [d for d in dtypes if not d[:1].isupper()]:
+            sys.exit(f"--gguf files are {', '.join(ggufs)}; no file for {missing[0]}")
+        model_dir = None
+    else:
+        q4 = q4_gguf(cache)
+        ggufs = {
+            f: gguf_file(q4, f, build_bin(cache, args.isa) / "llama-quantize") for f in dict.fromkeys(formats)
+        }
+        model_dir = hf_dir(q4)
+        from transformers import AutoConfig
 
-    all_ws = workloads(AutoConfig.from_pretrained(model_dir).vocab_size)
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    all_ws = workloads(vocab)
     ws = [all_ws[name] for name in args.workloads]
     if args.max_new:
         ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]

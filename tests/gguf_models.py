@@ -30,7 +30,7 @@ ARCHS = {
     "phi3": "PHI3",
     "olmo2": "OLMO2",  # (pagedinfer refuses these two: tests/test_dense_families.py)
     "granite": "GRANITE",
-    "gemma3_text": "GEMMA3",  # (refused too)
+    "gemma3_text": "GEMMA3",  # each norm's weight stored as 1 + weight, as llama.cpp's converter does
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -107,12 +107,17 @@ def save_gguf(
     out: Path,
     kind_of: Callable[[str], str] = lambda name: "F32",
     extra: dict[str, np.ndarray] | None = None,
+    pattern_array: bool = False,
+    keys: dict[str, str | int | list[bool]] | None = None,
 ) -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe or gemma3_text model at ``model_dir`` as a GGUF file
     at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
     into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
-    they are (float32)."""
+    they are (float32). A gemma3_text model is written as llama.cpp's converter writes it (each norm's
+    weight plus 1, in float32) with the keys llama.cpp reads (`_gemma3_keys`; ``pattern_array``: its
+    windowed layers as one boolean per layer, else as the pattern's integer). ``keys``: metadata
+    written in place of the writer's (by name after "<arch>.": a string, an integer, booleans)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -139,6 +144,17 @@ def save_gguf(
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if hasattr(cfg, "shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if cfg.model_type == "gemma3_text":
+        _gemma3_keys(writer, cfg, pattern_array)
+    for key, value in (keys or {}).items():  # the given values stand: the writer's own dropped
+        key = f"{writer.arch}.{key}"
+        writer.kv_data[0].pop(key, None)
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_array(key, value)
     state = {
         k: v.float().numpy()
         for f in sorted(Path(model_dir).glob("*.safetensors"))
@@ -156,6 +172,8 @@ def save_gguf(
         gname = f"{names.get_name(stem)}.{suffix}"
         if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith(("q_proj", "k_proj")):
             w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
+        if cfg.model_type == "gemma3_text" and stem.endswith("norm"):
+            w = w + np.float32(1.0)
         if stem.endswith("shared_expert_gate"):  # [1, H]: llama.cpp's converter writes its row, [H]
             w = w[0]
         kind = kind_of(gname) if w.ndim >= 2 else "F32"
@@ -175,6 +193,29 @@ def save_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _gemma3_keys(writer, cfg, pattern_array: bool) -> None:
+    """Gemma 3's keys as llama.cpp's converter writes them (head size, window, softcap, the global
+    layers' linear RoPE scaling), and its windowed layers: an integer n (layer i windowed where
+    i % n < n - 1) where one gives the config's layer_types, else one boolean per layer."""
+    import gguf
+
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if local["rope_theta"] != 10_000.0:
+        writer.add_rope_freq_base_swa(local["rope_theta"])
+    windowed = [t == "sliding_attention" for t in cfg.layer_types]
+    layers = len(windowed)
+    n = next((n for n in range(1, layers + 1) if windowed == [i % n < n - 1 for i in range(layers)]), None)
+    writer.add_sliding_window_pattern(windowed if pattern_array or n is None else n)
 
 
 def save_qwen2_gguf(model_dir: Path, out: Path) -> Path:

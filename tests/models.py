@@ -86,6 +86,22 @@ CONFIGS = {
         query_pre_attn_scalar=24,
         final_logit_softcapping=3.0,
     ),
+    # Gemma 3 as llama.cpp's files can state it: query_pre_attn_scalar = head_dim (llama.cpp scales by
+    # key_length), windowed layers by its pattern 3 (layer 2 global), linear RoPE scaling on the global
+    # one, a softcap (its norms drawn wide: `DRAWN_NORMS`, multipliers 1 + weight on both sides of 0.5)
+    "gemma3_gguf": lambda: tf.Gemma3TextConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=3.0,
+    ),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
@@ -147,7 +163,7 @@ CONFIGS = {
 
 
 # models whose norm weights are drawn as well (Gemma's multiply by 1 + weight; transformers sets 0)
-DRAWN_NORMS = {"gemma3_scaled": 0.3}
+DRAWN_NORMS = {"gemma3_scaled": 0.3, "gemma3_gguf": 0.6}
 
 
 def save_model(family: str, root: Path, seed: int = 0) -> Path:

@@ -3,7 +3,8 @@ multipliers), Phi-3 (fused q/k/v and gate/up modules, LongRoPE) and Gemma 3 (nor
 each branch of 1 + weight, GeGLU, scaled embeddings and queries, RoPE per layer type over windowed and
 global layers, a logit softcap) on pagedinfer's own layers: greedy-identical to transformers' generate
 with a roomy and a preempting pool, through the one-call C step and layer by layer, the two paths
-giving the same bits; OLMo-2's, Granite's and Gemma 3's GGUF files refused in one line.
+giving the same bits; Gemma 3's GGUF files (llama.cpp's layout: norms stored as 1 + weight, the
+windows' pattern) read as llama.cpp reads them; OLMo-2's and Granite's refused in one line.
 (Reproducibility across batches: tests/test_reproducibility.py.)"""
 
 import json
@@ -138,17 +139,11 @@ def test_longrope_that_switches_factors_is_left_to_transformers(tiny_model):
     [
         ("olmo2", "transformers' GGUF reader maps no olmo2 config"),
         ("granite", "transformers' GGUF reader maps no granite config"),
-        (
-            "gemma3_text",
-            "llama.cpp's files hold each norm's weight with 1 added and the windows' pattern, which its "
-            "reader does not take back",
-        ),
     ],
 )
 def test_their_gguf_files_are_refused_by_name(tiny_model, tmp_path, monkeypatch, name, why):
-    """transformers' GGUF reader makes no config of olmo2 and granite (nor of Granite's scalars), and
-    Gemma 3's files hold what pagedinfer's reader does not undo: refused in one line before a tensor
-    is read, not read as a Llama."""
+    """transformers' GGUF reader makes no config of olmo2 and granite (nor of Granite's scalars):
+    refused in one line before a tensor is read, not read as a Llama."""
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
     path = save_gguf(tiny_model(name), tmp_path / f"{name}.gguf")
     family = families.by_model_type(name).name
@@ -184,3 +179,107 @@ def test_a_phi3_gguf_with_longrope_factors_is_refused(tiny_model, tmp_path, monk
         f"{path}: tensor rope_factors_long.weight is refused: its LongRoPE factors, which transformers' "
         "GGUF reader leaves out of the config, so the angles would be the unscaled ones"
     )
+
+
+@pytest.mark.parametrize("pattern_array", [False, True], ids=["pattern-integer", "pattern-per-layer"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call-step", "layer-by-layer"])
+def test_a_gemma3_gguf_matches_transformers_on_its_checkpoint(
+    tiny_model, tmp_path, monkeypatch, pattern_array, one_call
+):
+    """A Gemma 3 GGUF in llama.cpp's layout (each norm's weight stored as 1 + weight; the windowed
+    layers as the pattern's integer or one boolean per layer; the global layer's linear RoPE scaling,
+    the softcap as its keys) is read as llama.cpp reads it: greedy-identical to transformers' generate
+    on the safetensors checkpoint it was written from, with a pool that preempts."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    steps = count_one_call_steps(monkeypatch)
+    if not one_call:
+        monkeypatch.setenv("PAGEDINFER_DECODE_STEP", "0")
+    path = tiny_model("gemma3_gguf")
+    gguf_path = save_gguf(path, tmp_path / "gemma3.gguf", pattern_array=pattern_array)
+    llm = LLM(str(gguf_path), block_size=4, num_blocks=8, **ENGINE)
+    loaded = llm.engine.loaded
+    assert loaded.impl == "pagedinfer" and loaded.model.family.name == "gemma3_text"
+    config, theirs = loaded.model.config, json.loads((path / "config.json").read_text())
+    for key in (
+        "layer_types",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
+        "head_dim",
+    ):
+        assert getattr(config, key) == theirs[key], key
+    assert config.rope_parameters == theirs["rope_parameters"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert bool(steps) == one_call
+    assert llm.stats.preemptions > 0
+
+
+def test_a_quantized_gemma3_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_path, monkeypatch):
+    """A Q8_0 Gemma 3 GGUF (its embedding too: looked up from its panels, scaled by sqrt(hidden) in
+    the activations' dtype) kept in its blocks: greedy-identical to transformers' modules on the same
+    file (which dequantize every tensor to float32)."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = save_gguf(tiny_model("gemma3_gguf"), tmp_path / "gemma3-q8.gguf", kind_of=lambda name: "Q8_0")
+    ours = LLM(str(path), block_size=4, num_blocks=64, **{**ENGINE, "dtype": "auto"})
+    assert ours.engine.loaded.impl == "pagedinfer" and "Q8_0" in ours.engine.loaded.dtype_reason
+    theirs = LLM(str(path), block_size=4, num_blocks=64, model_impl="transformers", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    want = [o.outputs[0].token_ids for o in theirs.generate(ps, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in ours.generate(ps, params, use_tqdm=False)] == want
+
+
+def test_a_gemma3_gguf_multiplies_by_its_norms_as_stored(tiny_model, tmp_path, monkeypatch):
+    """Each norm's multiplier from the GGUF is the float32 1 + weight the file stores, bit for bit the
+    one our layers make of the safetensors checkpoint (the 1 added in float32 at load), multipliers
+    under 0.5 and negative ones included."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = tiny_model("gemma3_gguf")
+    ours = LLM(str(save_gguf(path, tmp_path / "gemma3.gguf")), **ENGINE).engine.loaded.model
+    theirs = LLM(str(path), **ENGINE).engine.loaded.model
+    norms = {n: p for n, p in theirs.named_parameters() if "norm" in n}
+    assert len(norms) == 4 * 6 + 1
+    stored = dict(ours.named_parameters())
+    for name, multiplier in norms.items():
+        assert torch.equal(stored[name], multiplier), name
+    every = torch.cat([m.flatten() for m in norms.values()])
+    assert (every < 0.5).any() and (every < 0).any() and (every > 1.5).any()
+
+
+@pytest.mark.parametrize(
+    "keys,why",
+    [
+        (
+            {"attention.sliding_window_pattern": [True, False]},
+            "metadata gemma3.attention.sliding_window_pattern is an array of 2 items; it must be one "
+            "boolean per layer (4)",
+        ),
+        (
+            {"attention.sliding_window_pattern": "6"},
+            "metadata gemma3.attention.sliding_window_pattern is '6'; it must be an integer >= 0 or one "
+            "boolean per layer",
+        ),
+        (
+            {"rope.scaling.type": "yarn"},
+            "metadata gemma3.rope.scaling.type is 'yarn'; pagedinfer reads Gemma 3 files with none or linear",
+        ),
+        (
+            {"attention.value_length": 32},
+            "metadata gemma3.attention.value_length is 32, not key_length's 16: pagedinfer's layers have "
+            "one head size",
+        ),
+    ],
+    ids=["pattern-length", "pattern-type", "rope-scaling", "value-length"],
+)
+def test_a_gemma3_gguf_llama_cpp_reads_otherwise_is_refused(tiny_model, tmp_path, monkeypatch, keys, why):
+    """A Gemma 3 file whose keys llama.cpp reads in a way pagedinfer does not follow (a pattern of
+    another length or type, YaRN scaling, a value head size of its own): one line, nothing loaded."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = save_gguf(tiny_model("gemma3_gguf"), tmp_path / "gemma3.gguf", keys=keys)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(path), **ENGINE)
+    assert str(err.value) == f"{path}: {why}"

@@ -141,10 +141,15 @@ def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_
 def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, family_gguf, name):
     """A family's GGUF reads back to its checkpoint's own tensors, bit for bit: the rows llama.cpp's
     converter interleaved (Q and K of the llama architecture, mistral's included) put back by the
-    declaration's ``gguf_permuted``, every other tensor as stored."""
+    declaration's ``gguf_permuted``, every other tensor as stored (Gemma 3's norms as their multipliers,
+    1 + weight, which its files store)."""
     family, ckpt = FAMILIES[name], family_gguf(name)
     path = tiny_model(name)
-    want = load_file(path / "model.safetensors")
+    offset = family.norm_weight_offset
+    want = {
+        k: v + offset if offset and k.endswith("norm.weight") else v
+        for k, v in load_file(path / "model.safetensors").items()
+    }
     sd, dequantized = gguf.state_dict(ckpt, AutoConfig.from_pretrained(path), family, keep_blocks=False)
     assert sorted(sd) == sorted(want) and not dequantized
     assert all(torch.equal(sd[k], want[k]) for k in want)

@@ -230,24 +230,33 @@ def _read_as(header: Header) -> Header:
 
 
 def _family_config(config, metadata: dict[str, object], arch: str, path: Path):
-    """transformers' config of a mixture-of-experts GGUF with what its GGUF reader leaves out: the
-    experts (a llama file with an expert count is a Mixtral's, which it reads as a dense llama), the
-    family's other keys (`Family.gguf_config_keys`) and the fields llama.cpp fixes for the architecture."""
+    """transformers' config of a GGUF with what its GGUF reader leaves out or reads otherwise than
+    llama.cpp: a mixture of experts' experts (a llama file with an expert count is a Mixtral's, which
+    it reads as a dense llama), the family's other keys (`Family.gguf_config_keys`), the fields
+    llama.cpp fixes for the architecture, and those it derives from the metadata (`Family.gguf_config`:
+    Gemma 3's windows and RoPE bases)."""
     from transformers import AutoConfig
 
     family = families.by_gguf_arch(arch, metadata)
-    if family is None or family.experts is None:
+    if family is None or (family.experts is None and family.gguf_config is None):
         return config
     fields = config.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
         fields.pop(key, None)
-    keys = {"expert_count": family.experts.count, "expert_used_count": "num_experts_per_tok"}
-    for key, name in (keys | family.gguf_config_keys).items():
+    keys = dict(family.gguf_config_keys)
+    if family.experts is not None:
+        keys = {"expert_count": family.experts.count, "expert_used_count": "num_experts_per_tok", **keys}
+    for key, name in keys.items():
         if f"{arch}.{key}" not in metadata:
             raise GGUFError(
                 f"{path}: metadata {arch}.{key} is missing; a {family.name} file gives its {name}"
             )
         fields[name] = metadata[f"{arch}.{key}"]
+    if family.gguf_config is not None:
+        try:
+            fields |= family.gguf_config(metadata, arch)
+        except ValueError as e:
+            raise GGUFError(f"{path}: {e}") from None
     return AutoConfig.for_model(family.name, **{**fields, **family.gguf_config_fixed})
 
 

@@ -119,7 +119,9 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, family: Family, idx: int, sd: dict[str, torch.Tensor], s: Sizes) -> None:
+    def __init__(
+        self, config, family: Family, idx: int, sd: dict[str, torch.Tensor], s: Sizes, norm_offset: float
+    ) -> None:
         super().__init__()
         p = HF_LAYER.format(idx)
         self.layer_idx = idx  # the attention function finds this layer's pool tensors by it
@@ -164,8 +166,7 @@ class DecoderLayer(nn.Module):
         if self.mlp is None:
             self.gate_up_proj, self.down_proj = linears["gate_up"], linears["down"]
         norms = {
-            role: _norm_weight(sd.pop(f"{p}{m}.weight"), family.norm_weight_offset)
-            for role, m in family.norms.items()
+            role: _norm_weight(sd.pop(f"{p}{m}.weight"), norm_offset) for role, m in family.norms.items()
         }
         # [H] each, as the family places them: on the attention's and the MLP's inputs (input_norm,
         # post_norm), or on their outputs before each residual add (attn_out_norm, mlp_out_norm)
@@ -389,8 +390,13 @@ def rope_tables(config, family: Family) -> list[str | None]:
 class LlamaFamilyForCausalLM(nn.Module):
     """``forward(input_ids [1, T], position_ids [1, T], logits_to_keep)`` like HF's, on the packed row."""
 
-    def __init__(self, config, family: Family, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config, family: Family, sd: dict[str, torch.Tensor], norm_offset: float | None = None
+    ) -> None:
+        """``norm_offset``: added to every norm's weight at load (None: the family's, for a Hugging Face
+        checkpoint; a GGUF's norms are the multipliers as llama.cpp's converter stored them: 0)."""
         super().__init__()
+        norm_offset = family.norm_weight_offset if norm_offset is None else norm_offset
         self.config = config
         self.family = family  # its declaration: the LoRA sites name the modules of each fused linear by it
         self.sizes = sizes(config, "the config")  # checked by the loader (`validate.check_tensors`) already
@@ -401,18 +407,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         softcap = family.logits_softcap and getattr(config, family.logits_softcap, None)
         self.logits_softcap = softcap or None  # Gemma's cap * tanh(logits / cap) (None: none)
         embed = sd.pop(f"{EMBED}.weight")  # [V, H]
-        if family.embedding_scaled:  # sqrt(H) rounded to the embedding's dtype, as transformers' Gemma
-            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(embed.dtype).item()
         self.embed_tokens: nn.Module
         if isinstance(embed, GGUFWeight):  # looked up from its panels, which a tied lm_head shares
             table = packed_linear.gguf_segment([embed], None, gated=False)
             self.embed_tokens = packed_linear.PanelEmbedding(table)
+            looked_up = table.activation_dtype
         else:
             self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+            looked_up = embed.dtype
+        if family.embedding_scaled:  # sqrt(H) rounded to the embeddings' dtype, as transformers' Gemma
+            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(looked_up).item()
         self.layers = nn.ModuleList(
-            DecoderLayer(config, family, i, sd, self.sizes) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, family, i, sd, self.sizes, norm_offset)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = _norm_weight(sd.pop(f"{FINAL_NORM}.weight"), family.norm_weight_offset)  # [H]
+        self.norm = _norm_weight(sd.pop(f"{FINAL_NORM}.weight"), norm_offset)  # [H]
         head = sd.pop(f"{LM_HEAD}.weight", None)
         tied = head is None or getattr(config, "tie_word_embeddings", False)
         if tied and isinstance(embed, GGUFWeight):
@@ -527,5 +536,7 @@ def weight_files(files: list[Path]) -> str:
 
 def from_gguf(config, family: Family, sd: dict[str, torch.Tensor | GGUFWeight]) -> LlamaFamilyForCausalLM:
     """Build the model from a GGUF's tensors (`gguf.state_dict`): its blocks in panels of their own
-    types as they are read, the float tensors as they are (on the CPU)."""
-    return LlamaFamilyForCausalLM(config, family, sd).eval()
+    types as they are read, the float tensors as they are (on the CPU); each norm's weight the
+    multiplier as stored (Gemma 3's 1 + weight, summed by llama.cpp's converter: kept as the value
+    llama.cpp multiplies by, not taken apart and summed again)."""
+    return LlamaFamilyForCausalLM(config, family, sd, norm_offset=0.0).eval()

@@ -234,6 +234,9 @@ def load_model(
             from transformers import AutoModelForCausalLM
 
             src, src_kwargs = gguf.source(ckpt.path) if ckpt else (folder, kwargs)
+            if ckpt and family is not None and family.gguf_config is not None:
+                # the config as llama.cpp reads the file (Gemma 3's windows), not transformers' reading
+                src_kwargs = {**src_kwargs, "config": config}
             if family is not None and not ckpt:  # a GGUF's tensors were checked against its config
                 files = _weight_files(Path(folder).expanduser())
                 validate.check_weights_hold(

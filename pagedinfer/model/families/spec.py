@@ -17,6 +17,7 @@ per-layer pointers) and the LoRA sites read it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # our dense layer's linears, in the order a layer runs them: q, k and v rows fused; o; gate and up
@@ -296,6 +297,9 @@ class Family:
     # leaves it out; and config fields llama.cpp fixes for the architecture
     gguf_config_keys: dict[str, str] = field(default_factory=dict)
     gguf_config_fixed: dict[str, object] = field(default_factory=dict)
+    # (metadata, arch) -> config fields as llama.cpp reads the file, over transformers' GGUF reader's
+    # (Gemma 3's windows, RoPE bases, query scale); ValueError: a value llama.cpp reads otherwise
+    gguf_config: Callable[[dict[str, object], str], dict[str, object]] | None = None
     # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
     # its own (OLMoE's: llama's): the reader is shown the file under that name
     gguf_read_as: str | None = None
@@ -312,8 +316,8 @@ class Family:
     gguf_refused_with: dict[str, str] = field(default_factory=dict)
     norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama), output (OLMo-2) or both
     multipliers: Multipliers | None = None  # Granite's scalars
-    # added to every norm's weight once, at load (Gemma's norms multiply by 1 + weight: 1.0); its
-    # llama.cpp files hold the sum already
+    # added to every norm's weight of a Hugging Face checkpoint once, at load (Gemma's norms multiply
+    # by 1 + weight: 1.0); its llama.cpp files hold the sum (the converter adds it), taken as stored
     norm_weight_offset: float = 0.0
     # the embeddings times sqrt(hidden_size), that factor first rounded to the weights' dtype (Gemma)
     embedding_scaled: bool = False
