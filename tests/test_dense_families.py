@@ -40,6 +40,15 @@ def prompts(count: int = 6) -> list[list[int]]:
     return [[rng.randrange(2, 256) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
 
 
+def assert_greedy_like_transformers(llm: LLM, path) -> None:
+    """Every prompt's greedy tokens from ``llm`` are transformers' `generate` on the checkpoint ``path``."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+
+
 PREEMPTING = {"gemma3_scaled": 8}  # the blocks of a pool that preempts (else 12): its windows of 8 need few
 
 
@@ -55,11 +64,7 @@ def test_greedy_matches_transformers_on_our_layers(tiny_model, monkeypatch, name
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)  # --model-impl auto
     assert llm.engine.loaded.impl == "pagedinfer"  # not transformers' modules
     assert llm.engine.loaded.model.family is next(f for f in families.FAMILIES if f.name == NEW[name])
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ps = prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    for prompt, out in zip(ps, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert_greedy_like_transformers(llm, path)
     assert bool(steps) == one_call  # the decode-only steps in one C call, or none of them
     assert (llm.stats.preemptions > 0) == (not roomy)
 
@@ -111,11 +116,7 @@ def test_longrope_matches_transformers(tiny_model, monkeypatch, one_call):
     path = tiny_model("phi3_longrope")
     llm = LLM(str(path), block_size=4, num_blocks=64, **ENGINE)
     assert llm.engine.loaded.impl == "pagedinfer"
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ps = prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    for prompt, out in zip(ps, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert_greedy_like_transformers(llm, path)
     assert bool(steps) == one_call
 
 
@@ -209,11 +210,7 @@ def test_a_gemma3_gguf_matches_transformers_on_its_checkpoint(
     ):
         assert getattr(config, key) == theirs[key], key
     assert config.rope_parameters == theirs["rope_parameters"]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ps = prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    for prompt, out in zip(ps, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)}"
+    assert_greedy_like_transformers(llm, path)
     assert bool(steps) == one_call
     assert llm.stats.preemptions > 0
 
