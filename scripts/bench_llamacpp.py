@@ -20,7 +20,13 @@ Workloads (random token prompts, fixed seed, greedy, no early stop):
 Usage: python scripts/bench_llamacpp.py [--cache DIR] [--isa native|avx2] [--workloads A,B,C,D,b1]
        [--formats F32,Q8_0,Q4_0] [--llamacpp-kv-types f16,same] [--impls pagedinfer,transformers]
        [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16] [--kv-cache-dtypes auto,float16]
-       [--threads 2] [--repeats 1] [--json FILE] [--max-new N]
+       [--threads 2] [--repeats 1] [--json FILE] [--max-new N] [--gguf FILE]
+
+``--gguf FILE``: any GGUF file in place of SmolLM2's preparations (e.g. one of
+scripts/make_real_shape_gguf.py's, a published model's shape with random weights): llama.cpp and
+pagedinfer both load that file; ``--formats`` and ``--dtypes`` default to its type (read from its
+``general.file_type``) and name no other (``Q4_0:bfloat16`` runs ours under bfloat16 activations);
+the prompts' token ids are drawn below its vocabulary size.
 
 Fairness: every system runs each workload in a process of its own (so its peak RSS is the workload's),
 and each warms up alike before its clock starts: the same 16-token prompt of other tokens, 4 new
@@ -216,7 +222,7 @@ TWIN_FORMATS = {"float32": "F32", "bfloat16": "BF16"}  # our dtypes whose weight
 
 def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, kv: str, env: dict[str, str]) -> dict:
     """One workload through the llama.cpp driver (its own process): warm-up, then the timed run."""
-    spec = driver.parent / f"workload-{w.name}.txt"
+    spec = driver.parent / f"workload-{model.stem}-{w.name}.txt"  # (runs of other files may share the cache)
     lines = [f"{w.n} {w.max_new} {len(w.prompts)} {WARM_UP_NEW}"]
     lines += [" ".join(map(str, [len(p), *p])) for p in [WARM_UP_PROMPT, *w.prompts]]
     spec.write_text("\n".join(lines) + "\n")
@@ -334,7 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--workloads", type=lambda v: _choices(v, WORKLOADS, "workload"), default=list(WORKLOADS))
     ap.add_argument(
-        "--formats", default="F32,Q8_0,Q4_0", help="llama.cpp's GGUF formats (Q8_0, Q4_0: llama-quantize)"
+        "--formats",
+        help="llama.cpp's GGUF formats (Q8_0, Q4_0: llama-quantize); default F32,Q8_0,Q4_0, or --gguf's type",
     )
     ap.add_argument(
         "--llamacpp-kv-types",
@@ -346,8 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--impls", default="pagedinfer")
     ap.add_argument(
         "--dtypes",
-        default="float32,Q8_0,Q4_0",
-        help="pagedinfer's dtypes: float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
+        help="pagedinfer's dtypes (default float32,Q8_0,Q4_0, or --gguf's type): float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
         "(Q4_1, Q8_0, Q4_0...: that GGUF file, its tensors kept in their types); a quantized one with "
         ":bfloat16 (Q4_0:bfloat16, int8:bfloat16) under bfloat16 activations",
     )
@@ -364,7 +370,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-new", type=int, help="cap every workload's new tokens (a quick check, not the benchmark)"
     )
+    ap.add_argument(
+        "--gguf", type=Path, help="run this GGUF file (both systems) in place of SmolLM2's preparations"
+    )
     a = ap.parse_args(argv)
+    if a.gguf is None:
+        a.formats, a.dtypes = a.formats or "F32,Q8_0,Q4_0", a.dtypes or "float32,Q8_0,Q4_0"
+    else:
+        try:
+            fmt = gguf_type(a.gguf)
+        except (OSError, ValueError) as e:
+            ap.error(f"--gguf {a.gguf}: {e}")
+        a.formats, a.dtypes = a.formats or fmt, a.dtypes or fmt
+        other = [f for f in [*a.formats.split(","), *a.dtypes.split(",")] if f.partition(":")[0] != fmt]
+        if other:
+            ap.error(f"--gguf {a.gguf} holds {fmt}: no {other[0]} to run (its systems run the file itself)")
     bf16 = [d for d in a.dtypes.split(",") if d.endswith("bfloat16")]
     bf16 += [f for f in a.formats.split(",") if f == "BF16"] + [k for k in a.llamacpp_kv_types if k == "bf16"]
     if a.isa == "avx2" and bf16:
@@ -372,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def our_systems(args, model_dir: Path, ggufs: dict[str, Path], env: dict[str, str]) -> list[System]:
+def our_systems(args, model_dir: Path | None, ggufs: dict[str, Path], env: dict[str, str]) -> list[System]:
     """pagedinfer once per dtype, pool dtype and implementation."""
     systems = []
     for dtype in args.dtypes.split(","):
@@ -420,22 +440,47 @@ def matched_kv_types(results: dict[str, dict], fmt: str, listed: list[str]) -> l
     return [kv for kv in dict.fromkeys(found) if kv not in listed and kv in LLAMACPP_KV_TYPES]
 
 
+def gguf_type(path: Path) -> str:
+    """A GGUF file's type as a format name (Q4_0, Q8_0, F32...), from its ``general.file_type``."""
+    import gguf
+
+    from pagedinfer.model.gguf_header import read
+
+    file_type = read(path).metadata.get("general.file_type")
+    if file_type is None:
+        raise ValueError("its metadata has no general.file_type")
+    return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def gguf_vocab(path: Path) -> int:
+    """A GGUF file's vocabulary size: its ``<arch>.vocab_size``, else its token list's length."""
+    from pagedinfer.model.gguf_header import read
+
+    meta = read(path).metadata
+    size = meta.get(f"{meta['general.architecture']}.vocab_size")
+    return int(size) if size is not None else len(meta["tokenizer.ggml.tokens"].items)
+
+
 def main() -> None:
     args = parse_args()
     cache = args.cache.resolve()
     env = {**os.environ, **bench_isa.isa_env(args.isa, cache)}
     print(bench_isa.machine_line(args.isa), flush=True)
     driver = build(cache, args.isa)
-    q4 = q4_gguf(cache)
     dtypes = args.dtypes.split(",")
     formats = args.formats.split(",") + [d.partition(":")[0] for d in dtypes if d[:1].isupper()]
-    ggufs = {
-        f: gguf_file(q4, f, build_bin(cache, args.isa) / "llama-quantize") for f in dict.fromkeys(formats)
-    }
-    model_dir = hf_dir(q4)
-    from transformers import AutoConfig
+    if args.gguf is not None:  # every format is the file's (parse_args checked)
+        ggufs = {f: args.gguf.resolve() for f in formats}
+        model_dir, vocab = None, gguf_vocab(args.gguf)
+    else:
+        q4 = q4_gguf(cache)
+        quantize = build_bin(cache, args.isa) / "llama-quantize"
+        ggufs = {f: gguf_file(q4, f, quantize) for f in dict.fromkeys(formats)}
+        model_dir = hf_dir(q4)
+        from transformers import AutoConfig
 
-    all_ws = workloads(AutoConfig.from_pretrained(model_dir).vocab_size)
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    all_ws = workloads(vocab)
     ws = [all_ws[name] for name in args.workloads]
     if args.max_new:
         ws = [Workload(w.name, w.prompts, w.n, min(w.max_new, args.max_new)) for w in ws]
@@ -535,6 +580,11 @@ def pairs(results: dict[str, dict], equal: bool) -> list[tuple[str, str]]:
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def _cell(wall: float, workload: str, max_new: int) -> str:
     return f"{max_new / wall:.1f} tok/s" if workload == "b1" else f"{wall:.2f} s"
 
@@ -584,14 +634,19 @@ def report(results: dict[str, dict], workloads: list[str], max_new: dict[str, in
             f"| {w} | " + " | ".join(f"{results[n]['runs'][w]['peak_rss_mb']:.0f}" for n in names) + " |"
         )
     ref = names[0]
-    lines += ["", f"greedy agreement with {ref} (sequences identical / all):"]
+    lines += [
+        "",
+        f"greedy agreement with {ref} (sequences identical / all; tokens before the first difference / all):",
+    ]
     for n in names[1:]:
-        same = total = 0
+        same = total = lead = tokens = 0
         for w in workloads:
             a, b = results[ref]["runs"][w]["outputs"], results[n]["runs"][w]["outputs"]
             same += sum(x == y for x, y in zip(a, b, strict=True))
             total += len(a)
-        lines.append(f"  {n}: {same}/{total}")
+            lead += sum(common_prefix(x, y) for x, y in zip(a, b, strict=True))
+            tokens += sum(map(len, a))
+        lines.append(f"  {n}: {same}/{total}; {lead}/{tokens}")
     lines += ["", "ISA check (what each system's process found):"]
     lines += [f"  {n}: {isa_check(results[n])}" for n in names]
     return "\n".join(lines)

@@ -102,25 +102,14 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([*parts, qs], axis=1).reshape(*rows, -1)
 
 
-def save_gguf(
-    model_dir: Path,
-    out: Path,
-    kind_of: Callable[[str], str] = lambda name: "F32",
-    extra: dict[str, np.ndarray] | None = None,
-) -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
-    at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
-    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
-    they are (float32)."""
+def config_writer(cfg, out: Path, name: str):
+    """A ``gguf.GGUFWriter`` for ``out`` holding ``cfg``'s hyper-parameters as llama.cpp's metadata for
+    its architecture (`ARCHS`), the mixture of experts' included; no tensor and no tokenizer yet."""
     import gguf
-    from safetensors.torch import load_file
 
-    cfg = tf.AutoConfig.from_pretrained(model_dir)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
-    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(f"tiny-{cfg.model_type}")
+    writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -139,6 +128,27 @@ def save_gguf(
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if hasattr(cfg, "shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    return writer
+
+
+def save_gguf(
+    model_dir: Path,
+    out: Path,
+    kind_of: Callable[[str], str] = lambda name: "F32",
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral or olmoe model at ``model_dir`` as a GGUF file
+    at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
+    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
+    they are (float32)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = config_writer(cfg, out, f"tiny-{cfg.model_type}")
     state = {
         k: v.float().numpy()
         for f in sorted(Path(model_dir).glob("*.safetensors"))
