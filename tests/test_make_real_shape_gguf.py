@@ -50,11 +50,11 @@ def test_a_tiny_file_is_read_by_our_loader_and_runs_on_our_layers(make, tmp_path
     ckpt = gguf.open_checkpoint(out)
     tensors = ckpt.tensors
     assert (tensors["token_embd.weight"].kind, tensors["blk.1.ffn_gate_inp.weight"].kind) == ("F32", "F32")
-    assert {tensors[n].kind for n in ("blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight", "output.weight")} == {
-        kind
-    }
+    assert {
+        tensors[n].kind for n in ("blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight", "output.weight")
+    } == {kind}
     assert tensors["blk.0.ffn_up_exps.weight"].shape == [8, 32, 64]  # llama.cpp's 3-D layout
-    assert tensors["blk.0.attn_k_norm.weight"].shape == [32]  # OLMoE's norm over all of k's rows (2 heads of 16)
+    assert tensors["blk.0.attn_k_norm.weight"].shape == [32]  # over all of k's rows: 2 heads of 16
     read = tf.AutoConfig.from_pretrained(ckpt.folder)
     assert (read.model_type, read.num_experts, read.num_experts_per_tok) == ("olmoe", 8, 2)
     experts = gguf._dequantized(ckpt.raw(tensors["blk.0.ffn_gate_exps.weight"]).reshape(-1), kind)
