@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A GGUF file at a published model's real shape, random weights from a seed, written in seconds.
+"""A GGUF file at a published model's real shape, random weights from a seed, written without a float copy.
 
     python scripts/make_real_shape_gguf.py --family olmoe [--type Q4_0] [--seed 0]
         [--tokenizer FILE.gguf] --out FILE
