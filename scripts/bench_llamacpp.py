@@ -22,10 +22,12 @@ Usage: python scripts/bench_llamacpp.py [--cache DIR] [--isa native|avx2] [--wor
        [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16,Q4_0+llama.cpp] [--kv-cache-dtypes auto,float16]
        [--threads 2] [--repeats 1] [--json FILE] [--max-new N] [--gguf FILE ...]
 
-``--gguf FILE`` (repeatable) runs those files in place of SmolLM2's: each stands for the type most of its
-matrices hold (BF16, Q4_0...), which --formats and --dtypes name (ours then runs only GGUF dtypes, e.g.
-``--dtypes Q4_0,BF16:bfloat16 --formats Q4_0,BF16``); the prompts are drawn from its vocabulary
-(scripts/make_gemma3_gguf.py writes real-shape files of random weights).
+``--gguf FILE`` (repeatable): GGUF files in place of SmolLM2's preparations (e.g. scripts/make_real_shape_gguf.py's
+or make_gemma3_gguf.py's, a published model's shape with random weights): llama.cpp and pagedinfer
+both load each file; each stands for its type (its ``general.file_type``: Q4_0, BF16...), which
+``--formats`` and ``--dtypes`` name and default to (``Q4_0:bfloat16`` runs ours on the Q4_0 file under
+bfloat16 activations; no other type is run); the prompts' token ids are drawn below the first file's
+vocabulary size.
 
 Fairness: every system runs each workload in a process of its own (so its peak RSS is the workload's),
 and each warms up alike before its clock starts: the same 16-token prompt of other tokens, 4 new
@@ -193,23 +195,6 @@ def gguf_file(src: Path, fmt: str, quantize: Path) -> Path:
     return dequantized_gguf(src, fmt) if fmt in ("F32", "BF16") else requantized_gguf(src, fmt, quantize)
 
 
-def given_ggufs(paths: list[Path]) -> tuple[dict[str, Path], int]:
-    """``--gguf`` files by the type most of each one's matrices hold, and the first one's vocabulary."""
-    from collections import Counter
-
-    sys.path.insert(0, str(ROOT))
-    from pagedinfer.model.gguf_header import read
-
-    out, vocab = {}, 0
-    for path in paths:
-        header = read(path)
-        kinds = Counter(t.kind for t in header.tensors if len(t.shape) > 1)
-        out[kinds.most_common(1)[0][0]] = path
-        tokens = header.metadata.get("tokenizer.ggml.tokens")
-        vocab = vocab or header.metadata.get(f"{header.arch}.vocab_size") or len(tokens.items)
-    return out, vocab
-
-
 def hf_dir(src: Path) -> Path:
     """A safetensors model directory with the GGUF's (dequantized) weights, config and tokenizer."""
     import torch
@@ -240,7 +225,7 @@ TWIN_FORMATS = {"float32": "F32", "bfloat16": "BF16"}  # our dtypes whose weight
 
 def run_llamacpp(driver: Path, model: Path, w: Workload, threads: int, kv: str, env: dict[str, str]) -> dict:
     """One workload through the llama.cpp driver (its own process): warm-up, then the timed run."""
-    spec = driver.parent / f"workload-{w.name}.txt"
+    spec = driver.parent / f"workload-{model.stem}-{w.name}.txt"  # (runs of other files may share the cache)
     lines = [f"{w.n} {w.max_new} {len(w.prompts)} {WARM_UP_NEW}"]
     lines += [" ".join(map(str, [len(p), *p])) for p in [WARM_UP_PROMPT, *w.prompts]]
     spec.write_text("\n".join(lines) + "\n")
@@ -360,7 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--workloads", type=lambda v: _choices(v, WORKLOADS, "workload"), default=list(WORKLOADS))
     ap.add_argument(
-        "--formats", default="F32,Q8_0,Q4_0", help="llama.cpp's GGUF formats (Q8_0, Q4_0: llama-quantize)"
+        "--formats",
+        help="llama.cpp's GGUF formats (Q8_0, Q4_0: llama-quantize); default F32,Q8_0,Q4_0, or --gguf's type",
     )
     ap.add_argument(
         "--llamacpp-kv-types",
@@ -372,8 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--impls", default="pagedinfer")
     ap.add_argument(
         "--dtypes",
-        default="float32,Q8_0,Q4_0",
-        help="pagedinfer's dtypes: float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
+        help="pagedinfer's dtypes (default float32,Q8_0,Q4_0, or --gguf's type): float32, bfloat16, int8, int4 (quantized linears), or a GGUF format "
         "(Q4_1, Q8_0, Q4_0...: that GGUF file, its tensors kept in their types); a quantized one with "
         ":bfloat16 (Q4_0:bfloat16, int8:bfloat16) under bfloat16 activations",
     )
@@ -394,9 +379,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gguf",
         type=Path,
         action="append",
-        help="a GGUF file to run in place of SmolLM2's (repeatable; named by its matrices' type)",
+        help="a GGUF file to run (both systems) in place of SmolLM2's preparations (repeatable; by its type)",
     )
     a = ap.parse_args(argv)
+    if a.gguf is None:
+        a.formats, a.dtypes = a.formats or "F32,Q8_0,Q4_0", a.dtypes or "float32,Q8_0,Q4_0"
+    else:
+        a.ggufs = {}
+        for path in a.gguf:
+            try:
+                a.ggufs[gguf_type(path)] = path.resolve()
+            except (OSError, ValueError) as e:
+                ap.error(f"--gguf {path}: {e}")
+        held = ",".join(a.ggufs)
+        a.formats, a.dtypes = a.formats or held, a.dtypes or held
+        names = [*a.formats.split(","), *a.dtypes.split(",")]
+        if other := [f for f in names if f.partition("+")[0].partition(":")[0] not in a.ggufs]:
+            files = " ".join(str(p) for p in a.gguf)
+            ap.error(
+                f"--gguf {files} holds {held}: no {other[0]} to run (its systems run the files themselves)"
+            )
     bf16 = [d for d in a.dtypes.split(",") if d.endswith("bfloat16")]
     bf16 += [f for f in a.formats.split(",") if f == "BF16"] + [k for k in a.llamacpp_kv_types if k == "bf16"]
     if a.isa == "avx2" and bf16:
@@ -404,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def our_systems(args, model_dir: Path, ggufs: dict[str, Path], env: dict[str, str]) -> list[System]:
+def our_systems(args, model_dir: Path | None, ggufs: dict[str, Path], env: dict[str, str]) -> list[System]:
     """pagedinfer once per dtype, pool dtype and implementation."""
     systems = []
     for dtype in args.dtypes.split(","):
@@ -455,6 +457,27 @@ def matched_kv_types(results: dict[str, dict], fmt: str, listed: list[str]) -> l
     return [kv for kv in dict.fromkeys(found) if kv not in listed and kv in LLAMACPP_KV_TYPES]
 
 
+def gguf_type(path: Path) -> str:
+    """A GGUF file's type as a format name (Q4_0, Q8_0, F32...), from its ``general.file_type``."""
+    import gguf
+
+    from pagedinfer.model.gguf_header import read
+
+    file_type = read(path).metadata.get("general.file_type")
+    if file_type is None:
+        raise ValueError("its metadata has no general.file_type")
+    return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def gguf_vocab(path: Path) -> int:
+    """A GGUF file's vocabulary size: its ``<arch>.vocab_size``, else its token list's length."""
+    from pagedinfer.model.gguf_header import read
+
+    meta = read(path).metadata
+    size = meta.get(f"{meta['general.architecture']}.vocab_size")
+    return int(size) if size is not None else len(meta["tokenizer.ggml.tokens"].items)
+
+
 def main() -> None:
     args = parse_args()
     cache = args.cache.resolve()
@@ -465,16 +488,13 @@ def main() -> None:
     formats = args.formats.split(",") + [
         d.partition("+")[0].partition(":")[0] for d in dtypes if d[:1].isupper()
     ]
-    if args.gguf:
-        ggufs, vocab = given_ggufs(args.gguf)
-        if missing := [f for f in formats if f not in ggufs] + [d for d in dtypes if not d[:1].isupper()]:
-            sys.exit(f"--gguf files are {', '.join(ggufs)}; no file for {missing[0]}")
-        model_dir = None
+    if args.gguf is not None:  # every format is one of the files' (parse_args checked)
+        ggufs = {f: args.ggufs[f] for f in formats}
+        model_dir, vocab = None, gguf_vocab(args.gguf[0])
     else:
         q4 = q4_gguf(cache)
-        ggufs = {
-            f: gguf_file(q4, f, build_bin(cache, args.isa) / "llama-quantize") for f in dict.fromkeys(formats)
-        }
+        quantize = build_bin(cache, args.isa) / "llama-quantize"
+        ggufs = {f: gguf_file(q4, f, quantize) for f in dict.fromkeys(formats)}
         model_dir = hf_dir(q4)
         from transformers import AutoConfig
 
@@ -579,6 +599,11 @@ def pairs(results: dict[str, dict], equal: bool) -> list[tuple[str, str]]:
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def _cell(wall: float, workload: str, max_new: int) -> str:
     return f"{max_new / wall:.1f} tok/s" if workload == "b1" else f"{wall:.2f} s"
 
@@ -628,14 +653,19 @@ def report(results: dict[str, dict], workloads: list[str], max_new: dict[str, in
             f"| {w} | " + " | ".join(f"{results[n]['runs'][w]['peak_rss_mb']:.0f}" for n in names) + " |"
         )
     ref = names[0]
-    lines += ["", f"greedy agreement with {ref} (sequences identical / all):"]
+    lines += [
+        "",
+        f"greedy agreement with {ref} (sequences identical / all; tokens before the first difference / all):",
+    ]
     for n in names[1:]:
-        same = total = 0
+        same = total = lead = tokens = 0
         for w in workloads:
             a, b = results[ref]["runs"][w]["outputs"], results[n]["runs"][w]["outputs"]
             same += sum(x == y for x, y in zip(a, b, strict=True))
             total += len(a)
-        lines.append(f"  {n}: {same}/{total}")
+            lead += sum(common_prefix(x, y) for x, y in zip(a, b, strict=True))
+            tokens += sum(map(len, a))
+        lines.append(f"  {n}: {same}/{total}; {lead}/{tokens}")
     lines += ["", "ISA check (what each system's process found):"]
     lines += [f"  {n}: {isa_check(results[n])}" for n in names]
     return "\n".join(lines)

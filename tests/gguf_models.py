@@ -102,30 +102,19 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([*parts, qs], axis=1).reshape(*rows, -1)
 
 
-def save_gguf(
-    model_dir: Path,
-    out: Path,
-    kind_of: Callable[[str], str] = lambda name: "F32",
-    extra: dict[str, np.ndarray] | None = None,
-    pattern_array: bool = False,
-    keys: dict[str, str | int | list[bool]] | None = None,
-) -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe or gemma3_text model at ``model_dir`` as a GGUF file
-    at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts' per-expert weights stacked
-    into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in]; ``extra``: GGUF tensors added as
-    they are (float32). A gemma3_text model is written as llama.cpp's converter writes it (each norm's
-    weight plus 1, in float32) with the keys llama.cpp reads (`_gemma3_keys`; ``pattern_array``: its
-    windowed layers as one boolean per layer, else as the pattern's integer). ``keys``: metadata
-    written in place of the writer's (by name after "<arch>.": a string, an integer, booleans)."""
+def config_writer(
+    cfg, out: Path, name: str, pattern_array: bool = False, keys: dict[str, str | int | list[bool]] | None = None
+):
+    """A ``gguf.GGUFWriter`` for ``out`` holding ``cfg``'s hyper-parameters as llama.cpp's metadata for
+    its architecture (`ARCHS`), the mixture of experts' and Gemma 3's included (`_gemma3_keys`;
+    ``pattern_array``: its windowed layers as one boolean per layer, else as the pattern's integer);
+    ``keys``: metadata written in place of the writer's (by name after "<arch>.": a string, an integer,
+    booleans); no tensor and no tokenizer yet."""
     import gguf
-    from safetensors.torch import load_file
 
-    cfg = tf.AutoConfig.from_pretrained(model_dir)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
-    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(f"tiny-{cfg.model_type}")
+    writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -155,6 +144,31 @@ def save_gguf(
             writer.add_uint32(key, value)
         else:
             writer.add_array(key, value)
+    return writer
+
+
+def save_gguf(
+    model_dir: Path,
+    out: Path,
+    kind_of: Callable[[str], str] = lambda name: "F32",
+    extra: dict[str, np.ndarray] | None = None,
+    pattern_array: bool = False,
+    keys: dict[str, str | int | list[bool]] | None = None,
+) -> Path:
+    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe or gemma3_text model
+    at ``model_dir`` as a GGUF file at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32,
+    F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts'
+    per-expert weights stacked into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in];
+    ``extra``: GGUF tensors added as they are (float32). A gemma3_text model is written as llama.cpp's
+    converter writes it (each norm's weight plus 1, in float32); ``pattern_array`` and ``keys``: as
+    `config_writer`'s."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    writer = config_writer(cfg, out, f"tiny-{cfg.model_type}", pattern_array, keys)
     state = {
         k: v.float().numpy()
         for f in sorted(Path(model_dir).glob("*.safetensors"))

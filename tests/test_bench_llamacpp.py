@@ -122,7 +122,8 @@ def test_report_prints_each_comparison_at_equal_precision_and_at_the_defaults(be
     )
     assert lines[defaults + 3 : defaults + 5] == ["| C | 1.50x | 2.00x |", "| b1 | 1.25x | 0.80x |"]
     assert "  llama.cpp Q4_0, K/V f32: llama.cpp AVX2" in lines
-    assert "  llama.cpp F32, K/V f16: 2/2" in lines  # greedy agreement with the first system
+    assert "  llama.cpp F32, K/V f16: 2/2; 4/4" in lines  # greedy agreement with the first system
+    assert (bench.common_prefix([1, 2, 3], [1, 5, 3]), bench.common_prefix([1, 2], [1, 2, 3])) == (1, 2)
 
 
 def test_report_says_how_to_get_a_missing_comparison(bench):
@@ -149,7 +150,7 @@ def test_the_llamacpp_driver_gets_the_warm_up_and_the_kv_type(bench, tmp_path):
     assert got["isa"] == "SSE3 AVX AVX2 F16C FMA" and got["wall_s"] == 1.5 and "system_info" not in got
     assert Path(f"{driver}.args").read_text().split() == [
         str(tmp_path / "m.gguf"),
-        str(tmp_path / "workload-C.txt"),
+        str(tmp_path / "workload-m-C.txt"),
         "2",
         "f32",
     ]
