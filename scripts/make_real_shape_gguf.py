@@ -68,8 +68,9 @@ def tensors(config) -> list[tuple[str, tuple[int, ...], Module]]:
     def add(prefix: str, m: Module) -> None:
         for suffix, dims, required in m.tensors():
             if required or (m.hf == LM_HEAD and not config.tie_word_embeddings):
-                shape = (s.experts, *s.shape(dims)) if m.experts and suffix == "weight" else s.shape(dims)
-                out.append((f"{prefix}{m.gguf}.{suffix}", shape, m))
+                weight = suffix == m.suffixes[0]
+                shape = (s.experts, *s.shape(dims)) if m.experts and weight else s.shape(dims)
+                out.append((f"{prefix}{m.gguf}{suffix}", shape, m))  # suffix: ".weight", ".bias"
 
     for m in family.top:
         add("", m)
