@@ -22,8 +22,8 @@ Usage: python scripts/bench_llamacpp.py [--cache DIR] [--isa native|avx2] [--wor
        [--dtypes float32,bfloat16,int8,int4,Q4_1,Q8_0,Q4_0,Q4_0:bfloat16,Q4_0+llama.cpp] [--kv-cache-dtypes auto,float16]
        [--threads 2] [--repeats 1] [--json FILE] [--max-new N] [--gguf FILE ...]
 
-``--gguf FILE`` (repeatable): GGUF files in place of SmolLM2's preparations (e.g. scripts/make_real_shape_gguf.py's
-or make_gemma3_gguf.py's, a published model's shape with random weights): llama.cpp and pagedinfer
+``--gguf FILE`` (repeatable): GGUF files in place of SmolLM2's preparations (e.g. scripts/make_real_shape_gguf.py's,
+a published model's shape with random weights): llama.cpp and pagedinfer
 both load each file; each stands for its type (its ``general.file_type``: Q4_0, BF16...), which
 ``--formats`` and ``--dtypes`` name and default to (``Q4_0:bfloat16`` runs ours on the Q4_0 file under
 bfloat16 activations; no other type is run); the prompts' token ids are drawn below the first file's

@@ -1,21 +1,23 @@
 #!/usr/bin/env python
 """A GGUF file at a published model's real shape, random weights from a seed, written without a float copy.
 
-    python scripts/make_real_shape_gguf.py --family olmoe [--type Q4_0] [--seed 0]
+    python scripts/make_real_shape_gguf.py --family olmoe|gemma3 [--type Q4_0|Q8_0|BF16] [--seed 0]
         [--tokenizer FILE.gguf] --out FILE
 
 For benchmarks on the file both pagedinfer and llama.cpp load (scripts/bench_llamacpp.py --gguf),
 at a size no float checkpoint of it fits in memory beside (OLMoE-1B-7B: 28 GB in float32). So no
 float tensor is quantized in Python: each quantized matrix's blocks are drawn straight from the seeded
 generator (random nibbles or int8 values, float16 scales whose spread gives weights of about
-``WEIGHT_STD``), one tensor in memory at a time. The tensors are those the family's declaration
-(`pagedinfer.model.families`) names, in llama.cpp's layout (experts stacked in 3-D ``*_exps``
-tensors), the metadata tests/gguf_models.py's writer gives a config. Every matrix is in ``--type``
-but the token embedding (float32, a lookup) and a mixture of experts' router (float32, as
-llama-quantize keeps ``ffn_gate_inp``); the norms are float32 ones.
+``WEIGHT_STD``; BF16: N(0, WEIGHT_STD) truncated), one tensor in memory at a time. The tensors are
+those the family's declaration (`pagedinfer.model.families`) names, in llama.cpp's layout (experts
+stacked in 3-D ``*_exps`` tensors), the metadata tests/gguf_models.py's writer gives a config (Gemma
+3's keys included). Every matrix is in ``--type`` but an untied token embedding (float32, a lookup;
+a tied one is the output matrix too, in ``--type``) and a mixture of experts' router (float32, as
+llama-quantize keeps ``ffn_gate_inp``); the norms are float32 ones, a multiplier of 1 (for Gemma 3,
+whose files store each norm's 1 + weight, its initial weight 0).
 
 Shapes (``--family``): olmoe, OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924, scripts/bench_moe.py's shape
-with its 16 layers).
+with its 16 layers); gemma3, Gemma-3-1B's (google/gemma-3-1b-it: `GEMMA3_1B`).
 
 Tokenizer: llama.cpp loads no file without one, and its vocabulary must be the embedding's rows.
 ``--tokenizer`` names a GGUF whose ``tokenizer.*`` metadata is copied (default: SmolLM2-135M-Instruct's,
@@ -45,7 +47,26 @@ from pagedinfer.model.gguf_header import ArrayValue, read  # noqa: E402
 from pagedinfer.model.validate import sizes  # noqa: E402
 
 REAL_LAYERS = {"olmoe": 16}  # --family -> the published model's layer count
-TYPES = ("Q4_0", "Q8_0")
+GEMMA3_1B = dict(  # google/gemma-3-1b-it's config
+    vocab_size=262_144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    max_position_embeddings=32_768,
+    sliding_window=512,
+    layer_types=["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(26)],  # pattern 6
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    query_pre_attn_scalar=256,
+    tie_word_embeddings=True,
+)
+FAMILIES = (*REAL_LAYERS, "gemma3")
+TYPES = ("Q4_0", "Q8_0", "BF16")
 WEIGHT_STD = 0.02  # the drawn matrices' spread (transformers' initializer_range)
 EMBED_STD = 0.02
 UNUSED = 5  # llama.cpp's token type of a padding token (LLAMA_TOKEN_TYPE_UNUSED)
@@ -53,6 +74,8 @@ UNUSED = 5  # llama.cpp's token type of a padding token (LLAMA_TOKEN_TYPE_UNUSED
 
 def real_config(family: str) -> tf.PretrainedConfig:
     """The published model's config (its shape, every layer)."""
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**GEMMA3_1B)
     cls, shape = SHAPES[family]
     return cls(**shape, num_hidden_layers=REAL_LAYERS[family])
 
@@ -80,17 +103,22 @@ def tensors(config) -> list[tuple[str, tuple[int, ...], Module]]:
     return out
 
 
-def kind_of(shape: tuple[int, ...], m: Module, family: Family, kind: str) -> str:
+def kind_of(shape: tuple[int, ...], m: Module, family: Family, kind: str, tied: bool) -> str:
     """The GGUF type a tensor is written in: ``kind`` for the matrices, float32 for the vectors, the
-    embedding and the router."""
+    router and an embedding not ``tied`` to the output (a lookup)."""
     router = family.experts is not None and m.hf == family.experts.router
-    return "F32" if len(shape) < 2 or m.hf == EMBED or router else kind
+    return "F32" if len(shape) < 2 or (m.hf == EMBED and not tied) or router else kind
 
 
 def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
     """``shape`` (numpy order, the last a multiple of 32) as ``kind`` blocks drawn from ``rng``:
     uint8 [..., rows, row bytes]. Q4_0: a float16 scale d and 32 nibbles q, values (q - 8) * d (the
-    nibbles' spread 4.6 d); Q8_0: d and 32 int8 values q * d (spread 73 d)."""
+    nibbles' spread 4.6 d); Q8_0: d and 32 int8 values q * d (spread 73 d); BF16: N(0, WEIGHT_STD)
+    values truncated to bfloat16, two bytes each."""
+    if kind == "BF16":
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x *= np.float32(WEIGHT_STD)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # the top half of each float
     blocks = int(np.prod(shape)) // 32
     quants, spread = (16, 4.6) if kind == "Q4_0" else (32, 73.0)
     d = rng.normal(0.0, WEIGHT_STD / spread, blocks).astype(np.float16)
@@ -141,7 +169,8 @@ def write(config, out: Path, kind: str = "Q4_0", seed: int = 0, tokenizer: Path 
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer is not None:
         copy_tokenizer(writer, tokenizer, config.vocab_size)
-    planned = [(name, shape, kind_of(shape, m, family, kind)) for name, shape, m in tensors(config)]
+    tied = config.tie_word_embeddings
+    planned = [(name, shape, kind_of(shape, m, family, kind, tied)) for name, shape, m in tensors(config)]
     for name, shape, k in planned:
         qtype = getattr(gguf.GGMLQuantizationType, k)
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -172,7 +201,7 @@ def write(config, out: Path, kind: str = "Q4_0", seed: int = 0, tokenizer: Path 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", choices=tuple(REAL_LAYERS), default="olmoe")
+    ap.add_argument("--family", choices=FAMILIES, default="olmoe")
     ap.add_argument("--type", default="Q4_0", choices=TYPES, help="the matrices' GGUF type")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

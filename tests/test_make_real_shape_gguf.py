@@ -1,7 +1,8 @@
-"""scripts/make_real_shape_gguf.py at a tiny shape: the file it writes is one our GGUF reader reads and
-the family's declaration accepts (our layers run it), its blocks of the type asked for with weights of
-the intended spread, the same bytes from the same seed, and a borrowed tokenizer padded to the
-vocabulary; scripts/bench_llamacpp.py's --gguf takes the file's type from it."""
+"""scripts/make_real_shape_gguf.py at a tiny shape (OLMoE's, Gemma 3's): the file it writes is one our
+GGUF reader reads and the family's declaration accepts (our layers run it), its blocks of the type asked
+for with weights of the intended spread, the same bytes from the same seed, and a borrowed tokenizer
+padded to the vocabulary; scripts/bench_llamacpp.py's --gguf takes the file's type from it. The real
+shapes: their published parameter counts."""
 
 from __future__ import annotations
 
@@ -67,6 +68,47 @@ def test_a_tiny_file_is_read_by_our_loader_and_runs_on_our_layers(make, tmp_path
     again = make.write(config, tmp_path / "again.gguf", kind, seed=3)
     other = make.write(config, tmp_path / "other.gguf", kind, seed=4)
     assert out.read_bytes() == again.read_bytes() != other.read_bytes()
+
+
+def test_the_real_shape_of_gemma3_is_gemma_3_1b(make):
+    config = make.real_config("gemma3")
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (1152, 26, 6912)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 1, 256)
+    assert (config.vocab_size, config.sliding_window, config.query_pre_attn_scalar) == (262144, 512, 256)
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+    rope = config.rope_parameters
+    assert (rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"]) == (1e6, 1e4)
+    tensors = make.tensors(config)
+    assert config.tie_word_embeddings and "output.weight" not in [name for name, _, _ in tensors]
+    count = sum(int(np.prod(shape)) for _, shape, _ in tensors)
+    assert count == 999_885_952  # google/gemma-3-1b's 1.0B parameters, to the one
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "BF16"])
+def test_a_tiny_gemma3_file_is_read_by_our_loader_and_runs_on_our_layers(make, tmp_path, gguf_cache, kind):
+    config = CONFIGS["gemma3_gguf"]()  # hidden 64, 4 layers (layer 2 global), heads of 16, softcap
+    config.tie_word_embeddings = True  # as Gemma-3-1B's: the embedding is the output matrix
+    out = make.write(config, tmp_path / "gemma3.gguf", kind, seed=3)
+    ckpt = gguf.open_checkpoint(out)
+    tensors = ckpt.tensors
+    assert "output.weight" not in tensors
+    assert {
+        tensors[n].kind for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.3.ffn_down.weight")
+    } == {kind}
+    norm = tensors["blk.2.post_ffw_norm.weight"]
+    assert norm.kind == "F32" and (ckpt.raw(norm).view(np.float32) == 1.0).all()  # stored 1 + weight 0
+    read = tf.AutoConfig.from_pretrained(ckpt.folder)
+    assert (read.model_type, read.head_dim, read.sliding_window) == ("gemma3_text", 16, 8)
+    assert read.layer_types == config.layer_types
+    assert (read.final_logit_softcapping, read.tie_word_embeddings) == (3.0, True)
+    up = gguf._dequantized(ckpt.raw(tensors["blk.0.ffn_up.weight"]).reshape(-1), kind)
+    assert 0.015 < float(up.std()) < 0.025  # the drawn scales or values give about WEIGHT_STD
+    llm = LLM(str(out), block_size=4, num_blocks=64, **ENGINE)
+    assert llm.engine.loaded.impl == "pagedinfer" and llm.engine.loaded.model.family.name == "gemma3_text"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": [5, 9, 200, 17]}], params, use_tqdm=False)
+    assert len(got[0].outputs[0].token_ids) == 6
+    assert out.read_bytes() == make.write(config, tmp_path / "again.gguf", kind, seed=3).read_bytes()
 
 
 def _tokenizer_source(path: Path) -> Path:
