@@ -199,7 +199,8 @@ static void q8_segment_run(const gemm_segment *s, const float *x, float *y, int6
         float *d = buf + (size_t)rows * k / 4;
         int32_t *sum = (int32_t *)(d + (size_t)rows * nb);
         q8_quantize_rows(x + (int64_t)m0 * k, rows, k, q, d, sum);
-#pragma omp parallel for schedule(dynamic, 2) if ((int64_t)rows * width * k >= MIN_PARALLEL)
+        /* static: panels cost alike, and a dynamic schedule's hand-offs outweigh a few-row panel's work */
+#pragma omp parallel for schedule(static) if ((int64_t)rows * width * k >= MIN_PARALLEL)
         for (int j = 0; j < panels; j++) {
             const uint8_t *p = (const uint8_t *)s->panels + j * pbytes;
             const float *bias = s->bias ? s->bias + (int64_t)j * NR : NULL;
