@@ -171,31 +171,31 @@ def silu_mul(gate_up: torch.Tensor, fast: bool) -> torch.Tensor:  # [T, 2 I] -> 
 
 def act_mul(gate_up: torch.Tensor, activation: str, fast: bool) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     """``act(gate) * up`` of a fused gate-up GEMM output, ``activation`` one of `ACT_CHAINS`."""
-    inter = gate_up.shape[1] // 2
     if fast:
-        if debug():  # what the caller vouches for
-            assert gate_up.is_contiguous()
-        out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
-        _fn(ACT_CHAINS[activation], gate_up)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
-        return out
+        return _gate_up_chain(ACT_CHAINS[activation], gate_up)
+    inter = gate_up.shape[1] // 2
     gate = gate_up[:, :inter]
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * gate_up[:, inter:]
+
+
+def _gate_up_chain(name: str, gate_up: torch.Tensor, *constants: float) -> torch.Tensor:
+    """The C chain ``name`` (its constants after the shapes) over a fused gate-up product: [T, 2 I] -> [T, I]."""
+    if debug():  # what the caller vouches for
+        assert gate_up.is_contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)  # [T, I]
+    _fn(name, gate_up)(gate_up.data_ptr(), out.data_ptr(), rows, inter, *constants)
+    return out
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, fast: bool) -> torch.Tensor:
     """gpt-oss's expert activation of a fused gate-up product ``[T, 2 I] -> [T, I]`` (gate rows, then
     up): ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``; the C
     chain gives a row the same bits whatever rows share the call (torch's sigmoid does not)."""
-    inter = gate_up.shape[1] // 2
     if fast:
-        if debug():  # what the caller vouches for
-            assert gate_up.is_contiguous()
-        out = gate_up.new_empty(gate_up.shape[0], inter)  # [T, I]
-        _fn("clamped_swiglu_mul", gate_up)(
-            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, alpha, limit
-        )
-        return out
+        return _gate_up_chain("clamped_swiglu_mul", gate_up, alpha, limit)
+    inter = gate_up.shape[1] // 2
     gate = gate_up[:, :inter].clamp(max=limit)
     up = gate_up[:, inter:].clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # transformers' GptOssExperts' order
