@@ -103,7 +103,11 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
 
 
 def config_writer(
-    cfg, out: Path, name: str, pattern_array: bool = False, keys: dict[str, str | int | list[bool]] | None = None
+    cfg,
+    out: Path,
+    name: str,
+    pattern_array: bool = False,
+    keys: dict[str, str | int | list[bool]] | None = None,
 ):
     """A ``gguf.GGUFWriter`` for ``out`` holding ``cfg``'s hyper-parameters as llama.cpp's metadata for
     its architecture (`ARCHS`), the mixture of experts' and Gemma 3's included (`_gemma3_keys`;
