@@ -26,6 +26,25 @@ LONGROPE = {
 }
 D64 = {**DECODER, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
+
+def _gemma3_scaled(global_layer: int, query_pre_attn_scalar: int) -> tf.Gemma3TextConfig:
+    """A 4-layer Gemma 3 with a window of 8 on every layer but ``global_layer``, linear RoPE scaling on
+    that one, a logit softcap and the given query scalar."""
+    return tf.Gemma3TextConfig(
+        **COMMON,
+        **{**DECODER, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["full_attention" if i == global_layer else "sliding_attention" for i in range(4)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        final_logit_softcapping=3.0,
+    )
+
+
 CONFIGS = {
     "llama": lambda: tf.LlamaConfig(**COMMON, **DECODER),
     "qwen2": lambda: tf.Qwen2Config(**COMMON, **DECODER),
@@ -73,35 +92,11 @@ CONFIGS = {
     ),
     # Gemma 3's traits away from their neutral values: linear RoPE scaling on the global layer, a
     # query_pre_attn_scalar other than head_dim, a logit softcap (its norms drawn: `DRAWN_NORMS`)
-    "gemma3_scaled": lambda: tf.Gemma3TextConfig(
-        **COMMON,
-        **{**DECODER, "num_hidden_layers": 4},
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-        },
-        query_pre_attn_scalar=24,
-        final_logit_softcapping=3.0,
-    ),
+    "gemma3_scaled": lambda: _gemma3_scaled(global_layer=1, query_pre_attn_scalar=24),
     # Gemma 3 as llama.cpp's files can state it: query_pre_attn_scalar = head_dim (llama.cpp scales by
     # key_length), windowed layers by its pattern 3 (layer 2 global), linear RoPE scaling on the global
     # one, a softcap (its norms drawn wide: `DRAWN_NORMS`, multipliers 1 + weight on both sides of 0.5)
-    "gemma3_gguf": lambda: tf.Gemma3TextConfig(
-        **COMMON,
-        **{**DECODER, "num_hidden_layers": 4},
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-        },
-        query_pre_attn_scalar=16,
-        final_logit_softcapping=3.0,
-    ),
+    "gemma3_gguf": lambda: _gemma3_scaled(global_layer=2, query_pre_attn_scalar=16),
     # head size 64: a shape the CUDA kernels serve (the others' 16 takes the torch path there)
     "llama_d64": lambda: tf.LlamaConfig(**COMMON, **D64),
     # the same with 1200 positions: a CUDA graph step's context bound spans 3 decode-kernel partitions
