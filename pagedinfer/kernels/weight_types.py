@@ -46,7 +46,8 @@ class WeightType:
     each half panel once for all of them, then up to SPLIT_ROWS rows by blocks of MR rows through the
     in-register tiles (cpu_gemm_schedule.h), not through the buffer.
     ``gguf_block``/``gguf_bytes``: a GGUF type kept as stored, values and bytes per block;
-    ``gguf_f16_scales``: the byte offsets of its float16 scale fields in a block."""
+    ``gguf_f16_scales``: the byte offsets of its float16 scale fields in a block. ``q8_dot``: llama.cpp's
+    numerics serve it (integer dot products with int8 activations: cpu_gemm_q8dot.h)."""
 
     id: int
     name: str
@@ -63,6 +64,7 @@ class WeightType:
     gguf_block: int = 0
     gguf_bytes: int = 0
     gguf_f16_scales: tuple[int, ...] = ()
+    q8_dot: bool = False
 
     @property
     def layout(self) -> RecordLayout | None:
@@ -100,9 +102,9 @@ WEIGHT_TYPES = (
     WeightType(3, "I4", group=0, fields=(("s", "<f4"),), zero=8, direct=True),
     WeightType(4, "I4Z", group=0, fields=(("s", "<f4"), ("z", "u1"))),
     WeightType(5, "Q8_0", group=32, fields=(D,), int8_values=True, avx2_split=True,
-               gguf_block=32, gguf_bytes=34, gguf_f16_scales=(0,)),
+               gguf_block=32, gguf_bytes=34, gguf_f16_scales=(0,), q8_dot=True),
     WeightType(6, "Q4_0", group=32, fields=(D,), zero=8, direct=True, avx2_split=True,
-               gguf_block=32, gguf_bytes=18, gguf_f16_scales=(0,)),
+               gguf_block=32, gguf_bytes=18, gguf_f16_scales=(0,), q8_dot=True),
     WeightType(7, "Q4_1", group=32, fields=(D, M), direct=True, avx2_split=True,
                gguf_block=32, gguf_bytes=20, gguf_f16_scales=(0, 2)),
     WeightType(8, "Q5_0", group=32, fields=(D,), planes=1, zero=16,
@@ -122,6 +124,7 @@ KINDS = {t.name: t.id for t in WEIGHT_TYPES}  # the C enum's values (K_<name>)
 LAYOUTS = {t.name: t.layout for t in WEIGHT_TYPES if t.layout is not None}  # the formats stored in records
 GGUF_BLOCKS = {t.name: (t.gguf_block, t.gguf_bytes) for t in WEIGHT_TYPES if t.gguf_block}  # kept as stored
 GGUF_SCALE_OFFSETS = {t.name: t.gguf_f16_scales for t in WEIGHT_TYPES if t.gguf_block}
+Q8_DOT_KINDS = tuple(t.name for t in WEIGHT_TYPES if t.q8_dot)  # those llama.cpp's numerics serve
 
 HEADER = "cpu_weight_types.h"
 

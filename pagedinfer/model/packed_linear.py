@@ -37,7 +37,7 @@ from pagedinfer.config import Quantization
 from pagedinfer.kernels.abi import Refusal, check, debug
 from pagedinfer.kernels.build import cpu_flags, optional_library
 from pagedinfer.kernels.sources import KERNELS_DIR
-from pagedinfer.kernels.weight_types import KINDS
+from pagedinfer.kernels.weight_types import KINDS, Q8_DOT_KINDS
 from pagedinfer.model import gguf_blocks, panel_formats
 from pagedinfer.model.dtype import cpu_bf16_flags, dtype_name
 from pagedinfer.model.fused_ops import GatedLinear, gated
@@ -230,9 +230,6 @@ class PackedLinear(nn.Module):
         layout = f"cpu_gemm.c panels ({', '.join(self.kinds)})" if self.segments else "oneDNN"
         gated = ", silu(gate) * up" if self.gated else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}{gated}"
-
-
-Q8_DOT_KINDS = ("Q4_0", "Q8_0")  # the kinds llama.cpp's numerics serve (kernels/cpu_gemm_q8dot.h)
 
 
 def use_llamacpp_numerics(model: nn.Module) -> int:
