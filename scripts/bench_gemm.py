@@ -3,7 +3,7 @@
 each weight format (float32, bfloat16, int8 / int4 weight-only, GGUF block types kept as stored).
 
     python scripts/bench_gemm.py [--rows 1,4,8,16,64,256,2048] [--threads 2] [--repeats 3]
-        [--paths onednn,mkl,f32,int8,int4,Q4_1,Q8_0,...] [--dtype bfloat16] [--cpu-time]
+        [--paths onednn,mkl,f32,int8,int4,Q4_1,Q8_0,...] [--dtype bfloat16] [--cpu-time] [--shape INxOUT]
 
 A SmolLM2-135M-shaped stack of linears (30 layers of fused QKV, output, fused gate-up and down,
 then the 49152-wide lm_head: 538 MB of float32) is run through once per measurement, so every
@@ -11,6 +11,8 @@ weight comes from memory as in a real step, not from a cache warmed by the previ
 paths take turns within each repeat; the best repeat of each is printed, in ms per pass, with the
 weight bytes streamed per second (each path's own bytes) and the GFLOP/s. Compare within one run.
 On a shared, loaded machine ``--cpu-time`` (with ``--threads 1``) times the process's CPU time.
+``--shape INxOUT`` (e.g. ``576x1536``): copies of one plain linear of that shape in place of the stack,
+as many as make 64 MB of float32 (at least one), so each still comes from memory: a row sweep per shape.
 Quantized paths: ``int8``, ``int4`` (``int4-g128``, ``-zp``: `packed_linear.QUANTIZATIONS`), and
 GGUF types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 quantized by gguf-py; Q4_K, Q5_K, Q6_K random blocks, with
 llama-quantize's fallback types for the 576-wide linears: only the 1536-wide down projections are K-quants).
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument(
         "--cpu-time", action="store_true", help="time CPU time, not the wall clock (a loaded machine)"
     )
+    ap.add_argument("--shape", help="INxOUT: copies of one linear of that shape in place of SmolLM2's stack")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -107,30 +110,37 @@ def main() -> None:
     names = (args.paths or ("onednn,mkl,f32,int8" if dtype == torch.float32 else "onednn,mkl,bf16")).split(
         ","
     )
+    shapes = SHAPES
+    if args.shape:
+        k, n = map(int, args.shape.split("x"))
+        shapes = [(k, n)] * max(1, (64 << 20) // (k * n * 4))
     torch.manual_seed(0)
     # gate-up as a GatedLinear, as our layers hold it (paired panels, silu(gate) * up in the kernel)
-    plain = [(GatedLinear if n == 3072 else nn.Linear)(k, n, bias=False, dtype=dtype) for k, n in SHAPES]
+    plain = [
+        (GatedLinear if n == 3072 and not args.shape else nn.Linear)(k, n, bias=False, dtype=dtype)
+        for k, n in shapes
+    ]
     paths = {name: build(name, plain) for name in names}
     if "f32" in paths and paths["f32"][0].segments is None:
         raise SystemExit(f"bench_gemm: kernels/cpu_gemm.c has no {args.dtype} panel kernel here")
-    weights = sum(k * n for k, n in SHAPES)
+    weights = sum(k * n for k, n in shapes)
     size = torch.finfo(dtype).bits // 8
     bytes_of = {}
     for name, linears in paths.items():
         segs = [s for lin in linears for s in getattr(lin, "segments", None) or []]
         bytes_of[name] = sum(s.nbytes for s in segs) if segs else weights * size
-    print(f"{len(SHAPES)} linears, {weights * size / 1e6:.0f} MB {args.dtype}, {args.threads} threads")
+    print(f"{len(shapes)} linears, {weights * size / 1e6:.0f} MB {args.dtype}, {args.threads} threads")
     print("bytes per weight: " + ", ".join(f"{n} {b / weights:.3f}" for n, b in bytes_of.items()))
     print("| rows | " + " | ".join(f"{name} ms (GB/s, GFLOP/s)" for name in paths) + " |")
     print("|---:|" + "---:|" * len(paths))
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
-            xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for k, _ in SHAPES}}  # [rows, in]
+            xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for k, _ in shapes}}  # [rows, in]
             best = dict.fromkeys(paths, float("inf"))
             for _ in range(args.repeats):
                 for name, linears in paths.items():
                     t = clock()
-                    for lin, (k, _) in zip(linears, SHAPES, strict=True):
+                    for lin, (k, _) in zip(linears, shapes, strict=True):
                         lin(xs[k])
                     best[name] = min(best[name], clock() - t)
             gflop = weights * 2 * rows / 1e9
