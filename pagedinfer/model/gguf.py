@@ -169,8 +169,6 @@ def _fill_cache(path: Path, folder: Path) -> None:
     except HeaderError as e:
         raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
     family = families.by_gguf_arch(header.arch, header.metadata)
-    if family is not None and family.gguf_refused is not None:
-        raise GGUFError(f"{path}: pagedinfer reads no {family.name} GGUF files ({family.gguf_refused})")
     for t in header.tensors:
         if family is not None and t.name in family.gguf_refused_with:
             raise GGUFError(f"{path}: tensor {t.name} is refused: {family.gguf_refused_with[t.name]}")
@@ -238,7 +236,9 @@ def _family_config(config, metadata: dict[str, object], arch: str, path: Path):
     from transformers import AutoConfig
 
     family = families.by_gguf_arch(arch, metadata)
-    if family is None or (family.experts is None and family.gguf_config is None):
+    if family is None or not (
+        family.experts or family.gguf_config or family.gguf_config_keys or family.gguf_read_as
+    ):
         return config
     fields = config.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
