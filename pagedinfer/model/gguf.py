@@ -51,7 +51,7 @@ from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 4  # bump when the cache folder's contents change
+CACHE_VERSION = 5  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 FLOATS = ("F32", "F16")  # read without gguf-py
 SETTLED_S = 2.0  # a file modified this recently is hashed on every load (see `_known_digest`)
@@ -192,11 +192,27 @@ def _fill_cache(path: Path, folder: Path) -> None:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
-            AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+            _file_tokenizer(header, AutoTokenizer.from_pretrained, folder_in, kwargs).save_pretrained(tmp)
             _name_added_tokens(tmp)
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _file_tokenizer(header: Header, load: Callable, folder: str, kwargs: dict):
+    """transformers' tokenizer of the file (``load(folder, **kwargs)``) with the file's tokens only, as
+    llama.cpp's vocabulary has them: a special token its class adds by default where the file's list
+    lacks it (GemmaTokenizer's ``<mask>``, for a gemma3 file of another vocabulary) is left out, which
+    would otherwise be counted past the embedding's rows."""
+    tokenizer = load(folder, **kwargs)
+    listed = header.metadata.get("tokenizer.ggml.tokens")
+    count = len(listed.items) if isinstance(listed, ArrayValue) else len(tokenizer)
+    added = {  # the special tokens of ids past the file's list: none of the file's
+        name: None
+        for name, token in tokenizer.special_tokens_map.items()
+        if isinstance(token, str) and tokenizer.convert_tokens_to_ids(token) >= count
+    }
+    return load(folder, **kwargs, **added) if added else tokenizer
 
 
 def _name_added_tokens(folder: Path) -> None:
