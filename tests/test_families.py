@@ -159,6 +159,25 @@ def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, famil
     assert moved == (qk if family.gguf_permuted else set())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_tensors_are_read_as_stored(tiny_model, tmp_path, monkeypatch, dtype):
+    """A BF16 GGUF's tensors (read without a float32 copy of the model) are the checkpoint's values
+    rounded to bfloat16, bit for bit, in the run's dtype: Q and K rows put back, as gguf-py's float32
+    dequantization gives them."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = tiny_model("llama")
+    ckpt = gguf.open_checkpoint(save_gguf(path, tmp_path / "llama-bf16.gguf", kind_of=lambda _: "BF16"))
+    assert ckpt.kinds() == {"BF16": 16}
+    sd, dequantized = gguf.state_dict(
+        ckpt, AutoConfig.from_pretrained(path), FAMILIES["llama"], keep_blocks=False, dtype=dtype
+    )
+    want = load_file(path / "model.safetensors")
+    assert sorted(sd) == sorted(want) and dequantized == {"BF16": 16}
+    for name, w in want.items():
+        rounded = w.to(torch.bfloat16).to(dtype) if w.dim() == 2 else w.to(dtype)
+        assert sd[name].dtype == dtype and torch.equal(sd[name], rounded), name
+
+
 def test_a_gguf_of_another_architecture_is_refused_by_name(family_gguf):
     """The names and row order a declaration gives are its architecture's: a file of another is
     refused in one line, not read as garbage."""

@@ -436,10 +436,15 @@ def state_dict(
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
-        values = _dequantized(raw.reshape(-1), info.kind).reshape(len(parts), *parts[0][2])
+        # bfloat16 as its bits, copied as stored and cast (to float32: exactly): the same values as
+        # gguf-py's float32 gives, without a float32 copy of a bfloat16 model (one tensor's at most)
+        bits = info.kind == "BF16"
+        flat = raw.reshape(-1).view(np.int16) if bits else _dequantized(raw.reshape(-1), info.kind)
+        values = flat.reshape(len(parts), *parts[0][2])
         for e, (hf, _, _) in enumerate(parts):
             part = values[e] if permute is None else _reverse_permute(values[e], permute)
-            sd[hf] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
+            own = torch.from_numpy(np.array(part, dtype=np.int16 if bits else np.float32))  # [rows, in]
+            sd[hf] = (own.view(torch.bfloat16) if bits else own).to(dtype)
         ckpt.release(info)
     return sd, dequantized
 
