@@ -1,7 +1,7 @@
 """Tiny GGUF files written with the ``gguf`` package from the random-weight test models (tests/models.py).
 
 llama.cpp's converter is not needed: each tensor is stored under its GGUF name (Q and K rows permuted
-for llama, as llama.cpp's converter does and transformers' GGUF loader undoes), with the config's
+for llama and granite, as llama.cpp's converter does and transformers' GGUF loader undoes), with the config's
 hyper-parameters as GGUF metadata, in float32 or quantized: gguf-py quantizes Q8_0, Q4_0, Q4_1, Q5_0
 and Q5_1; it has no quantizer for the K-quants, so `quantize_k` below writes valid Q4_K, Q5_K and
 Q6_K blocks (plain min/max scales, not llama.cpp's search: the tests need their layout, not their
@@ -28,9 +28,17 @@ ARCHS = {
     "mixtral": "LLAMA",  # llama.cpp's Mixtral files are llama's with an expert count
     "olmoe": "OLMOE",
     "phi3": "PHI3",
-    "olmo2": "OLMO2",  # (pagedinfer refuses these two: tests/test_dense_families.py)
-    "granite": "GRANITE",
+    "olmo2": "OLMO2",
+    "granite": "GRANITE",  # llama's converter: Q and K permuted, the multipliers as llama.cpp's keys
     "gemma3_text": "GEMMA3",  # each norm's weight stored as 1 + weight, as llama.cpp's converter does
+}
+PERMUTED = ("LLAMA", "GRANITE")  # the architectures whose Q and K rows llama.cpp's converter permutes
+# Granite's multipliers: llama.cpp's key (after "granite.") -> the config field
+GRANITE_KEYS = {
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
 }
 EXPERTS = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -107,13 +115,13 @@ def config_writer(
     out: Path,
     name: str,
     pattern_array: bool = False,
-    keys: dict[str, str | int | list[bool]] | None = None,
+    keys: dict[str, str | int | float | list[bool] | None] | None = None,
 ):
     """A ``gguf.GGUFWriter`` for ``out`` holding ``cfg``'s hyper-parameters as llama.cpp's metadata for
-    its architecture (`ARCHS`), the mixture of experts' and Gemma 3's included (`_gemma3_keys`;
-    ``pattern_array``: its windowed layers as one boolean per layer, else as the pattern's integer);
-    ``keys``: metadata written in place of the writer's (by name after "<arch>.": a string, an integer,
-    booleans); no tensor and no tokenizer yet."""
+    its architecture (`ARCHS`), the mixture of experts', Granite's multipliers and Gemma 3's included
+    (`_gemma3_keys`; ``pattern_array``: its windowed layers as one boolean per layer, else as the
+    pattern's integer); ``keys``: metadata written in place of the writer's (by name after "<arch>.": a
+    string, an integer, a float32, booleans; None: left out); no tensor and no tokenizer yet."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type])
@@ -139,11 +147,18 @@ def config_writer(
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.model_type == "gemma3_text":
         _gemma3_keys(writer, cfg, pattern_array)
+    if cfg.model_type == "granite":  # float32, as llama.cpp's converter writes them
+        for key, name in GRANITE_KEYS.items():
+            writer.add_float32(f"{writer.arch}.{key}", getattr(cfg, name))
     for key, value in (keys or {}).items():  # the given values stand: the writer's own dropped
         key = f"{writer.arch}.{key}"
         writer.kv_data[0].pop(key, None)
+        if value is None:  # left out
+            continue
         if isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
         else:
@@ -157,9 +172,9 @@ def save_gguf(
     kind_of: Callable[[str], str] = lambda name: "F32",
     extra: dict[str, np.ndarray] | None = None,
     pattern_array: bool = False,
-    keys: dict[str, str | int | list[bool]] | None = None,
+    keys: dict[str, str | int | float | list[bool] | None] | None = None,
 ) -> Path:
-    """The saved llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe or gemma3_text model
+    """The saved model of a family in `ARCHS`
     at ``model_dir`` as a GGUF file at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32,
     F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts'
     per-expert weights stacked into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in];
@@ -188,7 +203,7 @@ def save_gguf(
     for name, w in state.items():
         stem, _, suffix = name.rpartition(".")
         gname = f"{names.get_name(stem)}.{suffix}"
-        if arch == gguf.MODEL_ARCH.LLAMA and stem.endswith(("q_proj", "k_proj")):
+        if ARCHS[cfg.model_type] in PERMUTED and stem.endswith(("q_proj", "k_proj")):
             w = _permute(w, cfg.num_attention_heads if "q_proj" in stem else cfg.num_key_value_heads)
         if cfg.model_type == "gemma3_text" and stem.endswith("norm"):
             w = w + np.float32(1.0)

@@ -3,13 +3,15 @@ multipliers), Phi-3 (fused q/k/v and gate/up modules, LongRoPE) and Gemma 3 (nor
 each branch of 1 + weight, GeGLU, scaled embeddings and queries, RoPE per layer type over windowed and
 global layers, a logit softcap) on pagedinfer's own layers: greedy-identical to transformers' generate
 with a roomy and a preempting pool, through the one-call C step and layer by layer, the two paths
-giving the same bits; Gemma 3's GGUF files (llama.cpp's layout: norms stored as 1 + weight, the
-windows' pattern) read as llama.cpp reads them; OLMo-2's and Granite's refused in one line.
+giving the same bits; Gemma 3's, OLMo-2's and Granite's GGUF files (llama.cpp's layout: Gemma's norms
+stored as 1 + weight, the windows' pattern; Granite's multipliers as llama.cpp's keys) read as
+llama.cpp reads them.
 (Reproducibility across batches: tests/test_reproducibility.py.)"""
 
 import json
 import random
 import shutil
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import torch
 from conftest import DEVICE, ENGINE
 from gguf_models import save_gguf
 from models import count_one_call_steps, hf_greedy, peft_greedy, save_lora, step_and_layer_path_agree
+from transformers import AutoModelForCausalLM
 
 from pagedinfer import LLM, LoRARequest, SamplingParams
 from pagedinfer.model import families, packed_linear
@@ -135,22 +138,86 @@ def test_longrope_that_switches_factors_is_left_to_transformers(tiny_model):
     )
 
 
-@pytest.mark.parametrize(
-    "name,why",
-    [
-        ("olmo2", "transformers' GGUF reader maps no olmo2 config"),
-        ("granite", "transformers' GGUF reader maps no granite config"),
-    ],
-)
-def test_their_gguf_files_are_refused_by_name(tiny_model, tmp_path, monkeypatch, name, why):
-    """transformers' GGUF reader makes no config of olmo2 and granite (nor of Granite's scalars):
-    refused in one line before a tensor is read, not read as a Llama."""
+def dequantized_copy(path, out, kind: str):
+    """The checkpoint at ``path`` with each matrix replaced by its ``kind`` blocks' values (what a GGUF
+    of that type holds), saved at ``out``: the reference transformers runs for a quantized file."""
+    import gguf
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                blocks = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(p.shape)))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("name", ["olmo2", "granite"])
+@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
+@pytest.mark.parametrize("roomy", [True, False], ids=["roomy-pool", "preempting-pool"])
+def test_an_olmo2_or_granite_gguf_matches_transformers_on_its_checkpoint(
+    tiny_model, tmp_path, monkeypatch, name, kind, roomy
+):
+    """An OLMo-2 or Granite GGUF in llama.cpp's layout (olmo2's Q and K as the checkpoint has them,
+    granite's permuted as llama's, its multipliers as llama.cpp's float32 keys), float32 or Q8_0 kept
+    in its blocks, runs on our layers greedy-identical to transformers' generate on the checkpoint it
+    was written from (for Q8_0: that checkpoint with the blocks' values)."""
     monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
-    path = save_gguf(tiny_model(name), tmp_path / f"{name}.gguf")
-    family = families.by_model_type(name).name
+    path = tiny_model(name)
+    gguf_path = save_gguf(path, tmp_path / f"{name}-{kind}.gguf", kind_of=lambda _: kind)
+    pool = {"num_blocks": 64} if roomy else {"num_blocks": 12}
+    llm = LLM(str(gguf_path), block_size=4, **pool, **{**ENGINE, "dtype": "auto"})
+    loaded = llm.engine.loaded
+    assert loaded.impl == "pagedinfer" and loaded.model.family.name == name
+    assert f"weights as stored in the GGUF ({kind} x" in loaded.dtype_reason
+    config, theirs = loaded.model.config, json.loads((path / "config.json").read_text())
+    multipliers = families.by_model_type(name).multipliers
+    for key in asdict(multipliers).values() if multipliers else ():  # float32 in the file
+        assert config.to_dict()[key] == pytest.approx(theirs[key], rel=1e-7), key
+    reference = path if kind == "F32" else dequantized_copy(path, tmp_path / "reference", kind)
+    assert_greedy_like_transformers(llm, reference)
+    assert (llm.stats.preemptions > 0) == (not roomy)
+
+
+@pytest.mark.parametrize(
+    "name,keys,why",
+    [
+        (
+            "granite",
+            {"residual_scale": float("nan")},
+            "metadata granite.residual_scale is nan; it must be a finite positive number",
+        ),
+        (
+            "granite",
+            {"logit_scale": -2.0},
+            "metadata granite.logit_scale is -2.0; it must be a finite positive number",
+        ),
+        (
+            "granite",
+            {"attention.scale": None},
+            "metadata granite.attention.scale is missing; a granite file gives its attention_multiplier",
+        ),
+        (
+            "olmo2",
+            {"attention.sliding_window": 8},
+            "metadata olmo2.attention.sliding_window is 8; pagedinfer reads olmo2 files without windows "
+            "or RoPE scaling (OLMo 3's)",
+        ),
+    ],
+    ids=["granite-nan", "granite-negative", "granite-missing", "olmo3-window"],
+)
+def test_an_olmo2_or_granite_gguf_with_a_malformed_key_is_refused_by_name(
+    tiny_model, tmp_path, monkeypatch, name, keys, why
+):
+    """A key llama.cpp reads as a multiplier or a window, malformed, missing or of OLMo 3's: one line
+    naming it, before a tensor is read."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = save_gguf(tiny_model(name), tmp_path / f"{name}.gguf", keys=keys)
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), **ENGINE)
-    assert str(err.value) == f"{path}: pagedinfer reads no {family} GGUF files ({why})"
+    assert str(err.value) == f"{path}: {why}"
 
 
 def test_gemma3_with_bidirectional_attention_is_left_to_transformers(tiny_model, tmp_path):

@@ -25,7 +25,6 @@ from pagedinfer.model.validate import ModelCheckError
 
 FAMILIES = {f.name: f for f in families.FAMILIES}
 DENSE = [name for name, f in FAMILIES.items() if f.experts is None]  # (mixtures of experts: test_moe.py)
-READ_GGUF = [name for name in DENSE if FAMILIES[name].gguf_refused is None]  # (the others: refused)
 PROMPTS = [[5, 9, 200, 3, 17, 41, 8, 99, 12, 60, 2, 7], [250, 1, 33]]  # the longer one past mistral's window
 
 
@@ -137,10 +136,10 @@ def test_a_model_of_no_declared_family_is_refused_naming_the_declared_ones(tiny_
     )
 
 
-@pytest.mark.parametrize("name", READ_GGUF)
+@pytest.mark.parametrize("name", DENSE)
 def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, family_gguf, name):
     """A family's GGUF reads back to its checkpoint's own tensors, bit for bit: the rows llama.cpp's
-    converter interleaved (Q and K of the llama architecture, mistral's included) put back by the
+    converter interleaved (Q and K of the llama architecture, mistral's and granite's included) put back by the
     declaration's ``gguf_permuted``, every other tensor as stored (Gemma 3's norms as their multipliers,
     1 + weight, which its files store)."""
     family, ckpt = FAMILIES[name], family_gguf(name)
@@ -157,7 +156,26 @@ def test_the_gguf_reader_puts_back_the_rows_llama_cpp_permuted(tiny_model, famil
     moved = {k for k in want if not np.array_equal(stored[k].reshape(want[k].shape), want[k].numpy())}
     layers = range(AutoConfig.from_pretrained(path).num_hidden_layers)
     qk = {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in layers for m in "qk"}
-    assert moved == (qk if family.gguf_arch == "llama" else set())
+    assert moved == (qk if family.gguf_permuted else set())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_tensors_are_read_as_stored(tiny_model, tmp_path, monkeypatch, dtype):
+    """A BF16 GGUF's tensors (read without a float32 copy of the model) are the checkpoint's values
+    rounded to bfloat16, bit for bit, in the run's dtype: Q and K rows put back, as gguf-py's float32
+    dequantization gives them."""
+    monkeypatch.setenv("PAGEDINFER_GGUF_CACHE", str(tmp_path / "cache"))
+    path = tiny_model("llama")
+    ckpt = gguf.open_checkpoint(save_gguf(path, tmp_path / "llama-bf16.gguf", kind_of=lambda _: "BF16"))
+    assert ckpt.kinds() == {"BF16": 16}
+    sd, dequantized = gguf.state_dict(
+        ckpt, AutoConfig.from_pretrained(path), FAMILIES["llama"], keep_blocks=False, dtype=dtype
+    )
+    want = load_file(path / "model.safetensors")
+    assert sorted(sd) == sorted(want) and dequantized == {"BF16": 16}
+    for name, w in want.items():
+        rounded = w.to(torch.bfloat16).to(dtype) if w.dim() == 2 else w.to(dtype)
+        assert sd[name].dtype == dtype and torch.equal(sd[name], rounded), name
 
 
 def test_a_gguf_of_another_architecture_is_refused_by_name(family_gguf):

@@ -276,6 +276,54 @@ def test_weight_shared_by_two_linears_survives_packing():
     torch.testing.assert_close(model[1](x), want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_tied_embedding_and_its_head_share_one_copy_through_the_packing(monkeypatch):
+    """An embedding and a head made of the same tensor by two parameters (our layers' tied head):
+    the packing copies the tensor once, before packing the head from that copy, so the tensor they
+    read before is no longer held (a tied embedding's copy is never beside its packed copy); the
+    head's products are the embedding's."""
+    packed_from = []
+
+    class Recording(packed_linear.PackedLinear):
+        def __init__(self, linear, *args, **kwargs):
+            packed_from.append(linear.weight.data_ptr())
+            super().__init__(linear, *args, **kwargs)
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", Recording)
+    torch.manual_seed(3)
+    embed = nn.Embedding(300, 64)
+    head = nn.Linear(64, 300, bias=False)
+    head.weight = nn.Parameter(embed.weight.data, requires_grad=False)  # the same tensor, its own parameter
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    before = embed.weight.data
+    x = torch.randn(2, 64)
+    want = x @ before.T
+    assert packed_linear.pack_linears(model) == 1
+    copy = model["embed"].weight
+    assert torch.equal(copy, before) and copy.data_ptr() != before.data_ptr()
+    assert packed_from == [copy.data_ptr()]  # the head packed from the embedding's copy
+    torch.testing.assert_close(model["head"](x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_panels_packed_a_chunk_at_a_time_are_the_same_bits(monkeypatch, dtype, gated):
+    """`pack_float` packs a chunk of panels at a time (its memory beside the weight: the packed copy
+    and one chunk): chunks of one panel give the bits of one chunk of them all, zero padding included."""
+    from pagedinfer.model import panel_formats
+
+    torch.manual_seed(4)
+    weight = torch.randn(70, 64).to(dtype)  # 70 rows: the last panel padded with zero rows
+    whole = panel_formats.pack_float(weight, gated)
+    monkeypatch.setattr(panel_formats, "PACK_CHUNK", 1)
+    chunked = panel_formats.pack_float(weight, gated)
+    assert chunked.shape == whole.shape == (5, 64, 16)
+    assert torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))  # bit for bit
+    assert int((whole == 0).sum()) == 10 * 64  # the 10 padding rows, and no weight, are zero
+    packed_rows = whole[:, :, :] if dtype == torch.float32 else None
+    if packed_rows is not None and not gated:  # float32, rows in order: panel p column r is row 16 p + r
+        assert torch.equal(whole.transpose(1, 2).reshape(-1, 64)[:70], weight)
+
+
 @pytest.mark.parametrize(
     ("k", "n", "bias"),
     [(576, 960, False), (37, 13, True), (1536, 70, True), (96, 50, False), (40, 100, True)],

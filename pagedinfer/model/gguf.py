@@ -51,7 +51,7 @@ from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 4  # bump when the cache folder's contents change
+CACHE_VERSION = 5  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 FLOATS = ("F32", "F16")  # read without gguf-py
 SETTLED_S = 2.0  # a file modified this recently is hashed on every load (see `_known_digest`)
@@ -169,8 +169,6 @@ def _fill_cache(path: Path, folder: Path) -> None:
     except HeaderError as e:
         raise GGUFError(f"{path} is not a valid GGUF file: {e}") from None
     family = families.by_gguf_arch(header.arch, header.metadata)
-    if family is not None and family.gguf_refused is not None:
-        raise GGUFError(f"{path}: pagedinfer reads no {family.name} GGUF files ({family.gguf_refused})")
     for t in header.tensors:
         if family is not None and t.name in family.gguf_refused_with:
             raise GGUFError(f"{path}: tensor {t.name} is refused: {family.gguf_refused_with[t.name]}")
@@ -194,11 +192,27 @@ def _fill_cache(path: Path, folder: Path) -> None:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         with contextlib.suppress(Exception):  # no (usable) tokenizer metadata: token-id prompts only
-            AutoTokenizer.from_pretrained(folder_in, **kwargs).save_pretrained(tmp)
+            _file_tokenizer(header, AutoTokenizer.from_pretrained, folder_in, kwargs).save_pretrained(tmp)
             _name_added_tokens(tmp)
     (tmp / "tensors.json").write_text(json.dumps({"arch": header.arch, "tensors": tensors}))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
+
+
+def _file_tokenizer(header: Header, load: Callable, folder: str, kwargs: dict):
+    """transformers' tokenizer of the file (``load(folder, **kwargs)``) with the file's tokens only, as
+    llama.cpp's vocabulary has them: a special token its class adds by default where the file's list
+    lacks it (GemmaTokenizer's ``<mask>``, for a gemma3 file of another vocabulary) is left out, which
+    would otherwise be counted past the embedding's rows."""
+    tokenizer = load(folder, **kwargs)
+    listed = header.metadata.get("tokenizer.ggml.tokens")
+    count = len(listed.items) if isinstance(listed, ArrayValue) else len(tokenizer)
+    added = {  # the special tokens of ids past the file's list: none of the file's
+        name: None
+        for name, token in tokenizer.special_tokens_map.items()
+        if isinstance(token, str) and tokenizer.convert_tokens_to_ids(token) >= count
+    }
+    return load(folder, **kwargs, **added) if added else tokenizer
 
 
 def _name_added_tokens(folder: Path) -> None:
@@ -238,7 +252,9 @@ def _family_config(config, metadata: dict[str, object], arch: str, path: Path):
     from transformers import AutoConfig
 
     family = families.by_gguf_arch(arch, metadata)
-    if family is None or (family.experts is None and family.gguf_config is None):
+    if family is None or not (
+        family.experts or family.gguf_config or family.gguf_config_keys or family.gguf_read_as
+    ):
         return config
     fields = config.to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
@@ -420,10 +436,15 @@ def state_dict(
             continue
         if len(info.shape) > 1 and info.kind != "F32":
             dequantized[info.kind] += 1
-        values = _dequantized(raw.reshape(-1), info.kind).reshape(len(parts), *parts[0][2])
+        # bfloat16 as its bits, copied as stored and cast (to float32: exactly): the same values as
+        # gguf-py's float32 gives, without a float32 copy of a bfloat16 model (one tensor's at most)
+        bits = info.kind == "BF16"
+        flat = raw.reshape(-1).view(np.int16) if bits else _dequantized(raw.reshape(-1), info.kind)
+        values = flat.reshape(len(parts), *parts[0][2])
         for e, (hf, _, _) in enumerate(parts):
             part = values[e] if permute is None else _reverse_permute(values[e], permute)
-            sd[hf] = torch.from_numpy(np.array(part, dtype=np.float32)).to(dtype)
+            own = torch.from_numpy(np.array(part, dtype=np.int16 if bits else np.float32))  # [rows, in]
+            sd[hf] = (own.view(torch.bfloat16) if bits else own).to(dtype)
         ckpt.release(info)
     return sd, dequantized
 

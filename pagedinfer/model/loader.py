@@ -222,6 +222,7 @@ def load_model(
                 reason = _gguf_reason(ckpt, dequantized, choice.dtype)
                 choice = replace(choice, reason=reason or choice.reason)
             model = llama.from_gguf(config, family, sd)
+            del sd  # the model holds its tensors: those the packing replaces are freed as it goes
             if panels is not None:
                 panels.save()
             model.generation_config = _generation_config(folder, config, cache_only)

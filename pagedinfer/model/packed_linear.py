@@ -527,18 +527,30 @@ def pack_linears(
         )
     ]
     packed = {id(child) for _, _, child in targets}
-    kept = {  # weights that other modules (a tied embedding) go on using
-        p.data_ptr() for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
+    left = {  # the parameters no packed linear replaces (by identity: a tied one once)
+        id(p): p for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)
     }
+    dtype = activations if quantization is not None else None  # None: each keeps its own
+    # copies of their own values are made before the packing (cast ones after it: the quantizer reads
+    # the checkpoint's), one per tensor, given to every parameter that holds it (a tied head's too),
+    # so the tensor they leave is freed at once: a tied embedding's copy is never beside its packed one
+    copied = left if dtype is None else {}
+    copies: dict[tuple, torch.Tensor] = {}
+    for tensor in copied.values():
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride())
+        copies[key] = copies.get(key, tensor.data.clone())
+    for tensor in [*copied.values(), *(child.weight for _, _, child in targets)]:
+        tensor.data = copies.get((tensor.data_ptr(), tensor.shape, tensor.stride()), tensor.data)
+    kept = {p.data_ptr() for p in left.values()}  # weights that other modules (a tied embedding) use
     users = Counter(child.weight.data_ptr() for _, _, child in targets)  # a weight tied across linears
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, panels, quantization, activations=activations))
         users[child.weight.data_ptr()] -= 1
         if users[child.weight.data_ptr()] == 0 and child.weight.data_ptr() not in kept:
             release_pages(child.weight)  # its last user is packed
-    dtype = activations if quantization is not None else None  # None: each keeps its own
     for tensor in model.parameters():
-        tensor.data = tensor.data.to(dtype or tensor.dtype, copy=True)
+        if id(tensor) not in copied:
+            tensor.data = tensor.data.to(dtype or tensor.dtype, copy=True)
     for tensor in model.buffers():
         tensor.data = tensor.data.clone()
     _trim_heap()

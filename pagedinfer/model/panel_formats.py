@@ -18,6 +18,8 @@ import torch
 
 from pagedinfer.kernels.weight_types import LAYOUTS, PANEL_ROWS
 
+PACK_CHUNK = 1 << 22  # weights `pack_float` gathers at a time
+
 
 @dataclass
 class Segment:
@@ -120,13 +122,20 @@ def pack_records(
 def pack_float(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """``[out, in]`` -> ``[P, in, 16]``: 16 weight rows per panel (zero past ``out``), k-major; bfloat16
     with k in pairs for vdpbf16ps (``[P, in / 2, 32]`` in memory order). ``gated``: see `panel_order`."""
-    order = torch.from_numpy(panel_order(weight.shape[0], gated))
-    padded = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])  # a zero row for the padding
-    rows = padded[torch.where(order < 0, weight.shape[0], order)]  # [P * 16, in]
-    panels = rows.view(-1, PANEL_ROWS, weight.shape[1]).transpose(1, 2)  # [P, in, 16]
-    if weight.dtype == torch.bfloat16:  # k in pairs: [P, in / 2, 16, 2]
-        panels = panels.reshape(panels.shape[0], -1, 2, PANEL_ROWS).transpose(2, 3)
-    return panels.reshape(panels.shape[0], -1, PANEL_ROWS).contiguous()  # [P, in, 16]
+    order = torch.from_numpy(panel_order(weight.shape[0], gated))  # [P * 16]: a row, or -1 (zeros)
+    k = weight.shape[1]
+    out = weight.new_empty(order.numel() // PANEL_ROWS, k, PANEL_ROWS)  # [P, in, 16]
+    # panels packed a chunk at a time: beside the weight, the packed copy and one chunk's rows only
+    step = max(1, PACK_CHUNK // (PANEL_ROWS * k))
+    for first in range(0, out.shape[0], step):
+        picked = order[first * PANEL_ROWS : (first + step) * PANEL_ROWS]
+        rows = weight[picked.clamp(min=0)]  # [n * 16, in]
+        rows[picked < 0] = 0
+        panels = rows.view(-1, PANEL_ROWS, k).transpose(1, 2)  # [n, in, 16]
+        if weight.dtype == torch.bfloat16:  # k in pairs: [n, in / 2, 16, 2]
+            panels = panels.reshape(panels.shape[0], -1, 2, PANEL_ROWS).transpose(2, 3)
+        out[first : first + step] = panels.reshape(panels.shape[0], -1, PANEL_ROWS)
+    return out
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -406,9 +406,12 @@ def check_finite(name: str, value: torch.Tensor | GGUFWeight, where: str) -> Non
     if not value.is_floating_point() or value.numel() == 0:
         return
     flat = value.detach().reshape(-1)
-    # one summing pass (no mask): finite unless a value is not, or finite values overflow; only then
-    # is the exact check run, in chunks
-    if torch.isfinite(flat.sum(dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)):
+    # one summing pass (no mask), chunk by chunk (a bfloat16 tensor is summed through a float32 copy:
+    # one chunk's, never the whole tensor's): finite unless a value is not, or finite values overflow;
+    # only then is the exact check run, in chunks
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    chunks = range(0, flat.numel(), FINITE_CHUNK)
+    if all(torch.isfinite(flat[start : start + FINITE_CHUNK].sum(dtype=acc)) for start in chunks):
         return
     for start in range(0, flat.numel(), FINITE_CHUNK):
         chunk = flat[start : start + FINITE_CHUNK]

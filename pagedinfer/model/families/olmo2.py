@@ -1,9 +1,28 @@
 """OLMo-2: Llama's linears with its norms after each branch (the attention's output and the MLP's, each
 normed before its residual add; no norm on a branch's input) and an RMSNorm over all of q's rows and
-all of k's (OLMoE's) before RoPE. transformers' GGUF reader maps no olmo2 config: its files are refused."""
+all of k's (OLMoE's) before RoPE.
+
+Its llama.cpp files (architecture "olmo2") hold llama's keys and Q and K rows as the checkpoint has
+them (its converter permutes none: llama.cpp rotates them NEOX-style); transformers' GGUF reader maps
+no olmo2 config, so the file is read through llama's keys (`spec.Family.gguf_read_as`). The same
+architecture holds OLMo 3's files, with windowed layers and YaRN: `gguf_config` refuses those."""
 
 from pagedinfer.model.families.llama import LAYER, LINEARS
 from pagedinfer.model.families.spec import Family, Module
+
+
+def gguf_config(metadata: dict[str, object], arch: str) -> dict[str, object]:
+    """No field beyond llama's keys; ValueError names a key of OLMo 3's (windows, RoPE scaling) that
+    llama.cpp reads and our OLMo-2 layers would leave out."""
+    for key in ("attention.sliding_window", "rope.scaling.type"):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and value != "none":
+            raise ValueError(
+                f"metadata {arch}.{key} is {value!r}; pagedinfer reads olmo2 files without windows or "
+                "RoPE scaling (OLMo 3's)"
+            )
+    return {}
+
 
 OLMO2 = Family(
     model_types=("olmo2",),
@@ -25,5 +44,6 @@ OLMO2 = Family(
     },
     qk_norm_over="all",
     norm_placement="post",
-    gguf_refused="transformers' GGUF reader maps no olmo2 config",
+    gguf_read_as="llama",
+    gguf_config=gguf_config,
 )

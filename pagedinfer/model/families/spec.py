@@ -310,8 +310,6 @@ class Family:
     # whether transformers' AutoTokenizer keeps the tokenizer class a tokenizer_config.json declares
     # (False: the family registers its own class, which replaces it)
     keeps_declared_tokenizer: bool = False
-    # why pagedinfer reads none of its GGUF files (None: it reads them): refused in one line
-    gguf_refused: str | None = None
     # a GGUF tensor -> why a file holding it is refused (what it carries that the config would lack)
     gguf_refused_with: dict[str, str] = field(default_factory=dict)
     norm_placement: str = "pre"  # `PLACED_NORMS`: on each branch's input (Llama), output (OLMo-2) or both
@@ -330,7 +328,7 @@ class Family:
     # the module of a learned sink logit per query head [heads] (gpt-oss's): softmax mass no key takes
     sinks: str | None = None
     # why our layers read none of its GGUF files where transformers' reader takes them (None: ours
-    # read them, or `gguf_refused`): such a file runs on transformers' layers, `pagedinfer` refused
+    # read them): such a file runs on transformers' layers, `pagedinfer` refused
     gguf_transformers_only: str | None = None
     # whether the config's rope_parameters holds one set per layer type (Gemma 3: "sliding_attention"'s
     # local base, "full_attention"'s global one and its scaling), each layer rotating by its type's
