@@ -172,11 +172,26 @@ def save_model(family: str, root: Path, seed: int = 0) -> Path:
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
     """The reference: transformers' own ``generate`` with greedy decoding, one prompt at a time
     (``processors``: its logits processors' arguments, e.g. ``bad_words_ids``)."""
-    return _generate_greedy(_hf_model(str(path)), prompt, max_new_tokens, **processors)
+    return _generate_greedy(str(path), lambda: _hf_model(str(path)), prompt, max_new_tokens, **processors)
 
 
-def _generate_greedy(model, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
-    """``model.generate`` greedy on one prompt, EOS ignored: the new tokens."""
+# greedy references by (model key, prompt, length, processors): the models behind a key are fixed for the
+# session (`_HF_CACHE`), so each reference is generated once however many tests ask for it; processors
+# given as functions are not memoized (their repr names an address a later function may reuse)
+_GREEDY_CACHE: dict[tuple, list[int]] = {}
+
+
+def _generate_greedy(key: str, model, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """``model().generate`` greedy on one prompt, EOS ignored: the new tokens (a fresh list)."""
+    if any(callable(v) for v in processors.values()):
+        return _generate(model(), prompt, max_new_tokens, **processors)
+    memo = (key, tuple(prompt), max_new_tokens, repr(sorted(processors.items())))
+    if memo not in _GREEDY_CACHE:
+        _GREEDY_CACHE[memo] = _generate(model(), prompt, max_new_tokens, **processors)
+    return list(_GREEDY_CACHE[memo])
+
+
+def _generate(model, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
     ids = torch.tensor([prompt])  # [1, P]
     out = model.generate(
         input_ids=ids,
@@ -276,12 +291,16 @@ def peft_greedy(base: Path, adapter: Path, prompt: list[int], max_new_tokens: in
     from peft import PeftModel
 
     key = f"{base}+{adapter}"
-    if key not in _HF_CACHE:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            str(base), dtype=torch.float32, attn_implementation="eager"
-        )
-        _HF_CACHE[key] = PeftModel.from_pretrained(model, str(adapter)).eval()
-    return _generate_greedy(_HF_CACHE[key], prompt, max_new_tokens)
+
+    def model() -> torch.nn.Module:
+        if key not in _HF_CACHE:
+            hf = tf.AutoModelForCausalLM.from_pretrained(
+                str(base), dtype=torch.float32, attn_implementation="eager"
+            )
+            _HF_CACHE[key] = PeftModel.from_pretrained(hf, str(adapter)).eval()
+        return _HF_CACHE[key]
+
+    return _generate_greedy(key, model, prompt, max_new_tokens)
 
 
 def count_one_call_steps(monkeypatch) -> list[int]:

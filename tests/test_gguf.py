@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import invoke
 from gguf_models import save_qwen2_gguf
 from models import hf_greedy, save_model
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -82,9 +83,8 @@ def test_missing_gguf_extra_is_one_clear_line(qwen2_gguf, monkeypatch):
 def test_cli_refuses_a_missing_gguf_file_in_one_line(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
-    cmd = [sys.executable, "-m", "pagedinfer", "run", str(prompts), "--model", str(tmp_path / "none.gguf")]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 2
+    result = invoke("run", prompts, "--model", tmp_path / "none.gguf")  # in process: the next test spawns one
+    assert result.exit_code == 2
     assert result.stderr.strip() == f"error: GGUF file {tmp_path / 'none.gguf'} does not exist"
 
 

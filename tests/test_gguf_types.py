@@ -6,6 +6,7 @@ a one-line note."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from cli_helpers import invoke
 from conftest import DEVICE, ENGINE
 from gguf_models import quantize_k, save_gguf
 from models import count_one_call_steps
@@ -384,13 +386,11 @@ def test_the_report_states_the_weights_bytes_and_bits_per_weight(gguf_dir, tmp_p
     docs = {}
     for dtype in ("auto", "float32"):
         report = tmp_path / f"{dtype}.json"
-        cmd = [sys.executable, "-m", "pagedinfer", "run", str(src), "--model", str(path), "--device", "cpu"]
-        cmd += ["--dtype", dtype, "-o", str(tmp_path / f"{dtype}.out.jsonl"), "--report-json", str(report)]
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"}
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        docs[dtype] = (__import__("json").loads(report.read_text())["model"], result.stdout)
+        args = ["run", src, "--model", path, "--device", "cpu", "--dtype", dtype]
+        args += ["-o", tmp_path / f"{dtype}.out.jsonl", "--report-json", report]
+        result = invoke(*args, env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output[-2000:]
+        docs[dtype] = (json.loads(report.read_text())["model"], result.stdout)
     (quant, text), (plain, _) = docs["auto"], docs["float32"]
     h, i, v, layers = 256, 512, 512, 2
     linear = (
