@@ -538,7 +538,8 @@ def pack_linears(
     copies: dict[tuple, torch.Tensor] = {}
     for tensor in copied.values():
         key = (tensor.data_ptr(), tensor.shape, tensor.stride())
-        copies[key] = copies.get(key, tensor.data.clone())
+        if key not in copies:  # a tied tensor is copied once
+            copies[key] = tensor.data.clone()
     for tensor in [*copied.values(), *(child.weight for _, _, child in targets)]:
         tensor.data = copies.get((tensor.data_ptr(), tensor.shape, tensor.stride()), tensor.data)
     kept = {p.data_ptr() for p in left.values()}  # weights that other modules (a tied embedding) use
