@@ -106,7 +106,7 @@ WEIGHT_TYPES = (
     WeightType(6, "Q4_0", group=32, fields=(D,), zero=8, direct=True, avx2_split=True,
                gguf_block=32, gguf_bytes=18, gguf_f16_scales=(0,), q8_dot=True),
     WeightType(7, "Q4_1", group=32, fields=(D, M), direct=True, avx2_split=True,
-               gguf_block=32, gguf_bytes=20, gguf_f16_scales=(0, 2)),
+               gguf_block=32, gguf_bytes=20, gguf_f16_scales=(0, 2), q8_dot=True),
     WeightType(8, "Q5_0", group=32, fields=(D,), planes=1, zero=16,
                gguf_block=32, gguf_bytes=22, gguf_f16_scales=(0,)),
     WeightType(9, "Q5_1", group=32, fields=(D, M), planes=1,

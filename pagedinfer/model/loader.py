@@ -142,7 +142,7 @@ def load_model(
     (float32 activations; the CPU and float32 only). A GGUF file served by our layers on the CPU keeps
     its tensors' types (``--dtype auto``, no ``quantization``); otherwise it is dequantized.
     ``chat_template``: Jinja text replacing the tokenizer's. ``matmul_numerics`` (`config.MATMUL_NUMERICS`):
-    ``llama.cpp`` multiplies a GGUF's Q4_0 and Q8_0 blocks by activations quantized per block
+    ``llama.cpp`` multiplies a GGUF's Q4_0, Q4_1 and Q8_0 blocks by activations quantized per block
     (`packed_linear.use_llamacpp_numerics`); refused where no such weight is kept, or under bfloat16."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load format {load_format!r}: use {' or '.join(LOAD_FORMATS)}")
@@ -396,7 +396,7 @@ def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> 
 
 def _set_numerics(model: torch.nn.Module, numerics: str, name: str, dtype: torch.dtype) -> None:
     """Put the packed linears on ``numerics`` (`config.MATMUL_NUMERICS`), or refuse in one line where
-    ``llama.cpp`` cannot apply: bfloat16 activations, or no Q4_0 / Q8_0 weight kept as stored."""
+    ``llama.cpp`` cannot apply: bfloat16 activations, or no weight of `packed_linear.Q8_DOT_KINDS` kept as stored."""
     if numerics == "exact":
         return
     if dtype != torch.float32:
@@ -410,8 +410,8 @@ def _set_numerics(model: torch.nn.Module, numerics: str, name: str, dtype: torch
         )
         held = f"its packed linears are {', '.join(kinds)}" if kinds else "it has no packed linear"
         raise ModelLoadError(
-            f"matmul numerics llama.cpp applies to GGUF Q4_0 and Q8_0 weights kept as stored (--dtype auto, "
-            f"on the CPU); {name} has none: {held}"
+            f"matmul numerics llama.cpp applies to GGUF {', '.join(packed_linear.Q8_DOT_KINDS)} weights kept "
+            f"as stored (--dtype auto, on the CPU); {name} has none: {held}"
         )
 
 

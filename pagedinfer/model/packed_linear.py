@@ -233,7 +233,7 @@ class PackedLinear(nn.Module):
 
 
 def use_llamacpp_numerics(model: nn.Module) -> int:
-    """Put every Q4_0 and Q8_0 segment of the model's packed linears under float32 activations on
+    """Put every Q4_0, Q4_1 and Q8_0 segment of the model's packed linears under float32 activations on
     llama.cpp's numerics (activations quantized per block of 32 to int8, integer dot products:
     kernels/cpu_gemm_q8dot.h) at every row count; the other segments keep theirs. How many it put."""
     count = 0

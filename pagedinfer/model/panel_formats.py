@@ -34,7 +34,7 @@ class Segment:
     in_features: int = 0
     gated_pairs: bool = False  # a fused gate-up: cols is the half, the panels hold 2 * cols rows
     bf16_io: bool = False  # a quantized kind under bfloat16 activations (x and y bfloat16; BF16: always)
-    q8_dot: bool = False  # Q4_0 / Q8_0 under llama.cpp's numerics (`matmul_numerics`), not float32 products
+    q8_dot: bool = False  # a Q8_DOT_KINDS kind under llama.cpp's numerics (`matmul_numerics`)
 
     @property
     def activation_dtype(self) -> torch.dtype:
