@@ -90,7 +90,7 @@ class ExpertMLP(nn.Module):
         t, h, k = x.shape[0], x.shape[1], self.top_k
         logits = self.router(x)  # [T, E]
         routed = self._c_experts(x)
-        if routed is not None:  # the same weights, grouping, GEMMs and sums in one C call
+        if routed is not None and logits.dtype == x.dtype:  # the same weights, grouping, GEMMs and sums
             _, chosen = torch.topk(logits, k, dim=-1)  # [T, k], as `route` chooses them
             y = routed.run(x, logits, chosen)
             if self.shared is not None:
