@@ -25,6 +25,7 @@ enum {
     REFUSED_TOKEN = 6,  /* a row of a weight (a token id of an embedding): at = its position, limit = the rows */
     REFUSED_LOGITS = 7, /* a logits row: at = its position, limit = the rows */
     REFUSED_ROW_RANGE = 8, /* rows [lo, hi) of a tensor: at = lo, found = hi, limit = its rows */
+    REFUSED_EXPERT = 9, /* a row's chosen expert: at = its slot (row * k + rank), limit = the layer's experts */
 };
 
 typedef struct {

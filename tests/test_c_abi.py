@@ -24,7 +24,7 @@ from pagedinfer.attention import cuda_kernels
 from pagedinfer.kernels import abi, build, paged_decode, weight_types
 from pagedinfer.kernels.sources import KERNELS_DIR, library_roots, translation_units
 from pagedinfer.lora import delta
-from pagedinfer.model import decode_step, fused_ops, packed_linear
+from pagedinfer.model import decode_step, fused_ops, moe_kernel, packed_linear
 
 LIBRARIES = {  # a module's compiled library, and the root source it is built from
     "paged_decode": (paged_decode._library, paged_decode.SOURCE),
@@ -33,12 +33,15 @@ LIBRARIES = {  # a module's compiled library, and the root source it is built fr
     "packed_linear": (packed_linear._gemm_library, packed_linear.GEMM_SOURCE),
     "decode_step": (decode_step._library, decode_step.SOURCE),
     "lora_delta": (delta.library, delta.SOURCE),
+    "moe_kernel": (moe_kernel._library, moe_kernel.SOURCE),
 }
 STRUCTS = {  # C struct -> its ctypes twin, and the source that declares it
     "refusal": (abi.Refusal, paged_decode.SOURCE),
     "gemm_segment": (packed_linear.GemmSegment, packed_linear.GEMM_SOURCE),
     "step_layer": (decode_step.StepLayer, decode_step.SOURCE),
     "step_meta": (decode_step.StepMeta, decode_step.SOURCE),
+    "moe_expert": (moe_kernel.MoeExpert, moe_kernel.SOURCE),
+    "moe_shape": (moe_kernel.MoeShape, moe_kernel.SOURCE),
 }
 _DEFINITION = re.compile(r"(?m)^([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^()]*)\)\s*\{")
 _CTYPE_KINDS = {
@@ -113,10 +116,11 @@ def struct_fields(source: Path, name: str) -> list[tuple[str, str]]:
             continue
         first, *others = declaration.split(",")
         base, declarator = re.match(r"\s*(.*?)(\**\s*\w+\s*(?:\[\d+\])?)\s*$", first).groups()
-        kind = base.strip() if base.strip() in STRUCTS else c_kind(base)
+        struct = base.strip() if base.strip() in STRUCTS else None  # a pointer to one: "ptr" below
         for one in (declarator, *others):
             stars, field, length = re.match(r"\s*(\**)\s*(\w+)\s*(?:\[(\d+)\])?\s*$", one).groups()
-            fields.append((field, ("ptr" if stars else kind) + (f"[{length}]" if length else "")))
+            kind = "ptr" if stars else struct or c_kind(base)
+            fields.append((field, kind + (f"[{length}]" if length else "")))
     return fields
 
 

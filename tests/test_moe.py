@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_quantization import dequantized_copy, dequantized_weight
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, packed_linear
+from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, moe_kernel, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
@@ -621,3 +621,57 @@ def test_a_gpt_oss_checkpoint_off_its_declaration_is_refused_naming_the_tensor(
     with pytest.raises(ModelLoadError) as err:
         LLM(str(path), model_impl="pagedinfer", **ENGINE)
     assert str(err.value) == f"{path / 'model.safetensors'}: {message}"
+
+
+# -- the routed experts in one C call --------------------------------------------------------------
+
+ONE_CALL_CASES = [  # (family, how it is loaded)
+    *((name, {"dtype": "float32"}) for name in MOE),
+    ("qwen2_moe", {"dtype": "bfloat16"}),  # its shared expert beside the routed ones
+    ("gpt_oss", {"dtype": "bfloat16"}),  # biased router and experts, clamped SwiGLU
+    ("qwen3_moe", {"dtype": "float32", "quantization": "int4"}),
+    ("gpt_oss", {"dtype": "float32", "quantization": "int8"}),
+    ("mixtral", {"gguf": "Q4_0"}),
+    ("qwen2_moe", {"gguf": "Q8_0"}),
+]
+
+
+@pytest.mark.parametrize(
+    "name, load", ONE_CALL_CASES, ids=[f"{n}-{'-'.join(map(str, v.values()))}" for n, v in ONE_CALL_CASES]
+)
+def test_the_one_call_experts_equal_the_torch_loop(tiny_model, model_root, monkeypatch, name, load):
+    """The routed experts in one C call (kernels/cpu_moe.c) give every row the bits of the torch loop
+    it replaces (softmax weights in float64, rows grouped by expert, each expert's GEMMs once, each
+    row's sum in rank order), at 1, 7 and 40 rows; the shared expert added after, as before."""
+    path = tiny_model(name)
+    if "gguf" in load:  # every matrix in the type but qwen2_moe's shared expert (rows of 48: float32)
+        kind = load["gguf"]
+        path = save_gguf(path, model_root / f"{name}-{kind}.gguf", lambda t: "F32" if "shexp" in t else kind)
+        load = {"dtype": "auto"}
+    llm = LLM(str(path), device="cpu", **load)
+    model = llm.engine.loaded.model
+    dtype = model.norm.dtype
+    torch.manual_seed(0)
+    x = (torch.randn(40, model.norm.shape[0]) * (8 if name == "gpt_oss" else 1)).to(dtype)
+    with torch.inference_mode():
+        for layer in model.layers:
+            mlp = layer.mlp
+            got = [mlp(x[:n]) for n in (1, 7, 40)]
+            assert isinstance(mlp._routed, moe_kernel.RoutedExperts), "the C call serves these experts"
+            with monkeypatch.context() as m:
+                m.setattr(mlp, "_routed", None)
+                m.setattr(moe_kernel.RoutedExperts, "serves", staticmethod(lambda *_: False))
+                want = [mlp(x[:n]) for n in (1, 7, 40)]
+                assert mlp._routed is None  # the torch loop ran
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_one_call_experts_refuse_an_expert_outside_the_layer(tiny_model):
+    """An expert index outside the layer's experts is refused before anything runs, naming it."""
+    mlp = LLM(str(tiny_model("qwen3_moe")), **ENGINE).engine.loaded.model.layers[0].mlp
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        mlp(x)
+        chosen = torch.tensor([[0, 1], [8, 2]])
+        with pytest.raises(IndexError, match="expert 8 chosen at slot 2 is outside the layer's 8 experts"):
+            mlp._routed.run(x, mlp.router(x), chosen)

@@ -34,6 +34,7 @@ REFUSED = {
     6: "id {found} at position {at} is outside the table's {limit} rows",
     7: "logits row {found} (entry {at}) is outside the {limit} rows",
     8: "rows {at}:{found} are not a range of the {limit} rows",
+    9: "expert {found} chosen at slot {at} is outside the layer's {limit} experts",
 }
 
 

@@ -8,7 +8,9 @@ rank order (its highest-scored expert first), each row on its own: not an index-
 whose sum for a row would depend on which other rows share the step. A shared expert (Qwen2-MoE's)
 runs on every row through its own panels, scaled by a sigmoid computed row by row (`sigmoid`), and is
 added to that sum. So the reproducibility contract (docs/reproducibility.md) holds for these layers
-as for the dense ones.
+as for the dense ones. Where every expert is on the panels, the routing, grouping, GEMMs and sums
+after the router run as one C call (`moe_kernel`, the same arithmetic in the same order: the same
+bits); the torch loop here serves every other case.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from pagedinfer.model import fused_ops
 from pagedinfer.model.families.spec import Family, Sizes
+from pagedinfer.model.moe_kernel import RoutedExperts
 
 SCORINGS = ("softmax",)  # the router scorings computed here (a family declaring another: transformers)
 
@@ -70,10 +73,29 @@ class ExpertMLP(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared = shared
         self.top_k, self.renormalise = s.top_k, renormalise
+        self._routed: RoutedExperts | None = None  # see `_c_experts`
+
+    def _c_experts(self, x: torch.Tensor) -> RoutedExperts | None:
+        """The one C call for these experts where it serves ``x`` (`moe_kernel`): made once the loader
+        has put the experts on the panels (linears are packed after the layers are built, never
+        unpacked), else None (the torch loop)."""
+        if self._routed is None and x.device.type == "cpu":
+            glu = self.experts[0].glu
+            if RoutedExperts.serves(self.experts, glu):
+                self._routed = RoutedExperts(list(self.experts), self.top_k, self.renormalise, glu)
+        routed = self._routed
+        return routed if routed is not None and x.dtype == routed.dtype and x.device.type == "cpu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         t, h, k = x.shape[0], x.shape[1], self.top_k
         logits = self.router(x)  # [T, E]
+        routed = self._c_experts(x)
+        if routed is not None and logits.dtype == x.dtype:  # the same weights, grouping, GEMMs and sums
+            _, chosen = torch.topk(logits, k, dim=-1)  # [T, k], as `route` chooses them
+            y = routed.run(x, logits, chosen)
+            if self.shared is not None:
+                y += self.shared(x)
+            return y
         weights, chosen = route(logits, k, self.renormalise)  # [T, k] each, highest first
         weights = weights.to(logits.dtype)  # as transformers' routers hand them to the experts
         slots = chosen.reshape(-1)  # [T k]: slot t * k + r is row t's rank-r expert
