@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode-only CPU step (float32 or bfloat16, Llama family) in one call from Python.
+/* Every decoder layer of a decoding CPU step (float32 or bfloat16, Llama family) in one call from Python.
  *
  * At batch 1-16 a step's Python between the kernels (module calls, ctypes argument conversion,
  * output allocations, the attention plan) is a large share of a small model's step (docs/kernels.md).
@@ -72,10 +72,10 @@ typedef struct {
     int rope;                /* its RoPE table in step_meta's cos and sin (Gemma 3's: by layer type) */
 } step_layer;
 
-/* The model's sizes, its final norm and the step's attention metadata (decode only: one query row
- * per sequence). Slots and block tables come per layer group (layers of one attention window: a
- * windowed group's tables name the pool's null block where the window released a block); the context
- * lengths and the sequences' split are every group's. */
+/* The model's sizes, its final norm and the step's attention metadata, per query row (a decoding
+ * sequence's row, or one of its drafted rows, each over its own context). Slots and block tables come
+ * per layer group (layers of one attention window: a windowed group's tables name the pool's null
+ * block where the window released a block); the context lengths and the rows' split are every group's. */
 typedef struct {
     int layers, rows, hidden, q_heads, kv_heads, head_dim, inter;
     float eps, scale;
@@ -83,7 +83,7 @@ typedef struct {
     const void *const *cos;                    /* [tables] -> [rows, D / 2] */
     const void *const *sin;                    /* [tables] -> [rows, D / 2] */
     const int64_t *const *slots;               /* [groups] -> [rows] pool slot of each new token */
-    const int32_t *const *tables;              /* [groups] -> [rows, max_blocks[group]] */
+    const int32_t *const *tables;              /* [groups] -> [rows, max_blocks[group]]: each row's sequence's */
     const int32_t *max_blocks;                 /* [groups] */
     int groups;
     const int32_t *ctx_lens;                   /* [rows] */

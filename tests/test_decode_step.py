@@ -1,7 +1,9 @@
-"""All layers of a decode-only CPU step in one C call (model/decode_step.py): the same tokens as
-transformers, the same bits as the layer-by-layer path, and taken exactly when every piece has a C kernel."""
+"""All layers of a decoding CPU step in one C call (model/decode_step.py): the same tokens as
+transformers, the same bits as the layer-by-layer path (drafted rows too), and taken exactly when every
+piece has a C kernel."""
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -104,3 +106,61 @@ def test_the_c_step_serves_only_where_every_piece_has_a_c_kernel(tiny_model, ste
         assert out[0].outputs[0].token_ids == hf_greedy(path, [5, 6, 7], 4)
         monkeypatch.delenv(env)
     assert steps == []
+
+
+@dataclass
+class _Chunk:
+    """One sequence's rows of a step built by hand (the runner's `ScheduledChunk`): positions
+    ``start`` .. ``start + num_tokens``, every row's logits kept (a decode row and its drafts)."""
+
+    block_tables: list[list[int]]
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    lora_slot: int = 0
+
+    @property
+    def seq(self) -> "_Chunk":
+        return self
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_tokens
+
+    @property
+    def step_token_ids(self) -> list[int]:
+        return self.token_ids[self.start : self.start + self.num_tokens]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # q/k norms; a sliding window
+def test_drafted_rows_take_the_c_step_with_the_layer_paths_bits(tiny_model, steps, monkeypatch, family):
+    """A step whose sequences decode with drafted rows after their pending token (1, 4 and 2 query
+    rows) runs in the one C call, and each row's logits have the bits of the layer-by-layer path
+    (each row attended over its own context, as a prompt row is); a prompt chunk longer than
+    `MAX_QUERY_ROWS` stays layer by layer."""
+    llm = LLM(str(tiny_model(family)), block_size=4, num_blocks=64, model_impl="pagedinfer", **ENGINE)
+    runner, pool = llm.engine.runner, llm.engine.pool
+    rng = random.Random(5)
+    chunks = []
+    for context, rows in ((13, 1), (9, 4), (22, 2)):
+        tables: list[list[int]] = [[] for _ in range(pool.num_groups)]
+        for g, table in enumerate(tables):
+            pool.reserve(table, 0, context + rows, g)
+        ids = [rng.randrange(2, 256) for _ in range(context + rows)]
+        chunks.append(_Chunk(tables, context, rows, ids))
+    prompt = _Chunk(chunks[2].block_tables, 0, 22, chunks[2].token_ids)  # the longest context
+    assert prompt.num_tokens > decode_step.MAX_QUERY_ROWS
+    for c in chunks[:2]:  # the other contexts: a prompt chunk each
+        runner.execute([_Chunk(c.block_tables, 0, c.start, c.token_ids)], [])
+    runner.execute([prompt], [])
+    steps.clear()
+    runner.execute([prompt], [])
+    assert steps == []  # a long prompt chunk: layer by layer
+    fast = runner.execute(chunks, [])  # [7, vocab]
+    assert steps == [7]
+    layered = runner.one_call
+    monkeypatch.setattr(runner, "one_call", lambda meta, lora: None)
+    slow = runner.execute(chunks, [])
+    monkeypatch.setattr(runner, "one_call", layered)
+    assert steps == [7] and fast.shape == slow.shape == (7, fast.shape[1])
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))

@@ -34,6 +34,24 @@ def _row_seqs(q_lens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens)
 
 
+def row_contexts(
+    meta: AttentionMetadata, q_lens: torch.Tensor | None = None, starts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed query row's sequence ``[T]`` (int64) and its own context length ``[T]`` (int32): a
+    row at position p of its sequence reads that sequence's positions up to p, as the C kernel attends
+    every row (``q_lens`` ``[S]`` and ``starts`` ``[S]``, the rows' first packed row, where the caller
+    has them)."""
+    dev = meta.context_lens.device
+    if q_lens is None:
+        q_lens = torch.tensor(meta.query_lens, device=dev)  # [S]
+    if starts is None:
+        starts = meta.query_start_loc.to(torch.int64)  # [S + 1]
+    seq = _row_seqs(q_lens)  # [T]
+    rows = torch.arange(len(seq), device=dev)  # [T] packed rows, in order
+    first = meta.context_lens.to(torch.int64)[seq] - q_lens[seq]  # [T] the context before its chunk
+    return seq, (first + rows - starts[seq] + 1).to(torch.int32)
+
+
 @dataclass
 class PortablePlan:
     """Index tensors for the portable path, built once per step and reused by every layer.
@@ -128,10 +146,8 @@ class PortablePlan:
         (SDPA's blocking varies with the chunk's length). K/V are read in place, never gathered.
         """
         dev = meta.context_lens.device
-        seq = _row_seqs(q_lens)  # [T] each row's sequence
+        seq, lens = row_contexts(meta, q_lens, starts)  # [T] each
         rows = torch.arange(len(seq), device=dev)  # [T] packed rows, in order
-        first = meta.context_lens.to(torch.int64)[seq] - q_lens[seq]  # [T] the context before its chunk
-        lens = (first + rows - starts[seq] + 1).to(torch.int32)  # [T] each row's own context length
         tables = meta.block_tables if len(seq) == len(q_lens) else meta.block_tables[seq]  # [T, max_blocks]
         no_slots = torch.zeros(len(seq), 0, dtype=torch.int64, device=dev)  # the kernel reads the tables
         no_chunks = torch.zeros(0, 0, dtype=torch.int64, device=dev)

@@ -1,9 +1,11 @@
-"""Every layer of a decode-only CPU step, and the final norm, in one C call (kernels/cpu_decode_step.c).
+"""Every layer of a decoding CPU step, and the final norm, in one C call (kernels/cpu_decode_step.c).
 
 Per layer, our dense layers (model/llama.py) make about ten Python calls into C kernels (norms, GEMMs, RoPE,
 the K/V write, attention), each converting its arguments through ctypes, allocating its output and,
 for attention, walking the step's plan: Python overhead that is a large share of a small model's
-batch-1 step (docs/kernels.md). When a step only decodes (one new token per sequence) and every
+batch-1 step (docs/kernels.md). When a step only decodes (one new token per sequence, or that and
+the tokens drafted after it: a few query rows, each attended over its own context as the layer path
+attends it) and every
 piece runs on a C kernel (weights in cpu_gemm.c's panels: float32, int8, int4 or GGUF blocks under
 float32 activations, or bfloat16; a KV pool in host memory), this module hands the whole stack of
 layers to one C function that calls the same kernels in the same order, so the outputs are the same
@@ -27,6 +29,7 @@ import torch
 from pagedinfer import envs
 from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
+from pagedinfer.attention.portable_backend import row_contexts
 from pagedinfer.kernels import abi, build, paged_decode
 from pagedinfer.kernels.sources import KERNELS_DIR
 from pagedinfer.model.families.spec import LINEAR_ROLES, NORM_ROLES
@@ -38,6 +41,10 @@ _ptr = ctypes.c_void_p
 
 
 MAX_QKV_SEGMENTS = 3  # a GGUF's q, k and v of three types
+# the most query rows of one sequence a step may have to take the C step: a decoding sequence's pending
+# token and its drafted ones (speculative decoding's verification rows); a longer query, a prompt
+# chunk, goes layer by layer (the step keeps its scratch buffers for the most rows it has run)
+MAX_QUERY_ROWS = 16
 
 
 class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
@@ -127,7 +134,7 @@ def _entry(qkv: PackedLinear, pool: torch.dtype) -> str:
 
 
 class DecodeStep:
-    """The C description of a model's layers over one KV pool; `run` computes a decode-only step."""
+    """The C description of a model's layers over one KV pool; `run` computes a decoding step."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache) -> None:
         first = model.layers[0]
@@ -213,12 +220,13 @@ class DecodeStep:
 
     def run(
         self,
-        residual: torch.Tensor,  # [S, H] the embeddings; the residual stream after the last layer on return
-        ropes: list[tuple[torch.Tensor, torch.Tensor]],  # (cos, sin) [S, D / 2] each, per RoPE table
-        meta: AttentionMetadata,  # a decode-only step's: one query row per sequence, in order
-    ) -> torch.Tensor:  # [S, H] the final norm of the stream, the lm_head's input (valid until the next run)
+        residual: torch.Tensor,  # [T, H] the embeddings; the residual stream after the last layer on return
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],  # (cos, sin) [T, D / 2] each, per RoPE table
+        meta: AttentionMetadata,  # the step's: each sequence's query rows (`MAX_QUERY_ROWS` at most), in order
+    ) -> torch.Tensor:  # [T, H] the final norm of the stream, the lm_head's input (valid until the next run)
         rows = residual.shape[0]
         groups = meta.group_metas or [meta]  # each layer group's slots and block tables
+        ctx_lens, row_tables, lens = _row_attention(meta, groups)
         if abi.debug():  # what the caller vouches for
             half = (rows, self.head_dim // 2)
             assert residual.shape == (rows, self.hidden)
@@ -227,17 +235,14 @@ class DecodeStep:
             )
             assert max(entry.rope for entry in self.layers) < len(ropes)
             assert len(groups) == len(self.kv.groups) and meta.block_size == self.kv.block_size
-            for m in groups:
-                assert m.slot_mapping.shape == m.context_lens.shape == (rows,)
-                assert m.block_tables.shape[0] == rows and m.block_tables.is_contiguous()
-                assert m.slot_mapping.dtype == torch.int64 and m.block_tables.dtype == torch.int32
+            assert ctx_lens.shape == (rows,) and ctx_lens.dtype == torch.int32 and ctx_lens.is_contiguous()
+            for m, t in zip(groups, row_tables, strict=True):
+                assert m.slot_mapping.shape == (rows,) and m.slot_mapping.dtype == torch.int64
+                assert t.shape[0] == rows and t.is_contiguous() and t.dtype == torch.int32
         slots = (_ptr * len(groups))(*(m.slot_mapping.data_ptr() for m in groups))
-        tables = (_ptr * len(groups))(*(m.block_tables.data_ptr() for m in groups))
-        max_blocks = (ctypes.c_int32 * len(groups))(*(m.block_tables.shape[1] for m in groups))
+        tables = (_ptr * len(groups))(*(t.data_ptr() for t in row_tables))
+        max_blocks = (ctypes.c_int32 * len(groups))(*(t.shape[1] for t in row_tables))
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
-        lens = meta.context_lens_host
-        if lens is None:  # a step through the graph path's static buffers (padding rows included)
-            lens = meta.context_lens.tolist()
         bounds = paged_decode.split(lens, per_key)
         h, x, qkv, attn, act, query_rows, gate_up = self._scratch(rows, residual)
         cos = (_ptr * len(ropes))(*(c.data_ptr() for c, _ in ropes))
@@ -259,7 +264,7 @@ class DecodeStep:
             ctypes.addressof(tables),
             ctypes.addressof(max_blocks),
             len(groups),
-            meta.context_lens.data_ptr(),
+            ctx_lens.data_ptr(),
             query_rows.data_ptr(),
             meta.block_size,
             ctypes.addressof(bounds),
@@ -286,9 +291,25 @@ class DecodeStep:
         return x
 
 
+def _row_attention(
+    meta: AttentionMetadata, groups: list[AttentionMetadata]
+) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """What the attention kernel reads per query row, as the layer-by-layer path hands it
+    (`portable_backend.row_contexts`): each row's context length ``[T]`` int32, each layer group's
+    block table of each row's sequence ``[T, max_blocks]`` int32, and the lengths as a list. In a
+    decode-only step a row is its sequence, and the step's own tensors serve."""
+    if meta.max_query_len == 1:
+        lens = meta.context_lens_host
+        if lens is None:  # a step through the graph path's static buffers (padding rows included)
+            lens = meta.context_lens.tolist()
+        return meta.context_lens, [m.block_tables for m in groups], lens
+    seq, ctx_lens = row_contexts(meta)  # [T] each
+    return ctx_lens, [m.block_tables[seq].contiguous() for m in groups], ctx_lens.tolist()
+
+
 @dataclass(frozen=True)
 class OneCall:
-    """The model runner's choice for one decode-only step: every layer in ``step``'s one C call, over
+    """The model runner's choice for one decoding step: every layer in ``step``'s one C call, over
     the step's metadata (handed to the model's forward, which otherwise runs its layers one by one)."""
 
     step: DecodeStep

@@ -462,7 +462,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             keep = logits_to_keep
         else:
             keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        if one_call is not None:  # a decode-only step: all layers and the final norm in one C call
+        if one_call is not None:  # a decoding step: all layers and the final norm in one C call
             x = one_call.run(residual, ropes)[keep].contiguous()  # [R, H]
         else:
             h = None

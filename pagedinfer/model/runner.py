@@ -1,8 +1,11 @@
 """One engine step = one forward pass over every scheduled token, packed in a single row without padding.
 
 The runner chooses each step's path and hands it to the model: transformers' modules (any family), or
-pagedinfer's own layers one by one, or, for a decode-only step of our layers on the CPU kernels without
-adapter rows, all of them in the one-call C step (`decode_step.OneCall`, where every piece has a C kernel).
+pagedinfer's own layers one by one, or, for a step of our layers on the CPU kernels without adapter rows
+whose sequences decode (one token each, or that and its drafted tokens: `decode_step.MAX_QUERY_ROWS`
+rows at most), all of them in the one-call C step (`decode_step.OneCall`, where every piece has a C
+kernel). Either path gives a row the same bits, so a step's drafted rows do not move the whole step off
+the C step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pagedinfer.attention.kv_cache import KVCache
 from pagedinfer.attention.metadata import AttentionMetadata
 from pagedinfer.lora import context as lora_context
 from pagedinfer.model.cuda_graphs import DecodeGraphs
-from pagedinfer.model.decode_step import DecodeStep, OneCall
+from pagedinfer.model.decode_step import MAX_QUERY_ROWS, DecodeStep, OneCall
 from pagedinfer.model.host_memory import keep_freed_memory
 
 
@@ -223,10 +226,11 @@ class ModelRunner:
         return out.logits[0].float()  # [R, vocab]
 
     def one_call(self, meta: AttentionMetadata, lora: bool) -> OneCall | None:
-        """The one-call C step for a decode-only step of our dense layers on the CPU kernels without
-        adapter rows (their deltas go in layer by layer), where every piece has a C kernel; else None:
-        our layers one by one, or transformers' modules."""
-        if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len != 1:
+        """The one-call C step for a step of our dense layers on the CPU kernels without adapter rows
+        (their deltas go in layer by layer) whose queries are decode rows and their drafts (at most
+        `MAX_QUERY_ROWS` a sequence; a prompt chunk's go layer by layer), where every piece has a C
+        kernel; else None: our layers one by one, or transformers' modules."""
+        if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len > MAX_QUERY_ROWS:
             return None
         if self.model.family.experts is not None:  # the C step runs dense layers only (no router, no
             return None  # per-expert GEMMs): a mixture of experts decodes layer by layer (`moe.ExpertMLP`)
