@@ -3,7 +3,6 @@ transformers, the same bits as the layer-by-layer path (drafted rows too), and t
 piece has a C kernel."""
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from conftest import DEVICE, ENGINE
 from models import hf_greedy, step_and_layer_path_agree
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.engine.row_cost import Probe
 from pagedinfer.model import decode_step, packed_linear
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the C decode step is the CPU's")
@@ -108,30 +108,6 @@ def test_the_c_step_serves_only_where_every_piece_has_a_c_kernel(tiny_model, ste
     assert steps == []
 
 
-@dataclass
-class _Chunk:
-    """One sequence's rows of a step built by hand (the runner's `ScheduledChunk`): positions
-    ``start`` .. ``start + num_tokens``, every row's logits kept (a decode row and its drafts)."""
-
-    block_tables: list[list[int]]
-    start: int
-    num_tokens: int
-    token_ids: list[int]
-    lora_slot: int = 0
-
-    @property
-    def seq(self) -> "_Chunk":
-        return self
-
-    @property
-    def num_logits(self) -> int:
-        return self.num_tokens
-
-    @property
-    def step_token_ids(self) -> list[int]:
-        return self.token_ids[self.start : self.start + self.num_tokens]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])  # q/k norms; a sliding window
 def test_drafted_rows_take_the_c_step_with_the_layer_paths_bits(tiny_model, steps, monkeypatch, family):
     """A step whose sequences decode with drafted rows after their pending token (1, 4 and 2 query
@@ -147,11 +123,11 @@ def test_drafted_rows_take_the_c_step_with_the_layer_paths_bits(tiny_model, step
         for g, table in enumerate(tables):
             pool.reserve(table, 0, context + rows, g)
         ids = [rng.randrange(2, 256) for _ in range(context + rows)]
-        chunks.append(_Chunk(tables, context, rows, ids))
-    prompt = _Chunk(chunks[2].block_tables, 0, 22, chunks[2].token_ids)  # the longest context
+        chunks.append(Probe(tables, rows, ids, start=context))
+    prompt = Probe(chunks[2].block_tables, 22, chunks[2].token_ids)  # the longest context
     assert prompt.num_tokens > decode_step.MAX_QUERY_ROWS
     for c in chunks[:2]:  # the other contexts: a prompt chunk each
-        runner.execute([_Chunk(c.block_tables, 0, c.start, c.token_ids)], [])
+        runner.execute([Probe(c.block_tables, c.start, c.token_ids)], [])
     runner.execute([prompt], [])
     steps.clear()
     runner.execute([prompt], [])

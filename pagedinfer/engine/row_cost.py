@@ -16,8 +16,10 @@ TIMED = 7  # passes of each shape, alternating (their median is the seed: a load
 
 
 @dataclass
-class _Probe:
-    """A throwaway sequence on scratch blocks (the runner's `ScheduledChunk`)."""
+class Probe:
+    """A sequence's rows built by hand (the runner's `ScheduledChunk`): positions ``start`` ..
+    ``start + num_tokens``, every row's logits kept; token ids zeros unless given (a throwaway
+    sequence on scratch blocks)."""
 
     block_tables: list[list[int]]  # per layer group
     num_tokens: int
@@ -26,10 +28,10 @@ class _Probe:
     start: int = 0
 
     def __post_init__(self) -> None:
-        self.token_ids = [0] * self.num_tokens
+        self.token_ids = self.token_ids or [0] * (self.start + self.num_tokens)
 
     @property
-    def seq(self) -> _Probe:
+    def seq(self) -> Probe:
         return self
 
     @property
@@ -38,7 +40,7 @@ class _Probe:
 
     @property
     def step_token_ids(self) -> list[int]:
-        return self.token_ids
+        return self.token_ids[self.start : self.start + self.num_tokens]
 
 
 def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTimes:
@@ -52,7 +54,7 @@ def measure_step_times(runner: ModelRunner, pool: BlockPool, k: int) -> StepTime
         for g, table in enumerate(tables):
             pool.reserve(table, 0, 1 + k, g)
         times: dict[int, list[float]] = {1: [], 1 + k: []}
-        one, many = [_Probe(tables, 1)], [_Probe(tables, 1 + k)]
+        one, many = [Probe(tables, 1)], [Probe(tables, 1 + k)]
         for i in range(TIMED + 1):  # the first pass of each shape warms up, untimed
             for batch in (one, many):
                 t = perf_counter()
