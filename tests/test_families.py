@@ -240,9 +240,9 @@ def test_a_kind_our_layers_do_not_compute_leaves_the_family_to_transformers(
 
 
 def test_the_runner_chooses_the_path_and_the_model_follows(tiny_model, monkeypatch):
-    """The one-call C step for a decode-only step of our layers without adapter rows, where every
-    linear is in the panels; a prefill step, a step with adapter rows, or transformers' modules run
-    without it. The model takes the path it is given: the same decode step layer by layer gives the
+    """The one-call C step for a step of our layers without adapter rows, where every linear is in
+    the panels and each sequence has at most `MAX_QUERY_ROWS` rows (short prompt chunks too); a step
+    with adapter rows, or transformers' modules run without it. The model takes the path it is given: the same decode step layer by layer gives the
     same bits."""
     from pagedinfer.model import packed_linear
 
@@ -266,7 +266,7 @@ def test_the_runner_chooses_the_path_and_the_model_follows(tiny_model, monkeypat
     decode = [Chunk(s, len(s.token_ids) - 1, 1) for s in seqs]
     _, _, prefill_meta = runner.build_metadata(prefill)
     ids, positions, meta = runner.build_metadata(decode)
-    assert runner.one_call(prefill_meta, lora=False) is None
+    assert isinstance(runner.one_call(prefill_meta, lora=False), OneCall)  # chunks of at most MAX_QUERY_ROWS
     assert runner.one_call(meta, lora=True) is None
     assert other.one_call(meta, lora=False) is None
     assert isinstance(runner.one_call(meta, lora=False), OneCall)

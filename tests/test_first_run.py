@@ -25,7 +25,15 @@ llm.generate(["To be"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=Fa
 after = sorted(p.name.split("-")[0] for p in cache.glob("*.so"))
 print(json.dumps({"built": built, "after": after, "compile_s": llm.stats.kernel_compile_s}))
 """
-KERNELS = ["cpu_decode_step", "cpu_gemm", "cpu_llama_ops", "cpu_lora", "cpu_paged_decode", "cpu_sampling"]
+KERNELS = [
+    "cpu_decode_step",
+    "cpu_gemm",
+    "cpu_llama_ops",
+    "cpu_lora",
+    "cpu_moe",
+    "cpu_paged_decode",
+    "cpu_sampling",
+]
 
 
 def test_first_run_compiles_every_cpu_kernel_once_before_generating(tmp_path):

@@ -121,7 +121,8 @@ def test_the_one_call_step_checks_each_groups_table(tiny_model, monkeypatch):
     monkeypatch.setattr(decode_step.DecodeStep, "run", probed)
     assert generate() == (plain, num_blocks) and steps  # the step ran on the tables as given
     pool = f"block {num_blocks}, outside the KV pool's {num_blocks} blocks"
-    assert refusals == [f"decode step: sequence 0's block table names {pool}"] * 2  # both decode steps
+    # every step: the 3-token prompt's (a chunk the C step takes) and both decode steps
+    assert refusals == [f"decode step: sequence 0's block table names {pool}"] * 3
 
 
 def test_cuda_kernels_read_each_groups_tables(tiny_model):
