@@ -227,9 +227,9 @@ class ModelRunner:
 
     def one_call(self, meta: AttentionMetadata, lora: bool) -> OneCall | None:
         """The one-call C step for a step of our dense layers on the CPU kernels without adapter rows
-        (their deltas go in layer by layer) whose queries are decode rows and their drafts (at most
-        `MAX_QUERY_ROWS` a sequence; a prompt chunk's go layer by layer), where every piece has a C
-        kernel; else None: our layers one by one, or transformers' modules."""
+        (their deltas go in layer by layer) whose queries have at most `MAX_QUERY_ROWS` rows a sequence
+        (decode rows and their drafts, or a short prompt chunk; a longer chunk's step goes layer by
+        layer), where every piece has a C kernel; else None: our layers one by one, or transformers'."""
         if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len > MAX_QUERY_ROWS:
             return None
         if self.model.family.experts is not None:  # the C step runs dense layers only (no router, no
