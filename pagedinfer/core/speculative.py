@@ -67,7 +67,7 @@ DECAY = 0.8  # weight of a line's earlier outcomes at each new one (recent outco
 LINE_TOKENS = 2048  # a finished completion's tokens indexed at most (its prompt's tail, then output)
 WINDOW = 15  # the latest step times kept per row count: their median is that count's cost
 MIN_TIMES = 3  # a row count's times needed before it counts in the fit
-FIT_EVERY = 8  # decode steps between refits of the step costs
+FIT_EVERY = 8  # times added between refits of the step costs (`StepTimes.add`)
 EXPLORE_EVERY = 16  # a gated-off draft in this many still runs one token: the times of more rows
 MARGIN = 0.1  # a draft must promise this much more tokens a second: smaller gains are within the
 # step costs' error, and a wrong draft costs more than a missed one gains
@@ -233,17 +233,25 @@ class StepTimes:
     times (a loaded machine's outliers do not move it), made non-decreasing in the count (a row more
     never makes a step cheaper: isotonic regression); a count without times is interpolated between its neighbours (or
     extended from the nearest two). Seeded with the start-up probes' times, which the run's own steps
-    (sampling and verification included) then replace. `refit` brings the medians up to date."""
+    (sampling and verification included) then replace. `refit` brings the medians up to date, every
+    `FIT_EVERY` times added."""
 
     def __init__(self, seed: dict[int, list[float]] | None = None) -> None:
         self.times: dict[int, deque[float]] = {}
         for rows, seconds in (seed or {}).items():
             self.times[rows] = deque(seconds, maxlen=WINDOW)
         self.known: list[tuple[int, float]] = []  # (rows, cost), by rows
+        self.added = 0  # times added since the seed
         self.refit()
 
-    def add(self, rows: int, seconds: float) -> None:
+    def add(self, rows: int, seconds: float) -> bool:
+        """One more time; whether the costs were refit (every `FIT_EVERY`-th)."""
         self.times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        self.added += 1
+        if self.added % FIT_EVERY:
+            return False
+        self.refit()
+        return True
 
     def refit(self) -> None:
         """Each timed count's median, then the closest non-decreasing costs (neighbours out of order
@@ -343,7 +351,6 @@ class Speculator:
         self._fill_seconds = 0.0  # the step's draft-model passes' wall time (not the target's step)
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
-        self._steps = 0  # decode steps timed
         self._gated = 0  # gated-off drafts (every `EXPLORE_EVERY`-th runs one token)
         self._prompts: dict[Request, NgramIndex] = {}
         self._outputs: dict[Sequence, NgramIndex] = {}
@@ -513,16 +520,12 @@ class Speculator:
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step of ``rows`` rows (drafted ones included) took ``seconds``, the draft model's
         passes in it too (they are timed on their own, `Drafter.times`, and taken out here): with
-        `StepTimes`, the cost line is refit from them every `FIT_EVERY` steps."""
+        `StepTimes`, which refits its costs every `FIT_EVERY` times, and the cost line with them."""
         if self.times is None:
             return
-        self.times.add(rows, seconds - self._fill_seconds)
-        self._steps += 1
-        if self._steps % FIT_EVERY == 0:
-            self.times.refit()
-            if (cost := self.times.fit()) is not None:
-                self.cost = cost
-                self.stats.fixed_over_row = cost.fixed_over_row
+        if self.times.add(rows, seconds - self._fill_seconds) and (cost := self.times.fit()) is not None:
+            self.cost = cost
+            self.stats.fixed_over_row = cost.fixed_over_row
 
     def forget(self, req: Request) -> None:
         """``req`` finished: its completions' tokens (each its prompt's tail and output) join the

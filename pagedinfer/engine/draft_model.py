@@ -26,7 +26,7 @@ import torch
 from pagedinfer.attention.kv_cache import KVCache, group_layers
 from pagedinfer.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedinfer.core.sequence import Sequence
-from pagedinfer.core.speculative import FIT_EVERY, StepTimes
+from pagedinfer.core.speculative import StepTimes
 from pagedinfer.model.loader import LoadedModel, ModelLoadError
 from pagedinfer.model.runner import ModelRunner
 
@@ -118,7 +118,6 @@ class DraftModel:
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, False, loaded.impl)
         self._lines: OrderedDict[Sequence, _Line] = OrderedDict()  # least recently drafted first
         self.times = StepTimes()  # its passes' wall times by rows (seeded by the engine at start-up)
-        self._passes = 0  # passes timed
 
     @torch.inference_mode()
     def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -144,19 +143,12 @@ class DraftModel:
             start = perf_counter()
             logits = self.runner.execute(chunks, copies)  # [len(chunks), V]
             tokens = logits.argmax(dim=-1).tolist()
-            self._timed(sum(c.num_tokens for c in chunks), perf_counter() - start)
+            self.times.add(sum(c.num_tokens for c in chunks), perf_counter() - start)
             for chunk, token in zip(chunks, tokens, strict=True):
                 chunk.seq.num_computed += chunk.num_tokens
                 chunk.seq.token_ids.append(token)
                 chunk.drafted.append(token)
         return drafted
-
-    def _timed(self, rows: int, seconds: float) -> None:
-        """A pass of ``rows`` rows took ``seconds``: the costs are refit every `FIT_EVERY` passes."""
-        self.times.add(rows, seconds)
-        self._passes += 1
-        if self._passes % FIT_EVERY == 0:
-            self.times.refit()
 
     def gap(self, seq: Sequence) -> int:
         """The positions of ``seq`` its next draft computes before its first drafted token: its pending
