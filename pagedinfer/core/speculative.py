@@ -26,8 +26,9 @@ beats the step without it. ``rate`` is each line's acceptance rate for the sourc
 (so a line whose drafts stopped matching stops drafting, and one gated off drifts back to the prior
 and tries again where rows are cheap). ``seconds(R)`` is the run's own: `StepTimes` keeps the recent
 wall times of its decode steps by row count (seeded by a start-up measurement) and reads a count's
-cost off their medians, so the jump from the one-row decode path to the multi-row one, sampling and
-verification are in it; a fixed `RowCost` line stands in for it in tests.
+cost off their medians, so whatever a row more costs on the path the step takes (the one-call C step
+up to `MAX_QUERY_ROWS` rows a sequence, layer by layer past it), sampling and verification are in it;
+a fixed `RowCost` line stands in for it in tests.
 
 A draft model's draft costs more than its rows in the target's step: the draft model's own passes,
 one per drafted token, each over the rows of every line drafting at that depth, the first also
