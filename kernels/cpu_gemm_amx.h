@@ -12,16 +12,6 @@
 #define AMX_MIN_ROWS 8 /* fewer rows: vdpbf16ps tiles (as fast or faster there) */
 #endif
 
-/* 1 once Linux lets this process use the AMX tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA). */
-static int amx_ready(void) {
-    static int state; /* 0 unknown, 1 granted, -1 refused */
-    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
-    }
-    return s > 0;
-}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -87,6 +77,48 @@ static void rows_by_panels_amx(const uint16_t *x, int m, int k, const uint8_t *p
         }
     }
     _tile_release();
+}
+
+/* 1 where TDPBF16PS gives the vdpbf16ps tiles' bits, row for row. A row's bits must not depend on how
+ * many rows share the call (the reproducibility contract), and not every CPU's tiles add as the
+ * instruction does: some sum a tile's products wider before rounding. So the tiles serve only once
+ * they have given the same bits on inputs that tell the two apart, in every other row: in column 0 a
+ * product of 1, products below half its ulp (each rounded away one by one, kept by a wider sum), then
+ * -1; in column 1 the pairs (0, 1), (-1, 2^-26) (the odd product first, as vdpbf16ps adds them: 0;
+ * the even first: 2^-26); the other rows and columns pseudo-random. */
+static int amx_agrees(void) {
+    enum { M = 16, K = 64, NP = 2 };
+    uint16_t x[M * K], p[NP * K * NR] __attribute__((aligned(64))), ya[M * NP * NR], yb[M * NP * NR];
+    uint32_t seed = 12345;
+    for (int i = 0; i < M * K; i++) { /* x: [M, K] bfloat16, in [-2, 2) */
+        seed = seed * 1664525u + 1013904223u;
+        x[i] = (uint16_t)(0x3f80 | (seed >> 25)) ^ (uint16_t)((seed >> 8) & 0x8000) ^ (uint16_t)((seed >> 9) & 0x80);
+    }
+    for (int i = 0; i < NP * K * NR; i++) { /* p: NP pair panels of [K / 2, NR, 2] bfloat16 */
+        seed = seed * 1664525u + 1013904223u;
+        p[i] = (uint16_t)(0x3f80 | (seed >> 25)) ^ (uint16_t)((seed >> 8) & 0x8000);
+    }
+    for (int r = 0; r < M; r += 2) /* x's even rows all 1 */
+        for (int kk = 0; kk < K; kk++) x[r * K + kk] = 0x3f80;
+    for (int kk = 0; kk < K; kk++) { /* bfloat16 1 0x3f80, -1 0xbf80, 2^-26 0x3280 */
+        p[(kk / 2) * 2 * NR + (kk & 1)] = kk == 0 ? 0x3f80 : kk == K - 1 ? 0xbf80 : 0x3280;
+        p[(kk / 2) * 2 * NR + 2 + (kk & 1)] = kk == 1 ? 0x3f80 : kk == 2 ? 0xbf80 : kk == 3 ? 0x3280 : 0;
+    }
+    rows_by_panels_amx(x, M, K, (const uint8_t *)p, (int64_t)K * NR * 2, NP, ya, NP * NR, NR, NULL, 0, NULL);
+    rows_by_panels_bf16(x, M, K, p, (int64_t)K * NR, NP, yb, NP * NR, NR, NULL, NULL, 0, 0);
+    return memcmp(ya, yb, sizeof ya) == 0;
+}
+
+/* 1 once Linux lets this process use the AMX tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA) and
+ * the tiles agree with the vdpbf16ps tiles here (amx_agrees). */
+static int amx_ready(void) {
+    static int state; /* 0 unknown, 1 serving, -1 refused or disagreeing */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 && amx_agrees() ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
 }
 #else
 #define HAVE_AMX 0

@@ -59,8 +59,9 @@ def pack_weights() -> bool:
 
 
 def cpu_gemm() -> str:
-    """``PAGEDINFER_CPU_GEMM=panels|onednn``: force one CPU GEMM layout (default: chosen per CPU)."""
-    return os.environ.get("PAGEDINFER_CPU_GEMM", "auto")
+    """``PAGEDINFER_CPU_GEMM=onednn``: the CPU's linears in oneDNN's layout, outside the reproducibility
+    contract (default ``panels``: the C panel kernel on every CPU)."""
+    return os.environ.get("PAGEDINFER_CPU_GEMM", "panels")
 
 
 def malloc_tuning() -> bool:

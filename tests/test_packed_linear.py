@@ -4,13 +4,13 @@ swapped, tied embeddings intact, the panel kernel chosen per CPU."""
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers as tf
 from torch import nn
 
+from pagedinfer.kernels.build import cpu_flags
 from pagedinfer.model import packed_linear
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import load_model
@@ -185,9 +185,9 @@ def test_every_kernel_build_gives_the_same_bits(tmp_path):
     up), int8 and int4 panels under bfloat16 activations, and the RMSNorm chains (float32 and
     bfloat16 rows, Qwen3's per-head norms), whose sums of squares are taken in a fixed order."""
     builds = {"": "avx512f"}
-    if packed_linear.cpu_flags(("avx512_bf16",)):
+    if cpu_flags(("avx512_bf16",)):
         builds["-mno-avx512bf16"] = "avx512_bf16"
-    if packed_linear.cpu_flags(("avx512f",)):
+    if cpu_flags(("avx512f",)):
         builds["-mno-avx512f"] = "avx512f"
     if len(builds) == 1:
         pytest.skip("this CPU has no AVX-512: the suite's kernels are the AVX2 build already")
@@ -231,7 +231,7 @@ torch.save(out, sys.argv[1])
         assert run.returncode == 0, run.stderr.decode()[-2000:]
         results[flags] = torch.load(path)
     native = results[""]
-    assert native["native"] == bool(packed_linear.cpu_flags(("avx512_bf16",)))
+    assert native["native"] == bool(cpu_flags(("avx512_bf16",)))
     for flags in list(builds)[1:]:
         assert results[flags]["native"] is False  # the emulation ran
         differ = [
@@ -377,33 +377,24 @@ def test_gated_linear_gives_silu_of_gate_times_up_in_every_layout(monkeypatch, k
     assert panels(torch.randn(3, 1, k)).shape == (3, 1, inter)
 
 
-def test_loader_picks_the_panel_kernel_except_for_bfloat16_on_amx_without_tiles(tmp_path, monkeypatch):
-    """By default float32 linears take the panel kernel on every CPU, and bfloat16 ones too except
-    on CPUs with AMX where the kernel has no AMX path (oneDNN drives the tiles then);
-    PAGEDINFER_CPU_GEMM forces either."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loader_picks_the_panel_kernel_on_every_cpu(tmp_path, monkeypatch, dtype):
+    """By default every linear takes the panel kernel, on every CPU (AMX included: its tiles serve
+    inside the panels only where they give the vdpbf16ps tiles' bits); PAGEDINFER_CPU_GEMM=onednn
+    moves them to oneDNN."""
     torch.manual_seed(4)
     save_llama(tmp_path, layers=1)
 
     def layouts() -> set[str]:
-        model = load_model(tmp_path, device="cpu").model
+        model = load_model(tmp_path, device="cpu", dtype=dtype).model
         packed = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
         assert len(packed) == 5  # fused qkv, o, fused gate-up, down, lm_head
         return {"panels" if m.segments is not None else "onednn" for m in packed}
 
-    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])  # no AMX
     assert layouts() == {"panels"}
-    monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "onednn")
-    assert layouts() == {"onednn"}
-    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [n for n in names if n == "amx_bf16"])
-    monkeypatch.delenv("PAGEDINFER_CPU_GEMM")
-    assert layouts() == {"panels"}  # float32 with AMX
-    for amx_tiles in (0, 1):  # cpu_gemm.c built with and without its AMX path
-        fake = SimpleNamespace(gemm_amx=lambda amx_tiles=amx_tiles: amx_tiles)
-        monkeypatch.setattr(packed_linear, "_gemm_library", lambda fake=fake: fake)
-        assert packed_linear.panels_by_default(torch.bfloat16) == bool(amx_tiles)
-        assert packed_linear.panels_by_default(torch.float32)
-    monkeypatch.setattr(packed_linear, "cpu_flags", lambda names: [])
-    assert packed_linear.panels_by_default(torch.bfloat16)
+    if packed_linear.onednn_serves(getattr(torch, dtype)):
+        monkeypatch.setenv("PAGEDINFER_CPU_GEMM", "onednn")
+        assert layouts() == {"onednn"}
 
 
 def test_every_c_entry_is_safe_at_zero_rows():

@@ -270,12 +270,11 @@ def load_model(
             f"quantization {quant.name} needs the CPU panel kernel, which did not build (no C compiler?)"
         )
     if quant or (envs.pack_weights() and packed_linear.can_pack(model)):
-        gemm = envs.cpu_gemm()  # panels, onednn, else chosen per CPU
         try:
             packed_linear.pack_linears(  # quantized: every linear, however small (the run says so)
                 model,
                 min_weights=0 if quant else None,
-                panels=None if gemm not in packed_linear.GEMMS else gemm == "panels",
+                panels=envs.cpu_gemm() != "onednn",
                 quantization=quant,
                 activations=choice.dtype,
             )

@@ -35,7 +35,7 @@ from torch import nn
 
 from pagedinfer.config import Quantization
 from pagedinfer.kernels.abi import Refusal, check, debug
-from pagedinfer.kernels.build import cpu_flags, optional_library
+from pagedinfer.kernels.build import optional_library
 from pagedinfer.kernels.sources import KERNELS_DIR
 from pagedinfer.kernels.weight_types import KINDS, Q8_DOT_KINDS
 from pagedinfer.model import gguf_blocks, panel_formats
@@ -45,7 +45,6 @@ from pagedinfer.model.gguf_blocks import GGUFWeight
 from pagedinfer.model.panel_formats import Segment
 
 GEMM_SOURCE = KERNELS_DIR / "cpu_gemm.c"
-GEMMS = ("panels", "onednn")  # PAGEDINFER_CPU_GEMM's values (anything else: chosen per CPU)
 ROWS_HINT = 2048  # the row count oneDNN picks its weight layout for; it serves any row count
 MIN_WEIGHTS = 1 << 17  # under oneDNN smaller weights stay with MKL: oneDNN's cost a call outweighs its gain
 MADV_DONTNEED = 4  # madvise(2): drop these pages
@@ -460,15 +459,6 @@ def _gemm_library() -> ctypes.CDLL | None:
     return dll
 
 
-def panels_by_default(dtype: torch.dtype) -> bool:
-    """The panel kernel serves every linear, except bfloat16 ones on a CPU with AMX where the kernel
-    was built without AMX tiles: oneDNN drives those on the tile units, several times the vdpbf16ps
-    panels' rate from 16 rows up. With them (cpu_gemm.c's AMX path, from 8 rows) the panels keep up
-    with oneDNN, and the one-call decode step runs in bfloat16 too."""
-    lib = _gemm_library()
-    return not (dtype == torch.bfloat16 and cpu_flags(("amx_bf16",)) and not (lib and lib.gemm_amx()))
-
-
 def onednn_serves(dtype: torch.dtype) -> bool:
     """oneDNN's prepacked layout serves ``dtype`` here: float32, or bfloat16 where the CPU has native
     bfloat16 instructions (elsewhere oneDNN would emulate them)."""
@@ -493,14 +483,14 @@ def can_pack(model: nn.Module) -> bool:
 def pack_linears(
     model: nn.Module,
     min_weights: int | None = None,
-    panels: bool | None = None,
+    panels: bool = True,
     quantization: Quantization | None = None,
     activations: torch.dtype = torch.float32,
 ) -> int:
     """Replace each ``nn.Linear`` of at least ``min_weights`` weights by a `PackedLinear`; return how many.
 
-    ``panels``: float32 weights go to the panel kernel (True) or oneDNN (False); None: as
-    `panels_by_default` says for this CPU. ``min_weights`` None: every linear on the panels (a row's
+    ``panels``: the weights go to the panel kernel (True, on every CPU: a row's bits then never depend
+    on the rows beside it, nor on the CPU) or oneDNN (False). ``min_weights`` None: every linear on the panels (a row's
     products then never depend on the rows beside it: MKL's vary with the row count on some CPUs),
     `MIN_WEIGHTS` under oneDNN. ``quantization``: float32 weights quantized to int8 or int4
     (`panel_formats.quantize_int8` / `quantize_int4`) in the panel kernel's panels, whatever ``panels`` says,
@@ -512,7 +502,6 @@ def pack_linears(
     The tensors left (embeddings, norms) are copied out of the checkpoint's memory map, which
     would otherwise stay mapped, and resident, for their sake: the unpacked weights' pages with it.
     """
-    panels = panels_by_default(next(model.parameters()).dtype) if panels is None else panels
     min_weights = (0 if panels else MIN_WEIGHTS) if min_weights is None else min_weights
     targets = [
         (parent, name, child)
