@@ -309,6 +309,12 @@ def test_request_lines_answer_as_a_scan_of_the_siblings_does():
                 )
                 assert index.sibling(seq, gram) == first
     assert cuts > 20
+    alone = Line(list(prompt), len(prompt))  # n = 1: no siblings, its own n-grams all the same
+    index = RequestLines(SimpleNamespace(prompt_token_ids=prompt), lo, hi)
+    for tokens in ([1, 2, 3, 1, 2], [1], [3, 1, 2, 0]):
+        alone.token_ids[len(prompt) :] = tokens
+        index.sync([alone])
+        assert index.lines[0].at == latest(alone) and index.sibling(alone, (1, 2)) is None
 
 
 def test_the_gate_drafts_only_where_rows_pay():

@@ -153,6 +153,7 @@ class RequestLines:
         self.synced = -1  # the step it was last synced in (`Speculator._lookup`)
 
     def sync(self, completions: list[Sequence]) -> None:
+        shared = len(completions) > 1  # a lone completion has no siblings: no holders kept
         for place, seq in enumerate(completions):
             if place == len(self.lines):
                 self.seqs.append(seq)
@@ -160,13 +161,14 @@ class RequestLines:
                 self.lines.append(NgramIndex(self.lo, self.hi, seq.num_prompt_tokens))
             line, tokens = self.lines[place], seq.token_ids
             if len(tokens) < line.upto:  # cut back: its n-grams dropped, its tokens indexed again
-                for gram in line.at:
+                for gram in line.at if shared else ():
                     holders = self.holders[gram]
                     holders.remove(place)
                     if not holders:
                         del self.holders[gram]
                 line = self.lines[place] = NgramIndex(self.lo, self.hi, seq.num_prompt_tokens)
-            for gram in line.extend(tokens):
+            new = line.extend(tokens)
+            for gram in new if shared else ():
                 insort(self.holders.setdefault(gram, []), place)
 
     def sibling(self, seq: Sequence, gram: tuple[int, ...]) -> tuple[Sequence, int] | None:
