@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,9 +35,11 @@ from pagedinfer.core.speculative import (
     Draft,
     FinishedLines,
     NgramIndex,
+    RequestLines,
     RowCost,
     Speculator,
     StepTimes,
+    could_pay,
     draft_length,
     expected_tokens,
 )
@@ -255,6 +258,65 @@ def test_ngram_index_finds_the_latest_occurrence():
     assert (1, 2, 3, 8) not in index.at
 
 
+@dataclasses.dataclass(eq=False)
+class Line:
+    """A completion as `RequestLines` sees it: its tokens (prompt, then output)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+def test_request_lines_answer_as_a_scan_of_the_siblings_does():
+    """The request's index answers every lookup as the scan it replaces (each completion's latest
+    output occurrence of the n-gram; for siblings the first other completion in completions order
+    holding it), while completions grow and are cut back, over random tokens of a small vocabulary
+    (so n-grams repeat within and across completions)."""
+    rng = random.Random(5)
+    lo, hi = 1, 3
+    prompt = [rng.randrange(4) for _ in range(6)]
+    lines = [Line(list(prompt), len(prompt)) for _ in range(5)]
+    index = RequestLines(SimpleNamespace(prompt_token_ids=prompt), lo, hi)
+
+    def latest(line: Line) -> dict[tuple[int, ...], int]:
+        """Each n-gram of ``line`` followed by an output token -> that token's latest position."""
+        t, at = line.token_ids, {}
+        for p in range(max(line.num_prompt_tokens, 1), len(t)):
+            for n in range(lo, min(hi, p) + 1):
+                at[tuple(t[p - n : p])] = p
+        return at
+
+    cuts = 0
+    for _ in range(300):
+        line = rng.choice(lines)
+        if rng.random() < 0.15 and len(line.token_ids) > line.num_prompt_tokens:
+            del line.token_ids[rng.randrange(line.num_prompt_tokens, len(line.token_ids)) :]
+            cuts += 1
+        else:
+            line.token_ids += [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+        index.sync(lines)
+        scans = [latest(line) for line in lines]
+        grams = set().union(*scans) | {(9,), (0, 9)}  # and n-grams no line holds
+        for i, seq in enumerate(lines):
+            assert index.lines[index.slots[seq]].at == scans[i]
+            for gram in grams:
+                first = next(
+                    (
+                        (s, at[gram])
+                        for s, at in zip(lines, scans, strict=True)
+                        if s is not seq and gram in at
+                    ),
+                    None,
+                )
+                assert index.sibling(seq, gram) == first
+    assert cuts > 20
+    alone = Line(list(prompt), len(prompt))  # n = 1: no siblings, its own n-grams all the same
+    index = RequestLines(SimpleNamespace(prompt_token_ids=prompt), lo, hi)
+    for tokens in ([1, 2, 3, 1, 2], [1], [3, 1, 2, 0]):
+        alone.token_ids[len(prompt) :] = tokens
+        index.sync([alone])
+        assert index.lines[0].at == latest(alone) and index.sibling(alone, (1, 2)) is None
+
+
 def test_the_gate_drafts_only_where_rows_pay():
     acceptance = Acceptance()
     assert acceptance.rate == 0.5
@@ -307,6 +369,7 @@ def test_speculator_proposes_from_prompt_and_siblings(text_llm, monkeypatch):
     assert Speculator(spec, RowCost(0.0)).propose(s0, 4, 1) is None  # the gate refuses
     s1.token_ids += [40000, 40001, 40002]  # a sibling's output holding a suffix nothing else has
     s0.token_ids += [40000]
+    speculator.fill([])  # the step is over: lookups see the tokens appended since (synced once a step)
     draft = speculator.propose(s0, 4, 1)
     assert draft is not None and draft.source == "siblings" and draft.token_ids == [40001, 40002]
     engine.abort_all()
@@ -483,7 +546,22 @@ def test_the_gate_refits_from_the_run_and_explores(text_llm):
     proposals = [speculator.propose(seq, 4, 1) for _ in range(EXPLORE_EVERY)]
     assert proposals[:-1] == [None] * (EXPLORE_EVERY - 1)
     assert len(proposals[-1].token_ids) == 1
+    # beside 63 other sequences even free rows would not pay (4 tokens at most on 64, under the
+    # margin): no row cost changes that verdict, so nothing is probed
+    assert [speculator.propose(seq, 4, 64) for _ in range(2 * EXPLORE_EVERY)] == [None] * (2 * EXPLORE_EVERY)
     engine.abort_all()
+
+
+def test_a_draft_free_rows_would_not_pay_for_is_never_priced():
+    """`could_pay`: whether a draft could beat the bar were its rows free; where not, `draft_length`
+    refuses it at any row cost."""
+    step = RowCost(9.0).seconds  # 9 fixed + 1 a row
+    assert not could_pay(1.0, 5, 64, step)  # 69 tokens in 73 at best, against 64 in 73 by 10%
+    assert could_pay(1.0, 5, 8, step) and draft_length(1.0, 5, 8, step) == 5
+    assert not could_pay(0.05, 5, 8, step)  # a low rate: 8.05 tokens in 17 at best
+    for seqs, rate in ((64, 1.0), (8, 0.05)):  # refused however cheap rows are
+        assert draft_length(rate, 5, seqs, step) == draft_length(rate, 5, seqs, RowCost(1e9).seconds) == 0
+    assert could_pay(0.01, 1, 64, RowCost(math.inf).seconds)  # rows free: every draft is taken
 
 
 def test_a_new_line_starts_at_its_sources_rate():

@@ -17,7 +17,9 @@ proposes, from (first that has a draft):
 
 The n-grams are indexed as tokens arrive (a dict per n-gram size range: the prompt's once per request,
 each completion's outputs on its own, a finished completion's once), so a proposal costs a few dict
-lookups, not a scan.
+lookups, not a scan. A request's completions share one index of their outputs (`RequestLines`: per
+n-gram, the completions holding it), so the siblings' match is two dict reads, not one read of each
+of the n - 1 siblings' indexes (at n = 64 that scan was most of the proposals' cost).
 
 Gating (`draft_length`): with B sequences decoding, a step of B rows gives B tokens; drafting k more
 rows for one of them makes the step cost ``seconds(B + k)`` and gives ``B + rate + ... + rate ** k``
@@ -29,6 +31,15 @@ wall times of its decode steps by row count (seeded by a start-up measurement) a
 cost off their medians, so whatever a row more costs on the path the step takes (the one-call C step
 up to `MAX_QUERY_ROWS` rows a sequence, layer by layer past it), sampling and verification are in it;
 a fixed `RowCost` line stands in for it in tests.
+
+Probes: one refused draft in `EXPLORE_EVERY` still runs its first token, so that the row counts the
+gate refuses keep being timed (it must go on learning what rows cost, or a curve measured once on a
+loaded machine would close the gate for good). Only a draft that would pay were its rows free is
+probed (`could_pay`): where it would not, no row cost can change the verdict, and a probe's row buys
+a time the gate never needs. That is the draft at a big batch (at 64 sequences a draft of 5 tokens,
+all kept, adds under the `MARGIN` the bar asks) and the draft of a line whose rate is low; such a
+draft is refused before it is priced. So probing stops where nothing can be gained, and goes on
+wherever the curve decides (small batches, lines whose drafts are kept).
 
 A draft model's draft costs more than its rows in the target's step: the draft model's own passes,
 one per drafted token, each over the rows of every line drafting at that depth, the first also
@@ -45,6 +56,7 @@ draft, prefill-style (one multi-row chunk).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,13 +115,74 @@ class NgramIndex:
         self.at: dict[tuple[int, ...], int] = {}
         self.upto = max(first, 1)  # the next position whose preceding n-grams are indexed
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams followed by ``tokens[self.upto:]`` (the tokens appended since the last call)."""
-        at, lo = self.at, self.lo
+    def extend(self, tokens: list[int]) -> list[tuple[int, ...]]:
+        """Index the n-grams followed by ``tokens[self.upto:]`` (the tokens appended since the last
+        call); the n-grams it did not hold before."""
+        at, lo, new = self.at, self.lo, []
         for p in range(self.upto, len(tokens)):
             for n in range(lo, min(self.hi, p) + 1):
-                at[tuple(tokens[p - n : p])] = p
+                gram = tuple(tokens[p - n : p])
+                if gram not in at:
+                    new.append(gram)
+                at[gram] = p
         self.upto = max(self.upto, len(tokens))
+        return new
+
+
+class RequestLines:
+    """One request's n-grams for its completions' lookups: its prompt's (`NgramIndex`, once), each
+    completion's output's (an `NgramIndex` from its first generated token on), and per n-gram the
+    completions whose outputs hold it, in completions order. So a completion's own match is one dict
+    read and its siblings' match (the first other completion, in completions order, holding the
+    n-gram: what a scan of the siblings' indexes would find) is two, whatever n is; the scan made each
+    of n completions read n - 1 indexes every step.
+
+    `sync` brings it up to the completions' tokens: the n-grams each completion's new tokens follow,
+    and a completion whose tokens were cut back (fewer than it has indexed) indexed again from its
+    prompt, so the index is always that of the tokens synced (the engine's lines only grow: a draft's
+    tokens are appended once verified, never before)."""
+
+    def __init__(self, req: Request, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.prompt = NgramIndex(lo, hi)
+        self.prompt.extend(req.prompt_token_ids)
+        self.seqs: list[Sequence] = []  # the completions, in order (a completion's place)
+        self.slots: dict[Sequence, int] = {}  # completion -> its place
+        self.lines: list[NgramIndex] = []  # by place: each completion's output n-grams
+        self.holders: dict[tuple[int, ...], list[int]] = {}  # n-gram -> places holding it, ascending
+        self.synced = -1  # the step it was last synced in (`Speculator._lookup`)
+
+    def sync(self, completions: list[Sequence]) -> None:
+        shared = len(completions) > 1  # a lone completion has no siblings: no holders kept
+        for place, seq in enumerate(completions):
+            if place == len(self.lines):
+                self.seqs.append(seq)
+                self.slots[seq] = place
+                self.lines.append(NgramIndex(self.lo, self.hi, seq.num_prompt_tokens))
+            line, tokens = self.lines[place], seq.token_ids
+            if len(tokens) < line.upto:  # cut back: its n-grams dropped, its tokens indexed again
+                for gram in line.at if shared else ():
+                    holders = self.holders[gram]
+                    holders.remove(place)
+                    if not holders:
+                        del self.holders[gram]
+                line = self.lines[place] = NgramIndex(self.lo, self.hi, seq.num_prompt_tokens)
+            new = line.extend(tokens)
+            for gram in new if shared else ():
+                insort(self.holders.setdefault(gram, []), place)
+
+    def sibling(self, seq: Sequence, gram: tuple[int, ...]) -> tuple[Sequence, int] | None:
+        """The first completion other than ``seq`` (in completions order) whose output holds ``gram``,
+        and the position of the token that followed its latest occurrence there; None if none does."""
+        holders = self.holders.get(gram)
+        if holders is None:
+            return None
+        place = holders[0]
+        if place == self.slots[seq]:
+            if len(holders) == 1:
+                return None
+            place = holders[1]
+        return self.seqs[place], self.lines[place].at[gram]
 
 
 class FinishedLines:
@@ -215,13 +288,39 @@ def draft_length(
     base = seconds(rows)
     if math.isinf(base):  # rows are free
         return most
-    best, k_best = max(tokens / (base + spent), seqs / seconds(seqs) * (1 + MARGIN)), 0
+    best, k_best = max(tokens / (base + spent), _bar(seqs, seconds)), 0
     for k in range(1, most + 1):
         cost = seconds(rows + k) + spent + (extra(k) if extra is not None else 0.0)
         value = (tokens + expected_tokens(rate, k)) / cost
         if value > best:
             best, k_best = value, k
     return k_best
+
+
+def could_pay(
+    rate: float,
+    most: int,
+    seqs: int,
+    seconds: Callable[[int], float],
+    rows: int | None = None,
+    tokens: float | None = None,
+    spent: float = 0.0,
+) -> bool:
+    """Whether a draft of ``most`` (arguments as `draft_length`'s) would pay if its rows cost nothing:
+    if not, `draft_length` refuses it whatever rows cost (a step's cost never falls with its rows), so
+    it needs no pricing, and a probe of it (`EXPLORE_EVERY`) could teach the gate nothing that changes
+    its verdict. That is the case at a big batch (64 sequences: 5 drafted tokens, all kept, add under
+    the `MARGIN` the bar asks) and at a low rate."""
+    base = seconds(seqs if rows is None else rows)
+    if math.isinf(base):  # rows are free
+        return True
+    tokens = seqs if tokens is None else tokens
+    return (tokens + expected_tokens(rate, most)) / (base + spent) > _bar(seqs, seconds)
+
+
+def _bar(seqs: int, seconds: Callable[[int], float]) -> float:
+    """The tokens a second a step with drafts must beat: the step without them's, by `MARGIN`."""
+    return seqs / seconds(seqs) * (1 + MARGIN)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -267,6 +366,7 @@ class StepTimes:
                     pools[-1][1] += weight
                     pools[-1][2] += counts
         self.known = [(rows, total / weight) for total, weight, counts in pools for rows in counts]
+        self._rows = [rows for rows, _ in self.known]  # for `seconds`' bisection
 
     def seconds(self, rows: int) -> float:
         """A step of ``rows`` rows' cost; infinite (rows free: every draft taken) with fewer than two
@@ -274,7 +374,7 @@ class StepTimes:
         known = self.known
         if len(known) < 2:
             return math.inf
-        i = next((i for i, (r, _) in enumerate(known) if r >= rows), len(known))
+        i = bisect_left(self._rows, rows)
         if i < len(known) and known[i][0] == rows:
             return known[i][1]
         (r0, t0), (r1, t1) = known[min(max(i - 1, 0), len(known) - 2) :][:2]
@@ -352,9 +452,9 @@ class Speculator:
         self._fill_seconds = 0.0  # the step's draft-model passes' wall time (not the target's step)
         self.times = cost if isinstance(cost, StepTimes) else None
         self.cost = cost if isinstance(cost, RowCost) else cost.fit() or RowCost(float("inf"))
-        self._gated = 0  # gated-off drafts (every `EXPLORE_EVERY`-th runs one token)
-        self._prompts: dict[Request, NgramIndex] = {}
-        self._outputs: dict[Sequence, NgramIndex] = {}
+        self._gated = 0  # gated-off drafts free rows would pay for (every `EXPLORE_EVERY`-th runs one token)
+        self._lines: dict[Request, RequestLines] = {}
+        self._step = 0  # steps planned (`fill`): a request's lines are synced once a step
         self._acceptance: dict[tuple[Request, str], Acceptance] = {}
         self._totals: dict[str, list[int]] = {}  # source -> [accepted tokens, mismatches] in the run
         self.finished = FinishedLines(
@@ -362,24 +462,17 @@ class Speculator:
         )
         self.stats = SpeculationStats(config.num_speculative_tokens, self.cost.fixed_over_row)
 
-    def _index(self, seq: Sequence) -> NgramIndex:
-        """``seq``'s index of n-grams followed by its generated tokens, brought up to date."""
-        c = self.config
-        index = self._outputs.get(seq)
-        if index is None:
-            index = self._outputs[seq] = NgramIndex(
-                c.prompt_lookup_min, c.prompt_lookup_max, seq.num_prompt_tokens
-            )
-        index.extend(seq.token_ids)
-        return index
-
-    def _prompt_index(self, req: Request) -> NgramIndex:
-        index = self._prompts.get(req)
-        if index is None:
+    def _request_lines(self, req: Request) -> RequestLines:
+        """``req``'s n-grams, synced with its completions' tokens at its first lookup in a step (its
+        completions' tokens change only between steps, when each step's tokens are appended)."""
+        lines = self._lines.get(req)
+        if lines is None:
             c = self.config
-            index = self._prompts[req] = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-            index.extend(req.prompt_token_ids)
-        return index
+            lines = self._lines[req] = RequestLines(req, c.prompt_lookup_min, c.prompt_lookup_max)
+        if lines.synced != self._step:
+            lines.sync(req.completions)
+            lines.synced = self._step
+        return lines
 
     def _lookup(self, seq: Sequence, room: int) -> Draft | None:
         """The tokens ``seq``'s grammar forces next; else the longest suffix of ``seq`` found earlier
@@ -389,22 +482,21 @@ class Speculator:
             return Draft("grammar", forced[:room])
         if self.drafter is not None:  # its tokens are made once the gate has cut the draft's length
             return Draft("draft_model", [0] * room)
-        tokens, req = seq.token_ids, seq.request
-        siblings = [s for s in req.completions if s is not seq and s.num_output_tokens]
-        own, prompt = self._index(seq), self._prompt_index(req)
-        others = [(s, self._index(s)) for s in siblings]
+        tokens = seq.token_ids
+        lines = self._request_lines(seq.request)
+        own, prompt = lines.lines[lines.slots[seq]].at, lines.prompt.at
         for n in range(
             min(self.config.prompt_lookup_max, len(tokens)), self.config.prompt_lookup_min - 1, -1
         ):
             key = tuple(tokens[-n:])
-            at = own.at.get(key)
+            at = own.get(key)
             if at is None:
-                at = prompt.at.get(key)
+                at = prompt.get(key)
             if at is not None:
                 return Draft("prompt_lookup", tokens[at : at + room])
-            for sib, index in others:
-                if (at := index.at.get(key)) is not None:
-                    return Draft("siblings", sib.token_ids[at : at + room])
+            if (found := lines.sibling(seq, key)) is not None:
+                sib, at = found
+                return Draft("siblings", sib.token_ids[at : at + room])
             if (follow := self.finished.follow(key, room)) is not None:
                 return Draft("finished", follow)
         return None
@@ -426,15 +518,18 @@ class Speculator:
         model = draft.source == "draft_model"
         gap = self.drafter.gap(seq) if model else 0
         extra = self._draft_model_cost(seq, gap, acceptance.rate, len(draft.token_ids)) if model else None
-        k = draft_length(
-            acceptance.rate, len(draft.token_ids), seqs, seconds, rows, tokens, self._spent, extra
-        )
+        rate, most = acceptance.rate, len(draft.token_ids)
+        pays = could_pay(rate, most, seqs, seconds, rows, tokens, self._spent)
+        k = draft_length(rate, most, seqs, seconds, rows, tokens, self._spent, extra) if pays else 0
         if k == 0:
             acceptance.relax()
             self.stats.gated += 1
+            # a draft model's probe would pay its passes and the line's catch-up: not for a row's time;
+            # one that would not pay with free rows cannot move the verdict: not probed
+            if self.times is None or model or not pays:
+                return None
             self._gated += 1
-            # a draft model's probe would pay its passes and the line's catch-up: not for a row's time
-            if self.times is None or self._gated % EXPLORE_EVERY or model:
+            if self._gated % EXPLORE_EVERY:
                 return None
             k = 1  # now and then a row more than the gate allows: the fit learns what rows cost here
         draft.token_ids = draft.token_ids[:k]
@@ -477,7 +572,8 @@ class Speculator:
         `ScheduledSeq`, whose ``draft`` is its `Draft`'s token list), in place, in one batch of the
         draft model's passes. A draft the model cuts short (its pool or context full) keeps its
         length, padded with its last token: any token is verified exactly, a wrong one only costs
-        its row."""
+        its row. Called once a step, when its proposals are over."""
+        self._step += 1
         self._passes, self._spent, self._fill_seconds = [], 0.0, 0.0
         if not self._unfilled:
             return
@@ -535,10 +631,9 @@ class Speculator:
         for seq in req.completions:
             if seq.num_output_tokens:
                 self.finished.add(seq.token_ids[tail:])
-        self._prompts.pop(req, None)
-        for seq in [req.prompt_seq, *req.completions]:
-            self._outputs.pop(seq, None)
-            if self.drafter is not None:
+        self._lines.pop(req, None)
+        if self.drafter is not None:
+            for seq in [req.prompt_seq, *req.completions]:
                 self.drafter.forget(seq)
         for source in SOURCES:
             self._acceptance.pop((req, source), None)
