@@ -390,3 +390,15 @@ def test_a_target_windowed_in_every_layer_runs_without_the_draft_model(tiny_mode
         llm = LLM(str(path), device="cpu", block_size=4, num_blocks=64, speculative_config=draft_spec(path))
     assert llm.engine.drafter is None and llm.engine.scheduler.speculator is None
     assert llm.engine.speculation_mode.endswith("(its layers attend through a window of 8 tokens)")
+
+
+def test_a_draft_model_outside_the_contract_is_let_go(tiny_model):
+    """GPT-2 on transformers' layers (outside the reproducibility contract): speculation is off, the
+    draft model and its tensors are let go, and the report's blocks hold the target's layers alone."""
+    from pagedinfer.engine.llm_engine import SpeculationOff
+
+    path = tiny_model("gpt2")
+    with pytest.warns(SpeculationOff, match="transformers' gpt2 layers"):
+        llm = LLM(str(path), device="cpu", num_blocks=16, speculative_config=draft_spec(path))
+    assert llm.engine.drafter is None and llm.engine.scheduler.speculator is None
+    assert llm.engine.stats.to_dict()["pool"]["bytes_per_block"] == llm.engine.kv.bytes_per_block

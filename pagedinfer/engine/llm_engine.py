@@ -274,6 +274,7 @@ class LLMEngine:
         spec = self.config.speculative_config
         covered = fingerprint.reproducibility(self)
         if not covered.covered:
+            self.drafter = None  # its tensors go; its share of the pool's budget stays counted
             self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
             warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
             return None
@@ -293,12 +294,12 @@ class LLMEngine:
     def _load_draft_model(self, first_window: int) -> LoadedModel | None:
         """The configured draft model on the target's device, loaded before the pool is sized (its
         K/V share the pool's blocks and budget); refused (`ModelLoadError`, naming both models) where
-        its vocabulary differs. None without one, or where the target's first layer group is windowed:
-        the draft's K/V follow that group's block table, whose released blocks would leave the
-        draft's lagging positions nowhere to go (speculation off, `SpeculationOff`)."""
+        its vocabulary differs. None without one, off the CPU, or where the target's first layer
+        group is windowed: the draft's K/V follow that group's block table, whose released blocks
+        would leave the draft's lagging positions nowhere to go (speculation off, `SpeculationOff`)."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
+        if spec is None or spec.method != "draft_model" or self.loaded.device.type != "cpu":
+            return None  # off the CPU, outside the reproducibility contract: `_speculator` turns it off
         if first_window:
             self.speculation_mode = (
                 "off: a draft model needs a target whose first layer group holds the whole context "
