@@ -366,8 +366,9 @@ def _speculation_parts(stats: EngineStats) -> list[str]:
     parts.append(_plural(s.gated, "draft") + " gated off")
     if (d := s.draft_pool) is not None:
         parts.append(
-            f"draft model's pool {d.num_blocks:,} blocks ({human_bytes(d.num_blocks * d.bytes_per_block)}), "
-            f"peak {d.peak_blocks:,}"
+            f"draft model's K/V {human_bytes(d.bytes_per_block)}/block "
+            f"({human_bytes(d.kv_bytes)} of the pool's {human_bytes(stats.kv_bytes_total)}), "
+            f"{d.computed_positions:,} positions computed"
         )
     return parts
 

@@ -28,6 +28,13 @@ Layer groups (`attention.kv_cache.group_layers`) share the pool: each block is t
 pool serving a windowed group has one block more, the null block (``null_block``, id ``num_blocks``):
 it stands in a table for a block the window released (`release_before`), holds one permanent
 reference (so tables fork and free it like any block, and it is never free, hashed or counted used).
+
+A speculative draft model's K/V live in the same blocks (`engine.draft_model`): a block id holds the
+target's layers and the draft's, so one reference count, copy-on-write and prefix-cache entry serve
+both. The draft computes lazily, so a block also says how many of its leading slots hold the draft's
+K/V (``draft_filled``): what was computed from the tokens the block holds. A block taken anew holds
+none (a copy-on-write copy included: the draft's slots are computed again, not copied), `truncate`
+cuts them with the target's, and a cached block keeps them for the requests that hit it.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class BlockPool:
     on_uncache: Callable[[bytes], None] | None = None  # told each hash that leaves the cache
     ref_counts: list[int] = field(init=False)
     filled: list[int] = field(init=False)  # slots of each block holding K/V (fragmentation stats)
+    draft_filled: list[int] = field(init=False)  # leading slots of each block holding the draft model's K/V
     free_ids: list[int] = field(init=False)  # never-cached free blocks, a stack: last freed, first reused
     hashes: list[bytes | None] = field(init=False)  # chained hash of each full computed block, else None
     cached: dict[bytes, int] = field(init=False)  # hash -> the block that serves hits for it
@@ -93,6 +101,7 @@ class BlockPool:
         total = self.num_blocks + int(self.with_null_block)
         self.ref_counts = [0] * total
         self.filled = [0] * total
+        self.draft_filled = [0] * total
         self.free_ids = list(range(self.num_blocks - 1, -1, -1))  # P0 is handed out first
         self.hashes = [None] * total
         self.cached = {}
@@ -142,6 +151,7 @@ class BlockPool:
         else:
             raise OutOfBlocks("no free KV block")
         self.ref_counts[block] = 1
+        self.draft_filled[block] = 0
         self.group_of[block] = group
         self._count_used(group, 1)
         self._trace("alloc", block)
@@ -258,6 +268,7 @@ class BlockPool:
             if self.filled[last] > now:
                 self.num_filled_slots -= self.filled[last] - now
                 self.filled[last] = now
+            self.draft_filled[last] = min(self.draft_filled[last], now)
 
     def release_before(self, table: list[int], num_blocks: int) -> None:
         """Release ``table``'s first ``num_blocks`` blocks (a window has left them): each entry becomes
@@ -270,6 +281,24 @@ class BlockPool:
             self.ref_counts[null] += 1
             self.window_releases += 1
             i -= 1
+
+    # -- the draft model's K/V ------------------------------------------------------------
+    def draft_computed(self, table: list[int]) -> int:
+        """How many leading positions of ``table`` hold the draft model's K/V."""
+        n = 0
+        for block in table:
+            held = self.draft_filled[block]
+            n += held
+            if held < self.block_size:
+                break
+        return n
+
+    def hold_draft(self, table: list[int], start: int, end: int) -> None:
+        """The draft model wrote its K/V at positions [start, end) of ``table``, ``start`` being
+        `draft_computed`: those slots count as held."""
+        bs = self.block_size
+        for logical in range(start // bs, -(-end // bs)):
+            self.draft_filled[table[logical]] = min(bs, end - logical * bs)
 
     # -- prefix cache ---------------------------------------------------------------------
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:

@@ -43,7 +43,7 @@ wherever the curve decides (small batches, lines whose drafts are kept).
 
 A draft model's draft costs more than its rows in the target's step: the draft model's own passes,
 one per drafted token, each over the rows of every line drafting at that depth, the first also
-computing what the line's draft pool lacks (the tokens since its last draft). The gate prices them
+computing the positions whose draft K/V its blocks lack (the tokens since its last draft). The gate prices them
 too (`Speculator._draft_model_cost`): the seconds of a pass of R rows are read off the draft model's
 own pass times (a `StepTimes`, seeded at start-up, refit from its passes), the marginal seconds a
 line's passes add to the step's planned passes join the step's cost, and a line that has not drafted
@@ -96,9 +96,6 @@ class Drafter(Protocol):
 
     def gap(self, seq: Sequence) -> int:
         """The positions of ``seq`` its next draft computes before its first drafted token."""
-
-    def forget(self, seq: Sequence) -> None:
-        """``seq`` ended: drop what is kept for it."""
 
     def make_stats(self) -> object: ...
 
@@ -424,7 +421,9 @@ class SpeculationStats:
     gated: int = 0  # sequence-steps with a match whose draft the gate refused
     seq_steps: int = 0  # sequence-steps that took tokens (drafting or not)
     tokens: int = 0  # tokens they took
-    draft_pool: object | None = None  # the draft model's pool (`engine.draft_model.DraftPoolStats`)
+    draft_pool: object | None = (
+        None  # the draft model's share of the pool (`engine.draft_model.DraftPoolStats`)
+    )
 
 
 class Speculator:
@@ -546,7 +545,7 @@ class Speculator:
         """What a draft of k from the draft model adds to the step's planned passes (``_passes``):
         the marginal seconds of its k passes (the first computing its pending token, the next ones a
         drafted token each), and its catch-up (the first pass's other ``gap - 1`` rows: the tokens
-        its line in the draft's pool lacks) spread over the steps its remaining tokens would take
+        whose draft K/V its blocks lack) spread over the steps its remaining tokens would take
         drafting k at ``rate``, since the catch-up is paid once for every draft after it."""
         left = max(seq.request.max_tokens - seq.num_output_tokens, 1)
         self._passes += [0] * (most - len(self._passes))
@@ -570,7 +569,7 @@ class Speculator:
     def fill(self, batch: list[ScheduledSeq]) -> None:
         """Make the tokens of the draft-model drafts scheduled in ``batch`` (the step's
         `ScheduledSeq`, whose ``draft`` is its `Draft`'s token list), in place, in one batch of the
-        draft model's passes. A draft the model cuts short (its pool or context full) keeps its
+        draft model's passes. A draft the model cuts short (its context full) keeps its
         length, padded with its last token: any token is verified exactly, a wrong one only costs
         its row. Called once a step, when its proposals are over."""
         self._step += 1
@@ -632,9 +631,6 @@ class Speculator:
             if seq.num_output_tokens:
                 self.finished.add(seq.token_ids[tail:])
         self._lines.pop(req, None)
-        if self.drafter is not None:
-            for seq in [req.prompt_seq, *req.completions]:
-                self.drafter.forget(seq)
         for source in SOURCES:
             self._acceptance.pop((req, source), None)
 

@@ -1,30 +1,31 @@
 """Speculative decoding's draft model (``speculative_config`` method ``draft_model``): a small decoder
 with the target's vocabulary whose greedy tokens are the drafts.
 
-Its K/V live in a paged pool of its own (a `KVCacheManager` without prefix caching, over a `KVCache`
-of the draft's layers), with as many blocks per layer group as the target's pool: it holds as many
-positions as the target's, whatever the two models' sizes. Each sequence that drafts has a line here:
-a block table and the tokens whose K/V it holds. A proposal first keeps the longest prefix of those
-that still equals the sequence's tokens (what verification accepted, or all of it after a
-preemption) and gives back the blocks past it (`KVCacheManager.truncate`), then computes the rest of
-the sequence (its whole prompt, the first time) and one position per drafted token after it, every
-sequence drafting in the step in the same passes (`DraftModel.propose`). A sequence the gate does
-not let draft computes nothing here: its line catches up when it next drafts, in that draft's first
-pass (`gap`: that pass's rows for it, which the gate prices). Every pass is timed by its rows
-(``times``: the gate's cost of a pass). The draft only proposes: the target verifies every token on
-its exact path, so the draft's numerics, batch and pool never reach an output.
+Its K/V live in the target's paged pool: a block id holds the target's layers and the draft's (the
+draft's tensors have a row per block id beside the target's), so a sequence's draft K/V sit in its
+own blocks, under its own block table (the first layer group's, which holds every position), and
+the pool's reference counts, copy-on-write, freeing, prefix cache, admission and preemption serve
+both models at once. The draft computes lazily: a block says how many of its leading slots hold the
+draft's K/V (`BlockPool.draft_filled`), so a proposal computes a sequence's positions from the first
+one no block holds (its whole prompt the first time, or nothing of a prompt its sibling completion
+or an earlier request with the same prefix computed), then one position per drafted token after its
+pending one, every sequence drafting in the step in the same passes (`DraftModel.propose`). The
+drafted positions are written into the slots the target's step allocated for the same drafted
+tokens; the target's rollback (`KVCacheManager.truncate`) cuts the draft's slots with its own, so
+a rejected drafted token's K/V never counts as held. Every pass is timed by its rows (``times``:
+the gate's cost of a pass). The draft only proposes: the target verifies every token on its exact
+path, so the draft's numerics and batch never reach an output.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 import torch
 
-from pagedinfer.attention.kv_cache import KVCache, group_layers
-from pagedinfer.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pagedinfer.attention.kv_cache import KVCache, KVGroup, LayerShape, bytes_per_token
+from pagedinfer.core.block_pool import BlockPool
 from pagedinfer.core.sequence import Sequence
 from pagedinfer.core.speculative import StepTimes
 from pagedinfer.model.loader import LoadedModel, ModelLoadError
@@ -33,23 +34,23 @@ from pagedinfer.model.runner import ModelRunner
 
 @dataclass
 class DraftPoolStats:
-    """The draft model's pool: its size, its use now and its peak since the last reset."""
+    """The draft model's share of the target's pool: its K/V bytes per block and in all, and the
+    positions its passes computed since the last reset."""
 
     model: str
-    num_blocks: int
-    bytes_per_block: int
-    used_blocks: int
-    peak_blocks: int
+    bytes_per_block: int  # of the draft's layers, in every block beside the target's
+    kv_bytes: int  # bytes_per_block over every block of the pool
+    computed_positions: int  # positions whose draft K/V its passes computed (drafted ones included)
 
 
 @dataclass(eq=False)
 class _Line:
-    """One sequence's K/V in the draft's pool (what `KVCacheManager` and the runner read of a sequence)."""
+    """What the runner reads of a sequence in a draft pass: its block table (the target's), its tokens
+    with the drafted ones after them, and how many of them the draft's K/V covers."""
 
-    block_tables: list[list[int]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # its tokens, the drafted ones last
-    num_computed: int = 0  # leading ``token_ids`` whose K/V the pool holds
-    num_verified: int = 0  # leading ``token_ids`` that were the sequence's own (not drafted here)
+    block_tables: list[list[int]]
+    token_ids: list[int]
+    num_computed: int
     lora_slot: int = 0  # the draft runs no adapter
 
 
@@ -69,17 +70,9 @@ class _Chunk:
         return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
 
-def _still_held(line: _Line, tokens: list[int]) -> int:
-    """How many of ``line``'s computed positions hold ``tokens`` (the sequence's now), at most all but
-    the last (its logits are the first draft's): the sequence's own tokens are compared at C speed,
-    the drafted ones after them one by one (the verified prefix of the last draft)."""
-    upto = min(line.num_computed, len(tokens) - 1)
-    keep = min(line.num_verified, upto)
-    if line.token_ids[:keep] != tokens[:keep]:  # not this sequence's tokens any more: compute again
-        return 0
-    while keep < upto and line.token_ids[keep] == tokens[keep]:
-        keep += 1
-    return keep
+def draft_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -> int:
+    """The bytes a block holds of the draft's K/V: a token of every draft layer (they share one table)."""
+    return bytes_per_token(loaded.layer_shapes, kv_dtype) * block_size
 
 
 def check_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -101,49 +94,54 @@ def check_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 class DraftModel:
-    """Greedy drafts from a second model, its K/V in its own paged pool (module docstring)."""
+    """Greedy drafts from a second model, its K/V in the target's blocks (module docstring)."""
 
-    def __init__(
-        self, loaded: LoadedModel, blocks_per_group: int, block_size: int, kv_dtype: torch.dtype
-    ) -> None:
+    def __init__(self, loaded: LoadedModel, pool: BlockPool, num_rows: int, kv_dtype: torch.dtype) -> None:
+        """``pool``: the target's; ``num_rows``: the target's K/V tensors' rows (its block ids, the
+        null and scratch blocks included), as many as the draft's get."""
         self.loaded = loaded
-        groups = group_layers(loaded.layer_shapes, loaded.max_model_len)
-        windows = tuple(g.window for g in groups)
-        self.manager = KVCacheManager(blocks_per_group * len(groups), block_size, False, windows)
-        null_block = self.manager.pool.null_block
-        num_blocks = blocks_per_group * len(groups) + int(null_block is not None)
-        self.kv = KVCache(
-            loaded.layer_shapes, num_blocks, block_size, kv_dtype, loaded.device, groups, null_block
-        )
+        self.pool = pool
+        shapes: dict[int, LayerShape] = loaded.layer_shapes
+        # one group: every block holds every draft layer (a windowed layer masks, releases nothing)
+        groups = (KVGroup(0, tuple(sorted(shapes))),)
+        self.kv = KVCache(shapes, num_rows, pool.block_size, kv_dtype, loaded.device, groups)
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device, False, loaded.impl)
-        self._lines: OrderedDict[Sequence, _Line] = OrderedDict()  # least recently drafted first
         self.times = StepTimes()  # its passes' wall times by rows (seeded by the engine at start-up)
+        self.computed_positions = 0
+
+    def _computed(self, seq: Sequence) -> int:
+        """Leading positions of ``seq`` whose draft K/V its blocks hold (its pending one never)."""
+        return min(self.pool.draft_computed(seq.block_tables[0]), len(seq.token_ids) - 1)
 
     @torch.inference_mode()
     def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each ``(seq, k)``, up to ``k`` greedy tokens after ``seq``'s tokens (its pending one
-        last), all sequences in one pass per drafted position: the first computes each line's missing
-        tokens, the next ones a token each. Fewer where the draft's context ends, or where its pool
-        cannot hold a line even once the lines not drafting now are dropped."""
-        lines = [self._line(seq) for seq, _ in wants]
+        last), all sequences in one pass per drafted position: the first computes each sequence's
+        positions its blocks lack, the next ones a token each, into the slots the step allocated
+        for its drafted tokens. Fewer where the draft's context ends."""
+        lines = [_Line([seq.block_tables[0]], list(seq.token_ids), 0) for seq, _ in wants]
         most = [min(k, self.loaded.max_model_len - len(seq.token_ids)) for seq, k in wants]
         drafted: list[list[int]] = [[] for _ in wants]
-        busy = {id(line) for line in lines}
         for depth in range(max(most, default=0)):
-            chunks, copies = [], []
-            for line, tokens, k in zip(lines, drafted, most, strict=True):
-                if len(tokens) == depth < k:  # still drafting (not stopped by its pool)
-                    n = len(line.token_ids) - line.num_computed
-                    blocks = self._allocate(line, n, busy)
-                    if blocks is not None:
-                        chunks.append(_Chunk(line, line.num_computed, n, tokens))
-                        copies += blocks.copies
+            chunks = []
+            for (seq, _), line, tokens, k in zip(wants, lines, drafted, most, strict=True):
+                if depth >= k:
+                    continue
+                if not depth:  # read after the lines before it held theirs: shared blocks count once
+                    line.num_computed = self._computed(seq)
+                end = len(line.token_ids)
+                # held from now: a later line sharing these blocks (a sibling completion's prompt)
+                # reads them in this pass, whose K/V writes precede its attention
+                self.pool.hold_draft(line.block_tables[0], line.num_computed, end)
+                chunks.append(_Chunk(line, line.num_computed, end - line.num_computed, tokens))
             if not chunks:
                 break
             start = perf_counter()
-            logits = self.runner.execute(chunks, copies)  # [len(chunks), V]
+            logits = self.runner.execute(chunks, [])  # [len(chunks), V]
             tokens = logits.argmax(dim=-1).tolist()
-            self.times.add(sum(c.num_tokens for c in chunks), perf_counter() - start)
+            rows = sum(c.num_tokens for c in chunks)
+            self.times.add(rows, perf_counter() - start)
+            self.computed_positions += rows
             for chunk, token in zip(chunks, tokens, strict=True):
                 chunk.seq.num_computed += chunk.num_tokens
                 chunk.seq.token_ids.append(token)
@@ -152,47 +150,15 @@ class DraftModel:
 
     def gap(self, seq: Sequence) -> int:
         """The positions of ``seq`` its next draft computes before its first drafted token: its pending
-        token, and those its line lacks (a rejected draft's place, the tokens since its last draft, or
-        all of them for a sequence without a line)."""
-        line = self._lines.get(seq)
-        return len(seq.token_ids) - (_still_held(line, seq.token_ids) if line is not None else 0)
-
-    def _line(self, seq: Sequence) -> _Line:
-        """``seq``'s line, made the most recently drafted, cut back to the positions that still hold
-        ``seq``'s tokens (the blocks past them given back), its tokens ``seq``'s."""
-        line = self._lines.pop(seq, None) or _Line([[] for _ in self.manager.windows])
-        self._lines[seq] = line
-        tokens = seq.token_ids
-        line.num_computed = _still_held(line, tokens)
-        line.token_ids, line.num_verified = list(tokens), len(tokens)
-        self.manager.truncate(line)
-        return line
-
-    def _allocate(self, line: _Line, n: int, busy: set[int]) -> KVCacheBlocks | None:
-        """Slots for ``line``'s next ``n`` positions, dropping the least recently drafted lines not in
-        ``busy`` (ids of those drafting now) while the pool cannot hold them (a dropped line computes
-        its sequence again when it next drafts)."""
-        while (blocks := self.manager.allocate(line, n)) is None:
-            victim = next((s for s, other in self._lines.items() if id(other) not in busy), None)
-            if victim is None:
-                return None
-            self.manager.free(self._lines.pop(victim))
-        return blocks
-
-    def forget(self, seq: Sequence) -> None:
-        """``seq`` ended: its line's blocks return to the draft's pool."""
-        if (line := self._lines.pop(seq, None)) is not None:
-            self.manager.free(line)
+        token, and those its blocks lack (a rejected draft's place, the tokens since its last draft,
+        or all of them where no block holds the draft's K/V)."""
+        return len(seq.token_ids) - self._computed(seq)
 
     def make_stats(self) -> DraftPoolStats:
-        s = self.manager.make_stats()
+        per_block = self.kv.bytes_per_block
         return DraftPoolStats(
-            self.loaded.name,
-            self.manager.pool.num_blocks,
-            self.kv.bytes_per_block,
-            s.num_used_blocks,
-            sum(s.group_peak_blocks),
+            self.loaded.name, per_block, per_block * self.pool.num_blocks, self.computed_positions
         )
 
     def reset_stats(self) -> None:
-        self.manager.reset_stats()
+        self.computed_positions = 0

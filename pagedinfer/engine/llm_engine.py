@@ -22,7 +22,7 @@ from pagedinfer.core.sequence import KeptCompletion, Request, RequestState
 from pagedinfer.core.speculative import RowCost, Speculator
 from pagedinfer.engine import fingerprint
 from pagedinfer.engine.completion_state import CompletionStates
-from pagedinfer.engine.draft_model import DraftModel, check_vocabulary
+from pagedinfer.engine.draft_model import DraftModel, check_vocabulary, draft_bytes_per_block
 from pagedinfer.engine.intake import EngineRequest, Intake, Rejected
 from pagedinfer.engine.row_cost import measure_step_times
 from pagedinfer.engine.stats import EngineStats
@@ -63,7 +63,9 @@ class StartedRequest:
 
 class SpeculationOff(UserWarning):
     """``speculative_config`` given on a path where a row's bits may depend on the rows beside it (outside
-    the reproducibility contract): speculation would change outputs, so the engine runs without it."""
+    the reproducibility contract): speculation would change outputs, so the engine runs without it.
+    Also a draft model for a target whose first layer group is windowed (its blocks hold no whole
+    context for the draft's K/V)."""
 
 
 class MaxModelLenCapped(UserWarning):
@@ -145,7 +147,11 @@ class LLMEngine:
         self.vocab_size: int = loaded.model.get_input_embeddings().num_embeddings
         kv_dtype = config.kv_dtype(loaded.dtype)  # [the pool's dtype]
         groups = group_layers(loaded.layer_shapes, self.max_model_len)  # by attention window
+        self.speculation_mode = "off"
+        draft = self._load_draft_model(groups[0].window)
         per_block = bytes_per_slot(loaded.layer_shapes, groups, kv_dtype) * config.block_size
+        if draft is not None:  # a block holds the draft's layers beside the target's: one budget
+            per_block += draft_bytes_per_block(draft, config.block_size, config.kv_dtype(draft.dtype))
         self.pool_size = config.pool_size(per_block, loaded.device, self.max_model_len, len(groups))
         num_blocks = self.pool_size.num_blocks
         windows = tuple(g.window for g in groups)
@@ -222,9 +228,10 @@ class LLMEngine:
         )
         if graphs:
             self._start_graphs(scratch)
-        self.speculation_mode = "off"
-        self.drafter: DraftModel | None = None  # the draft model (method draft_model), loaded once
-        if config.speculative_config is not None:
+        self.drafter: DraftModel | None = None  # the draft model (method draft_model), its K/V in the pool
+        if draft is not None:
+            self.drafter = self._drafter(draft)
+        if config.speculative_config is not None and not self.speculation_mode.startswith("off:"):
             self.scheduler.speculator = self._speculator()
         self._fingerprints: dict[str | None, str] = {}  # by adapter name (None: the base model)
         self.reset_stats()
@@ -267,12 +274,12 @@ class LLMEngine:
         spec = self.config.speculative_config
         covered = fingerprint.reproducibility(self)
         if not covered.covered:
+            self.drafter = None  # its tensors go; its share of the pool's budget stays counted
             self.speculation_mode = f"off: {covered.why} (a row's bits may depend on its batch)"
             warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=3)
             return None
         method = spec.method
         if method == "draft_model":
-            self.drafter = self.drafter or self._load_drafter(spec.model)
             method += f" {self.drafter.loaded.name}"
         self.speculation_mode = f"on: {method}, up to {spec.num_speculative_tokens} drafted tokens"
         if cost is not None and self.drafter is not None:
@@ -284,18 +291,35 @@ class LLMEngine:
             draft_cost,
         )
 
-    def _load_drafter(self, name: str) -> DraftModel:
-        """The draft model ``name`` on the target's device, refused (`ModelLoadError`, naming both
-        models) where its vocabulary differs; its pool holds as many positions as the target's."""
+    def _load_draft_model(self, first_window: int) -> LoadedModel | None:
+        """The configured draft model on the target's device, loaded before the pool is sized (its
+        K/V share the pool's blocks and budget); refused (`ModelLoadError`, naming both models) where
+        its vocabulary differs. None without one, off the CPU, or where the target's first layer
+        group is windowed: the draft's K/V follow that group's block table, whose released blocks
+        would leave the draft's lagging positions nowhere to go (speculation off, `SpeculationOff`)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model" or self.loaded.device.type != "cpu":
+            return None  # off the CPU, outside the reproducibility contract: `_speculator` turns it off
+        if first_window:
+            self.speculation_mode = (
+                "off: a draft model needs a target whose first layer group holds the whole context "
+                f"(its layers attend through a window of {first_window:,} tokens)"
+            )
+            warnings.warn(f"speculative decoding {self.speculation_mode}", SpeculationOff, stacklevel=4)
+            return None
         try:
-            loaded = load_model(name, device=str(self.loaded.device))
+            loaded = load_model(spec.model, device=str(self.loaded.device))
         except ModelLoadError as e:
-            raise ModelLoadError(f"speculative_config.model: the draft model {name!r}: {e}") from None
+            raise ModelLoadError(f"speculative_config.model: the draft model {spec.model!r}: {e}") from None
         check_vocabulary(self.loaded, loaded)
-        per_group = self.pool_size.num_blocks // len(self.kv.groups)
-        drafter = DraftModel(loaded, per_group, self.config.block_size, self.config.kv_dtype(loaded.dtype))
+        return loaded
+
+    def _drafter(self, loaded: LoadedModel) -> DraftModel:
+        """The draft model over the target's pool, its K/V tensors a row per row of the target's, its
+        passes' times seeded now."""
+        drafter = DraftModel(loaded, self.pool, self.kv.num_blocks, self.config.kv_dtype(loaded.dtype))
         k = self.config.speculative_config.num_speculative_tokens
-        drafter.times = measure_step_times(drafter.runner, drafter.manager.pool, k)
+        drafter.times = measure_step_times(drafter.runner, self.pool, k)
         return drafter
 
     def set_row_cost(self, cost: RowCost, draft_cost: RowCost | None = None) -> None:
@@ -331,12 +355,14 @@ class LLMEngine:
         return s
 
     def reset_stats(self) -> None:
-        """Start a run's figures: the engine's record afresh, every part's counts from zero."""
+        """Start a run's figures: the engine's record afresh, every part's counts from zero. A block's
+        bytes are the target's layers' and the draft model's."""
+        draft_bytes = self.drafter.kv.bytes_per_block if self.drafter is not None else 0
         self._stats = EngineStats(
             num_blocks=self.pool.num_blocks,
             block_size=self.pool.block_size,
-            bytes_per_token=self.kv.bytes_per_token,
-            bytes_per_block=self.kv.bytes_per_block,
+            bytes_per_token=self.kv.bytes_per_token + draft_bytes // self.pool.block_size,
+            bytes_per_block=self.kv.bytes_per_block + draft_bytes,
             layer_groups=tuple((g.window, g.layers) for g in self.kv.groups),
             pool_size=self.pool_size,
             max_model_len=self.max_model_len,
