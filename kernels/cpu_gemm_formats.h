@@ -32,11 +32,16 @@
  *                                                                      w = (d * sc) * q - dmin * mn
  *   Q5_K   as Q4_K, each group + plane 4
  *   Q6_K   256: d[16] f16, 16 x G 16: sc[16] i8 | nibbles | planes 4, 5   w = (d * sc) * (q - 32)
+ *   MXFP4  G 32: e[16] u8 (E8M0) | nibbles             w = 2^(e - 128) * MXFP4_VALUES[q] (llama.cpp's)
  *   I4     G 32 or 128 (the last one shorter if k is not a multiple): s[16] f32 | nibbles
  *                                                                      w = s * (q - 8)
  *   I4Z    as I4 with z[16] u8 after s (zero points)                   w = s * (q - z)
  *   I8     k x 16 int8 (one group), s[16] f32 per panel in a separate array  w = s * q
  *   F32    k x 16 float32; BF16: k in pairs for vdpbf16ps (cpu_gemm.c)
+ *
+ * MXFP4 (fmt_lookup) holds an index per weight into MXFP4_VALUES (E2M1's values doubled, as llama.cpp's
+ * kvalues_mxfp4) and a power of two per group (llama.cpp's ggml_e8m0_to_fp32_half: 2^(e - 128), the two
+ * smallest subnormal); every product of the two is a float32 exactly, as llama.cpp's dequantizer gives it.
  *
  * The types' ids and the traits above (group, planes, fields, zero) are declared once, in
  * pagedinfer/kernels/weight_types.py, which generates cpu_weight_types.h.
@@ -80,22 +85,45 @@ static inline __attribute__((always_inline)) int64_t group_offset(int f, int gi,
     return (int64_t)(gi / S + 1) * fmt_super_bytes(f) + (int64_t)gi * rec;
 }
 
-/* Nibble chunks into int8 values minus off (a per-column offset: off[16], repeated over the k). */
-static inline void unpack_nibbles(const uint8_t *src, int chunks, const int8_t *off, int8_t *dst) {
+/* MXFP4's 16 values (E2M1 doubled), indexed by the stored nibble: llama.cpp's kvalues_mxfp4. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An E8M0 exponent byte as llama.cpp's ggml_e8m0_to_fp32_half: 2^(e - 128) (e 0 and 1: subnormal). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* VW exponent bytes as their float32 scales. */
+static inline vh vh_e8m0_half(const uint8_t *e) {
+    float f[VW];
+    for (int i = 0; i < VW; i++) f[i] = e8m0_half(e[i]);
+    return vh_load(f);
+}
+
+/* Nibble chunks into int8 values: table[q] where a table is given (MXFP4's), else q minus off (a
+ * per-column offset: off[16], repeated over the k). */
+static inline void unpack_nibbles(const uint8_t *src, int chunks, const int8_t *off, const int8_t *table,
+                                  int8_t *dst) {
 #if defined(__AVX2__)
     const __m256i mask = _mm256_set1_epi8(0x0f);
     const __m256i o = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)off));
+    const __m256i t = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)) : o;
     for (int c = 0; c < chunks; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * c));
-        _mm256_storeu_si256((__m256i *)(dst + 64 * c), _mm256_sub_epi8(_mm256_and_si256(v, mask), o));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        _mm256_storeu_si256((__m256i *)(dst + 64 * c), table ? _mm256_shuffle_epi8(t, lo) : _mm256_sub_epi8(lo, o));
         _mm256_storeu_si256((__m256i *)(dst + 64 * c + 32),
-                            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), o));
+                            table ? _mm256_shuffle_epi8(t, hi) : _mm256_sub_epi8(hi, o));
     }
 #else
     for (int c = 0; c < chunks; c++)
         for (int i = 0; i < 32; i++) {
-            dst[64 * c + i] = (int8_t)((src[32 * c + i] & 15) - off[i % 16]);
-            dst[64 * c + 32 + i] = (int8_t)((src[32 * c + i] >> 4) - off[i % 16]);
+            const int lo = src[32 * c + i] & 15, hi = src[32 * c + i] >> 4;
+            dst[64 * c + i] = (int8_t)(table ? table[lo] : lo - off[i % 16]);
+            dst[64 * c + 32 + i] = (int8_t)(table ? table[hi] : hi - off[i % 16]);
         }
 #endif
 }
@@ -154,6 +182,7 @@ static inline __attribute__((always_inline)) void group_setup(int f, int direct,
                 m[h] = -(vh_f16((const uint16_t *)(sup + 32) + c) * vh_u8(r + 16 + c));
                 break;
             case K_Q6_K: s[h] = vh_f16((const uint16_t *)sup + c) * vh_i8((const int8_t *)r + c); break;
+            case K_MXFP4: s[h] = vh_e8m0_half(r + c); break;
             default: s[h] = vh_load((const float *)r + c); break; /* I4, I4Z */
         }
         if (direct && fmt_zero(f)) m[h] = vh_splat(-(float)fmt_zero(f)) * s[h];
@@ -177,7 +206,7 @@ static inline __attribute__((always_inline)) void group_setup(int f, int direct,
         o = (const int8_t *)(r + 64);
     }
     const int chunks = (gl + 3) / 4;
-    unpack_nibbles(nib, chunks, o, buf);
+    unpack_nibbles(nib, chunks, o, fmt_lookup(f) ? MXFP4_VALUES : NULL, buf);
     if (fmt_planes(f) >= 1) add_plane(nib + 32 * chunks, chunks, 16, buf);
     if (fmt_planes(f) >= 2) add_plane(nib + 40 * chunks, chunks, 32, buf);
     *q = buf;

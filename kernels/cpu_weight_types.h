@@ -18,11 +18,12 @@ enum {
     K_Q4_K = 10,
     K_Q5_K = 11,
     K_Q6_K = 12,
+    K_MXFP4 = 13,
     K_COUNT
 };
 
 /* X(kind) for every quantized kind: the per-kind instances of the tiles and their tables. */
-#define QUANTIZED_KINDS(X) X(K_I8) X(K_I4) X(K_I4Z) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q5_0) X(K_Q5_1) X(K_Q4_K) X(K_Q5_K) X(K_Q6_K)
+#define QUANTIZED_KINDS(X) X(K_I8) X(K_I4) X(K_I4Z) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q5_0) X(K_Q5_1) X(K_Q4_K) X(K_Q5_K) X(K_Q6_K) X(K_MXFP4)
 /* The kinds the AVX2 build multiplies past MR rows by half tiles, then MR-row blocks (SPLIT_ROWS). */
 #define AVX2_SPLIT_KINDS(X) X(K_I8) X(K_Q8_0) X(K_Q4_0) X(K_Q4_1) X(K_Q6_K)
 
@@ -30,7 +31,7 @@ enum {
 static inline __attribute__((always_inline)) int fmt_group(int f, int g) {
     switch (f) {
         case K_I4: case K_I4Z: return g;
-        case K_Q8_0: case K_Q4_0: case K_Q4_1: case K_Q5_0: case K_Q5_1: case K_Q4_K: case K_Q5_K: return 32;
+        case K_Q8_0: case K_Q4_0: case K_Q4_1: case K_Q5_0: case K_Q5_1: case K_Q4_K: case K_Q5_K: case K_MXFP4: return 32;
         case K_Q6_K: return 16;
         default: return 0;
     }
@@ -75,13 +76,20 @@ static inline __attribute__((always_inline)) int fmt_zero(int f) {
         default: return 0;
     }
 }
+/* Each stored value an index into the kind's table of 16 int8 values (MXFP4's). */
+static inline __attribute__((always_inline)) int fmt_lookup(int f) {
+    switch (f) {
+        case K_MXFP4: return 1;
+        default: return 0;
+    }
+}
 /* Bytes of a group record's scale fields. */
 static inline __attribute__((always_inline)) int fmt_head_bytes(int f) {
     switch (f) {
         case K_I4: case K_Q4_1: case K_Q5_1: return 64;
         case K_I4Z: return 80;
         case K_Q8_0: case K_Q4_0: case K_Q5_0: case K_Q4_K: case K_Q5_K: return 32;
-        case K_Q6_K: return 16;
+        case K_Q6_K: case K_MXFP4: return 16;
         default: return 0;
     }
 }

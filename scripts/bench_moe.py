@@ -116,13 +116,15 @@ def model_dir(out: Path, family: str, layers: int, vocab: int | None, experts: i
 
 
 def gguf_file(path: Path, kind: str) -> Path:
-    """The checkpoint as a GGUF with every matrix in ``kind`` (tests/gguf_models.py's writer)."""
+    """The checkpoint as a GGUF with every matrix in ``kind`` (tests/gguf_models.py's writer); MXFP4:
+    the experts' only, the other matrices float32 (llama.cpp's gpt-oss files hold the experts alone
+    in MXFP4)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from gguf_models import save_gguf
 
     out = path.with_name(f"{path.name}-{kind}.gguf")
     if not out.exists():
-        save_gguf(path, out, lambda name: kind)
+        save_gguf(path, out, lambda name: kind if kind != "MXFP4" or "_exps" in name else "F32")
     return out
 
 

@@ -31,6 +31,7 @@ ARCHS = {
     "olmo2": "OLMO2",
     "granite": "GRANITE",  # llama's converter: Q and K permuted, the multipliers as llama.cpp's keys
     "gemma3_text": "GEMMA3",  # each norm's weight stored as 1 + weight, as llama.cpp's converter does
+    "gpt_oss": "GPT_OSS",  # each expert's gate, up and down apart, as llama.cpp's converter splits them
 }
 PERMUTED = ("LLAMA", "GRANITE")  # the architectures whose Q and K rows llama.cpp's converter permutes
 # Granite's multipliers: llama.cpp's key (after "granite.") -> the config field
@@ -147,6 +148,14 @@ def config_writer(
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.model_type == "gemma3_text":
         _gemma3_keys(writer, cfg, pattern_array)
+    if cfg.model_type == "gpt_oss":  # llama.cpp's converter's keys (its YaRN's type, factor, context)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if cfg.model_type == "granite":  # float32, as llama.cpp's converter writes them
         for key, name in GRANITE_KEYS.items():
             writer.add_float32(f"{writer.arch}.{key}", getattr(cfg, name))
@@ -175,12 +184,13 @@ def save_gguf(
     keys: dict[str, str | int | float | list[bool] | None] | None = None,
 ) -> Path:
     """The saved model of a family in `ARCHS`
-    at ``model_dir`` as a GGUF file at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32,
-    F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), 1-D tensors in float32; a mixture of experts'
-    per-expert weights stacked into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in];
-    ``extra``: GGUF tensors added as they are (float32). A gemma3_text model is written as llama.cpp's
-    converter writes it (each norm's weight plus 1, in float32); ``pattern_array`` and ``keys``: as
-    `config_writer`'s."""
+        at ``model_dir`` as a GGUF file at ``out``: each matrix in the type ``kind_of(gguf name)`` gives (F32,
+        F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4), 1-D tensors and biases in float32; a mixture of experts'
+        per-expert weights stacked into llama.cpp's 3-D ``ffn_*_exps`` tensors [experts, rows, in];
+        ``extra``: GGUF tensors added as they are (float32). A gemma3_text model is written as llama.cpp's
+        converter writes it (each norm's weight plus 1, in float32), a gpt_oss one with its experts split
+    (`_gpt_oss_as_llama_cpp`); ``pattern_array`` and ``keys``: as
+        `config_writer`'s."""
     import gguf
     from safetensors.torch import load_file
 
@@ -200,6 +210,8 @@ def save_gguf(
         prefix, index, module = EXPERTS.fullmatch(name).groups()
         stacked.setdefault(f"{prefix}.{module}.weight", {})[int(index)] = state.pop(name)
     state |= {name: np.stack([ws[e] for e in sorted(ws)]) for name, ws in stacked.items()}
+    if cfg.model_type == "gpt_oss":
+        state = _gpt_oss_as_llama_cpp(state)
     for name, w in state.items():
         stem, _, suffix = name.rpartition(".")
         gname = f"{names.get_name(stem)}.{suffix}"
@@ -209,7 +221,7 @@ def save_gguf(
             w = w + np.float32(1.0)
         if stem.endswith("shared_expert_gate"):  # [1, H]: llama.cpp's converter writes its row, [H]
             w = w[0]
-        kind = kind_of(gname) if w.ndim >= 2 else "F32"
+        kind = kind_of(gname) if w.ndim >= 2 and suffix == "weight" else "F32"
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         if kind == "F32":
             writer.add_tensor(gname, w)
@@ -217,14 +229,40 @@ def save_gguf(
             writer.add_tensor(gname, w.astype(np.float16))
         elif kind in ("Q4_K", "Q5_K", "Q6_K"):
             writer.add_tensor(gname, quantize_k(w, kind), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:  # a 3-D tensor expert by expert (gguf-py's MXFP4 quantizer holds 2 KiB per block)
+            blocks = np.stack([gguf.quants.quantize(e, qtype) for e in w]) if w.ndim == 3 else None
+            writer.add_tensor(
+                gname, gguf.quants.quantize(w, qtype) if blocks is None else blocks, raw_dtype=qtype
+            )
     for gname, w in (extra or {}).items():
         writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _gpt_oss_as_llama_cpp(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's tensors as llama.cpp's converter stores them: the stacked experts ``[E, in, rows]``
+    transposed to ``[E, rows, in]``, the interleaved gate-up (columns gate, up, gate, ...) and its bias
+    split into gate and up, the sinks named as a weight."""
+    out = {}
+    for name, w in state.items():
+        stem, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":  # [E, H, 2 I]
+            out[f"{stem}.gate_proj.weight"] = np.ascontiguousarray(w[..., 0::2].transpose(0, 2, 1))
+            out[f"{stem}.up_proj.weight"] = np.ascontiguousarray(w[..., 1::2].transpose(0, 2, 1))
+        elif leaf == "gate_up_proj_bias":  # [E, 2 I]
+            out[f"{stem}.gate_proj.bias"], out[f"{stem}.up_proj.bias"] = w[:, 0::2], w[:, 1::2]
+        elif leaf == "down_proj":  # [E, I, H]
+            out[f"{stem}.down_proj.weight"] = np.ascontiguousarray(w.transpose(0, 2, 1))
+        elif leaf == "down_proj_bias":
+            out[f"{stem}.down_proj.bias"] = w
+        elif leaf == "sinks":
+            out[f"{name}.weight"] = w
+        else:
+            out[name] = w
     return out
 
 

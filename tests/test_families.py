@@ -82,15 +82,15 @@ def test_each_model_type_has_one_family():
     )
 
 
-# (gpt-oss's files are read by transformers' layers only: its converter splits the stacked gate-up)
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.gguf_transformers_only is None])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_gguf_names_are_llama_cpps(name):
     """Each module's GGUF name is the one gguf-py (llama.cpp's own name table) gives its Hugging Face
     name for the family's architecture, in layer 0 and in layer 11 (a module per expert: the name of
-    its 3-D tensor of every expert, gguf-py's name for the module without the expert's index). The
+    its 3-D tensor of every expert, gguf-py's name for the module without the expert's index), as its
+    GGUF files lay them out (`Family.gguf_layout`: gpt-oss's experts apart, not stacked). The
     dense MLP of a mixture of experts' dense layers, which llama.cpp's architecture has no tensor for
     (its files have none: their configs make no layer dense), takes llama's names."""
-    family = FAMILIES[name]
+    family = FAMILIES[name].gguf_layout or FAMILIES[name]
 
     def table(arch_name: str):
         arch = next(k for k, v in gguf_py.MODEL_ARCH_NAMES.items() if v == arch_name)

@@ -30,7 +30,7 @@ from pagedinfer.model.loader import ModelLoadError
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the panels run on the CPU")
 
-TYPES = list(gguf_blocks.BLOCKS)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+TYPES = list(gguf_blocks.BLOCKS)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -60,6 +60,69 @@ def test_panels_dequantize_as_gguf_py(kind):
     )
     got, want = packed_linear.dequantized(segment), dequantize(data, kind)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+MXFP4_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)  # E2M1, by stored nibble
+
+
+def mxfp4_blocks(exponents: list[int]) -> np.ndarray:
+    """One MXFP4 block per exponent byte ``[blocks, 17]``: byte j of its 16 holds nibble j low and
+    15 - j high (weight j, weight 16 + j), so each block holds every one of the 16 values twice."""
+    j = np.arange(16, dtype=np.uint8)
+    return np.array([[e, *(j | (15 - j) << 4)] for e in exponents], np.uint8)
+
+
+def test_mxfp4_dequantizes_as_llama_cpp():
+    """Hand-built MXFP4 blocks (GGML type 39: an E8M0 byte, then 16 bytes of two E2M1 nibbles) read
+    as llama.cpp's dequantize_row_mxfp4 reads them: weight j of a block is E2M1's value of nibble j
+    of the low nibbles, then of the high ones, times 2^(e - 127) (ggml_e8m0_to_fp32_half of the
+    doubled values), the exponent's extremes included: subnormal scales at e 0 and 1 (2^-128,
+    2^-127), and past float32's range at e 254 and 255 (infinite weights, as llama.cpp gives them;
+    e 255 is a number there, not NaN). The dequantizer the loader uses (gguf-py's) and the weights
+    read back from the panels give those values bit for bit."""
+    exponents = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254, 255]
+    data = mxfp4_blocks(exponents).reshape(1, -1)  # [1 row, 13 blocks * 17 bytes]
+    nibbles = [*range(16), *range(15, -1, -1)]  # weight j's nibble in each block
+    with np.errstate(over="ignore"):
+        want = np.array(
+            [[MXFP4_VALUES[q] * 2.0 ** (e - 127) for e in exponents for q in nibbles]], np.float64
+        ).astype(np.float32)  # every finite value is exact in float32: no rounding in the cast
+    assert want[0, 32 * exponents.index(0) + 1] == np.float32(2.0**-128)  # a subnormal scale
+    assert np.isinf(want[0, 32 * exponents.index(255) + 7]) and np.isfinite(want[0, : 32 * 9]).all()
+    want = torch.from_numpy(want)
+    assert torch.equal(dequantize(data, "MXFP4").view(torch.int32).reshape(1, -1), want.view(torch.int32))
+    assert torch.equal(
+        torch.from_numpy(gguf_blocks_dequantized(data)).view(torch.int32), want.view(torch.int32)
+    )
+    rows = np.repeat(data, 16, axis=0)  # one panel's 16 rows
+    segment = packed_linear.gguf_segment([gguf_blocks.GGUFWeight("MXFP4", rows, 32 * 13)], None, False)
+    got = packed_linear.dequantized(segment)
+    assert torch.equal(got.view(torch.int32), want.expand(16, -1).view(torch.int32))
+
+
+def gguf_blocks_dequantized(data: np.ndarray) -> np.ndarray:
+    """The loader's own dequantization of a tensor it does not keep as stored (`gguf._dequantized`)."""
+    from pagedinfer.model import gguf as gguf_reader
+
+    return gguf_reader._dequantized(data.reshape(-1), "MXFP4").reshape(data.shape[0], -1)
+
+
+def test_mxfp4_products_at_the_exponent_extremes_equal_the_float32_panels():
+    """Subnormal and large scales in one weight (finite products): the MXFP4 panels' products equal
+    the float32 panels' over the dequantized weight at every tile shape."""
+    rng = np.random.default_rng(9)
+    n, k = 40, 256
+    exponents = rng.choice([0, 1, 2, 60, 127, 128, 150, 180], size=n * k // 32)
+    data = np.concatenate(
+        [mxfp4_blocks(exponents.tolist())[:, :1], rng.integers(0, 256, (n * k // 32, 16), np.uint8)], axis=1
+    ).reshape(n, -1)
+    lin = nn.Linear(k, n, bias=False)
+    lin.weight.data = dequantize(data, "MXFP4").reshape(n, k)
+    float32 = packed_linear.PackedLinear(lin, panels=True)
+    quant = packed_linear.gguf_linear([gguf_blocks.GGUFWeight("MXFP4", data, k)], [None], False)
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        assert torch.equal(quant(x), float32(x)), f"{rows} rows"
 
 
 # past 12 rows the first row block converts into a buffer (the AVX2 build: row blocks of 6 to 16 rows)

@@ -2,8 +2,8 @@
 mixtral, olmoe, gpt_oss with its sinks, biases, stacked experts and clamped SwiGLU; qwen3_moe's and
 qwen2_moe's dense layers among the sparse ones): greedy-identical to transformers, with and without
 preemption; every weight type the dense layers take (float32, bfloat16, int8 / int4 panels, GGUF
-blocks as stored, llama.cpp's 3-D expert tensors split per expert; gpt-oss's GGUF files left to
-transformers' layers); a row's output the same bits whatever rows share its step; decode steps layer
+blocks as stored, llama.cpp's 3-D expert tensors split per expert, gpt-oss's MXFP4 experts as
+stored); a row's output the same bits whatever rows share its step; decode steps layer
 by layer (never the one-call C step, which runs dense layers only)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_quantization import dequantized_copy, dequantized_weight
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, moe_kernel, packed_linear
+from pagedinfer.model import families, fused_ops, gguf, llama, moe, moe_kernel, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
@@ -566,22 +566,61 @@ def test_the_clamped_swiglu_chain_is_transformers_activation(dtype):
         )
 
 
-def test_gpt_oss_gguf_files_are_left_to_transformers_layers():
-    """llama.cpp's gpt-oss files (MXFP4 experts, gate and up apart) are not read by our layers: the
-    family is no GGUF architecture's, ``--model-impl auto`` takes transformers' layers for them and
-    ``pagedinfer`` is refused in one line saying why; a safetensors checkpoint quantized in MXFP4
-    likewise (our layers read unquantized weights only)."""
+def test_a_gpt_oss_gguf_file_runs_its_mxfp4_experts_as_stored(tiny_model, model_root, prompts):
+    """llama.cpp's gpt-oss layout (each expert's gate, up and down apart in 3-D "*_exps" tensors, biases
+    beside them, the sinks as "attn_sinks.weight", YaRN under llama.cpp's keys) read by our layers, the
+    experts in MXFP4 kept as stored (gate and up one segment of plain panels, the clamped SwiGLU after):
+    the config is the checkpoint's, and the greedy tokens are transformers' ``generate`` on the
+    checkpoint whose experts hold the file's dequantized MXFP4 values (llama.cpp's dequantizer's).
+    transformers' own GGUF reader puts gpt-oss's experts under names its model lacks, so the
+    reference reads safetensors."""
+    import gguf as gguf_py
+
+    path = tiny_model("gpt_oss")
+    file = save_gguf(path, model_root / "gpt_oss-mxfp4.gguf", lambda t: "MXFP4" if "_exps" in t else "F32")
+    llm = LLM(str(file), block_size=4, num_blocks=256, **{**ENGINE, "dtype": "auto"})
+    loaded = llm.engine.loaded
+    assert loaded.impl == "pagedinfer" and loaded.model.family.name == "gpt_oss"
+    assert loaded.dtype_reason == "float32 activations; weights as stored in the GGUF (F32 x18, MXFP4 x6)"
+    want_config, config = CONFIGS["gpt_oss"](), loaded.model.config
+    for field in (
+        "rope_parameters",
+        "head_dim",
+        "sliding_window",
+        "layer_types",
+        "swiglu_limit",
+        "swiglu_alpha",
+    ):
+        assert getattr(config, field) == getattr(want_config, field), field
+    mlp = loaded.model.layers[1].mlp
+    assert [e.gate_up_proj.kinds + e.down_proj.kinds for e in mlp.experts] == [["MXFP4"] * 2] * 4
+    from cli_helpers import with_weights
+
+    def experts(sd: dict) -> None:  # the file's [E, rows, in] gate, up, down -> stacked [E, in, rows]
+        stored = {t.name: t for t in gguf_py.GGUFReader(file).tensors}
+
+        def of(name: str) -> torch.Tensor:  # [E, in, rows]
+            t = stored[name]
+            return torch.from_numpy(gguf_py.quants.dequantize(t.data, t.tensor_type)).mT
+
+        for i in range(config.num_hidden_layers):
+            gate, up = (of(f"blk.{i}.ffn_{part}_exps.weight") for part in ("gate", "up"))
+            stack = f"model.layers.{i}.mlp.experts"
+            sd[f"{stack}.gate_up_proj"] = (
+                torch.stack([gate, up], dim=-1).flatten(-2).contiguous()
+            )  # interleaved
+            sd[f"{stack}.down_proj"] = of(f"blk.{i}.ffn_down_exps.weight").contiguous()
+
+    reference_dir = with_weights(path, model_root / "gpt_oss-mxfp4-dequantized", experts)
+    for prompt, tokens in zip(prompts, greedy(llm, prompts), strict=True):
+        assert tokens == reference(reference_dir, tuple(prompt)), f"prompt of {len(prompt)}"
+
+
+def test_a_gpt_oss_checkpoint_quantized_in_mxfp4_is_left_to_transformers_layers():
+    """A safetensors checkpoint quantized in MXFP4 (``quantization_config``) is transformers' to
+    dequantize: our layers read unquantized weights only."""
     config = CONFIGS["gpt_oss"]()
-    cpu = torch.device("cpu")
-    assert families.by_gguf_arch("gpt-oss", {"gpt-oss.expert_count": 4}) is None
-    assert loader._own_gguf("m.gguf", config, "auto", cpu) is False
-    with pytest.raises(ModelLoadError) as err:
-        loader._own_gguf("m.gguf", config, "pagedinfer", cpu)
-    assert str(err.value) == (
-        "model implementation 'pagedinfer' cannot serve 'm.gguf': llama.cpp's gpt-oss files hold the experts "
-        "in MXFP4 and gate and up apart, which pagedinfer's implementation does not read (transformers' "
-        "layers do, dequantized)"
-    )
+    assert families.by_gguf_arch("gpt-oss", {"gpt-oss.expert_count": 4}) is families.by_model_type("gpt_oss")
     assert llama.unsupported_reason(config) is None
     config.quantization_config = {"quant_method": "mxfp4"}
     assert llama.unsupported_reason(config) == (
@@ -633,6 +672,7 @@ ONE_CALL_CASES = [  # (family, how it is loaded)
     ("gpt_oss", {"dtype": "float32", "quantization": "int8"}),
     ("mixtral", {"gguf": "Q4_0"}),
     ("qwen2_moe", {"gguf": "Q8_0"}),
+    ("gpt_oss", {"gguf": "MXFP4"}),  # llama.cpp's layout: gate and up apart, one segment of plain panels
 ]
 
 

@@ -47,7 +47,9 @@ class WeightType:
     in-register tiles (cpu_gemm_schedule.h), not through the buffer.
     ``gguf_block``/``gguf_bytes``: a GGUF type kept as stored, values and bytes per block;
     ``gguf_f16_scales``: the byte offsets of its float16 scale fields in a block. ``q8_dot``: llama.cpp's
-    numerics serve it (integer dot products with int8 activations: cpu_gemm_q8dot.h)."""
+    numerics serve it (integer dot products with int8 activations: cpu_gemm_q8dot.h). ``lookup``: each
+    stored 4-bit value names its weight's multiple of the scale in a table of 16 (MXFP4's E2M1 values,
+    doubled: cpu_gemm_formats.h's MXFP4_VALUES), not the value itself."""
 
     id: int
     name: str
@@ -65,6 +67,7 @@ class WeightType:
     gguf_bytes: int = 0
     gguf_f16_scales: tuple[int, ...] = ()
     q8_dot: bool = False
+    lookup: bool = False
 
     @property
     def layout(self) -> RecordLayout | None:
@@ -117,6 +120,7 @@ WEIGHT_TYPES = (
                gguf_block=256, gguf_bytes=176, gguf_f16_scales=(0, 2)),
     WeightType(12, "Q6_K", group=16, fields=(("sc", "i1"),), planes=2, super_groups=16, super_fields=(D,),
                zero=32, avx2_split=True, gguf_block=256, gguf_bytes=210, gguf_f16_scales=(208,)),
+    WeightType(13, "MXFP4", group=32, fields=(("e", "u1"),), lookup=True, gguf_block=32, gguf_bytes=17),
 )
 # fmt: on
 BY_NAME = {t.name: t for t in WEIGHT_TYPES}
@@ -185,6 +189,8 @@ def c_header() -> str:
         _switch("int fmt_direct(int f)", lambda t: str(int(t.direct)), "0"),
         "/* The constant subtracted from every stored value (w = s * (q - zero)), 0 for none. */",
         _switch("int fmt_zero(int f)", lambda t: str(t.zero), "0"),
+        "/* Each stored value an index into the kind's table of 16 int8 values (MXFP4's). */",
+        _switch("int fmt_lookup(int f)", lambda t: str(int(t.lookup)), "0"),
         "/* Bytes of a group record's scale fields. */",
         _switch("int fmt_head_bytes(int f)", lambda t: str(t.head_bytes), "0"),
         "/* w = q * s + m (an offset, or read direct with a zero: -zero * s), not q * s. */",

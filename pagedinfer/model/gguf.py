@@ -51,7 +51,7 @@ from pagedinfer.terminal import keep, note
 
 EXTRA = "gguf"
 PACKAGES = ("gguf", "accelerate")
-CACHE_VERSION = 5  # bump when the cache folder's contents change
+CACHE_VERSION = 6  # bump when the cache folder's contents change
 MAGIC = b"GGUF"
 FLOATS = ("F32", "F16")  # read without gguf-py
 SETTLED_S = 2.0  # a file modified this recently is hashed on every load (see `_known_digest`)
@@ -232,8 +232,13 @@ def _name_added_tokens(folder: Path) -> None:
 def _read_as(header: Header) -> Header:
     """The header as transformers' GGUF reader is to see it: a family's whose architecture it has no
     config mapping for (`Family.gguf_read_as`: OLMoE's) under the architecture whose keys it shares, so
-    that the reader makes a config (then `_family_config`'s) and the tokenizer of it."""
+    that the reader makes a config (then `_family_config`'s) and the tokenizer of it; without the keys
+    it misreads (`Family.gguf_unread`)."""
     family = families.by_gguf_arch(header.arch, header.metadata)
+    if family is not None and family.gguf_unread:
+        unread = tuple(f"{header.arch}.{prefix}" for prefix in family.gguf_unread)
+        kept = {k: v for k, v in header.metadata.items() if not k.startswith(unread)}
+        header = replace(header, metadata=kept, types={k: header.types[k] for k in kept})
     if family is None or family.gguf_read_as is None:
         return header
     ours, theirs = f"{header.arch}.", f"{family.gguf_read_as}."
@@ -335,13 +340,14 @@ def hf_names(family: Family) -> Callable[[str], tuple[str, Module] | None]:
         stem, _, suffix = name.rpartition(".")
         if suffix not in ("weight", "bias"):
             return None
+        own = lambda m: m.suffixes[suffix == "bias"]  # noqa: E731 - its name's suffix (gpt-oss's sinks: none)
         if stem in top:
-            return f"{top[stem].hf}.{suffix}", top[stem]
+            return f"{top[stem].hf}{own(top[stem])}", top[stem]
         match = re.fullmatch(r"blk\.(\d+)\.(.+)", stem)
         if match is None or match.group(2) not in layer:
             return None
         module = layer[match.group(2)]
-        return f"{HF_LAYER.format(int(match.group(1)))}{module.hf}.{suffix}", module
+        return f"{HF_LAYER.format(int(match.group(1)))}{module.hf}{own(module)}", module
 
     return hf
 

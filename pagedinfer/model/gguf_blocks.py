@@ -1,12 +1,12 @@
 """GGUF's quantized blocks read apart into their stored values and scale fields, for the panels.
 
-Each GGUF type stores a row of ``in`` weights as blocks of 32 (or 256 for K-quants): float16 scales,
-packed 4-8 bit values, and K-quants' 6-bit sub-block scales. `split_blocks` returns, for a tensor's
-rows, the values as they are stored (one byte each, before any offset: 0-15 for 4 bits, 0-31 for
-5, 0-63 for 6; int8 for Q8_0) and the fields per row and group that kernels/cpu_gemm_formats.h
-turns into float32 scales exactly as gguf-py's dequantizer computes them (``gguf.quants``), so the
-panels multiply by the same weights a dequantized model holds. The bit layouts below follow
-gguf-py's ``dequantize_blocks`` of each type.
+Each GGUF type stores a row of ``in`` weights as blocks of 32 (or 256 for K-quants): float16 scales
+(MXFP4: an E8M0 exponent byte), packed 4-8 bit values, and K-quants' 6-bit sub-block scales.
+`split_blocks` returns, for a tensor's rows, the values as they are stored (one byte each, before
+any offset: 0-15 for 4 bits, 0-31 for 5, 0-63 for 6; int8 for Q8_0; MXFP4's 4-bit indexes of E2M1
+values) and the fields per row and group that kernels/cpu_gemm_formats.h turns into float32 scales
+exactly as gguf-py's dequantizer computes them (``gguf.quants``), so the panels multiply by the same
+weights a dequantized model holds. The bit layouts below follow gguf-py's ``dequantize_blocks`` of each type (MXFP4's also llama.cpp's ``dequantize_row_mxfp4``).
 """
 
 from __future__ import annotations
@@ -127,4 +127,6 @@ def split_blocks(kind: str, data: np.ndarray, in_features: int) -> tuple[np.ndar
         ) & 3
         values = low | (high.reshape(n, -1) << 4)
         return rows(values), {"sc": rows(b[:, 192:208].view(np.int8)), "d": half(b[:, 208:210])}
+    if kind == "MXFP4":  # e: the E8M0 exponent byte; values: indexes into E2M1's 16 (kvalues_mxfp4)
+        return rows(_nibbles(b[:, 1:], 16)), {"e": rows(b[:, :1])}
     raise ValueError(f"GGUF type {kind} is not kept as stored")

@@ -165,8 +165,10 @@ def load_model(
     config = (ours and own_config.read(folder)) or _hf_config(name, folder, {**kwargs, **cache_only})
     check_family(config, name)
     family = families.find(config)  # the declaration our layers read, where they serve the family
+    if ckpt and family is not None and family.gguf_layout is not None:
+        family = family.gguf_layout  # its tensors as llama.cpp's files lay them out
     found: dict[str, validate.Found] = {}  # the checkpoint's tensors as its files state them
-    if ckpt and family is not None and family.gguf_transformers_only is None:  # whoever's layers run them
+    if ckpt and family is not None:  # whoever's layers run them
         found = _check(gguf.tensor_index, ckpt, family)
         readable = gguf.readable_types(ckpt.kinds(matrices_only=False))
         _check(validate.check_tensors, config, family, found, str(ckpt.path), readable)
@@ -363,9 +365,6 @@ def _own_gguf(name: str, config, impl: str, device: torch.device) -> bool:
     if impl == "transformers" or (impl == "auto" and device.type != "cpu"):
         return False
     reason = llama.unsupported_reason(config)
-    family = families.find(config)
-    if reason is None and family is not None and family.gguf_transformers_only is not None:
-        reason = family.gguf_transformers_only  # transformers' layers read the file
     if reason and impl == "pagedinfer":
         raise ModelLoadError(f"model implementation 'pagedinfer' cannot serve {name!r}: {reason}")
     return reason is None

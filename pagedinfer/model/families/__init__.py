@@ -51,9 +51,9 @@ def by_model_type(kind: object) -> Family | None:
 def by_gguf_arch(arch: object, metadata: dict[str, object] | None = None) -> Family | None:
     """The family of GGUF files of architecture ``arch`` (their size keys are what it gives): of two
     sharing one (llama's files: llama, mixtral), the mixture of experts where ``metadata`` gives the
-    architecture an expert count. None for a family whose files only transformers' layers read."""
+    architecture an expert count; None for an architecture no family reads."""
     moe = bool((metadata or {}).get(f"{arch}.expert_count"))
-    of_arch = [f for f in FAMILIES if f.gguf_arch == arch and f.gguf_transformers_only is None]
+    of_arch = [f for f in FAMILIES if f.gguf_arch == arch]
     return next((f for f in of_arch if (f.experts is not None) == moe), of_arch[0] if of_arch else None)
 
 

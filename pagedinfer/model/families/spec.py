@@ -300,6 +300,9 @@ class Family:
     # (metadata, arch) -> config fields as llama.cpp reads the file, over transformers' GGUF reader's
     # (Gemma 3's windows, RoPE bases, query scale); ValueError: a value llama.cpp reads otherwise
     gguf_config: Callable[[dict[str, object], str], dict[str, object]] | None = None
+    # metadata key prefixes (after "<arch>.") transformers' GGUF reader is not shown, where it misreads
+    # them (gpt-oss's "rope.scaling.": `gguf_config` reads them instead)
+    gguf_unread: tuple[str, ...] = ()
     # the architecture whose keys its GGUF files share, where transformers' GGUF reader maps none for
     # its own (OLMoE's: llama's): the reader is shown the file under that name
     gguf_read_as: str | None = None
@@ -327,9 +330,11 @@ class Family:
     logits_softcap: str | None = None
     # the module of a learned sink logit per query head [heads] (gpt-oss's): softmax mass no key takes
     sinks: str | None = None
-    # why our layers read none of its GGUF files where transformers' reader takes them (None: ours
-    # read them): such a file runs on transformers' layers, `pagedinfer` refused
-    gguf_transformers_only: str | None = None
+    # the family as its GGUF files lay out its tensors, where llama.cpp's converter stores them otherwise
+    # than its Hugging Face checkpoints (gpt-oss: each expert's gate, up and down apart in the 3-D
+    # "*_exps" tensors, not stacked and interleaved): what the GGUF reader, its checks and the layers
+    # read for a GGUF file (None: the family itself)
+    gguf_layout: Family | None = None
     # whether the config's rope_parameters holds one set per layer type (Gemma 3: "sliding_attention"'s
     # local base, "full_attention"'s global one and its scaling), each layer rotating by its type's
     rope_by_layer_type: bool = False
