@@ -6,13 +6,16 @@
  * one (so the products are the same bits): residual add + RMSNorm, the QKV panel GEMM, per-head norm
  * + RoPE, the K/V write, paged decode attention, the output GEMM, residual add + RMSNorm, the gated
  * gate-up GEMM (silu(gate) * up in its epilogue; Gemma's gelu-tanh: the plain GEMM, then its chain) and
- * the down GEMM, each branch normed where the family norms its output; then the model's final
+ * the down GEMM (a mixture of experts' layer: its router, routed experts and shared expert through
+ * cpu_moe.c's moe_layer, the code its layer-by-layer path calls), each branch normed where the family
+ * norms its output; then the model's final
  * residual add + RMSNorm, the lm_head's input.
  * Its library links cpu_gemm.c and cpu_llama_ops.c (the same code the layer-by-layer path calls), built
  * like them (pagedinfer/model/decode_step.py).
  */
 #include "cpu_gemm.h"       /* gemm_segment, gemm_segments (cpu_gemm.c, linked in) */
 #include "cpu_llama_ops.h"  /* add_rms_norm, qk_norm_rope (cpu_llama_ops.c, linked in) */
+#include "cpu_moe.h"        /* moe_layer: a mixture of experts' MLP (cpu_moe.c, linked in) */
 #include "cpu_paged_decode.c" /* the K/V write and decode attention: static there, so in this unit */
 
 /* Profiling clocks (built with -DSTEP_TIMERS, e.g. PAGEDINFER_CC_FLAGS=-DSTEP_TIMERS): wall seconds
@@ -64,7 +67,8 @@ typedef struct {
      * outputs before each residual add (attn_out_norm, mlp_out_norm); q_norm, k_norm [D] (per head) or
      * [Hq D], [Hkv D] (step_meta.qk_norm_all), or NULL */
     const void *input_norm, *post_norm, *attn_out_norm, *mlp_out_norm, *q_norm, *k_norm;
-    gemm_segment qkv[3], o, gate_up, down;
+    gemm_segment qkv[3], o, gate_up, down; /* gate_up and down unused where moe is set */
+    const moe_layer *moe;                  /* the layer's mixture of experts in place of its MLP; NULL: dense */
     int qkv_segments;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
     int window;              /* sliding window, 0: none */
@@ -95,6 +99,7 @@ typedef struct {
     int qk_norm_all;                           /* q_norm / k_norm over all of a row's q / k, not per head */
     float residual_scale;                      /* each branch's factor before its residual add (Granite) */
     int gelu;                                  /* the MLP's gelu-tanh(gate) * up by its chain (Gemma) */
+    float clip_qkv;                            /* q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE); 0: none */
 } step_meta;
 
 /* float32 activations (weights of any float32-activation format): decode_layers_f32 */

@@ -13,6 +13,7 @@
                                float eps);                                                                   \
     void add_rows_##SUFFIX(ELEM *x, const ELEM *y, int64_t n);                                              \
     void scale_rows_##SUFFIX(ELEM *x, int64_t n, float s);                                                   \
+    void clamp_rows_##SUFFIX(ELEM *x, int64_t n, float c);                                                  \
     void silu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int inter);                            \
     void gelu_tanh_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int inter);                       \
     void clamped_swiglu_mul_##SUFFIX(const ELEM *gate_up, ELEM *out, int rows, int inter, float alpha,       \

@@ -85,6 +85,17 @@ void FN(scale_rows)(ELEM *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] = ST(LD(x[i]) * s);
 }
 
+/* x[i] clamped to [-c, c] in place, c first rounded to ELEM (torch's clamp_ with a float bound); a NaN
+ * stays a NaN. */
+void FN(clamp_rows)(ELEM *x, int64_t n, float c) {
+    const float hi = LD(ST(c)), lo = -hi;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = LD(x[i]);
+        if (v < lo) x[i] = ST(lo);
+        else if (v > hi) x[i] = ST(hi);
+    }
+}
+
 /* out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i], the gate and up halves of one fused GEMM, for
  * an activation x / (1 + exp(-Z(x))) (cpu_llama_ops.c: silu_z, gelu_tanh_z; Z8 their 8-lane forms),
  * the activation rounded where transformers' module rounds it. */

@@ -3,6 +3,7 @@
 
     python scripts/bench_moe.py [--family olmoe] [--layers 2] [--vocab 50304] [--experts 64]
         [--dtype float32] [--quantization int8] [--gguf Q4_0] [--repeats 3] [--threads 2] [--out DIR]
+        [--workloads b1,batch16] [--gguf-file FILE.gguf]
 
 An OLMoE-1B-7B-like shape with fewer layers (hidden 2048, 16 heads, 64 experts of 1024, 8 per token,
 vocabulary 50304), or with ``--family qwen2_moe`` a Qwen1.5-MoE-A2.7B-like one (hidden 2048, 16 heads
@@ -12,7 +13,11 @@ biases and sinks, windows of 128 on every other layer, 32 experts of 2880, 4 per
 201088); ``--experts`` fewer experts per layer (a token runs as many: the memory, not the work,
 shrinks); random weights from seed 0, saved once under --out; loaded twice: ``--model-impl
 pagedinfer`` and ``--model-impl transformers`` (the same pagedinfer engine, paged attention and
-sampler; only the layers differ). Two workloads, each run --repeats times per path, the paths
+sampler; only the layers differ). Our engine runs twice: decode steps in the one-call C step
+(``pagedinfer``) and layer by layer (``pagedinfer-layers``: the runner's C step withheld, as
+``PAGEDINFER_DECODE_STEP=0`` would, for that run alone). ``--gguf-file`` runs a GGUF made elsewhere
+(``scripts/make_real_shape_gguf.py``'s OLMoE-1B-7B shape) on our layers only, both ways, no
+transformers (its float32 checkpoint is not there). Two workloads, each run --repeats times per path, the paths
 alternating, after a warm-up: b1 (one 32-token prompt, 64 greedy tokens) and a batch (16 prompts of
 64 tokens, 32 greedy tokens each). The fastest run of each is kept, as generated tokens per wall
 second; one JSON line per workload and path, with the CPU's name. ``--quantization`` / ``--gguf``
@@ -25,6 +30,7 @@ runs (16 layers of 8 experts in the real model); ``--vocab`` scales it down with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import subprocess
@@ -128,6 +134,19 @@ def gguf_file(path: Path, kind: str) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def layer_by_layer(llm: LLM, on: bool):
+    """``llm``'s decode steps layer by layer (the runner offered no one-call C step) where ``on``."""
+    runner = llm.engine.runner
+    if on:
+        runner.one_call = lambda meta, lora: None
+    try:
+        yield
+    finally:
+        if on:
+            del runner.one_call
+
+
 def run(llm: LLM, workload: str) -> float:
     """Generated tokens per wall second of one run of ``workload``."""
     n, prompt_len, new = WORKLOADS[workload]
@@ -153,36 +172,56 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedinfer-bench-moe"))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
+    parser.add_argument("--gguf-file", type=Path, default=None, help="a GGUF to run on our layers alone")
     args = parser.parse_args()
+    workloads = args.workloads.split(",")
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        parser.error(f"--workloads: no workload {unknown[0]!r} (there are {', '.join(WORKLOADS)})")
     torch.set_num_threads(args.threads)
-    path = model_dir(args.out, args.family, args.layers, args.vocab, args.experts)
     engine = dict(device="cpu", kv_cache_memory="512MiB")
-    own_path = gguf_file(path, args.gguf) if args.gguf else path
-    own_dtype = "auto" if args.gguf else args.dtype
-    llms = {
-        "pagedinfer": LLM(
+    if args.gguf_file is not None:
+        if not args.gguf_file.is_file():
+            parser.error(f"--gguf-file: {args.gguf_file} is not a file")
+        own = LLM(str(args.gguf_file), dtype="auto", model_impl="pagedinfer", **engine)
+        ref = None
+    else:
+        path = model_dir(args.out, args.family, args.layers, args.vocab, args.experts)
+        own_path = gguf_file(path, args.gguf) if args.gguf else path
+        own_dtype = "auto" if args.gguf else args.dtype
+        own = LLM(
             str(own_path), dtype=own_dtype, quantization=args.quantization, model_impl="pagedinfer", **engine
-        ),
-        "transformers": LLM(str(path), dtype=args.dtype, model_impl="transformers", **engine),
-    }
+        )
+        ref = LLM(str(path), dtype=args.dtype, model_impl="transformers", **engine)
+    runs = {"pagedinfer": (own, False), "pagedinfer-layers": (own, True)}  # impl -> (engine, layer by layer)
+    if ref is not None:
+        runs["transformers"] = (ref, False)
     best: dict[tuple[str, str], float] = {}
-    for workload in WORKLOADS:
-        for llm in llms.values():
-            run(llm, workload)  # warm-up
+    for workload in workloads:
+        for llm, layered in runs.values():
+            with layer_by_layer(llm, layered):
+                run(llm, workload)  # warm-up
         for _ in range(args.repeats):
-            for impl, llm in llms.items():
+            for impl, (llm, layered) in runs.items():
                 key = (workload, impl)
-                best[key] = max(best.get(key, 0.0), run(llm, workload))
+                with layer_by_layer(llm, layered):
+                    best[key] = max(best.get(key, 0.0), run(llm, workload))
     weights = args.gguf or args.quantization or args.dtype
     for (workload, impl), tok_s in best.items():
-        record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2), "family": args.family}
-        record |= {"layers": args.layers, "vocab": args.vocab or SHAPES[args.family][1]["vocab_size"]}
-        record |= {"experts": args.experts} if args.experts else {}
-        record |= {"weights": weights if impl == "pagedinfer" else args.dtype, "threads": args.threads}
-        print(json.dumps({**record, "cpu": cpu_name()}))
-    for workload in WORKLOADS:
-        ratio = best[(workload, "pagedinfer")] / best[(workload, "transformers")]
-        print(json.dumps({"workload": workload, "speedup": round(ratio, 2)}))
+        record = {"workload": workload, "impl": impl, "tok_s": round(tok_s, 2)}
+        if args.gguf_file is not None:
+            record |= {"gguf": str(args.gguf_file)}
+        else:
+            record |= {"family": args.family, "layers": args.layers}
+            record |= {"vocab": args.vocab or SHAPES[args.family][1]["vocab_size"]}
+            record |= {"experts": args.experts} if args.experts else {}
+            record |= {"weights": weights if impl != "transformers" else args.dtype}
+        print(json.dumps({**record, "threads": args.threads, "cpu": cpu_name()}))
+    for workload in workloads:
+        for base in ("pagedinfer-layers", "transformers"):
+            if (workload, base) in best:
+                ratio = best[(workload, "pagedinfer")] / best[(workload, base)]
+                print(json.dumps({"workload": workload, "speedup": round(ratio, 2), "over": base}))
 
 
 if __name__ == "__main__":

@@ -224,9 +224,9 @@ def test_the_c_enum_and_traits_are_the_tables(tmp_path):
 
 def test_a_library_is_its_root_and_the_units_whose_headers_it_includes():
     """The loader lists no sources: every cpu_*.c is a library's root, and the decode step's library links
-    the GEMM and the chains it calls through their headers (not the attention unit it includes)."""
+    the GEMM, the chains and the experts' MLP it calls through their headers (not the attention unit it includes)."""
     units = [p.name for p in translation_units(decode_step.SOURCE)]
-    assert units == ["cpu_decode_step.c", "cpu_llama_ops.c", "cpu_gemm.c"]
+    assert units == ["cpu_decode_step.c", "cpu_moe.c", "cpu_gemm.c", "cpu_llama_ops.c"]
     assert [p.name for p in translation_units(packed_linear.GEMM_SOURCE)] == ["cpu_gemm.c"]
     roots = {p.name for p in library_roots()}
     assert roots == {p.name for p in KERNELS_DIR.glob("cpu_*.c")}

@@ -3,8 +3,8 @@ mixtral, olmoe, gpt_oss with its sinks, biases, stacked experts and clamped SwiG
 qwen2_moe's dense layers among the sparse ones): greedy-identical to transformers, with and without
 preemption; every weight type the dense layers take (float32, bfloat16, int8 / int4 panels, GGUF
 blocks as stored, llama.cpp's 3-D expert tensors split per expert, gpt-oss's MXFP4 experts as
-stored); a row's output the same bits whatever rows share its step; decode steps layer
-by layer (never the one-call C step, which runs dense layers only)."""
+stored); a row's output the same bits whatever rows share its step; decode steps in the one-call C
+step (gpt_oss's, with its sinks, layer by layer) with the bits of the layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -17,12 +17,22 @@ import torch
 import transformers as tf
 from conftest import ENGINE
 from gguf_models import save_gguf
-from models import COMMON, CONFIGS, _hf_model, count_one_call_steps, hf_greedy, peft_greedy, save_lora
+from models import (
+    COMMON,
+    CONFIGS,
+    _hf_model,
+    count_one_call_steps,
+    hf_greedy,
+    peft_greedy,
+    save_lora,
+    step_and_layer_path_agree,
+)
 from safetensors.torch import load_file, save_file
 from test_quantization import dequantized_copy, dequantized_weight
 
 from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import families, fused_ops, gguf, llama, moe, moe_kernel, packed_linear
+from pagedinfer.engine.row_cost import Probe
+from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, moe_kernel, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
@@ -53,9 +63,9 @@ def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) 
 @pytest.mark.parametrize("name", MOE)
 @pytest.mark.parametrize("num_blocks", [256, 12], ids=["roomy-pool", "preempting-pool"])
 def test_greedy_matches_transformers(tiny_model, prompts, monkeypatch, name, num_blocks):
-    """Our layers by the family's declaration, token-identical to transformers' generate; no decode
-    step through the one-call C step; a pool of 12 blocks (48 slots for 4 sequences of up to 40 tokens)
-    preempts."""
+    """Our layers by the family's declaration, token-identical to transformers' generate, decode steps
+    through the one-call C step (gpt_oss's layer by layer: the step has no sinks); a pool of 12 blocks
+    (48 slots for 4 sequences of up to 40 tokens) preempts."""
     path = tiny_model(name)
     steps = count_one_call_steps(monkeypatch)
     llm = LLM(str(path), block_size=4, num_blocks=num_blocks, **ENGINE)
@@ -65,7 +75,7 @@ def test_greedy_matches_transformers(tiny_model, prompts, monkeypatch, name, num
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == reference(path, tuple(prompt)), f"prompt of {len(prompt)}"
     assert (llm.stats.preemptions > 0) == (num_blocks == 12)
-    assert steps == [] and llm.engine.pool.num_used == 0
+    assert bool(steps) == (name != "gpt_oss") and llm.engine.pool.num_used == 0
 
 
 def test_olmoe_clips_q_k_and_v_where_its_config_says(model_root, prompts):
@@ -100,9 +110,9 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(tiny_model, name):
         assert torch.equal(mlp(x[7:19]), batch[7:19])
 
 
-def test_the_runner_keeps_a_mixture_of_experts_off_the_one_call_step(tiny_model):
-    """A decode-only step of our layers takes the one-call C step where the layers are dense; a
-    mixture of experts' goes layer by layer (the C step has no router)."""
+def test_the_runner_takes_the_one_call_step_for_a_mixture_of_experts_but_gpt_oss(tiny_model):
+    """A decode-only step of our layers takes the one-call C step, dense or with experts; gpt_oss's goes
+    layer by layer (its attention sinks are not the step's)."""
 
     class Seq:
         token_ids, block_tables, lora_slot = [3, 14, 15], [[0]], 0  # one layer group
@@ -110,7 +120,7 @@ def test_the_runner_keeps_a_mixture_of_experts_off_the_one_call_step(tiny_model)
     class Chunk:
         seq, start, num_tokens, num_logits, step_token_ids = Seq(), 2, 1, 1, [15]
 
-    for name, one_call in (("qwen3", True), ("qwen3_moe", False)):
+    for name, one_call in (("qwen3", True), ("qwen3_moe", True), ("gpt_oss", False)):
         llm = LLM(str(tiny_model(name)), block_size=4, num_blocks=16, model_impl="pagedinfer", **ENGINE)
         runner = llm.engine.runner
         _, _, meta = runner.build_metadata([Chunk()])
@@ -715,3 +725,101 @@ def test_the_one_call_experts_refuse_an_expert_outside_the_layer(tiny_model):
         chosen = torch.tensor([[0, 1], [8, 2]])
         with pytest.raises(IndexError, match="expert 8 chosen at slot 2 is outside the layer's 8 experts"):
             mlp._routed.run(x, mlp.router(x), chosen)
+
+
+# -- the one-call decode step -------------------------------------------------------------------
+
+STEP_CASES = [  # (family or DENSE_LAYERS name, how it is loaded)
+    *((name, {"dtype": "float32"}) for name in GGUF_MOE),
+    ("qwen2_moe", {"dtype": "bfloat16"}),  # the shared expert's sigmoid and sum rounded to bfloat16
+    ("olmoe", {"dtype": "bfloat16"}),
+    ("qwen3_moe", {"dtype": "float32", "quantization": "int4"}),
+    ("qwen2_moe-mlp-only-0", {"dtype": "float32"}),  # a dense layer before the sparse ones
+    ("olmoe-clipped", {"dtype": "float32"}),  # clip_qkv in the step
+    ("mixtral", {"gguf": "Q4_0"}),
+    ("olmoe", {"gguf": "Q4_0"}),
+    ("qwen2_moe", {"gguf": "Q8_0"}),
+]
+
+
+def _step_model(tiny_model, model_root: Path, name: str, load: dict) -> tuple[Path, dict]:
+    """``name``'s checkpoint (a tiny family model, a DENSE_LAYERS one, OLMoE with a clip of 0.5), or
+    its GGUF with every matrix in ``load``'s type (qwen2_moe's shared expert, rows of 48, float32)."""
+    if name in DENSE_LAYERS:
+        path = model_root / name
+        if not (path / "config.json").exists():
+            save_random_model(DENSE_LAYERS[name][0](), path, 0)
+    elif name == "olmoe-clipped":
+        path = model_root / name
+        if not (path / "config.json").exists():
+            save_random_model(tf.OlmoeConfig(**{**CONFIGS["olmoe"]().to_dict(), "clip_qkv": 0.5}), path, 0)
+    else:
+        path = tiny_model(name)
+    if "gguf" in load:
+        kind = load["gguf"]
+        out = model_root / f"{name}-step-{kind}.gguf"
+        path = out if out.exists() else save_gguf(path, out, lambda t: "F32" if "shexp" in t else kind)
+        load = {"dtype": "auto"}
+    return path, load
+
+
+@pytest.mark.parametrize(
+    "name, load", STEP_CASES, ids=[f"{n}-{'-'.join(map(str, v.values()))}" for n, v in STEP_CASES]
+)
+def test_the_c_step_gives_the_bits_of_the_layer_path(tiny_model, model_root, monkeypatch, name, load):
+    """A mixture of experts' decode steps in the one C call (router GEMM, top k, routed experts through
+    cpu_moe.c, shared expert; OLMoE's q/k norms over all heads and clip): seeded n=3 sampling with
+    logprobs the same bits as layer by layer, in float32, bfloat16, int4 panels and GGUF blocks."""
+    steps = count_one_call_steps(monkeypatch)
+    path, load = _step_model(tiny_model, model_root, name, load)
+
+    def make_llm():
+        return LLM(str(path), block_size=4, num_blocks=256, device="cpu", **load)
+
+    step_and_layer_path_agree(monkeypatch, steps, make_llm, [list(range(3, 3 + n)) for n in (1, 9, 23)], 8)
+
+
+@pytest.mark.parametrize("name", ["olmoe", "qwen2_moe"])
+def test_a_rows_bits_in_the_c_step_do_not_depend_on_the_rows_beside_it(tiny_model, monkeypatch, name):
+    """Three decoding sequences (contexts of 13, 9 and 22) in one C step, and each in a step of its own:
+    every row's logits the same bits (each expert's GEMM over whichever rows chose it, each row's sum
+    in rank order, the shared expert's gate row by row)."""
+    steps = count_one_call_steps(monkeypatch)
+    llm = LLM(str(tiny_model(name)), block_size=4, num_blocks=64, model_impl="pagedinfer", **ENGINE)
+    runner, pool = llm.engine.runner, llm.engine.pool
+    rng = random.Random(5)
+    chunks = []
+    for context in (13, 9, 22):
+        tables: list[list[int]] = [[] for _ in range(pool.num_groups)]
+        for g, table in enumerate(tables):
+            pool.reserve(table, 0, context + 1, g)
+        ids = [rng.randrange(2, 256) for _ in range(context + 1)]
+        runner.execute([Probe(tables, context, ids)], [])  # its context, as a prompt chunk
+        chunks.append(Probe(tables, 1, ids, start=context))
+    steps.clear()
+    together = runner.execute(chunks, [])  # [3, vocab]
+    alone = [runner.execute([c], []) for c in (chunks[2], chunks[0], chunks[1])]
+    assert len(steps) == 4
+    for row, got in zip((2, 0, 1), alone, strict=True):
+        assert torch.equal(got.view(torch.int32), together[row : row + 1].view(torch.int32)), row
+
+
+def test_tied_router_logits_choose_the_lower_expert_in_c_and_in_torch(tiny_model, monkeypatch):
+    """Router logits with many ties (integers in [-2, 2] over 8 experts): the C call's top k and the
+    torch loop's (`moe.route`'s stable sort) choose the same experts in the same order, so the outputs
+    are the same bits (torch.topk orders ties its own way)."""
+    mlp = LLM(str(tiny_model("qwen3_moe")), **ENGINE).engine.loaded.model.layers[0].mlp
+    torch.manual_seed(0)
+    x = torch.randn(40, 64)
+    tied = torch.randint(-2, 3, (40, len(mlp.experts))).float()  # [40, E]
+    monkeypatch.setattr(mlp.router, "forward", lambda rows: tied[: rows.shape[0]])
+    _, chosen = moe.route(tied, mlp.top_k, mlp.renormalise)
+    assert chosen.tolist() == [
+        sorted(range(tied.shape[1]), key=lambda e: -row[e])[: mlp.top_k] for row in tied.tolist()
+    ]
+    with torch.inference_mode():
+        got = mlp(x)
+        assert isinstance(mlp._routed, moe_kernel.RoutedExperts)
+        monkeypatch.setattr(mlp, "_routed", None)
+        monkeypatch.setattr(moe_kernel.RoutedExperts, "serves", staticmethod(lambda *_: False))
+        assert torch.equal(got, mlp(x))

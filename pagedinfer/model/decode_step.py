@@ -54,6 +54,7 @@ class StepLayer(ctypes.Structure):  # kernels/cpu_decode_step.c: step_layer
         ("o", GemmSegment),
         ("gate_up", GemmSegment),
         ("down", GemmSegment),
+        ("moe", _ptr),
         ("qkv_segments", ctypes.c_int),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
@@ -81,6 +82,7 @@ class StepMeta(ctypes.Structure):  # kernels/cpu_decode_step.c: step_meta
         ("qk_norm_all", ctypes.c_int),
         ("residual_scale", ctypes.c_float),
         ("gelu", ctypes.c_int),
+        ("clip_qkv", ctypes.c_float),
     ]
 
 
@@ -98,7 +100,7 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(dll, f"decode_layers_{name}{pool}", None)
             if fn is None:
                 continue
-            fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 7
+            fn.argtypes = [ctypes.POINTER(StepLayer), ctypes.POINTER(StepMeta)] + [_ptr] * 8
             fn.argtypes += [ctypes.POINTER(abi.Refusal)]
             fn.restype = ctypes.c_int  # 0, or what was out of range
     for clock in ("decode_gemm_seconds", "decode_attention_seconds"):  # built with TIMERS_FLAG only
@@ -144,8 +146,13 @@ class DecodeStep:
         self.kv = kv  # the pool the pointers below point into (kept alive with them)
         self.q_heads, self.kv_heads, self.head_dim = first.q_heads, first.kv_heads, first.head_dim
         self.hidden = model.norm.shape[0]
-        self.inter = first.gate_up_proj.out_features // 2
+        dense = [layer for layer in model.layers if layer.mlp is None]
+        self.inter = dense[0].gate_up_proj.out_features // 2 if dense else 0  # (every dense layer's)
         self.eps, self.scale = first.eps, first.scaling
+        self.clip_qkv = first.clip_qkv or 0.0
+        dtype = first.qkv_proj.activation_dtype
+        # each layer's mixture of experts (None: a dense layer), described once
+        self.moe = [None if layer.mlp is None else layer.mlp.one_call_layer(dtype) for layer in model.layers]
         self.final_norm = model.norm  # [H]
         self._buffers: list[torch.Tensor] | None = None  # see _scratch
         self.decode_layers = getattr(_library(), _entry(first.qkv_proj, kv.k[first.layer_idx].dtype))
@@ -155,7 +162,7 @@ class DecodeStep:
             for i, seg in enumerate(qkv):
                 c_segment(seg, entry.qkv[i])
             entry.qkv_segments = len(qkv)
-            for name in LINEAR_ROLES[1:]:
+            for name in _linear_roles(layer)[1:]:
                 c_segment(getattr(layer, f"{name}_proj").segments[0], getattr(entry, name))
             for role in NORM_ROLES:  # NULL where the layer has none
                 norm = getattr(layer, role)
@@ -167,6 +174,8 @@ class DecodeStep:
             entry.window = layer.window
             entry.group = kv.layer_group[layer.layer_idx]
             entry.rope = layer.rope
+        for entry, moe in zip(self.layers, self.moe, strict=True):
+            entry.moe = None if moe is None else ctypes.addressof(moe.c)
 
     @staticmethod
     def serves(model: torch.nn.Module, kv: KVCache) -> bool:
@@ -175,20 +184,25 @@ class DecodeStep:
         segments and the others in one (a SiLU's gate-up paired, a gelu-tanh's plain), every layer of
         one activation, a pool in host memory of the activations'
         dtype or 16-bit under float32, shapes within the decode kernel's limits (the step library
-        holds its own copies of the decode kernel and the chains)."""
+        holds its own copies of the decode kernel and the chains). A layer with experts in place of
+        its MLP: its router, experts and shared expert as `moe.ExpertMLP.one_call_layer` takes them
+        (the code of its layer path's C call); no attention sinks (gpt-oss's: the step passes none)."""
         lib = _library()
         if not envs.decode_step() or lib is None:
             return False
         first = model.layers[0]
         k = kv.k[first.layer_idx]
-        linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in LINEAR_ROLES]
+        linears = [getattr(lay, f"{n}_proj") for lay in model.layers for n in _linear_roles(lay)]
         if not all(isinstance(lin, PackedLinear) and lin.segments for lin in linears):
             return False
+        dtype = first.qkv_proj.activation_dtype
         shapes_ok = all(
             len(lay.qkv_proj.segments) <= MAX_QKV_SEGMENTS
-            and (lay.gate_up_proj.paired if lay.activation == "silu" else not lay.gate_up_proj.gated)
-            and len(lay.o_proj.segments) == len(lay.gate_up_proj.segments) == len(lay.down_proj.segments) == 1
+            and len(lay.o_proj.segments) == 1
             and lay.activation == first.activation
+            and lay.sinks is None
+            and lay.clip_qkv == first.clip_qkv
+            and (_dense_mlp_served(lay) if lay.mlp is None else lay.mlp.one_call_layer(dtype) is not None)
             for lay in model.layers
         )
         return (
@@ -207,6 +221,7 @@ class DecodeStep:
         step's allocations would fault fresh pages in, at cold caches, every step)."""
         if self._buffers is None or self._buffers[0].shape[0] < rows:
             qkv_width = (self.q_heads + 2 * self.kv_heads) * self.head_dim
+            moe_work = max((moe.work(rows) for moe in self.moe if moe is not None), default=0)
             self._buffers = [
                 like.new_empty(rows, self.hidden),  # h [S, H]
                 like.new_empty(rows, self.hidden),  # x [S, H]
@@ -215,8 +230,9 @@ class DecodeStep:
                 like.new_empty(rows, self.inter),  # act [S, I]
                 torch.arange(rows, device=like.device),  # query rows [S]: 0 .. S - 1
                 like.new_empty(rows, 2 * self.inter if self.gelu else 0),  # gate_up [S, 2 I]: gelu-tanh's
+                like.new_empty(moe_work),  # the experts' scratch [moe_layer_work(rows)] (cpu_moe.h)
             ]
-        return [b[:rows] for b in self._buffers]
+        return [b[:rows] for b in self._buffers[:-1]] + [self._buffers[-1]]
 
     def run(
         self,
@@ -244,7 +260,7 @@ class DecodeStep:
         max_blocks = (ctypes.c_int32 * len(groups))(*(t.shape[1] for t in row_tables))
         per_key = self.q_heads * 2 * self.head_dim  # multiply-adds per key and sequence, as the plan splits
         bounds = paged_decode.split(lens, per_key)
-        h, x, qkv, attn, act, query_rows, gate_up = self._scratch(rows, residual)
+        h, x, qkv, attn, act, query_rows, gate_up, moe_work = self._scratch(rows, residual)
         cos = (_ptr * len(ropes))(*(c.data_ptr() for c, _ in ropes))
         sin = (_ptr * len(ropes))(*(s.data_ptr() for _, s in ropes))
         step = StepMeta(
@@ -273,6 +289,7 @@ class DecodeStep:
             self.qk_norm_all,
             self.residual_scale,
             self.gelu,
+            self.clip_qkv,
         )
         refusal = abi.Refusal()
         code = self.decode_layers(
@@ -285,10 +302,25 @@ class DecodeStep:
             attn.data_ptr(),
             act.data_ptr(),
             gate_up.data_ptr(),
+            moe_work.data_ptr(),
             refusal,
         )
         abi.check(code, refusal, "decode step")
         return x
+
+
+def _linear_roles(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The layer's linears the step reads as segments: all four, or a layer with experts' qkv and o."""
+    return LINEAR_ROLES if layer.mlp is None else LINEAR_ROLES[:2]
+
+
+def _dense_mlp_served(layer: torch.nn.Module) -> bool:
+    """A dense MLP's gate-up and down in one segment each, the gate-up paired for SiLU (the GEMM's
+    epilogue), plain for gelu-tanh (its chain after)."""
+    gate_up = layer.gate_up_proj
+    return (gate_up.paired if layer.activation == "silu" else not gate_up.gated) and len(
+        gate_up.segments
+    ) == len(layer.down_proj.segments) == 1
 
 
 def _row_attention(

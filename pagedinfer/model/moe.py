@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedinfer.model import fused_ops
 from pagedinfer.model.families.spec import Family, Sizes
-from pagedinfer.model.moe_kernel import RoutedExperts
+from pagedinfer.model.moe_kernel import MoeLayer, RoutedExperts
 
 SCORINGS = ("softmax",)  # the router scorings computed here (a family declaring another: transformers)
 
@@ -86,13 +86,21 @@ class ExpertMLP(nn.Module):
         routed = self._routed
         return routed if routed is not None and x.dtype == routed.dtype and x.device.type == "cpu" else None
 
+    def one_call_layer(self, dtype: torch.dtype) -> MoeLayer | None:
+        """This MLP for the one-call decode step under ``dtype`` activations: where the C call serves its
+        experts (`_c_experts`) and its router and shared expert are panel linears of that dtype
+        (`MoeLayer.serves`); else None (the step declines the model)."""
+        routed = self._c_experts(torch.empty(0, dtype=dtype))  # (a CPU tensor of that dtype)
+        if routed is None or not MoeLayer.serves(routed, self.router, self.shared):
+            return None
+        return MoeLayer(routed, self.router, self.shared)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         t, h, k = x.shape[0], x.shape[1], self.top_k
         logits = self.router(x)  # [T, E]
         routed = self._c_experts(x)
-        if routed is not None and logits.dtype == x.dtype:  # the same weights, grouping, GEMMs and sums
-            _, chosen = torch.topk(logits, k, dim=-1)  # [T, k], as `route` chooses them
-            y = routed.run(x, logits, chosen)
+        if routed is not None and logits.dtype == x.dtype:  # the same choice, weights, grouping, GEMMs, sums
+            y = routed.run(x, logits)
             if self.shared is not None:
                 y += self.shared(x)
             return y
@@ -120,15 +128,18 @@ class ExpertMLP(nn.Module):
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top ``k`` experts (highest logit first) and their softmax weights (float32, over
-    every expert, or over the k where ``renormalise``): ``[T, k]`` each.
+    """Each row's top ``k`` experts (highest logit first, of tied logits the lower index first: a stable
+    sort's order, which kernels/cpu_moe.c's choice follows, where torch.topk's order among ties is its
+    own) and their softmax weights (float32, over every expert, or over the k where ``renormalise``):
+    ``[T, k]`` each.
 
     Not torch's softmax: its sum's order follows the vector width (another on an AVX2 CPU than on an
     AVX-512 one), and torch's elementwise exp takes a tensor's last elements through the C library's
     expf, so an element's bits would follow the row count. Here the exponentials are `_exp`'s (float64
     multiplies and adds, each exact IEEE arithmetic on any CPU) and the sums a fixed pairwise tree
     (`_fixed_sum`), rounded to float32 once: the same bits for a row on every CPU and in any step."""
-    _, chosen = torch.topk(logits, k, dim=-1)  # [T, k]: softmax keeps the logits' order
+    chosen = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, k]: softmax
+    # keeps the logits' order
     x = logits.double()
     e = _exp(x - x.amax(dim=-1, keepdim=True))  # [T, E] in (0, 1], the top expert's 1
     top = e.gather(1, chosen)  # [T, k]

@@ -226,14 +226,13 @@ class ModelRunner:
         return out.logits[0].float()  # [R, vocab]
 
     def one_call(self, meta: AttentionMetadata, lora: bool) -> OneCall | None:
-        """The one-call C step for a step of our dense layers on the CPU kernels without adapter rows
-        (their deltas go in layer by layer) whose queries have at most `MAX_QUERY_ROWS` rows a sequence
-        (decode rows and their drafts, or a short prompt chunk; a longer chunk's step goes layer by
-        layer), where every piece has a C kernel; else None: our layers one by one, or transformers'."""
+        """The one-call C step for a step of our layers (dense, or with experts) on the CPU kernels
+        without adapter rows (their deltas go in layer by layer) whose queries have at most
+        `MAX_QUERY_ROWS` rows a sequence (decode rows and their drafts, or a short prompt chunk; a
+        longer chunk's step goes layer by layer), where every piece has a C kernel (`DecodeStep.serves`:
+        gpt-oss's sinks, for one, have none there); else None: our layers one by one, or transformers'."""
         if self.impl != "pagedinfer" or lora or self.use_cuda_kernels or meta.max_query_len > MAX_QUERY_ROWS:
             return None
-        if self.model.family.experts is not None:  # the C step runs dense layers only (no router, no
-            return None  # per-expert GEMMs): a mixture of experts decodes layer by layer (`moe.ExpertMLP`)
         return None if self._decode_step is None else OneCall(self._decode_step, meta)
 
     @functools.cached_property
