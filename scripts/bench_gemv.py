@@ -27,20 +27,10 @@ import torch
 from bench_gemm import build
 from torch import nn
 
+from pagedinfer.bench.machine import measure_read_rate
 from pagedinfer.model.packed_linear import PackedLinear
 
 SHAPES = "576x576,576x1536,1536x576,576x49152"
-
-
-def read_rate(mb: int, repeats: int, clock) -> float:
-    """GB/s of a float32 sum over ``mb`` MB (best of ``repeats``): the memory's read rate here."""
-    a = torch.ones(mb * (1 << 20) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = clock()
-        a.sum()
-        best = min(best, clock() - t)
-    return a.numel() * 4 / best / 1e9
 
 
 def copies_of(lin: PackedLinear, mb: int) -> tuple[PackedLinear, int]:
@@ -71,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
-    rate = read_rate(args.mb * 4, args.repeats, clock)
+    rate = measure_read_rate(args.mb * 4, args.repeats, clock)
     print(f"read rate (sum of {args.mb * 4} MB float32, {args.threads} threads): {rate:.1f} GB/s")
     print(
         "| shape | path | B/weight | "

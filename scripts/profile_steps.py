@@ -15,7 +15,10 @@ kernel, SDPA over each chunk's rows: prompt attention in a step with prompt toke
 in a decode-only step), the K/V writes (``paged_decode.store_kv``) and the sampler. The
 2048^3 GEMM rate of float32 and bfloat16 is measured first in the same process, for the GEMM rate
 to be read against. Prints one row per prompt step, one for the decode steps together, and the
-totals.
+totals, then the run's bound: its GEMM FLOPs at the FMA peak (``--fma-peak``; default the 2048^3
+rate of the run's dtype) plus the bytes it must read at the read rate (``--read-rate``; default a
+stream-sum of 512 MB): every linear's weights once per forward pass and, per step, the K/V of every
+block the step's sequences attend over, each block once however many sequences share it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch import nn
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.attention import portable_backend
-from pagedinfer.bench.machine import measure_gemm
+from pagedinfer.bench.machine import measure_gemm, measure_read_rate
 from pagedinfer.engine import llm_engine
 from pagedinfer.kernels import paged_decode
 from pagedinfer.model import decode_step
@@ -102,12 +105,18 @@ def main() -> None:
         help="run the prompts this many times in the process and profile the last (a first run also "
         "faults in the K/V pool's pages: its K/V store and attention carry that)",
     )
+    ap.add_argument("--fma-peak", type=float, help="GFLOP/s of the bound (default: the 2048^3 GEMM rate)")
+    ap.add_argument("--read-rate", type=float, help="GB/s of the bound (default: a stream-sum of 512 MB)")
     args = ap.parse_args()
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     torch.set_num_threads(args.threads)
     rates = {d: measure_gemm(2048, d).flops / 1e9 for d in ("float32", "bfloat16")}
-    print(f"2048^3 GEMM: float32 {rates['float32']:.1f} GFLOP/s, bfloat16 {rates['bfloat16']:.1f} GFLOP/s")
+    read_rate = args.read_rate or measure_read_rate()
+    print(
+        f"2048^3 GEMM: float32 {rates['float32']:.1f} GFLOP/s, bfloat16 {rates['bfloat16']:.1f} GFLOP/s; "
+        f"read rate {read_rate:.1f} GB/s"
+    )
     dtype, quantization = ("float32", "int8") if args.dtype == "int8" else (args.dtype, None)
     try:
         llm = LLM(
@@ -134,6 +143,13 @@ def main() -> None:
         for m in engine.loaded.model.layers.modules()
         if isinstance(m, (PackedLinear, nn.Linear))
     )
+    # every linear's weight bytes, read once per forward pass (lm_head included)
+    weight_bytes = sum(
+        sum(seg.nbytes for seg in m.segments) if isinstance(m, PackedLinear) else m.weight.nbytes
+        for m in engine.loaded.model.modules()
+        if isinstance(m, (PackedLinear, nn.Linear))
+    )
+    block_size, kv_token_bytes = engine.kv.block_size, engine.kv.bytes_per_token
     steps: list[dict] = []
     step = engine.step
 
@@ -142,11 +158,17 @@ def main() -> None:
         clocks.flops = 0
         decode_step.gemm_seconds(), decode_step.attention_seconds()  # reset the C step's clocks
         plan_tokens = []
+        filled: dict[int, int] = {}  # block id -> slots of it the step's attention reads
         schedule = engine.scheduler.schedule
 
         def recording_schedule():
             plan = schedule()
             plan_tokens.extend(s.num_tokens for s in plan.batch)
+            for s in plan.batch:
+                context = s.start + s.num_tokens
+                for table in s.seq.block_tables:
+                    for b, block in enumerate(table[: -(-context // block_size)]):
+                        filled[block] = max(filled.get(block, 0), min(block_size, context - b * block_size))
             return plan
 
         engine.scheduler.schedule = recording_schedule
@@ -170,6 +192,7 @@ def main() -> None:
                 "flops": clocks.flops,
                 "prompt_tokens": sum(n for n in plan_tokens if n > 1),
                 "decode_rows": sum(1 for n in plan_tokens if n == 1),
+                "kv_bytes": sum(filled.values()) * kv_token_bytes,
             }
             steps.append(rec)
 
@@ -189,13 +212,14 @@ def main() -> None:
             )
             for m in w["max_tokens"]
         ]
-    walls = []
+    walls, cpu_s = [], 0.0
     for _ in range(args.runs):  # the table is the last run's; earlier ones fault the pool's pages in
         llm.reset_prefix_cache()
         steps.clear()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         walls.append(time.perf_counter() - t)
+        cpu_s = time.process_time() - c
     rate = rates["bfloat16" if dtype == "bfloat16" else "float32"]
     print(
         "| step | prompt tokens | decode rows | wall ms | GEMM ms | GEMM GFLOP/s (of 2048^3) | prompt attention ms "
@@ -220,8 +244,20 @@ def main() -> None:
         )
     runs = ", ".join(f"{w:.2f}" for w in walls)
     print(
-        f"generate: {walls[-1]:.2f} s wall, {len(steps)} steps"
+        f"generate: {walls[-1]:.2f} s wall, {cpu_s:.2f} CPU s on {args.threads} threads, {len(steps)} steps"
         + (f" (runs: {runs} s)" if len(walls) > 1 else "")
+    )
+    peak = args.fma_peak or rate
+    flops, kv_bytes = sum(s["flops"] for s in steps), sum(s["kv_bytes"] for s in steps)
+    compute_s = flops / (peak * 1e9)
+    read_s = (len(steps) * weight_bytes + kv_bytes) / (read_rate * 1e9)
+    bound = compute_s + read_s
+    print(
+        f"bound: {flops / 1e9:.1f} GFLOP at {peak:.1f} GFLOP/s = {compute_s:.2f} s, plus {len(steps)} passes x "
+        f"{weight_bytes / 1e6:.1f} MB of weights and {kv_bytes / 1e6:.1f} MB of K/V at {read_rate:.1f} GB/s = "
+        f"{read_s:.2f} s: {bound:.2f} s; the run's wall {walls[-1] / bound:.2f}x the bound, its CPU seconds "
+        f"per thread {cpu_s / args.threads / bound:.2f}x (a shared machine: pass --fma-peak and --read-rate "
+        "measured in CPU time, e.g. scripts/bench_gemm.py --cpu-time)"
     )
 
 

@@ -74,6 +74,20 @@ def measure_gemm(size: int, dtype: str = "float32", repeats: int = 10) -> GemmRa
     return GemmRate(dtype, size, flops / wall, flops / max(cpu, 1e-9))
 
 
+def measure_read_rate(mb: int = 512, repeats: int = 5, clock=time.perf_counter) -> float:
+    """GB/s of a float32 sum over ``mb`` MB (best of ``repeats``, timed by ``clock``): the memory's
+    read rate on this process's threads (``mb`` must be well past the caches)."""
+    import torch
+
+    a = torch.ones(mb * (1 << 20) // 4)  # [mb MiB / 4 bytes]
+    best = math.inf
+    for _ in range(repeats):
+        t = clock()
+        a.sum()
+        best = min(best, clock() - t)
+    return a.numel() * 4 / best / 1e9
+
+
 def rss_bytes() -> int:
     import psutil
 
