@@ -32,7 +32,7 @@ from test_quantization import dequantized_copy, dequantized_weight
 
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.engine.row_cost import Probe
-from pagedinfer.model import families, fused_ops, gguf, llama, loader, moe, moe_kernel, packed_linear
+from pagedinfer.model import families, fused_ops, gguf, llama, moe, moe_kernel, packed_linear
 from pagedinfer.model.loader import ModelLoadError
 from pagedinfer.model.random_models import save_random_model
 
