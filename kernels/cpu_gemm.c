@@ -50,8 +50,8 @@
  * weight rounded to bfloat16 (qtile_bf16; past 8 rows the first row block leaves them in a buffer for
  * the others), so their products are a bfloat16 linear's over the dequantized weight, bit for bit.
  *
- * A Q4_0, Q4_1 or Q8_0 segment marked q8_dot takes llama.cpp's numerics instead (activations quantized per
- * block, integer dot products: cpu_gemm_q8dot.h), at every row count.
+ * A Q4_0, Q4_1, Q8_0, I8, I4 or I4Z segment marked q8_dot takes llama.cpp's numerics instead (activations
+ * quantized per block, integer dot products: cpu_gemm_q8dot.h), at every row count.
  *
  * A linear is one or more segments (gemm_segment: a run of output columns in one format, e.g. the
  * fused QKV of a GGUF whose V is Q6_K and Q, K are Q4_K), each written into its columns of y.
@@ -96,7 +96,7 @@ void gemm_segments(const gemm_segment *seg, int nseg, const void *x, void *y, in
     int64_t width = 0;
     for (int i = 0; i < nseg; i++) {
         assert(gemm_kind_available(seg[i].kind) && bf16_io(&seg[i]) == bf16_io(&seg[0]));
-        assert(!seg[i].q8_dot || ((seg[i].kind == K_Q4_0 || seg[i].kind == K_Q4_1 || seg[i].kind == K_Q8_0) && !seg[i].bf16_io && k % 32 == 0));
+        assert(!seg[i].q8_dot || (q8_kind(seg[i].kind) && !seg[i].bf16_io && k % 32 == 0 && seg[i].group % 32 == 0));
         width += seg[i].cols;
     }
     const int e = bf16_io(&seg[0]) ? 2 : 4;

@@ -16,7 +16,7 @@ typedef struct {
     const void *panels;
     const float *bias, *scale;
     int bf16_io;
-    int q8_dot; /* Q4_0, Q4_1, Q8_0 under float32 x: llama.cpp's numerics (cpu_gemm_q8dot.h), not the float32 products */
+    int q8_dot; /* Q4_0, Q4_1, Q8_0, I8, I4, I4Z under float32 x: llama.cpp's numerics (cpu_gemm_q8dot.h), not the float32 products */
 } gemm_segment;
 
 

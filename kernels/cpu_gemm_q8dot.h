@@ -1,11 +1,16 @@
-/* llama.cpp's numerics for Q4_0, Q4_1 and Q8_0 panels (a segment's q8_dot, `--matmul-numerics llama.cpp`):
+/* llama.cpp's numerics for Q4_0, Q4_1 and Q8_0 panels, and the same integer math for int8 and int4 ones
+ * (a segment's q8_dot, `--matmul-numerics llama.cpp`):
  * each row of x quantized per block of 32 values to int8 with one scale (as llama.cpp's
  * quantize_row_q8_0 and quantize_row_q8_1: d = amax / 127 stored as float16, q = roundf(x / d) with
  * x / d taken as x * (1 / d); for Q4_1 also s = float16(sum(q) * d), d the float32 scale before its
  * rounding), integer dot products of those values with the weights' stored integers, block by block,
  * and the block sums added in float32 in block order from 0, per row and column:
  * acc = fma(d_w * d_x, (float)isum, acc), then for Q4_1 acc = fma(m_w, s_x, acc) (llama.cpp's
- * q4_1 x q8_1 dot: the block min times the activation block's sum). The integer sums are exact and the
+ * q4_1 x q8_1 dot: the block min times the activation block's sum). int8 and int4 (I8, I4, I4Z) have
+ * float32 column scales over a group of k (I8: all of k; I4: 32 or 128) instead: their integers
+ * (int4's minus its zero, 8 or z) make the block sums as above, added per group with the activations'
+ * scale alone, t = fma(d_x, (float)isum, t) from 0 in block order, and the column's scale applied
+ * after each group: acc = fma(s_w, t, acc) in group order from 0. The integer sums are exact and the
  * float steps the same IEEE operations in every build (vector lanes do what the scalar loop does,
  * column by column), so every build, ISA, tile and row count gives the same bits, and a row's outputs
  * depend on that row alone.
@@ -14,8 +19,10 @@
  * nibble chunks of 4 k). The vector path turns each 4-k chunk into two vectors of 8 columns x 4 bytes
  * (a column's 4 values in one 32-bit lane, in the order k0, k2, k1, k3), the layout of vpdpbusd and of
  * vpmaddubsw + vpmaddwd; x's values are stored in that order too (Q8_SLOT), so a chunk's 4 values of a
- * row are one broadcast. Unsigned by signed: the nibbles as they are (Q4_0's 8 subtracted from the sum:
- * isum - 8 * sum(x)); Q8_0's signed values through vpsignb (AVX2) or plus 128 (VNNI: isum - 128 * sum(x)).
+ * row are one broadcast. Unsigned by signed: the nibbles as they are (Q4_0's and I4's 8, I4Z's z
+ * subtracted from the sum: isum - 8 * sum(x)); Q8_0's and I8's signed values through vpsignb (AVX2)
+ * or plus 128 (VNNI: isum - 128 * sum(x)). I8's values are Q8_0's without the records' heads, the
+ * I4 kinds' nibbles Q4_0's.
  * With AVX-512 VNNI both vectors are one 512-bit operand (one vpdpbusd per row and chunk).
  *
  * Tiles: Q8_ROWS rows per pass over a panel (each chunk rearranged once for all of them). Past Q8_ROWS
@@ -26,7 +33,7 @@
  */
 #include <math.h>
 
-#define Q8_BLOCK 32 /* values per activation block: the Q4_0 / Q4_1 / Q8_0 group */
+#define Q8_BLOCK 32 /* values per activation block: the Q4_0 / Q4_1 / Q8_0 group, int4's a multiple */
 #define Q8_MC 256   /* rows per block of x over which the panels are shared out */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -117,15 +124,59 @@ static void q8_quantize_rows(const float *x, int m, int k, int8_t *q, float *d, 
     }
 }
 
-/* The integer each weight of a record's values holds at k index kk, column c (nibbles: 0..15). */
+/* Signed int8 values (Q8_0, I8), not nibbles. */
+static inline __attribute__((always_inline)) int q8_signed(int f) { return f == K_Q8_0 || f == K_I8; }
+
+/* float32 column scales over groups of k, applied after each group (I8, I4, I4Z), not a GGUF block's. */
+static inline __attribute__((always_inline)) int q8_ours(int f) { return f == K_I8 || f == K_I4 || f == K_I4Z; }
+
+/* The kinds this file multiplies. */
+static inline int q8_kind(int f) { return f == K_Q4_0 || f == K_Q4_1 || q8_signed(f) || q8_ours(f); }
+
+/* Blocks of 32 k per group of the panel (I8: the nb of all of k). */
+static inline __attribute__((always_inline)) int q8_group_blocks(int f, int g, int nb) {
+    return f == K_I8 ? nb : fmt_group(f, g) / Q8_BLOCK;
+}
+
+/* A panel's blocks walked in order (no division per block): head, the scale fields of the group record
+ * holding the block (I8: none, the panel); in, the block's index in its group of per blocks. */
+typedef struct {
+    const uint8_t *head;
+    int in, per, last; /* last: the panel's last block */
+    int64_t rec;       /* bytes of a full group record */
+} q8_walk;
+
+static inline __attribute__((always_inline)) q8_walk q8_start(int f, const uint8_t *p, int g, int nb) {
+    return (q8_walk){p, 0, q8_group_blocks(f, g, nb), nb - 1, f == K_I8 ? 0 : fmt_record_bytes(f, fmt_group(f, g))};
+}
+
+/* The block's values (32 k x 16 columns: 512 bytes of int8 or 256 of nibbles). */
+static inline __attribute__((always_inline)) const uint8_t *q8_values(int f, const q8_walk *w) {
+    return w->head + fmt_head_bytes(f) + (int64_t)w->in * (q8_signed(f) ? 512 : 256);
+}
+
+/* 1 where block b ends its group (int4's last group may be short). */
+static inline __attribute__((always_inline)) int q8_ends(const q8_walk *w, int b) {
+    return w->in == w->per - 1 || b == w->last;
+}
+
+/* On to the next block (past a group's last: the next group record). */
+static inline __attribute__((always_inline)) void q8_step(q8_walk *w) {
+    if (++w->in == w->per) w->head += w->rec, w->in = 0;
+}
+
+/* The integer each weight of a block's values holds at k index kk, column c (nibbles: 0..15). */
 static inline int q8_weight(int f, const uint8_t *v, int kk, int c) {
-    if (f == K_Q8_0) return ((const int8_t *)v)[kk * NR + c];
+    if (q8_signed(f)) return ((const int8_t *)v)[kk * NR + c];
     const uint8_t b = v[32 * (kk >> 2) + 16 * (kk & 1) + c];
     return kk & 2 ? b >> 4 : b & 15;
 }
 
-/* The stored integer subtracted from every weight: Q4_0's 8. */
-static inline int q8_zero(int f) { return f == K_Q4_0 ? 8 : 0; }
+/* The stored integer subtracted from column c's weights (head: its group record's): Q4_0's and I4's 8,
+ * I4Z's z. */
+static inline int q8_zero(int f, const uint8_t *head, int c) {
+    return f == K_Q4_0 || f == K_I4 ? 8 : f == K_I4Z ? head[64 + c] : 0;
+}
 
 #if Q8_VECTOR
 /* Chunk ch (k 4 ch .. 4 ch + 3) of a record's values as two vectors of 8 columns x 4 bytes: w[0] columns
@@ -133,7 +184,7 @@ static inline int q8_zero(int f) { return f == K_Q4_0 ? 8 : 0; }
  * with VNNI. */
 static inline __attribute__((always_inline)) void q8_chunk(int f, const uint8_t *v, int ch, __m256i *w) {
     __m256i lo, hi; /* lane 0: k0 (k2), lane 1: k1 (k3), 16 columns each */
-    if (f != K_Q8_0) {
+    if (!q8_signed(f)) {
         const __m256i nib = _mm256_loadu_si256((const __m256i *)(v + 32 * ch)), mask = _mm256_set1_epi8(15);
         lo = _mm256_and_si256(nib, mask);
         hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), mask);
@@ -152,29 +203,30 @@ static inline __attribute__((always_inline)) void q8_chunk(int f, const uint8_t 
     w[1] = _mm256_unpackhi_epi16(a, b);
 }
 
-/* acc += per 32-bit lane, the sum of its 4 byte products of w and x (w unsigned but Q8_0's without VNNI,
- * signed then; x signed). */
+/* acc += per 32-bit lane, the sum of its 4 byte products of w and x (w unsigned but Q8_0's and I8's
+ * without VNNI, signed then; x signed). */
 static inline __attribute__((always_inline)) __m256i q8_dot4(int f, __m256i acc, __m256i w, __m256i x) {
 #if Q8_VNNI
     (void)f;
     return DPBUSD(acc, w, x);
 #else
-    const __m256i pairs = f == K_Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+    const __m256i pairs = q8_signed(f) ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
                                       : _mm256_maddubs_epi16(w, x);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
-/* The offset every stored value carries in the vector path's products (subtracted as off * sum(x)). */
-static inline int q8_offset(int f) { return f == K_Q4_0 ? 8 : f == K_Q8_0 && Q8_VNNI ? 128 : 0; }
+/* The offset every stored value carries in the vector path's products (subtracted as off * sum(x)); I4Z's:
+ * its zeros, per column. */
+static inline int q8_offset(int f) { return f == K_Q4_0 || f == K_I4 ? 8 : q8_signed(f) && Q8_VNNI ? 128 : 0; }
 
 /* A panel's values (nb blocks) rearranged as q8_chunk makes them, into u: chunk c's w[0], w[1] at 64 c. */
-static void q8_unpack_panel(int f, const uint8_t *p, int nb, uint8_t *u) {
-    const int64_t rec = fmt_record_bytes(f, Q8_BLOCK);
-    for (int b = 0; b < nb; b++)
+static void q8_unpack_panel(int f, const uint8_t *p, int nb, int g, uint8_t *u) {
+    q8_walk at = q8_start(f, p, g, nb);
+    for (int b = 0; b < nb; b++, q8_step(&at))
         for (int ch = 0; ch < Q8_BLOCK / 4; ch++) {
             __m256i w[2];
-            q8_chunk(f, p + b * rec + fmt_head_bytes(f), ch, w);
+            q8_chunk(f, q8_values(f, &at), ch, w);
             uint8_t *o = u + ((int64_t)b * Q8_BLOCK / 4 + ch) * 64;
             _mm256_storeu_si256((__m256i *)o, w[0]);
             _mm256_storeu_si256((__m256i *)(o + 32), w[1]);
@@ -182,7 +234,7 @@ static void q8_unpack_panel(int f, const uint8_t *p, int nb, uint8_t *u) {
 }
 
 /* One row's block: its integer sums s0 (columns 0-3, 8-11) and s1 (4-7, 12-15) added to acc[16] as the
- * header comment says; dw, mw: the block's weight scales and mins of columns 0-7 and 8-15. */
+ * header comment says (GGUF kinds); dw, mw: the block's weight scales and mins of columns 0-7 and 8-15. */
 static inline __attribute__((always_inline)) void q8_block_sums(int f, __m256i s0, __m256i s1, const __m256 *dw,
                                                                 const __m256 *mw, int32_t xsum, float dx, float sx,
                                                                 float *acc) {
@@ -202,20 +254,21 @@ static inline __attribute__((always_inline)) void q8_block_sums(int f, __m256i s
 #endif
 
 /* Rows `rows` (at most Q8_ROWS) of quantized x (q, d, sum, xs of their first row; nb blocks a row) times
- * one panel at p into acc[rows][16] float32 sums (before bias); pre: its chunks read from u
- * (q8_unpack_panel), not rearranged here. */
+ * one panel at p (group g; scale: I8's column scales of the panel) into acc[rows][16] float32 sums (before
+ * bias); pre: its chunks read from u (q8_unpack_panel), not rearranged here. */
 static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const uint8_t *p, const uint8_t *u,
-                                                           int nb, const int8_t *q, const float *d,
-                                                           const int32_t *sum, const float *xs, int rows,
-                                                           float acc[Q8_ROWS][NR]) {
-    const int64_t rec = fmt_record_bytes(f, Q8_BLOCK), k = (int64_t)nb * Q8_BLOCK;
+                                                           int nb, int g, const float *scale, const int8_t *q,
+                                                           const float *d, const int32_t *sum, const float *xs,
+                                                           int rows, float acc[Q8_ROWS][NR]) {
+    const int64_t k = (int64_t)nb * Q8_BLOCK;
+    q8_walk at = q8_start(f, p, g, nb);
 #if Q8_ZMM
     /* lanes in the sums' column order, columns 0-3, 8-11, 4-7, 12-15 (an involution), until the end */
     const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    __m512 sums[Q8_ROWS];
-    for (int r = 0; r < rows; r++) sums[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *head = p + b * rec, *v = head + fmt_head_bytes(f);
+    __m512 sums[Q8_ROWS], t[Q8_ROWS]; /* t: our kinds' group sums */
+    for (int r = 0; r < rows; r++) sums[r] = t[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, q8_step(&at)) {
+        const uint8_t *head = at.head, *v = q8_values(f, &at);
         const uint8_t *ub = pre ? u + (int64_t)b * Q8_BLOCK / 4 * 64 : NULL;
         __m512i s[Q8_ROWS];
         for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
@@ -234,6 +287,21 @@ static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const
                 s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
             }
         }
+        if (q8_ours(f)) {
+            const int last = q8_ends(&at, b);
+            const __m512i z = f == K_I4Z ? _mm512_permutexvar_epi32(order, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(head + 64))))
+                                         : _mm512_setzero_si512();
+            const __m512 sw = last ? _mm512_permutexvar_ps(order, _mm512_loadu_ps(f == K_I8 ? scale : (const float *)head))
+                                   : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const __m512i xsum = _mm512_set1_epi32(sum[r * nb + b]);
+                const __m512i i = f == K_I4Z ? _mm512_sub_epi32(s[r], _mm512_mullo_epi32(z, xsum))
+                                             : _mm512_sub_epi32(s[r], _mm512_set1_epi32(q8_offset(f) * sum[r * nb + b]));
+                t[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[r * nb + b]), _mm512_cvtepi32_ps(i), t[r]);
+                if (last) sums[r] = _mm512_fmadd_ps(sw, t[r], sums[r]), t[r] = _mm512_setzero_ps();
+            }
+            continue;
+        }
         const __m512 dw = _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)));
         const __m512 mw = f == K_Q4_1 ? _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))))
                                       : dw;
@@ -245,9 +313,12 @@ static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc[r], _mm512_permutexvar_ps(order, sums[r]));
 #elif Q8_VECTOR
-    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *head = p + b * rec, *v = head + fmt_head_bytes(f);
+    /* our kinds: t the group sums, acc the sums, both in s0 / s1's column order (0-3, 8-11 | 4-7, 12-15)
+     * until the end; the others' block sums go to acc in column order (q8_block_sums) */
+    float t[Q8_ROWS][NR];
+    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]), memset(t[r], 0, sizeof t[r]);
+    for (int b = 0; b < nb; b++, q8_step(&at)) {
+        const uint8_t *head = at.head, *v = q8_values(f, &at);
         const uint8_t *ub = pre ? u + (int64_t)b * Q8_BLOCK / 4 * 64 : NULL;
         __m256i s0[Q8_ROWS], s1[Q8_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -267,8 +338,38 @@ static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const
                 s1[r] = q8_dot4(f, s1[r], w[1], xb);
             }
         }
-        const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)head)),
-                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16)))};
+        if (q8_ours(f)) {
+            __m256i z[2]; /* I4Z's zeros in s0 / s1's column order */
+            if (f == K_I4Z) {
+                int32_t zc[4]; /* the zeros of columns 0-3, 4-7, 8-11, 12-15 */
+                memcpy(zc, head + 64, sizeof zc);
+                z[0] = _mm256_cvtepu8_epi32(_mm_setr_epi32(zc[0], zc[2], 0, 0));
+                z[1] = _mm256_cvtepu8_epi32(_mm_setr_epi32(zc[1], zc[3], 0, 0));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int32_t xsum = sum[r * nb + b];
+                const __m256 vdx = _mm256_set1_ps(d[r * nb + b]);
+                __m256i off[2] = {_mm256_set1_epi32(q8_offset(f) * xsum), _mm256_set1_epi32(q8_offset(f) * xsum)};
+                if (f == K_I4Z)
+                    for (int h = 0; h < 2; h++) off[h] = _mm256_mullo_epi32(z[h], _mm256_set1_epi32(xsum));
+                const __m256i i0 = _mm256_sub_epi32(s0[r], off[0]), i1 = _mm256_sub_epi32(s1[r], off[1]);
+                _mm256_storeu_ps(t[r], _mm256_fmadd_ps(vdx, _mm256_cvtepi32_ps(i0), _mm256_loadu_ps(t[r])));
+                _mm256_storeu_ps(t[r] + 8, _mm256_fmadd_ps(vdx, _mm256_cvtepi32_ps(i1), _mm256_loadu_ps(t[r] + 8)));
+            }
+            if (q8_ends(&at, b)) {
+                const float *sw = f == K_I8 ? scale : (const float *)head;
+                const __m256 sw0 = _mm256_setr_m128(_mm_loadu_ps(sw), _mm_loadu_ps(sw + 8));
+                const __m256 sw1 = _mm256_setr_m128(_mm_loadu_ps(sw + 4), _mm_loadu_ps(sw + 12));
+                for (int r = 0; r < rows; r++) {
+                    _mm256_storeu_ps(acc[r], _mm256_fmadd_ps(sw0, _mm256_loadu_ps(t[r]), _mm256_loadu_ps(acc[r])));
+                    _mm256_storeu_ps(acc[r] + 8, _mm256_fmadd_ps(sw1, _mm256_loadu_ps(t[r] + 8), _mm256_loadu_ps(acc[r] + 8)));
+                    memset(t[r], 0, sizeof t[r]);
+                }
+            }
+            continue;
+        }
+        __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)head)),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16)))};
         __m256 mw[2] = {dw[0], dw[1]};
         if (f == K_Q4_1) {
             mw[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32)));
@@ -277,18 +378,31 @@ static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const
         for (int r = 0; r < rows; r++)
             q8_block_sums(f, s0[r], s1[r], dw, mw, sum[r * nb + b], d[r * nb + b], xs[r * nb + b], acc[r]);
     }
+    if (q8_ours(f))
+        for (int r = 0; r < rows; r++) {
+            const __m256 a0 = _mm256_loadu_ps(acc[r]), a1 = _mm256_loadu_ps(acc[r] + 8);
+            _mm256_storeu_ps(acc[r], _mm256_permute2f128_ps(a0, a1, 0x20));
+            _mm256_storeu_ps(acc[r] + 8, _mm256_permute2f128_ps(a0, a1, 0x31));
+        }
 #else
     (void)pre, (void)u;
-    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *head = p + b * rec, *v = head + fmt_head_bytes(f);
+    float t[Q8_ROWS][NR]; /* our kinds' group sums */
+    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]), memset(t[r], 0, sizeof t[r]);
+    for (int b = 0; b < nb; b++, q8_step(&at)) {
+        const uint8_t *head = at.head, *v = q8_values(f, &at);
+        const int last = q8_ends(&at, b);
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = q + r * k + (int64_t)b * Q8_BLOCK;
             const float dx = d[r * nb + b];
             for (int c = 0; c < NR; c++) {
                 int32_t isum = 0;
                 for (int j = 0; j < Q8_BLOCK; j++) isum += q8_weight(f, v, j, c) * xq[q8_slot(j)];
-                isum -= q8_zero(f) * sum[r * nb + b];
+                isum -= q8_zero(f, head, c) * sum[r * nb + b];
+                if (q8_ours(f)) {
+                    t[r][c] = fmaf(dx, (float)isum, t[r][c]);
+                    if (last) acc[r][c] = fmaf(f == K_I8 ? scale[c] : ((const float *)head)[c], t[r][c], acc[r][c]), t[r][c] = 0.0f;
+                    continue;
+                }
                 acc[r][c] = fmaf(half_to_float(((const uint16_t *)head)[c]) * dx, (float)isum, acc[r][c]);
                 if (f == K_Q4_1) acc[r][c] = fmaf(half_to_float(((const uint16_t *)head)[NR + c]), xs[r * nb + b], acc[r][c]);
             }
@@ -298,13 +412,14 @@ static inline __attribute__((always_inline)) void q8_panel(int f, int pre, const
 }
 
 /* q8_panel instantiated per kind, reading of the chunks and row count (its sums then stay in registers). */
-typedef void (*q8_panel_fn)(const uint8_t *p, const uint8_t *u, int nb, const int8_t *q, const float *d,
-                            const int32_t *sum, const float *xs, float acc[Q8_ROWS][NR]);
+typedef void (*q8_panel_fn)(const uint8_t *p, const uint8_t *u, int nb, int g, const float *scale,
+                            const int8_t *q, const float *d, const int32_t *sum, const float *xs,
+                            float acc[Q8_ROWS][NR]);
 #define Q8_PANEL(F, R, PRE)                                                                                    \
-    static void q8_panel_##F##_##R##_##PRE(const uint8_t *p, const uint8_t *u, int nb, const int8_t *q,        \
-                                           const float *d, const int32_t *sum, const float *xs,                \
-                                           float acc[Q8_ROWS][NR]) {                                          \
-        q8_panel(F, PRE, p, u, nb, q, d, sum, xs, R, acc);                                                     \
+    static void q8_panel_##F##_##R##_##PRE(const uint8_t *p, const uint8_t *u, int nb, int g,                 \
+                                           const float *scale, const int8_t *q, const float *d,                \
+                                           const int32_t *sum, const float *xs, float acc[Q8_ROWS][NR]) {     \
+        q8_panel(F, PRE, p, u, nb, g, scale, q, d, sum, xs, R, acc);                                           \
     }
 #define Q8_ENTRY(F, R, PRE) q8_panel_##F##_##R##_##PRE,
 #if Q8_ROWS == 8
@@ -312,15 +427,19 @@ typedef void (*q8_panel_fn)(const uint8_t *p, const uint8_t *u, int nb, const in
 #else
 #define Q8_EACH_ROWS(X, F, PRE) X(F, 1, PRE) X(F, 2, PRE) X(F, 3, PRE) X(F, 4, PRE)
 #endif
-#define Q8_KINDS(X) X(K_Q4_0) X(K_Q4_1) X(K_Q8_0) /* the kinds this file serves, in Q8_PANEL_OF's order */
+/* the kinds this file serves, in Q8_PANEL_OF's order (q8_kind_index) */
+#define Q8_KINDS(X) X(K_Q4_0) X(K_Q4_1) X(K_Q8_0) X(K_I8) X(K_I4) X(K_I4Z)
 #define Q8_PANELS(F) Q8_EACH_ROWS(Q8_PANEL, F, 0) Q8_EACH_ROWS(Q8_PANEL, F, 1)
 Q8_KINDS(Q8_PANELS)
 #define Q8_KIND_ENTRIES(F) {{Q8_EACH_ROWS(Q8_ENTRY, F, 0)}, {Q8_EACH_ROWS(Q8_ENTRY, F, 1)}},
-static const q8_panel_fn Q8_PANEL_OF[3][2][Q8_ROWS] = {Q8_KINDS(Q8_KIND_ENTRIES)};
-static inline int q8_kind_index(int f) { return f == K_Q4_0 ? 0 : f == K_Q4_1 ? 1 : 2; }
+static const q8_panel_fn Q8_PANEL_OF[6][2][Q8_ROWS] = {Q8_KINDS(Q8_KIND_ENTRIES)};
+static inline int q8_kind_index(int f) {
+    static const int index[K_COUNT] = {[K_Q4_0] = 0, [K_Q4_1] = 1, [K_Q8_0] = 2, [K_I8] = 3, [K_I4] = 4, [K_I4Z] = 5};
+    return index[f];
+}
 
-/* y[m, s->cols] (row stride ldy) = x[m, k] W^T under llama.cpp's numerics (s->q8_dot: Q4_0, Q4_1 and
- * Q8_0, float32 x and y, k a multiple of 32): x quantized per row and block, then the panels shared out
+/* y[m, s->cols] (row stride ldy) = x[m, k] W^T under llama.cpp's numerics (s->q8_dot: Q4_0, Q4_1,
+ * Q8_0, I8, I4 and I4Z, float32 x and y, k a multiple of 32): x quantized per row and block, then the panels shared out
  * among the threads, each panel's rows Q8_ROWS at a time; bias and silu(gate) * up as store_tile adds them. */
 static void q8_segment_run(const gemm_segment *s, const float *x, float *y, int64_t ldy, int m, int k, int gated) {
     const int f = s->kind, nb = k / Q8_BLOCK, cols = gated ? NR / 2 : NR, width = s->cols;
@@ -346,13 +465,14 @@ static void q8_segment_run(const gemm_segment *s, const float *x, float *y, int6
 #if Q8_VECTOR
             if (pre) { /* k x 16 bytes */
                 u = (uint8_t *)thread_buffer(PANEL_BUFFER, (size_t)k * NR / 4);
-                q8_unpack_panel(f, p, nb, u);
+                q8_unpack_panel(f, p, nb, s->group, u);
             }
 #endif
             for (int r0 = 0; r0 < rows; r0 += Q8_ROWS) {
                 const int n = rows - r0 < Q8_ROWS ? rows - r0 : Q8_ROWS;
                 float acc[Q8_ROWS][NR], out[NR];
-                Q8_PANEL_OF[q8_kind_index(f)][pre][n - 1](p, u, nb, q + (int64_t)r0 * k, d + (int64_t)r0 * nb,
+                Q8_PANEL_OF[q8_kind_index(f)][pre][n - 1](p, u, nb, s->group, s->scale ? s->scale + (int64_t)j * NR : NULL,
+                                                          q + (int64_t)r0 * k, d + (int64_t)r0 * nb,
                                                           sum + (int64_t)r0 * nb, xs + (int64_t)r0 * nb, acc);
                 for (int r = 0; r < n; r++) {
                     store_tile(out, load8(acc[r]), load8(acc[r] + 8), bias, gated);

@@ -325,8 +325,9 @@ class ModelConfig:
     matmul_numerics: str = option(
         "exact",
         "Products of quantized weights: exact = the float32 products of the dequantized weights; "
-        "llama.cpp = GGUF Q4_0, Q4_1 and Q8_0 weights times activations quantized per block of 32 to int8 "
-        "(integer dot products, as llama.cpp computes them): faster, close to exact, not equal; "
+        "llama.cpp = GGUF Q4_0, Q4_1 and Q8_0 weights, and --quantization int8 / int4 ones, times activations "
+        "quantized per block of 32 to int8 (integer dot products, as llama.cpp computes them): faster, close "
+        "to exact, not equal; "
         "float32 activations only.",
         panel="pool",
         choices=MATMUL_NUMERICS,

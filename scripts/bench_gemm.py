@@ -16,6 +16,8 @@ as many as make 64 MB of float32 (at least one), so each still comes from memory
 Quantized paths: ``int8``, ``int4`` (``int4-g128``, ``-zp``: `packed_linear.QUANTIZATIONS`), and
 GGUF types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 quantized by gguf-py; Q4_K, Q5_K, Q6_K random blocks, with
 llama-quantize's fallback types for the 576-wide linears: only the 1536-wide down projections are K-quants).
+A quantized path followed by ``+llama.cpp`` (``int8+llama.cpp``, ``Q4_0+llama.cpp``) runs under
+``--matmul-numerics llama.cpp`` (int8, int4 and Q4_0 / Q4_1 / Q8_0: activations quantized to int8).
 """
 
 from __future__ import annotations
@@ -80,13 +82,14 @@ def build(path: str, plain: list[nn.Linear]) -> list:
         return plain
     if path in ("f32", "bf16"):
         return [PackedLinear(lin, panels=True) for lin in plain]
-    if path in QUANTIZATIONS:
-        return [  # under the run's activations (--dtype bfloat16: bfloat16)
-            PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[path], activations=lin.weight.dtype)
+    kind, _, numerics = path.partition("+")  # Q4_0+llama.cpp, int8+llama.cpp: `--matmul-numerics llama.cpp`
+    if kind in QUANTIZATIONS:
+        linears = [  # under the run's activations (--dtype bfloat16: bfloat16)
+            PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[kind], activations=lin.weight.dtype)
             for lin in plain
         ]
-    kind, _, numerics = path.partition("+")  # Q4_0+llama.cpp: under `--matmul-numerics llama.cpp`
-    linears = [gguf_linear(lin, kind) for lin in plain]
+    else:
+        linears = [gguf_linear(lin, kind) for lin in plain]
     if numerics == "llama.cpp":
         use_llamacpp_numerics(nn.Sequential(*linears))
     return linears

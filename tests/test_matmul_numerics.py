@@ -1,7 +1,7 @@
-"""``--matmul-numerics llama.cpp``: GGUF Q4_0, Q4_1 and Q8_0 weights times activations quantized per block of
-32 to int8 (kernels/cpu_gemm_q8dot.h). The kernel equals a numpy model of the same integer math bit for
-bit, every build gives the same bits, an engine run is batch-invariant and close to the exact
-numerics, and the option is refused where it cannot apply."""
+"""``--matmul-numerics llama.cpp``: GGUF Q4_0, Q4_1 and Q8_0 weights, and ``--quantization`` int8 / int4
+ones, times activations quantized per block of 32 to int8 (kernels/cpu_gemm_q8dot.h). The kernel equals
+a numpy model of the same integer math bit for bit, every build gives the same bits, an engine run is
+batch-invariant and close to the exact numerics, and the option is refused where it cannot apply."""
 
 from __future__ import annotations
 
@@ -13,18 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
+import transformers
+from conftest import DEVICE, ENGINE
 from test_gguf_types import PROMPTS, blocks, gguf_file
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.engine import fingerprint
-from pagedinfer.model import gguf_blocks, packed_linear
+from pagedinfer.model import gguf_blocks, packed_linear, panel_formats
+from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the panels run on the CPU")
 
-KINDS = packed_linear.Q8_DOT_KINDS
+KINDS = ("Q8_0", "Q4_0", "Q4_1")  # the GGUF types it serves
+OURS = ("int8", "int4", "int4-g128", "int4-zp", "int4-g128-zp")  # and the --quantization ones
 REPO = Path(__file__).resolve().parents[1]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 17, 300)  # every tile size and tails past them
 PORTABLE = "-mno-avx -mno-f16c"  # the kernels' portable C (cpu_gemm_q8dot.h's scalar loop)
@@ -44,6 +48,21 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.where(tie & (err != 0) & toward, other, r)
 
 
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row of ``x [m, k]`` as quantize_row_q8_0 makes it: ``q [m, k / 32, 32]`` (roundf: half away
+    from zero), ``d [m, k / 32]`` its float32 scale and ``dx`` that scale rounded to float16."""
+    m, k = x.shape
+    nb = k // 32
+    xb = x.reshape(m, nb, 32).astype(np.float32)
+    d = np.abs(xb).max(-1) / np.float32(127)  # [m, nb] float32
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(
+        np.float32
+    )
+    v = xb * inv[..., None]  # float32 products
+    q = (np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)).astype(np.int64)
+    return q, d, d.astype(np.float16).astype(np.float32)
+
+
 def reference(data: np.ndarray, kind: str, x: np.ndarray) -> np.ndarray:
     """``x [m, k] @ W^T`` as llama.cpp's numerics define it, in numpy: W's GGUF blocks ``data`` as
     integers and float16 scales (and mins), each row of x as quantize_row_q8_0 / q8_1 makes it (roundf:
@@ -59,14 +78,7 @@ def reference(data: np.ndarray, kind: str, x: np.ndarray) -> np.ndarray:
         w = qs.copy().view(np.int8).astype(np.int64)  # [n, nb, 32]
     else:
         w = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64) - (8 if kind == "Q4_0" else 0)
-    xb = x.reshape(m, nb, 32).astype(np.float32)
-    d = np.abs(xb).max(-1) / np.float32(127)  # [m, nb] float32
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(
-        np.float32
-    )
-    v = xb * inv[..., None]  # float32 products
-    q = (np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)).astype(np.int64)
-    dx = d.astype(np.float16).astype(np.float32)
+    q, d, dx = quantize_rows(x)
     isum = np.einsum("mbj,nbj->mnb", q, w)  # [m, n, nb] exact
     scale = dw[None] * dx[:, None]  # [m, n, nb] float32, exact (float16 values)
     acc = np.zeros(isum.shape[:2], dtype=np.float32)
@@ -78,6 +90,44 @@ def reference(data: np.ndarray, kind: str, x: np.ndarray) -> np.ndarray:
         if kind == "Q4_1":
             acc = fma32(mw[None, :, b], xs[:, None, b], acc)
     return acc
+
+
+def ours_reference(w: np.ndarray, name: str, x: np.ndarray) -> np.ndarray:
+    """``x [m, k] @ W^T`` for the float weight ``w [n, k]`` quantized as ``--quantization name`` under
+    llama.cpp's numerics, in numpy: its integers minus their zero (int4's 8 or z), x quantized as for
+    Q8_0, integer block sums, t = fma(d_x, isum, t) per group of the weight's scales (int8: all of k),
+    then acc = fma(s_w, t, acc) group by group."""
+    quant = QUANTIZATIONS[name]
+    weight = torch.from_numpy(w)
+    if quant.bits == 8:
+        qw, scale = panel_formats.quantize_int8(weight)  # [n, k] int8, [n]
+        group, ints, scale = w.shape[1], qw.numpy().astype(np.int64), scale.numpy()[:, None]
+    else:
+        qw, scale, zero = panel_formats.quantize_int4(weight, quant.group, quant.zero_points)
+        group, scale = quant.group, scale.numpy()  # [n, groups]
+        zeros = np.full(scale.shape, 8) if zero is None else zero.numpy().astype(np.int64)
+        ints = qw.numpy().astype(np.int64) - np.repeat(zeros, group, axis=1)[:, : w.shape[1]]  # [n, k]
+    m, k = x.shape
+    q, _, dx = quantize_rows(x)
+    isum = np.einsum("mbj,nbj->mnb", q, ints.reshape(ints.shape[0], k // 32, 32))  # [m, n, nb] exact
+    t = acc = np.zeros(isum.shape[:2], dtype=np.float32)
+    for b in range(k // 32):
+        t = fma32(dx[:, None, b], isum[..., b].astype(np.float32), t)
+        if (b + 1) * 32 % group == 0 or b == k // 32 - 1:
+            acc, t = fma32(scale[None, :, b * 32 // group], t, acc), np.zeros_like(t)
+    return acc
+
+
+def ours_linear(w: np.ndarray, name: str, bias: torch.Tensor | None, gated: bool) -> nn.Module:
+    """``w [n, k]`` (+ bias) as a ``--quantization name`` packed linear under llama.cpp's numerics."""
+    lin = (GatedLinear if gated else nn.Linear)(w.shape[1], w.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        if bias is not None:
+            lin.bias.copy_(bias)
+    linear = packed_linear.PackedLinear(lin, panels=True, quantization=QUANTIZATIONS[name])
+    assert packed_linear.use_llamacpp_numerics(nn.Sequential(linear)) == 1
+    return linear
 
 
 def llamacpp_linear(data: np.ndarray, kind: str, k: int, bias: torch.Tensor | None, gated: bool):
@@ -113,6 +163,31 @@ def test_the_kernel_equals_the_integer_math_in_numpy(kind):
     assert torch.allclose(gated(x), nn.functional.silu(sums[:, :36]) * sums[:, 36:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", OURS)
+def test_int8_and_int4_panels_equal_the_integer_math_in_numpy(name):
+    """As above for our own panels: every row count, k = 480 (int4-g128's last group 96 long: its scale
+    after 3 blocks), a partial last panel, a bias, a zero block, roundf's ties, a gated linear."""
+    rng = np.random.default_rng(12)
+    n, k = 72, 480
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[3, 32:64] = 0  # an all-zero group: scale 1
+    bias = torch.randn(n)
+    linear, plain = ours_linear(w, name, bias, gated=False), ours_linear(w, name, None, gated=False)
+    for rows in ROWS:
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 3
+        x[0, :32] = 0.0
+        if rows > 1:
+            x[1, :32] = torch.arange(32) - 15.5
+            x[1, 0] = 127.0
+        want = torch.from_numpy(ours_reference(w, name, x.numpy()))
+        assert torch.equal(plain(x), want), f"{rows} rows"
+        assert torch.equal(linear(x), want + bias), f"{rows} rows, bias"
+    gated = ours_linear(w, name, None, gated=True)
+    x = torch.randn(5, k)
+    sums = torch.from_numpy(ours_reference(w, name, x.numpy()))
+    assert torch.allclose(gated(x), nn.functional.silu(sums[:, :36]) * sums[:, 36:], rtol=1e-5, atol=1e-6)
+
+
 def test_every_build_gives_the_same_bits(tmp_path):
     """The AVX-512 build (vpdpbusd), the AVX2 builds with AVX-VNNI and without (vpmaddubsw + vpsignb) and
     the portable loop (a build without AVX) give the same bits, at every row count (the portable build's
@@ -129,14 +204,17 @@ def test_every_build_gives_the_same_bits(tmp_path):
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[2])
 from test_gguf_types import blocks
-from test_matmul_numerics import llamacpp_linear, KINDS, ROWS
+from test_matmul_numerics import llamacpp_linear, ours_linear, KINDS, OURS, ROWS
 rng = np.random.default_rng(5)
 torch.manual_seed(5)
 out = {}
-for kind in KINDS:
-    for n, k, gated in ((72, 512, False), (40, 96, True)):
-        data = blocks(rng.standard_normal((n, k)).astype(np.float32), kind)
-        linear = llamacpp_linear(data, kind, k, torch.randn(n), gated)
+for kind in KINDS + OURS:
+    for n, k, gated in ((72, 480, False), (40, 96, True)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        if kind in OURS:
+            linear = ours_linear(w, kind, torch.randn(n), gated)
+        else:
+            linear = llamacpp_linear(blocks(w, kind), kind, k, torch.randn(n), gated)
         for rows in ROWS:
             out[kind, n, rows] = linear(torch.randn(rows, k) * 2)
 torch.save(out, sys.argv[1])
@@ -197,6 +275,62 @@ def test_an_engine_run_is_batch_invariant_and_close_to_exact(kind, gguf_dir):
         assert len(shared) >= 4, (got.keys(), ref.keys())
         gaps = [abs(got[t].logprob - ref[t].logprob) for t in shared]
         assert 0 < max(gaps) < 0.6, gaps  # not the exact numerics, close to them
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g128-zp"])
+def test_a_quantized_run_is_batch_invariant_and_close_to_exact(name, tiny_model):
+    """``--quantization int8`` / ``int4`` under llama.cpp's numerics on every linear of a Llama (prefill rows
+    and the one-call decode steps): greedy and sampled lines alone and all in one batch give the same
+    tokens and logprobs; the report and the fingerprint name the numerics; the first tokens' logprobs are
+    close to the exact numerics', not equal."""
+    path = tiny_model("llama")
+    llm = LLM(str(path), **ENGINE, quantization=name, matmul_numerics="llama.cpp")
+    kind, label = ("I8", "I8") if name == "int8" else ("I4Z", "I4Z/g128")
+    model = llm.engine.loaded.model
+    assert model.layers[0].qkv_proj.kinds == [kind]
+    assert all(s.q8_dot for s in model.layers[0].qkv_proj.segments + model.layers[0].down_proj.segments)
+    for params in ({"temperature": 0.0}, {"n": 2, "temperature": 0.9, "seed": 5}):
+        assert generate(llm, PROMPTS, **params) == [generate(llm, [p], **params)[0] for p in PROMPTS]
+    assert llm.stats.to_dict()["model"]["matmul_numerics"] == "llama.cpp"
+    assert fingerprint.components(llm.engine)["linears"] == [f"panels:{label} llama.cpp numerics"]
+    exact = LLM(str(path), **ENGINE, quantization=name)
+    first = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    ours, want = (
+        [o.outputs[0].logprobs[0] for o in run.generate(PROMPTS, first, use_tqdm=False)]
+        for run in (llm, exact)
+    )
+    for got, ref in zip(ours, want, strict=True):
+        shared = got.keys() & ref.keys()
+        assert len(shared) >= 4, (got.keys(), ref.keys())
+        gaps = [abs(got[t].logprob - ref[t].logprob) for t in shared]
+        assert 0 < max(gaps) < 0.6, gaps
+
+
+def test_quantized_runs_are_refused_where_it_cannot_apply(tiny_model, model_root):
+    """--quantization under bfloat16 activations, and input widths not a multiple of 32: one line each."""
+    with pytest.raises(
+        ModelLoadError, match="matmul numerics llama.cpp quantizes float32 activations; this run's"
+    ):
+        LLM(
+            str(tiny_model("llama")),
+            **{**ENGINE, "dtype": "bfloat16"},
+            quantization="int8",
+            matmul_numerics="llama.cpp",
+        )
+    narrow = model_root / "llama-width-40"
+    if not narrow.exists():
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=40, intermediate_size=72, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=10, max_position_embeddings=128,
+        )  # fmt: skip
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
+    message = (
+        r"matmul numerics llama.cpp applies to GGUF Q8_0, Q4_0, Q4_1 weights kept as stored and to "
+        r"--quantization int8 / int4 ones, with input widths a multiple of 32 \(--dtype auto, on the CPU\); "
+        r".* has none: its packed linears are I4"
+    )
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(narrow), **ENGINE, quantization="int4", matmul_numerics="llama.cpp")
 
 
 @pytest.mark.parametrize(

@@ -101,9 +101,9 @@ K_FIELDS, K_SUPER = (("sc", "u1"), ("mn", "u1")), (("d", "<u2"), ("dmin", "<u2")
 WEIGHT_TYPES = (
     WeightType(0, "F32", quantized=False),
     WeightType(1, "BF16", quantized=False),
-    WeightType(2, "I8", avx2_split=True),
-    WeightType(3, "I4", group=0, fields=(("s", "<f4"),), zero=8, direct=True),
-    WeightType(4, "I4Z", group=0, fields=(("s", "<f4"), ("z", "u1"))),
+    WeightType(2, "I8", avx2_split=True, q8_dot=True),
+    WeightType(3, "I4", group=0, fields=(("s", "<f4"),), zero=8, direct=True, q8_dot=True),
+    WeightType(4, "I4Z", group=0, fields=(("s", "<f4"), ("z", "u1")), q8_dot=True),
     WeightType(5, "Q8_0", group=32, fields=(D,), int8_values=True, avx2_split=True,
                gguf_block=32, gguf_bytes=34, gguf_f16_scales=(0,), q8_dot=True),
     WeightType(6, "Q4_0", group=32, fields=(D,), zero=8, direct=True, avx2_split=True,
@@ -129,6 +129,7 @@ LAYOUTS = {t.name: t.layout for t in WEIGHT_TYPES if t.layout is not None}  # th
 GGUF_BLOCKS = {t.name: (t.gguf_block, t.gguf_bytes) for t in WEIGHT_TYPES if t.gguf_block}  # kept as stored
 GGUF_SCALE_OFFSETS = {t.name: t.gguf_f16_scales for t in WEIGHT_TYPES if t.gguf_block}
 Q8_DOT_KINDS = tuple(t.name for t in WEIGHT_TYPES if t.q8_dot)  # those llama.cpp's numerics serve
+GGUF_Q8_DOT_KINDS = tuple(t for t in Q8_DOT_KINDS if t in GGUF_BLOCKS)  # of them, the GGUF types
 
 HEADER = "cpu_weight_types.h"
 

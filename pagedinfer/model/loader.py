@@ -394,7 +394,8 @@ def _gguf_reason(ckpt: gguf.GGUFCheckpoint, dequantized, dtype: torch.dtype) -> 
 
 def _set_numerics(model: torch.nn.Module, numerics: str, name: str, dtype: torch.dtype) -> None:
     """Put the packed linears on ``numerics`` (`config.MATMUL_NUMERICS`), or refuse in one line where
-    ``llama.cpp`` cannot apply: bfloat16 activations, or no weight of `packed_linear.Q8_DOT_KINDS` kept as stored."""
+    ``llama.cpp`` cannot apply: bfloat16 activations, or no panels of `packed_linear.Q8_DOT_KINDS` (a GGUF's
+    Q4_0 / Q4_1 / Q8_0 kept as stored, ``--quantization`` int8 / int4) with an input width it takes."""
     if numerics == "exact":
         return
     if dtype != torch.float32:
@@ -408,8 +409,9 @@ def _set_numerics(model: torch.nn.Module, numerics: str, name: str, dtype: torch
         )
         held = f"its packed linears are {', '.join(kinds)}" if kinds else "it has no packed linear"
         raise ModelLoadError(
-            f"matmul numerics llama.cpp applies to GGUF {', '.join(packed_linear.Q8_DOT_KINDS)} weights kept "
-            f"as stored (--dtype auto, on the CPU); {name} has none: {held}"
+            f"matmul numerics llama.cpp applies to GGUF {', '.join(weight_types.GGUF_Q8_DOT_KINDS)} weights kept "
+            "as stored and to --quantization int8 / int4 ones, with input widths a multiple of 32 (--dtype auto, "
+            f"on the CPU); {name} has none: {held}"
         )
 
 

@@ -232,9 +232,10 @@ class PackedLinear(nn.Module):
 
 
 def use_llamacpp_numerics(model: nn.Module) -> int:
-    """Put every Q4_0, Q4_1 and Q8_0 segment of the model's packed linears under float32 activations on
-    llama.cpp's numerics (activations quantized per block of 32 to int8, integer dot products:
-    kernels/cpu_gemm_q8dot.h) at every row count; the other segments keep theirs. How many it put."""
+    """Put every Q4_0, Q4_1, Q8_0, int8 and int4 segment (`Q8_DOT_KINDS`) of the model's packed linears
+    under float32 activations with an input width a multiple of 32 on llama.cpp's numerics (activations
+    quantized per block of 32 to int8, integer dot products: kernels/cpu_gemm_q8dot.h) at every row count;
+    the other segments keep theirs. How many it put."""
     count = 0
     for linear in model.modules():
         if not isinstance(linear, PackedLinear) or not linear.segments:
