@@ -308,11 +308,11 @@ def could_pay(
     it needs no pricing, and a probe of it (`EXPLORE_EVERY`) could teach the gate nothing that changes
     its verdict. That is the case at a big batch (64 sequences: 5 drafted tokens, all kept, add under
     the `MARGIN` the bar asks) and at a low rate."""
-    base = seconds(seqs if rows is None else rows)
-    if math.isinf(base):  # rows are free
-        return True
-    tokens = seqs if tokens is None else tokens
-    return (tokens + expected_tokens(rate, most)) / (base + spent) > _bar(seqs, seconds)
+    rows = seqs if rows is None else rows
+    base = seconds(rows)
+    return (
+        draft_length(rate, most, seqs, lambda r: base if r >= rows else seconds(r), rows, tokens, spent) > 0
+    )
 
 
 def _bar(seqs: int, seconds: Callable[[int], float]) -> float:
