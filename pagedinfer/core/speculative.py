@@ -421,9 +421,7 @@ class SpeculationStats:
     gated: int = 0  # sequence-steps with a match whose draft the gate refused
     seq_steps: int = 0  # sequence-steps that took tokens (drafting or not)
     tokens: int = 0  # tokens they took
-    draft_pool: object | None = (
-        None  # the draft model's share of the pool (`engine.draft_model.DraftPoolStats`)
-    )
+    draft_pool: object | None = None  # the draft's share of the pool (`draft_model.DraftPoolStats`)
 
 
 class Speculator:
