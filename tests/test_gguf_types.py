@@ -24,6 +24,7 @@ from models import count_one_call_steps
 from torch import nn
 
 from pagedinfer import LLM, SamplingParams
+from pagedinfer.kernels.build import cpu_flags
 from pagedinfer.model import gguf_blocks, packed_linear, panel_cache, panel_formats
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
@@ -196,7 +197,7 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path):
     """The kernels built without AVX-512 (two 8-float halves per panel row) give the AVX-512 build's
     products bit for bit for every type and tile shape (each lane computes the same float32 steps), plain
     and gated with a bias (the AVX2 half tiles of 7 to 11 rows leave the gate in y between halves)."""
-    if not packed_linear.cpu_flags(("avx512f",)):
+    if not cpu_flags(("avx512f",)):
         pytest.skip("this CPU has no AVX-512: the suite's kernels are the AVX2 build already")
     script = tmp_path / "products.py"
     script.write_text(

@@ -21,6 +21,7 @@ from torch import nn
 from pagedinfer import LLM, SamplingParams
 from pagedinfer.config import QUANTIZATIONS
 from pagedinfer.engine import fingerprint
+from pagedinfer.kernels.build import cpu_flags
 from pagedinfer.model import gguf_blocks, packed_linear, panel_formats
 from pagedinfer.model.fused_ops import GatedLinear
 from pagedinfer.model.loader import ModelLoadError
@@ -192,7 +193,7 @@ def test_every_build_gives_the_same_bits(tmp_path):
     """The AVX-512 build (vpdpbusd), the AVX2 builds with AVX-VNNI and without (vpmaddubsw + vpsignb) and
     the portable loop (a build without AVX) give the same bits, at every row count (the portable build's
     gated outputs aside: its SiLU, outside the contract, rounds otherwise)."""
-    flags = packed_linear.cpu_flags(("avx512f", "avx512_vnni", "avx_vnni", "avx2"))
+    flags = cpu_flags(("avx512f", "avx512_vnni", "avx_vnni", "avx2"))
     builds = ["", "-mno-avx512f -mno-avxvnni", PORTABLE]
     if "avx_vnni" in flags:
         builds.insert(1, "-mno-avx512f")
