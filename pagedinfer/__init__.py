@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING
 # an idle machine (docs/bench.md, "OpenMP spinning"). libgomp reads this once, as torch loads it: it
 # takes effect where pagedinfer is imported before torch; a value already set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# MKL computes torch's float32 exp, log, sin, cos, tanh, sqrt, erf, atan (its VML) and BLAS calls on
+# a code path chosen by the CPU (AVX-512 on an Intel CPU, others elsewhere), each rounding its own way;
+# the sampler's exponentials and the logprobs' logsumexp are such calls. Its conditional numerical
+# reproducibility mode COMPATIBLE takes one path on every x86-64 CPU, the one an AMD CPU takes anyway
+# (docs/reproducibility.md). MKL reads this at its first call: it takes effect where pagedinfer is
+# imported before anything calls MKL; a value already set wins (`fingerprint.mkl_branch` tells).
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 __version__ = "0.1.0"
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
 from typer.testing import CliRunner
@@ -68,3 +69,19 @@ def test_agreement_counts_tokens_before_the_first_difference():
     ref = [[[1, 2, 3, 4]], [[5, 6]]]
     other = [[[1, 2, 9, 4]], [[5, 6]]]
     assert agreement(ref, other) == {"identical_sequences": 0.5, "prefix_token_share": 4 / 6}
+
+
+def test_transformers_baselines_let_mkl_take_the_cpus_path():
+    """pagedinfer's own system runs with MKL on its one shared path (MKL_CBWR=COMPATIBLE, as `import
+    pagedinfer` asks); the transformers baselines' processes on the CPU's own, as outside pagedinfer."""
+    from pagedinfer.bench.runner import _Host
+    from pagedinfer.engine.fingerprint import mkl_branch
+
+    if mkl_branch() is None:
+        pytest.skip("torch is built without MKL")
+    for own, branch in ((True, "COMPATIBLE"), (False, "the CPU's")):
+        host = _Host(in_process=False, own=own)
+        try:
+            assert host.call(mkl_branch) == branch
+        finally:
+            host.close()

@@ -548,6 +548,47 @@ def test_instruction_set(setups, avx2_process, name):
     assert not differing, f"lines {differing} differ in the AVX2 process"
 
 
+# what MKL computes for torch: its VML functions (float32 exp, log, tanh, sqrt, erf, atan, sin, cos) and a
+# BLAS product, as hashes, with the code path it took, after `import pagedinfer` (which asks for one path)
+MKL_PROBE = """
+import hashlib, json, torch
+import pagedinfer
+from pagedinfer.engine.fingerprint import mkl_branch
+x = ((torch.arange(4099, dtype=torch.float64) * 0.6180339887) % 1 * 40 - 20).float()  # [4099] in [-20, 20)
+a = x.abs() + 0.01  # [4099] > 0
+ops = dict(exp=x.exp(), log=a.log(), tanh=x.tanh(), sqrt=a.sqrt(), erf=(x / 8).erf(), atan=x.atan(),
+           sin=x.sin(), cos=x.cos(), mm=x[:4096].view(64, 64) @ x[:4096].view(64, 64).T)  # mm: [64, 64]
+print(json.dumps({"branch": mkl_branch(), **{k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in ops.items()}}))
+"""
+
+
+def mkl_probe(**env: str) -> dict:
+    """`MKL_PROBE`'s answer in a process with ``env``, and no MKL_CBWR but what ``env`` sets."""
+    inherited = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}  # this process's import set it
+    run = subprocess.run(
+        [sys.executable, "-c", MKL_PROBE],
+        env={**inherited, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def test_mkl_takes_one_code_path_on_every_cpu():
+    """MKL's code path follows the CPU (an Intel CPU's AVX-512 exp and log round otherwise than the
+    path an AMD CPU takes): under pagedinfer it takes one path, its COMPATIBLE branch, whatever MKL is
+    allowed to use, so its results have the same bits for every instruction set MKL could pick."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch is built without MKL")
+    native = mkl_probe()
+    assert native["branch"] == "COMPATIBLE"
+    for isa in ("SSE4_2", "AVX2", "AVX512"):
+        assert mkl_probe(MKL_ENABLE_INSTRUCTIONS=isa) == native, f"MKL's results differ when held to {isa}"
+    assert mkl_probe(MKL_CBWR="AUTO")["branch"] == "the CPU's"  # a value already set wins, and is told
+
+
 # -- golden records: the same bits on every machine ----------------------------------------------------
 def check_golden(case: str, found: dict) -> None:
     """``found`` (`make_golden.run_case`'s) against tests/golden/: bit for bit, or a difference the
@@ -603,6 +644,7 @@ def test_system_fingerprint_names_what_decides_the_bytes(setups, tmp_path, monke
 
 
 def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monkeypatch):
+    from pagedinfer.engine import fingerprint as fp
     from pagedinfer.kernels import paged_decode
     from pagedinfer.lora import delta
 
@@ -625,6 +667,11 @@ def test_reproducible_says_whether_the_path_is_covered(setups, tiny_model, monke
         )
         assert on_torch.system_fingerprint("own") != in_c
         assert on_torch.system_fingerprint() == setups("llama-float32").base.engine.system_fingerprint()
+    with monkeypatch.context() as m:
+        m.setattr(fp, "mkl_branch", lambda: "the CPU's")  # MKL_CBWR set otherwise, or MKL ran first
+        elsewhere = setups("qwen3-float32").llm().engine
+        assert elsewhere.stats.reproducibility.words().startswith("no: MKL (the sampler's exp and logsumexp)")
+        assert elsewhere.system_fingerprint() != fingerprint
 
     def verdict(family: str, **kwargs) -> str:
         llm = LLM(str(tiny_model(family)), device="cpu", dtype="float32", num_blocks=8, **kwargs)

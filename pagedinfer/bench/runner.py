@@ -89,13 +89,18 @@ def job_for(system: str, job: Job, w: Workload, shrink: Shrink | None = None) ->
 
 
 class _Host:
-    """Runs one system's calls in a fresh spawned process (or in this one, with ``in_process``)."""
+    """Runs one system's calls in a fresh spawned process (or in this one, with ``in_process``). A
+    transformers baseline's process lets MKL take the CPU's own code path, as it would outside
+    pagedinfer, whose import holds MKL to the one every CPU shares (``MKL_CBWR``: float32 GEMMs several
+    times slower, docs/kernels.md)."""
 
-    def __init__(self, in_process: bool) -> None:
+    def __init__(self, in_process: bool, own: bool) -> None:
         self.pool = None
         if not in_process:
             ctx = multiprocessing.get_context("spawn")
-            self.pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=ctx, initializer=None if own else _mkl_on_the_cpus_path
+            )
 
     def call(self, fn, *args):
         return fn(*args) if self.pool is None else self.pool.submit(fn, *args).result()
@@ -103,6 +108,10 @@ class _Host:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def _mkl_on_the_cpus_path() -> None:
+    os.environ["MKL_CBWR"] = "AUTO"  # MKL reads it at its first call, which comes after this
 
 
 def _check_lengths(system: str, label: str, result: RunResult, job: Job) -> None:
@@ -207,7 +216,7 @@ def run_workload(w: Workload, dtype: str, opts: BenchOptions, model: BuiltModel,
     cuda = w.device == "cuda"
     runs: dict[str, list[RunResult]] = {}
     for group in [[s] for s in systems] if cuda else [systems]:
-        hosts = {s: _Host(opts.in_process) for s in group}
+        hosts = {s: _Host(opts.in_process, own=s.startswith("pagedinfer")) for s in group}
         setups: dict[str, dict] = {}
         try:
             for system in group:

@@ -3,8 +3,8 @@ reproducibility contract covers (docs/reproducibility.md).
 
 ``system_fingerprint`` (OpenAI's name) hashes the model's files, the dtype, the KV cache dtype, the
 code path that computes (device, whose layers, where each linear and the attention run, the panels'
-weight formats: the quantization), `NUMERICS_VERSION`, a probe of the C kernels' own rounding and
-the versions of torch, transformers and tokenizers.
+weight formats: the quantization), `NUMERICS_VERSION`, a probe of the C kernels' own rounding, the
+versions of torch, transformers and tokenizers, and MKL's code path where it follows the CPU (`mkl_branch`).
 Two runs with the same fingerprint and the same seeds write the same records, whatever their batch
 settings, threads, replicas or interruptions (on a covered path); two runs whose fingerprints differ
 need not agree. Batch settings, threads and the CPU's model are left out on purpose: the contract
@@ -16,6 +16,7 @@ file's SHA-256), and a hub model's cached files are named by their content hash 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.metadata
@@ -45,6 +46,7 @@ NUMERICS_VERSION = 3
 # files of a checkpoint folder that decide the outputs: weights, configs, tokenizer files, templates
 DECIDING = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 PROBE_WIDTHS = (64, 256, 576, 1000)  # hidden sizes the norm probe sums over
+MKL_CBWR_BRANCH, MKL_CBWR_COMPATIBLE = 1, 3  # mkl_cbwr.h: the code-path query, and the one path
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ def components(engine: LLMEngine, adapter: str | None = None) -> dict:
         "kernel_probe": kernel_probe() if loaded.device.type == "cpu" else None,
         "libraries": libraries(),
     }
+    if loaded.device.type == "cpu" and mkl_branch() == "the CPU's":  # absent on the covered path
+        parts["mkl"] = "the CPU's"
     if adapter is not None:
         parts["adapter"] = engine.lora.named[adapter].digest.hex()  # its scaling and weights
         parts["lora_deltas"] = "C kernel" if _c_deltas(engine) else "torch"
@@ -103,11 +107,40 @@ def reproducibility(engine: LLMEngine) -> Reproducibility:
     other = [p for p in linear_paths(loaded.model) if not p.startswith("panels")]
     if other:
         return Reproducibility(False, f"linears on {', '.join(other)}, not the C panels")
+    if mkl_branch() == "the CPU's":
+        return Reproducibility(
+            False,
+            "MKL (the sampler's exp and logsumexp) on the CPU's own code path: MKL_CBWR is not"
+            " COMPATIBLE (set otherwise, or MKL ran before pagedinfer was imported)",
+        )
     if engine.lora is not None and not _c_deltas(engine):
         return Reproducibility(
             True, "own layers and C kernels on the CPU; lines with a LoRA adapter excepted (deltas on torch)"
         )
     return Reproducibility(True, "own layers and C kernels on the CPU")
+
+
+def mkl_branch() -> str | None:
+    """MKL's code path for torch's VML calls (float32 exp, log, ...) and BLAS: ``"COMPATIBLE"``, the
+    same on every x86-64 CPU, as pagedinfer's import asks (``MKL_CBWR``); ``"the CPU's"``, chosen by
+    the CPU, each rounding its own way; None where torch has no MKL (or does not export its query)."""
+    get = _mkl_cbwr_get()
+    if get is None:
+        return None
+    return "COMPATIBLE" if get(MKL_CBWR_BRANCH) == MKL_CBWR_COMPATIBLE else "the CPU's"
+
+
+@functools.cache
+def _mkl_cbwr_get():
+    """MKL's ``mkl_cbwr_get``, as torch's library links it in (None: not there)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        return ctypes.CDLL(
+            os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        ).mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
 
 
 def linear_paths(model: nn.Module) -> list[str]:

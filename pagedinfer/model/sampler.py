@@ -155,7 +155,8 @@ def logprob_entries(
 def softmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
     """Each row's probabilities, exp(x - max) / sum, from ops whose bits do not depend on the CPU's
     vector width (torch's own softmax and log_softmax sum at that width: AVX2 and AVX-512 builds round
-    them differently; its exp, sum and logsumexp are the same on both)."""
+    them differently; its exp, sum and logsumexp are the same on both, exp and logsumexp's log being
+    MKL's, which pagedinfer's import holds to one code path for every CPU: MKL_CBWR)."""
     e = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
     return e / e.sum(dim=-1, keepdim=True)
 
