@@ -32,18 +32,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-import transformers as tf
+# transformers' expert products are torch's float32 matmuls (MKL), which pagedinfer's import would hold to its slower
+# COMPATIBLE path (MKL_CBWR): both paths run at MKL's own pace here, as users of transformers get it
+os.environ.setdefault("MKL_CBWR", "AUTO")
 
-from pagedinfer import LLM, SamplingParams
-from pagedinfer.model import families
-from pagedinfer.model.random_models import save_random_model
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+from pagedinfer import LLM, SamplingParams  # noqa: E402
+from pagedinfer.model import families  # noqa: E402
+from pagedinfer.model.random_models import save_random_model  # noqa: E402
 
 SHAPE = dict(  # OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924), but the layer count
     vocab_size=50304,
